@@ -1,0 +1,1 @@
+"""The dsecfs command-line interface (click)."""

@@ -1,0 +1,203 @@
+"""The ``dsecfs`` command: thin, every command a call into the packages below.
+
+Errors: a DsecError is printed as one line naming its kind and where it happened, and the process exits
+with the error class's own exit code (2 input, 3 corrupt, 4 unsupported, 5 unavailable, 6 not found,
+7 conflict); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import click
+
+from dsec_fs.errors import DsecError
+from dsec_fs.store import default_store_url, open_store
+
+CHUNK_SIZE_HELP = "chunk size in bytes: a power of two from 4 KiB to 16 MiB"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in units:
+        return int(text[:-1]) * units[text[-1]]
+    return int(text)
+
+
+store_option = click.option(
+    "--store", "store_url", default=None, metavar="URL",
+    help="chunk store: a path, file://, posix:// or s3://BUCKET/PREFIX (default $DSECFS_STORE or "
+         f"{default_store_url()})",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text")
+
+
+def _emit(as_json: bool, data: dict, text: Callable[[], str]) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else text())
+
+
+class DsecGroup(click.Group):
+    """Turns DsecError into one clear line and the error class's exit code."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DsecError as exc:
+            click.echo(f"dsecfs: {exc.kind} error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=DsecGroup)
+@click.version_option(package_name="dsecfs")
+def main() -> None:
+    """Layered EROFS images with content-addressed, lazily fetched chunks."""
+
+
+@main.command()
+@click.argument("source", type=click.Path(path_type=str))
+@store_option
+@click.option("--name", "ref", metavar="NAME:TAG", help="publish the layer under this ref")
+@click.option("--chunk-size", default="1MiB", show_default=True, help=CHUNK_SIZE_HELP)
+@json_option
+def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, as_json: bool) -> None:
+    """Build SOURCE (a directory) into a layer in the store."""
+    from erofs_builder.build import build_layer
+
+    show_bar = sys.stderr.isatty() and not as_json
+    with open_store(store_url) as store:
+        if show_bar:
+            with click.progressbar(length=1, label="building", file=sys.stderr, show_pos=False) as bar:
+                def progress(done: int, total: int) -> None:
+                    bar.length = max(total, 1)
+                    bar.update(done - bar.pos)
+
+                result = build_layer(source, store, name=ref, chunk_size=_parse_size(chunk_size), progress=progress)
+        else:
+            result = build_layer(source, store, name=ref, chunk_size=_parse_size(chunk_size))
+    stats = result.manifest.stats
+    data = {"layer": result.digest, "ref": ref, "store": store.url, "stats": stats}
+
+    def text() -> str:
+        return "\n".join([
+            f"files        {stats['files']:>12,}",
+            f"bytes        {_human(stats['bytes']):>12}",
+            f"chunks       {stats['chunks']:>12,}  ({stats.get('distinct_chunks', 0):,} distinct, "
+            f"{stats.get('hole_chunks', 0):,} holes)",
+            f"new          {_human(stats['new_bytes']):>12}  in {stats['new_chunks']:,} chunks, "
+            f"stored as {_human(stats['stored_bytes'])}",
+            f"deduplicated {_human(stats['dedup_bytes']):>12}",
+            f"layer        {result.digest}" + (f"  ({ref})" if ref else ""),
+        ])
+
+    _emit(as_json, data, text)
+
+
+@main.command()
+@click.argument("layer")
+@store_option
+@json_option
+def inspect(layer: str, store_url: str | None, as_json: bool) -> None:
+    """Show a layer's manifest: sizes, chunk statistics, packs."""
+    from dsec_fs.layer import open_layer
+    from erofs_builder.reader import ErofsImage
+
+    with open_store(store_url) as store:
+        files = open_layer(store, layer)
+    image = ErofsImage(files.meta, source=f"layer {files.digest[:12]} meta.erofs")
+    m = files.manifest
+    data = {
+        "layer": files.digest, "blob_id": m.blob_id, "chunk_size": m.chunk_size, "block_size": m.block_size,
+        "meta_size": m.meta_size, "blobmap_size": m.blobmap_size, "blob_blocks": m.blob_blocks,
+        "packs": m.packs, "stats": m.stats, "created": m.created, "source": m.source,
+        "inodes": image.superblock.inos,
+    }
+
+    def text() -> str:
+        lines = [f"layer       {files.digest}", f"created     {m.created}", f"source      {m.source}",
+                 f"inodes      {image.superblock.inos:,}", f"meta.erofs  {_human(m.meta_size)}",
+                 f"blob        {_human(m.blob_blocks * m.block_size)} (virtual, id {m.blob_id[:16]}...)",
+                 f"chunk size  {_human(m.chunk_size)}", f"packs       {len(m.packs)}"]
+        lines += [f"  {k:<16}{v:,}" if isinstance(v, int) else f"  {k:<16}{v}" for k, v in sorted(m.stats.items())]
+        return "\n".join(lines)
+
+    _emit(as_json, data, text)
+
+
+@main.command()
+@click.argument("layer")
+@store_option
+@click.option("--metadata-only", is_flag=True, help="skip fetching and hashing every chunk")
+@json_option
+def fsck(layer: str, store_url: str | None, metadata_only: bool, as_json: bool) -> None:
+    """Check a layer: metadata structures, and every referenced chunk present and hashing right."""
+    from erofs_builder.fsck import fsck_layer
+
+    with open_store(store_url) as store:
+        report = fsck_layer(store, layer, check_chunks=not metadata_only)
+    data = report.to_dict()
+    _emit(as_json, data, report.summary)
+    if not report.ok:
+        sys.exit(3)
+
+
+@main.command()
+@click.argument("layer")
+@click.argument("out_dir", type=click.Path(path_type=str))
+@store_option
+def export(layer: str, out_dir: str, store_url: str | None) -> None:
+    """Write OUT_DIR/meta.erofs and OUT_DIR/blob (the materialised virtual blob)."""
+    from erofs_builder.export import export_layer
+
+    with open_store(store_url) as store:
+        export_layer(store, layer, out_dir)
+    click.echo(f"mount with: device={os.path.join(os.path.abspath(out_dir), 'blob')} "
+               f"{os.path.join(os.path.abspath(out_dir), 'meta.erofs')}")
+
+
+@main.command()
+@click.argument("layer")
+@click.argument("out_dir", type=click.Path(path_type=str))
+@store_option
+def extract(layer: str, out_dir: str, store_url: str | None) -> None:
+    """Recreate the layer's tree in OUT_DIR (must be empty or absent)."""
+    from erofs_builder.export import extract_layer
+
+    with open_store(store_url) as store:
+        extract_layer(store, layer, out_dir)
+
+
+@main.command("mount-export")
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("command", nargs=-1, required=True)
+def mount_export(export_dir: str, mountpoint: str, command: tuple[str, ...]) -> None:
+    """Mount an exported layer with the kernel's EROFS driver, run COMMAND, unmount.
+
+    util-linux mount would put meta.erofs on a loop device and then refuse a regular file as device=,
+    so this calls mount(2) itself (file-backed EROFS).
+    """
+    import subprocess
+
+    from dsec_fs.mounts import mounted_erofs
+
+    meta = os.path.join(export_dir, "meta.erofs")
+    blob = os.path.join(export_dir, "blob")
+    with mounted_erofs(meta, mountpoint, [blob]):
+        rc = subprocess.run(list(command)).returncode
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""zstd compression of single chunks.
+
+Each chunk is its own zstd frame with the content size recorded in the frame header, so any chunk can be
+decompressed alone (a ranged GET of one frame is enough) and a decompression bomb is caught before any
+memory is spent: we refuse a frame whose declared size differs from the size the index promised.
+
+zstandard's compressor and decompressor objects are not thread-safe; each thread gets its own through
+``threading.local``. Both release the GIL, so a pool of worker threads keeps every core busy.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import zstandard
+
+from .errors import CorruptError
+
+DEFAULT_LEVEL = 3
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    comp = cache.get(level)
+    if comp is None:
+        comp = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    return comp
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dec = getattr(_local, "decompressor", None)
+    if dec is None:
+        dec = _local.decompressor = zstandard.ZstdDecompressor()
+    return dec
+
+
+def compress(data: bytes | memoryview, level: int = DEFAULT_LEVEL) -> bytes:
+    return _compressor(level).compress(data)
+
+
+def decompress(frame: bytes | memoryview, expected_size: int, *, what: str) -> bytes:
+    """Decompress one frame that must hold exactly ``expected_size`` bytes; ``what`` names it in errors."""
+    try:
+        params = zstandard.get_frame_parameters(frame)
+    except zstandard.ZstdError as exc:
+        raise CorruptError(f"not a zstd frame: {exc}", where=what) from None
+    if params.content_size != expected_size:
+        raise CorruptError(
+            f"zstd frame declares {params.content_size} bytes, index says {expected_size}", where=what
+        )
+    try:
+        out = _decompressor().decompress(frame, max_output_size=expected_size)
+    except zstandard.ZstdError as exc:
+        raise CorruptError(f"zstd frame does not decompress: {exc}", where=what) from None
+    if len(out) != expected_size:
+        raise CorruptError(f"zstd frame gave {len(out)} bytes, expected {expected_size}", where=what)
+    return out

@@ -1,0 +1,51 @@
+"""Content identities: a chunk, a pack, a blob map and a layer are each named by the sha256 of their bytes.
+
+Digests travel as 32 raw bytes inside binary formats and as 64 lowercase hex characters in object keys,
+JSON and messages. ``short()`` gives the 12-character prefix used in log lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from .errors import InputError, IntegrityError
+
+DIGEST_SIZE = 32
+HEX_SIZE = 2 * DIGEST_SIZE
+
+
+def sha256(data: bytes | bytearray | memoryview) -> bytes:
+    """Raw sha256 of ``data``; hashlib releases the GIL for large buffers, so worker threads scale."""
+    return hashlib.sha256(data).digest()
+
+
+def to_hex(digest: bytes) -> str:
+    return digest.hex()
+
+
+def from_hex(text: str, *, what: str = "digest") -> bytes:
+    """Parse a 64-character hex digest, naming ``what`` in the error when it is not one."""
+    if len(text) != HEX_SIZE:
+        raise InputError(f"expected {HEX_SIZE} hex characters, got {len(text)}", where=what)
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise InputError(f"not a hex digest: {text!r}", where=what) from None
+
+
+def is_hex_digest(text: str) -> bool:
+    """True for a digest as keys and JSON spell it: exactly 64 lowercase hex characters."""
+    return len(text) == HEX_SIZE and all(c in "0123456789abcdef" for c in text)
+
+
+def short(digest: bytes) -> str:
+    return digest.hex()[:12]
+
+
+def verify(data: bytes | memoryview, expected: bytes, *, what: str) -> None:
+    """Raise IntegrityError unless sha256(data) == expected. ``what`` names the object (e.g. 'chunk ab12..')."""
+    actual = sha256(data)
+    if actual != expected:
+        raise IntegrityError(
+            f"sha256 mismatch: expected {expected.hex()}, got {actual.hex()} ({len(data)} bytes)", where=what
+        )

@@ -1,0 +1,77 @@
+"""The chunk store interface: one small set of blocking object operations every backend implements.
+
+A store holds immutable objects under slash-separated keys (see ``keys.py`` for the layout). Backends
+know nothing of packs, layers or refs; everything above talks to a ``Store`` and stays backend-agnostic,
+and policies (retry, limits, verification, latency, faults) are wrappers that are themselves Stores.
+
+Threads: every method blocks and may be called from any thread at the same time; a backend guards its
+own shared state. Async code (trio) calls stores through ``trio.to_thread.run_sync``.
+
+Errors a backend raises, and nothing else:
+- ``NotFoundError``: the key does not exist (permanent);
+- ``UnavailableError(transient=True)``: try again later (timeouts, 5xx, connection reset);
+- ``UnavailableError(transient=False)``: retrying is pointless (no bucket, access denied, read-only);
+- ``CorruptError``: the backend returned fewer bytes than the object holds for a range inside it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+
+from ..errors import InputError
+
+
+class Store(abc.ABC):
+    """A flat namespace of immutable objects. Writes are atomic: a reader sees all of an object or none."""
+
+    url: str
+
+    @abc.abstractmethod
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes [offset, offset+length) of ``key`` (to its end when length is None).
+
+        A range that runs past the end of the object is an error (CorruptError), never a short answer:
+        callers ask for ranges an index promised them.
+        """
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Store ``data`` under ``key`` atomically, replacing any previous object."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """Length of the object in bytes (NotFoundError when absent)."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Iterator[str]:
+        """Every key that starts with ``prefix``, in no particular order."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; removing a missing key is not an error (deletes are retried after crashes)."""
+
+    def mtime(self, key: str) -> float:
+        """Seconds since the epoch at which ``key`` was last written (used by gc's grace period)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release connections and file handles."""
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+
+def check_range(key: str, offset: int, length: int | None) -> None:
+    """Reject negative ranges before they reach a backend (each would treat them differently)."""
+    if offset < 0 or (length is not None and length < 0):
+        raise InputError(f"negative range offset={offset} length={length}", where=key)

@@ -1,0 +1,145 @@
+"""A store in a directory: the embedded default (a bare path or file://) and shared POSIX mounts such as
+3FS (posix://). Both schemes are this one class: a local directory and a 3FS mount need the same care.
+
+Writes are atomic and durable: the object is written to a temporary file beside its final name, fsynced,
+renamed into place, and the directory fsynced, so a crash leaves either the old state or the new object,
+never a torn one. Temporary names start with ``.tmp-`` and are invisible to ``list``; ``gc`` removes old
+ones. Key components map to directories, so the fan-out in the key layout keeps directories small.
+
+Threads: any thread may call any method; the only shared state is the root path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from collections.abc import Iterator
+
+from ..errors import CorruptError, InputError, NotFoundError, UnavailableError
+from .base import Store, check_range
+
+TMP_PREFIX = ".tmp-"
+
+
+def _unavailable(exc: OSError, key: str) -> UnavailableError:
+    # ENOSPC, EACCES, EROFS and friends will not go away by retrying; EIO, ESTALE and timeouts might.
+    transient = exc.errno in (errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR)
+    return UnavailableError(f"{os.strerror(exc.errno or 0)} ({exc.__class__.__name__})", where=key, transient=transient)
+
+
+class FilesystemStore(Store):
+    def __init__(self, root: str, *, scheme: str = "file", create: bool = True, fsync: bool = True):
+        self.root = os.path.abspath(root)
+        self.url = f"{scheme}://{self.root}"
+        self.fsync = fsync
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        elif not os.path.isdir(self.root):
+            raise UnavailableError("store directory does not exist", where=self.root, transient=False)
+
+    def _path(self, key: str) -> str:
+        parts = key.split("/")
+        if not key or any(p in ("", ".", "..") or p.startswith(TMP_PREFIX) for p in parts):
+            raise InputError(f"invalid store key {key!r}", where=self.url)
+        return os.path.join(self.root, *parts)
+
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        check_range(key, offset, length)
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if length is None:
+                    f.seek(offset)
+                    return f.read()
+                data = os.pread(f.fileno(), length, offset)
+        except FileNotFoundError:
+            raise NotFoundError("no such object", where=f"{self.url}/{key}") from None
+        except OSError as exc:
+            raise _unavailable(exc, f"{self.url}/{key}") from None
+        if len(data) != length:
+            raise CorruptError(
+                f"range [{offset}, {offset + length}) runs past the end ({offset + len(data)})",
+                where=f"{self.url}/{key}",
+            )
+        return data
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+            if self.fsync:
+                dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _unavailable(exc, f"{self.url}/{key}") from None
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(key))
+
+    def size(self, key: str) -> int:
+        return self._stat(key).st_size
+
+    def mtime(self, key: str) -> float:
+        return self._stat(key).st_mtime
+
+    def _stat(self, key: str) -> os.stat_result:
+        try:
+            return os.stat(self._path(key))
+        except FileNotFoundError:
+            raise NotFoundError("no such object", where=f"{self.url}/{key}") from None
+        except OSError as exc:
+            raise _unavailable(exc, f"{self.url}/{key}") from None
+
+    def list(self, prefix: str) -> Iterator[str]:
+        # Walk only the directory that can hold the prefix, then filter by the full prefix.
+        base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = os.path.join(self.root, *base_dir.split("/")) if base_dir else self.root
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            for name in filenames:
+                if name.startswith(TMP_PREFIX):
+                    continue
+                key = rel + name
+                if key.startswith(prefix):
+                    yield key
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _unavailable(exc, f"{self.url}/{key}") from None
+
+    def temp_files(self) -> Iterator[tuple[str, float]]:
+        """(path, mtime) of temporary files left by interrupted writes, for gc to remove."""
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for name in filenames:
+                if name.startswith(TMP_PREFIX):
+                    path = os.path.join(dirpath, name)
+                    try:
+                        yield path, os.stat(path).st_mtime
+                    except FileNotFoundError:
+                        continue

@@ -1,0 +1,48 @@
+"""Where each kind of object lives in a store. The one place that spells out key names.
+
+    packs/<hh>/<pack id>        zstd-compressed chunks, many per object (see pack.py)
+    index/<hh>/<pack id>        the pack's index: chunk digest -> offset, compressed and plain length
+    layers/<layer digest>/meta.erofs   the EROFS metadata image
+    layers/<layer digest>/blobmap      the virtual blob's map: blocks -> chunk digests
+    layers/<layer digest>/manifest.json   written last; its presence publishes the layer
+    refs/<name>:<tag>           text: the layer digest the name points at
+
+<hh> is the first two hex characters of the id: a fan-out that keeps directories of POSIX stores small
+and spreads S3 key prefixes.
+"""
+
+from __future__ import annotations
+
+PACKS = "packs/"
+INDEX = "index/"
+LAYERS = "layers/"
+REFS = "refs/"
+
+
+def pack(pack_id: str) -> str:
+    return f"{PACKS}{pack_id[:2]}/{pack_id}"
+
+
+def index(pack_id: str) -> str:
+    return f"{INDEX}{pack_id[:2]}/{pack_id}"
+
+
+def layer_meta(layer: str) -> str:
+    return f"{LAYERS}{layer}/meta.erofs"
+
+
+def layer_blobmap(layer: str) -> str:
+    return f"{LAYERS}{layer}/blobmap"
+
+
+def layer_manifest(layer: str) -> str:
+    return f"{LAYERS}{layer}/manifest.json"
+
+
+def ref(name: str, tag: str) -> str:
+    return f"{REFS}{name}:{tag}"
+
+
+def id_from_key(key: str) -> str:
+    """The last path component: the pack id of a packs/ or index/ key."""
+    return key.rsplit("/", 1)[-1]

@@ -1,0 +1,1 @@
+"""Sandboxes: OverlayFS stacks of layers, lifecycle, runtime shim, scheduler."""
