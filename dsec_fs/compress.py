@@ -39,7 +39,10 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def compress(data: bytes | memoryview, level: int = DEFAULT_LEVEL) -> bytes:
-    return _compressor(level).compress(data)
+    frame = _compressor(level).compress(data)
+    # zstandard shrinks the result's length but not its allocation (ZSTD_compressBound of the input):
+    # a 100-byte frame of a 1 MiB chunk would pin 1 MiB while it waits in a pack. Copy it to its size.
+    return bytes(memoryview(frame))
 
 
 def decompress(frame: bytes | memoryview, expected_size: int, *, what: str) -> bytes:

@@ -24,13 +24,10 @@ def to_hex(digest: bytes) -> str:
 
 
 def from_hex(text: str, *, what: str = "digest") -> bytes:
-    """Parse a 64-character hex digest, naming ``what`` in the error when it is not one."""
-    if len(text) != HEX_SIZE:
-        raise InputError(f"expected {HEX_SIZE} hex characters, got {len(text)}", where=what)
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        raise InputError(f"not a hex digest: {text!r}", where=what) from None
+    """Parse a 64-character lowercase hex digest, naming ``what`` in the error when it is not one."""
+    if not is_hex_digest(text):
+        raise InputError(f"not a sha256 digest (64 lowercase hex characters): {text[:80]!r}", where=what)
+    return bytes.fromhex(text)
 
 
 def is_hex_digest(text: str) -> bool:

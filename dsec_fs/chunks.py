@@ -1,0 +1,269 @@
+"""Chunks on a store: where each chunk lives (ChunkIndex), writing new ones (ChunkUploader), reading them
+back verified (read_chunk, read_chunks).
+
+A chunk is named by the sha256 of its plain bytes and stored as one zstd frame inside a pack (pack.py).
+The store is not trusted: every chunk read is decompressed with its promised size and re-hashed before it
+is returned.
+
+Threads:
+- ChunkIndex: any thread may call any method; ``_lock`` guards the digest -> location dict.
+- ChunkUploader: builder worker threads call ``add`` concurrently; one thread calls ``flush`` (or
+  ``close``) after every ``add`` has returned. ``_lock`` guards the open pack, the set of queued digests,
+  the statistics, the list of written packs and the first upload error. Uploads run on the uploader's own
+  threads; ``_slots`` (a semaphore) bounds the packs sealed but not yet uploaded, and a thread that
+  seals a pack waits for a slot, so memory stays near (upload_threads + 1) x pack_target.
+- read_chunk / read_chunks: plain functions, safe from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from . import compress
+from .digest import is_hex_digest, to_hex, verify
+from .errors import CorruptError, FormatError, InputError
+from .pack import PackEntry, PackWriter, decode_index
+from .store import keys
+from .store.base import Store
+
+DEFAULT_PACK_TARGET = 16 * 1024 * 1024
+# Ranges in one pack closer than this are fetched with one GET: a request costs more than 64 KiB of transfer.
+MERGE_GAP = 64 * 1024
+# Index objects are small; reading several at once hides the store's per-request latency.
+INDEX_LOAD_THREADS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLocation:
+    pack_id: str
+    offset: int
+    clen: int
+    ulen: int
+
+
+class ChunkIndex:
+    """Chunk digest (32 raw bytes) -> ChunkLocation, filled from index objects and from new uploads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._locations: dict[bytes, ChunkLocation] = {}
+
+    def get(self, digest: bytes) -> ChunkLocation | None:
+        with self._lock:
+            return self._locations.get(digest)
+
+    def __contains__(self, digest: bytes) -> bool:
+        with self._lock:
+            return digest in self._locations
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._locations)
+
+    def add_pack(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
+        """Record a pack's chunks. A chunk already known keeps its first location, so lookups are stable."""
+        with self._lock:
+            for entry in entries:
+                self._locations.setdefault(entry.digest, ChunkLocation(pack_id, entry.offset, entry.clen, entry.ulen))
+
+    def load(self, store: Store) -> int:
+        """Read every index object of ``store``; returns how many were read."""
+        return self._load_keys(store, list(store.list(keys.INDEX)))
+
+    def load_packs(self, store: Store, pack_ids: Iterable[str]) -> int:
+        """Read the index objects of the given packs only (e.g. those a layer manifest lists)."""
+        return self._load_keys(store, [keys.index(pack_id) for pack_id in pack_ids])
+
+    def _load_keys(self, store: Store, index_keys: list[str]) -> int:
+        def load_one(key: str) -> None:
+            pack_id = keys.id_from_key(key)
+            if not is_hex_digest(pack_id):
+                raise FormatError("index key", None, "the last component is not a pack id", source=key)
+            self.add_pack(pack_id, decode_index(store.get(key), source=key))
+
+        with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="index-load") as pool:
+            for _ in pool.map(load_one, index_keys):  # re-raises the first failure, naming its key
+                pass
+        return len(index_keys)
+
+
+class ChunkUploader:
+    """Deduplicates new chunks against a ChunkIndex, fills packs, and uploads them in the background.
+
+    Each sealed pack costs two PUTs: the pack object, then its index object. Only after both succeed do
+    its chunks enter the ChunkIndex, so the index never points at a pack that is not in the store.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        index: ChunkIndex,
+        *,
+        pack_target: int = DEFAULT_PACK_TARGET,
+        upload_threads: int = 2,
+    ):
+        if upload_threads < 1:
+            raise InputError(f"upload_threads must be at least 1, got {upload_threads}", where="ChunkUploader")
+        self.store = store
+        self.index = index
+        self.pack_target = pack_target
+        self._upload_threads = upload_threads
+        self._slots = threading.BoundedSemaphore(upload_threads)
+        self._lock = threading.Lock()
+        self._writer = PackWriter()
+        self._queued: set[bytes] = set()  # added in this session, not yet in the index
+        self._uploads: list[Future] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._error: Exception | None = None
+        self._pack_ids: list[str] = []
+        self.new_chunks = 0
+        self.new_bytes = 0  # uncompressed
+        self.stored_bytes = 0  # compressed: the frames queued for upload
+        self.packs = 0
+
+    def add(self, digest: bytes, ulen: int, frame: bytes) -> bool:
+        """Queue one chunk (``frame`` is its zstd frame). False when the chunk is already stored or queued.
+
+        May block while the upload slots are full. Raises the first upload error once one has happened.
+        """
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if digest in self._queued or digest in self.index:
+                return False
+            self._writer.add(digest, frame, ulen)
+            self._queued.add(digest)
+            self.new_chunks += 1
+            self.new_bytes += ulen
+            self.stored_bytes += len(frame)
+            sealed = self._seal_if(self._writer.size >= self.pack_target)
+        if sealed is not None:
+            self._submit(sealed)
+        return True
+
+    def flush(self) -> list[str]:
+        """Upload the open pack, wait for every upload, and return the ids of all packs written.
+
+        Re-raises the first upload error. Call it after every ``add`` has returned.
+        """
+        with self._lock:
+            sealed = self._seal_if(self._writer.count > 0 and self._error is None)
+        if sealed is not None:
+            self._submit(sealed)
+        self.close()
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            return list(self._pack_ids)
+
+    def close(self) -> None:
+        """Wait for uploads in flight and stop the upload threads; the open pack is not uploaded."""
+        with self._lock:
+            uploads, self._uploads = self._uploads, []
+            pool, self._pool = self._pool, None
+        for upload in uploads:
+            upload.exception()  # waits; the error itself was recorded by _upload
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> "ChunkUploader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _seal_if(self, condition: bool) -> PackWriter | None:
+        """With ``_lock`` held: hand back the open pack and start a new one when ``condition`` holds."""
+        if not condition:
+            return None
+        sealed, self._writer = self._writer, PackWriter()
+        return sealed
+
+    def _submit(self, writer: PackWriter) -> None:
+        self._slots.acquire()  # released by _upload when the pack is in the store (or failed)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self._upload_threads, thread_name_prefix="pack-upload")
+            self._uploads.append(self._pool.submit(self._upload, writer))
+
+    def _upload(self, writer: PackWriter) -> None:
+        try:
+            entries = writer.entries
+            pack_id, pack_bytes, index_bytes = writer.finish()
+            self.store.put(keys.pack(pack_id), pack_bytes)
+            self.store.put(keys.index(pack_id), index_bytes)
+            self.index.add_pack(pack_id, entries)
+            with self._lock:
+                self._queued.difference_update(entry.digest for entry in entries)
+                self._pack_ids.append(pack_id)
+                self.packs += 1
+        except Exception as exc:
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
+            raise
+        finally:
+            self._slots.release()
+
+
+def read_chunk(store: Store, digest: bytes, loc: ChunkLocation) -> bytes:
+    """Fetch one chunk with one ranged GET, decompress it and check its sha256."""
+    key = keys.pack(loc.pack_id)
+    frame = _get_range(store, key, loc.offset, loc.clen, what=_chunk_name(digest, key))
+    return _decode_chunk(frame, digest, loc, key)
+
+
+def read_chunks(store: Store, wanted: Iterable[tuple[bytes, ChunkLocation]]) -> dict[bytes, bytes]:
+    """Fetch many chunks, one GET per run of frames in the same pack that lie within MERGE_GAP of each other."""
+    by_pack: dict[str, dict[bytes, ChunkLocation]] = defaultdict(dict)
+    for digest, loc in wanted:
+        by_pack[loc.pack_id][digest] = loc
+    chunks: dict[bytes, bytes] = {}
+    for pack_id, locations in by_pack.items():
+        key = keys.pack(pack_id)
+        for run in _runs(sorted(locations.items(), key=lambda item: item[1].offset)):
+            start = run[0][1].offset
+            end = max(loc.offset + loc.clen for _, loc in run)
+            what = _chunk_name(run[0][0], key) + (f" and {len(run) - 1} more" if len(run) > 1 else "")
+            data = memoryview(_get_range(store, key, start, end - start, what=what))
+            for digest, loc in run:
+                frame = data[loc.offset - start : loc.offset - start + loc.clen]
+                chunks[digest] = _decode_chunk(frame, digest, loc, key)
+    return chunks
+
+
+def _runs(ordered: list[tuple[bytes, ChunkLocation]]) -> list[list[tuple[bytes, ChunkLocation]]]:
+    """Split chunks sorted by offset into runs whose gaps are at most MERGE_GAP."""
+    runs: list[list[tuple[bytes, ChunkLocation]]] = []
+    run_end = 0
+    for item in ordered:
+        start, end = item[1].offset, item[1].offset + item[1].clen
+        if runs and start - run_end <= MERGE_GAP:
+            runs[-1].append(item)
+            run_end = max(run_end, end)
+        else:
+            runs.append([item])
+            run_end = end
+    return runs
+
+
+def _get_range(store: Store, key: str, offset: int, length: int, *, what: str) -> bytes:
+    try:
+        return store.get(key, offset, length)
+    except CorruptError as exc:  # a pack shorter than its index promised
+        raise CorruptError(exc.message, where=what) from exc
+
+
+def _decode_chunk(frame: bytes | memoryview, digest: bytes, loc: ChunkLocation, key: str) -> bytes:
+    what = _chunk_name(digest, key)
+    data = compress.decompress(frame, loc.ulen, what=what)
+    verify(data, digest, what=what)
+    return data
+
+
+def _chunk_name(digest: bytes, key: str) -> str:
+    return f"chunk {to_hex(digest)} in {key}"

@@ -1,0 +1,293 @@
+"""Layers on a store: the manifest, publishing a layer, refs (name:tag -> layer digest), opening a layer.
+
+A layer is named by the sha256 of its EROFS metadata image (meta.erofs). Publishing writes, in order:
+meta.erofs, the blob map, then manifest.json; the manifest's presence is what publishes the layer, and a
+ref may only be set to a published layer. The chunks (packs and their indexes) are uploaded before any of
+this by chunks.ChunkUploader. A crash at any point therefore leaves no manifest or ref pointing at missing
+data. A reader goes the other way: ref, manifest, then meta.erofs and the blob map, each checked against
+the manifest before use.
+
+Functions here are plain blocking calls on a Store and may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from .digest import is_hex_digest, sha256, to_hex
+from .errors import FormatError, InputError, IntegrityError, NotFoundError, UnsupportedError
+from .store import keys
+from .store.base import Store
+
+MANIFEST_VERSION = 1
+DEFAULT_TAG = "latest"
+MAX_REF_LENGTH = 255
+
+# A name is slash-separated components; each starts with a letter or digit, so none is "." or a hidden
+# temporary name, and none can be empty. A tag follows the OCI rule.
+_NAME_COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """What a reader needs to know about a layer before fetching anything else of it.
+
+    Fields a newer writer adds are ignored by this reader; an incompatible change bumps ``version``.
+    """
+
+    version: int = MANIFEST_VERSION
+    layer: str  # sha256 hex of meta.erofs: the layer's digest
+    blob_id: str  # the virtual blob's id: sha256 hex of the blob map (the tag in meta.erofs's device table)
+    meta_size: int  # bytes of meta.erofs
+    blobmap_size: int  # bytes of the blob map
+    blobmap_sha256: str  # checked when the blob map is read
+    chunk_size: int  # bytes per chunk (power of two)
+    block_size: int  # EROFS block size (power of two)
+    blob_blocks: int  # length of the virtual blob in blocks
+    packs: list[str]  # sorted ids of the packs that hold this layer's chunks
+    stats: dict[str, int | float] = field(default_factory=dict)  # files, bytes, chunks, new_chunks, ...
+    created: str = field(default_factory=utc_now)  # ISO-8601 UTC
+    source: str = ""  # what the layer was built from (a path, a tar, an OCI reference)
+
+    def to_json(self) -> bytes:
+        return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, source: str) -> "Manifest":
+        """Parse and validate a manifest; ``source`` (the object key) is named in every error."""
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise FormatError("manifest", None, f"not JSON: {exc}", source=source) from None
+        if not isinstance(obj, dict):
+            raise FormatError("manifest", None, f"expected a JSON object, got {type(obj).__name__}", source=source)
+        version = obj.get("version")
+        if type(version) is int and version != MANIFEST_VERSION:
+            raise UnsupportedError(f"manifest version {version}, this reader knows only {MANIFEST_VERSION}",
+                                   where=source)
+        names = [f.name for f in fields(cls)]
+        for name in names:
+            if name not in obj:
+                raise FormatError(f"manifest field {name!r}", None, "missing", source=source)
+        manifest = cls(**{name: obj[name] for name in names})
+        manifest.validate(source=source)
+        return manifest
+
+    def validate(self, *, source: str) -> None:
+        """Raise FormatError naming the first field whose type or value is wrong."""
+        for name, check in _FIELD_CHECKS.items():
+            problem = check(getattr(self, name))
+            if problem:
+                raise FormatError(f"manifest field {name!r}", None, problem, source=source)
+
+
+def _check_version(value: Any) -> str | None:
+    return None if type(value) is int and value == MANIFEST_VERSION else f"expected {MANIFEST_VERSION}, got {value!r}"
+
+
+def _check_digest(value: Any) -> str | None:
+    return None if isinstance(value, str) and is_hex_digest(value) else f"expected 64 lowercase hex, got {value!r}"
+
+
+def _check_size(value: Any) -> str | None:
+    return None if type(value) is int and value >= 0 else f"expected a non-negative integer, got {value!r}"
+
+
+def _check_power_of_two(value: Any) -> str | None:
+    if type(value) is int and value > 0 and value & (value - 1) == 0:
+        return None
+    return f"expected a power of two, got {value!r}"
+
+
+def _check_packs(value: Any) -> str | None:
+    if not isinstance(value, list) or not all(isinstance(p, str) and is_hex_digest(p) for p in value):
+        return "expected a list of pack ids (64 lowercase hex)"
+    if any(a >= b for a, b in zip(value, value[1:])):
+        return "pack ids are not sorted and unique"
+    return None
+
+
+def _check_stats(value: Any) -> str | None:
+    if isinstance(value, dict) and all(
+        isinstance(k, str) and type(v) in (int, float) for k, v in value.items()
+    ):
+        return None
+    return "expected an object of numbers"
+
+
+def _check_created(value: Any) -> str | None:
+    try:
+        when = datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        when = None
+    if when is None or when.utcoffset() != timedelta(0):
+        return f"expected an ISO-8601 UTC time, got {value!r}"
+    return None
+
+
+def _check_text(value: Any) -> str | None:
+    return None if isinstance(value, str) else f"expected a string, got {value!r}"
+
+
+_FIELD_CHECKS = {
+    "version": _check_version,
+    "layer": _check_digest,
+    "blob_id": _check_digest,
+    "meta_size": _check_size,
+    "blobmap_size": _check_size,
+    "blobmap_sha256": _check_digest,
+    "chunk_size": _check_power_of_two,
+    "block_size": _check_power_of_two,
+    "blob_blocks": _check_size,
+    "packs": _check_packs,
+    "stats": _check_stats,
+    "created": _check_created,
+    "source": _check_text,
+}
+
+
+@dataclass(frozen=True)
+class LayerFiles:
+    digest: str
+    manifest: Manifest
+    meta: bytes
+    blobmap: bytes
+
+
+def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest) -> str:
+    """Write meta.erofs, the blob map, then manifest.json; returns the layer digest.
+
+    The manifest must describe these bytes exactly (IntegrityError otherwise, before anything is written).
+    The packs holding the layer's chunks must already be in the store; that is the caller's job (the
+    ChunkUploader's flush) and is not re-checked here.
+    """
+    digest = manifest.layer
+    manifest_key = keys.layer_manifest(digest)
+    manifest.validate(source=manifest_key)
+    _check_bytes(meta, digest, manifest.meta_size, what=keys.layer_meta(digest))
+    _check_bytes(blobmap, manifest.blobmap_sha256, manifest.blobmap_size, what=keys.layer_blobmap(digest))
+    store.put(keys.layer_meta(digest), meta)
+    store.put(keys.layer_blobmap(digest), blobmap)
+    store.put(manifest_key, manifest.to_json())
+    return digest
+
+
+def open_layer(store: Store, ref_or_digest: str) -> LayerFiles:
+    """Read a published layer: manifest first, then meta.erofs and the blob map, each verified."""
+    digest = resolve(store, ref_or_digest)
+    manifest_key = keys.layer_manifest(digest)
+    try:
+        manifest_bytes = store.get(manifest_key)
+    except NotFoundError:
+        raise NotFoundError("layer is not published (no manifest)", where=f"layer {digest}") from None
+    manifest = Manifest.from_json(manifest_bytes, source=manifest_key)
+    if manifest.layer != digest:
+        raise IntegrityError(f"manifest describes layer {manifest.layer}", where=manifest_key)
+    meta_key, blobmap_key = keys.layer_meta(digest), keys.layer_blobmap(digest)
+    meta = store.get(meta_key)
+    _check_bytes(meta, digest, manifest.meta_size, what=meta_key)
+    blobmap = store.get(blobmap_key)
+    _check_bytes(blobmap, manifest.blobmap_sha256, manifest.blobmap_size, what=blobmap_key)
+    return LayerFiles(digest=digest, manifest=manifest, meta=meta, blobmap=blobmap)
+
+
+def _check_bytes(data: bytes, expected_hex: str, expected_size: int, *, what: str) -> None:
+    if len(data) != expected_size:
+        raise IntegrityError(f"{len(data)} bytes, the manifest says {expected_size}", where=what)
+    actual = to_hex(sha256(data))
+    if actual != expected_hex:
+        raise IntegrityError(f"sha256 mismatch: expected {expected_hex}, got {actual}", where=what)
+
+
+def parse_ref(ref: str) -> tuple[str, str]:
+    """Split ``name[:tag]`` (e.g. ``base/debian:12``) into (name, tag); the tag defaults to ``latest``."""
+    where = f"ref {ref!r}"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in ref):
+        raise InputError("contains a control character", where=where)
+    if len(ref) > MAX_REF_LENGTH:
+        raise InputError(f"longer than {MAX_REF_LENGTH} characters", where=where)
+    if ".." in ref:
+        raise InputError("contains '..'", where=where)
+    name, colon, tag = ref.partition(":")
+    if not colon:
+        tag = DEFAULT_TAG
+    if not name:
+        raise InputError("empty name", where=where)
+    for component in name.split("/"):
+        if not _NAME_COMPONENT.fullmatch(component):
+            raise InputError(
+                f"bad name component {component!r}: use letters, digits, '.', '_', '-', starting with a letter "
+                "or digit", where=where,
+            )
+    if not tag:
+        raise InputError("empty tag", where=where)
+    if not _TAG.fullmatch(tag):
+        raise InputError(f"bad tag {tag!r}: use letters, digits, '.', '_', '-' (at most 128)", where=where)
+    if is_hex_digest(name.lower()):
+        raise InputError("a ref name must not look like a layer digest", where=where)
+    return name, tag
+
+
+def set_ref(store: Store, ref: str, digest: str) -> None:
+    """Point ``ref`` at a published layer (NotFoundError if ``digest`` has no manifest)."""
+    name, tag = parse_ref(ref)
+    if not is_hex_digest(digest):
+        raise InputError("not a layer digest (64 lowercase hex)", where=f"digest {digest!r}")
+    if not store.exists(keys.layer_manifest(digest)):
+        raise NotFoundError("layer is not published (no manifest); refusing to point a ref at it",
+                            where=f"layer {digest}")
+    store.put(keys.ref(name, tag), f"{digest}\n".encode())
+
+
+def resolve(store: Store, ref_or_digest: str) -> str:
+    """A layer digest (64 hex characters) is returned as is, lowercased; anything else is read as a ref."""
+    if is_hex_digest(ref_or_digest.lower()):
+        return ref_or_digest.lower()
+    name, tag = parse_ref(ref_or_digest)
+    key = keys.ref(name, tag)
+    try:
+        data = store.get(key)
+    except NotFoundError:
+        raise NotFoundError("no such ref", where=f"ref {name}:{tag}") from None
+    return _decode_ref(data, source=key)
+
+
+def list_refs(store: Store) -> dict[str, str]:
+    """Every ref in the store, as ``name:tag`` -> layer digest."""
+    refs = {}
+    for key in store.list(keys.REFS):
+        ref = key[len(keys.REFS):]
+        try:
+            parse_ref(ref)
+        except InputError as exc:
+            raise FormatError("ref key", None, exc.message, source=key) from None
+        try:
+            refs[ref] = _decode_ref(store.get(key), source=key)
+        except NotFoundError:
+            continue  # deleted since it was listed
+    return refs
+
+
+def delete_ref(store: Store, ref: str) -> None:
+    """Remove a ref (NotFoundError if it does not exist). The layer it pointed at stays until gc."""
+    name, tag = parse_ref(ref)
+    key = keys.ref(name, tag)
+    if not store.exists(key):
+        raise NotFoundError("no such ref", where=f"ref {name}:{tag}")
+    store.delete(key)
+
+
+def _decode_ref(data: bytes, *, source: str) -> str:
+    text = data.decode("ascii", errors="replace").strip()
+    if not is_hex_digest(text):
+        raise FormatError("ref", None, f"expected a layer digest, got {text[:80]!r}", source=source)
+    return text

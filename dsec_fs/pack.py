@@ -1,0 +1,185 @@
+"""The pack object and its index: many compressed chunks in one store object.
+
+S3 charges per request, so chunks travel in packs of about 16 MiB, and a reader fetches one chunk (or a run
+of neighbouring chunks) with a ranged GET. Every chunk is its own zstd frame (see compress.py), so a range
+holding one frame decompresses alone.
+
+Pack layout (the pack id is the sha256 hex of all of its bytes)::
+
+    frame 0 | frame 1 | ... | frame n-1 | index | trailer
+
+Index layout: the same bytes are stored inside the pack and as the separate ``index/`` object, so a pack
+describes itself and a lost index object can be rebuilt from its pack::
+
+    header (INDEX_HEADER) | n x entry (INDEX_ENTRY) | sha256 of everything before it
+
+The trailing sha256 lets a reader tell a torn or flipped index from a valid one before trusting any offset
+in it. Entries are in ascending offset order; frames never overlap.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from .digest import DIGEST_SIZE, sha256, to_hex
+from .errors import ConflictError, FormatError, InputError
+
+INDEX_MAGIC = b"DSECIDX1"
+INDEX_VERSION = 1
+PACK_MAGIC = b"DSECPAK1"
+
+INDEX_HEADER = struct.Struct(
+    "<"
+    "8s"  # magic: INDEX_MAGIC, so an index is recognisable on its own
+    "I"  # version: INDEX_VERSION; a reader refuses any other
+    "I"  # count: number of entries that follow
+)
+
+INDEX_ENTRY = struct.Struct(
+    "<"
+    "32s"  # digest: sha256 of the UNCOMPRESSED chunk, the chunk's identity
+    "Q"  # offset: first byte of the chunk's zstd frame in the pack
+    "I"  # clen: length of the frame (the size of the ranged GET)
+    "I"  # ulen: length of the chunk once decompressed (checked against the frame header)
+)
+
+INDEX_CHECKSUM_SIZE = DIGEST_SIZE  # sha256 over header and entries
+
+PACK_TRAILER = struct.Struct(
+    "<"
+    "I"  # index_length: bytes of the index just before the trailer
+    "8s"  # magic: PACK_MAGIC; written last, so a torn pack upload lacks it
+)
+
+
+class PackEntry(NamedTuple):
+    digest: bytes  # 32 raw bytes
+    offset: int
+    clen: int
+    ulen: int
+
+
+def index_size(count: int) -> int:
+    return INDEX_HEADER.size + count * INDEX_ENTRY.size + INDEX_CHECKSUM_SIZE
+
+
+def encode_index(entries: list[PackEntry]) -> bytes:
+    """Encode entries as they are; PackWriter is what guarantees they describe a valid pack."""
+    body = bytearray(INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, len(entries)))
+    for entry in entries:
+        body += INDEX_ENTRY.pack(*entry)
+    return bytes(body + sha256(body))
+
+
+def decode_index(data: bytes, *, source: str, pack_size: int | None = None) -> list[PackEntry]:
+    """Decode and validate an index object; ``source`` (the object key) is named in every FormatError.
+
+    With ``pack_size`` (the size of the pack the index describes), every frame must also lie inside the
+    pack's frame area.
+    """
+    frames_end = None if pack_size is None else pack_size - len(data) - PACK_TRAILER.size
+    return _decode_index(data, source=source, frames_end=frames_end, base=0)
+
+
+def index_from_pack(pack_bytes: bytes, *, source: str) -> list[PackEntry]:
+    """The entries of a whole pack, read from its embedded index; offsets in errors are pack offsets."""
+    trailer_at = len(pack_bytes) - PACK_TRAILER.size
+    if trailer_at < 0:
+        raise FormatError("pack trailer", 0, f"pack is {len(pack_bytes)} bytes, shorter than a trailer", source=source)
+    index_length, magic = PACK_TRAILER.unpack_from(pack_bytes, trailer_at)
+    if magic != PACK_MAGIC:
+        raise FormatError("pack trailer", trailer_at, f"bad magic {magic!r}, expected {PACK_MAGIC!r}", source=source)
+    index_at = trailer_at - index_length
+    if index_at < 0:
+        raise FormatError(
+            "pack trailer", trailer_at, f"index length {index_length} exceeds the {trailer_at} bytes before it",
+            source=source,
+        )
+    return _decode_index(pack_bytes[index_at:trailer_at], source=source, frames_end=index_at, base=index_at)
+
+
+def _decode_index(data: bytes, *, source: str, frames_end: int | None, base: int) -> list[PackEntry]:
+    def fail(offset: int, message: str) -> FormatError:
+        return FormatError("pack index", base + offset, message, source=source)
+
+    if len(data) < index_size(0):
+        raise fail(0, f"{len(data)} bytes, shorter than an empty index ({index_size(0)})")
+    magic, version, count = INDEX_HEADER.unpack_from(data, 0)
+    if magic != INDEX_MAGIC:
+        raise fail(0, f"bad magic {magic!r}, expected {INDEX_MAGIC!r}")
+    if version != INDEX_VERSION:
+        raise fail(8, f"version {version}, this reader knows only {INDEX_VERSION}")
+    if len(data) != index_size(count):
+        raise fail(12, f"{count} entries need {index_size(count)} bytes, the index has {len(data)}")
+    checksum_at = len(data) - INDEX_CHECKSUM_SIZE
+    if sha256(data[:checksum_at]) != data[checksum_at:]:
+        raise fail(checksum_at, "checksum mismatch: the index is torn or corrupt")
+
+    entries: list[PackEntry] = []
+    first_entry_of: dict[bytes, int] = {}
+    previous_end = 0
+    for number, fields in enumerate(INDEX_ENTRY.iter_unpack(data[INDEX_HEADER.size:checksum_at])):
+        entry = PackEntry(*fields)
+        at = INDEX_HEADER.size + number * INDEX_ENTRY.size
+        what = f"entry {number} (chunk {to_hex(entry.digest)})"
+        if entry.clen == 0:
+            raise fail(at, f"{what}: empty frame")
+        if entry.digest in first_entry_of:
+            raise fail(at, f"{what}: chunk already listed as entry {first_entry_of[entry.digest]}")
+        if entry.offset < previous_end:
+            raise fail(at, f"{what}: frame at {entry.offset} overlaps the previous frame, which ends at {previous_end}")
+        end = entry.offset + entry.clen
+        if frames_end is not None and end > frames_end:
+            raise fail(at, f"{what}: frame [{entry.offset}, {end}) runs past the frame area ({frames_end} bytes)")
+        first_entry_of[entry.digest] = number
+        previous_end = end
+        entries.append(entry)
+    return entries
+
+
+class PackWriter:
+    """Builds one pack in memory. Not thread-safe: one owner adds frames, then calls finish() once."""
+
+    def __init__(self) -> None:
+        self._frames: list[bytes] | None = []
+        self._entries: list[PackEntry] = []
+        self._digests: set[bytes] = set()
+        self._size = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes of frames added so far (the pack is this plus its index and trailer)."""
+        return self._size
+
+    @property
+    def count(self) -> int:
+        return len(self._entries)
+
+    @property
+    def entries(self) -> list[PackEntry]:
+        return list(self._entries)
+
+    def add(self, digest: bytes, frame: bytes, ulen: int) -> PackEntry:
+        """Append one chunk's zstd frame; ``digest`` is the sha256 of the chunk's ``ulen`` plain bytes."""
+        if self._frames is None:
+            raise RuntimeError("PackWriter.add after finish")
+        if len(digest) != DIGEST_SIZE:
+            raise InputError(f"digest is {len(digest)} bytes, expected {DIGEST_SIZE}", where=f"chunk {digest.hex()}")
+        if digest in self._digests:
+            raise ConflictError("chunk added to the same pack twice", where=f"chunk {to_hex(digest)}")
+        entry = PackEntry(digest, self._size, len(frame), ulen)
+        self._frames.append(frame)
+        self._entries.append(entry)
+        self._digests.add(digest)
+        self._size += len(frame)
+        return entry
+
+    def finish(self) -> tuple[str, bytes, bytes]:
+        """(pack id, pack bytes, index bytes). Releases the frames, so the writer cannot be used again."""
+        if self._frames is None:
+            raise RuntimeError("PackWriter.finish called twice")
+        index = encode_index(self._entries)
+        pack = b"".join([*self._frames, index, PACK_TRAILER.pack(len(index), PACK_MAGIC)])
+        self._frames = None
+        return to_hex(sha256(pack)), pack, index

@@ -1,0 +1,175 @@
+"""The blob map: the layout of a layer's virtual blob (EROFS device 1).
+
+The virtual blob is every distinct chunk of a layer, in build order, each starting on a block boundary
+and zero-padded to a whole block. Nothing stores the blob itself: the EROFS image addresses chunks by
+block number on device 1, and the node daemon answers a read of blob block N by finding the chunk that
+covers N here and fetching that chunk by digest. A chunk shared by many layers sits at a different block
+in each layer's blob but is stored, fetched and cached once.
+
+Binary format (all integers little-endian), stored as ``layers/<layer>/blobmap``:
+
+    header   24 bytes   (``_HEADER``)
+    entries  40 bytes each, ``count`` of them, in blob order (``_ENTRY``)
+
+Nothing may follow the last entry. ``decode`` validates everything it can without the chunks: a blob map
+that decodes is internally consistent (contiguous, block aligned, no chunk twice, lengths in range). The
+blob id of a layer is the sha256 of these bytes, so a map that decodes but was tampered with is caught
+by the manifest's ``blobmap_sha256`` and the device tag in meta.erofs.
+
+Threads: a BlobMap is built by one thread (the chunker's main thread); once built, it is read-only and
+any thread may read it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import struct
+
+from dsec_fs.digest import DIGEST_SIZE, short
+from dsec_fs.errors import FormatError, InputError, NotFoundError, UnsupportedError
+
+MAGIC = b"DSECBMAP"
+VERSION = 1
+BLOCK_SIZE_BITS = 12
+BLOCK_SIZE = 1 << BLOCK_SIZE_BITS
+MIN_CHUNK_BITS = 12  # 4 KiB: a chunk is at least one block
+MAX_CHUNK_BITS = 24  # 16 MiB: keeps one chunk fetch (and its memory) bounded on the node
+# EROFS block addresses are 32-bit and 0xFFFFFFFF means "hole", so the blob ends before it (16 TiB).
+MAX_BLOCKS = 0xFFFFFFFF
+
+_HEADER = struct.Struct(
+    "<"
+    "8s"  # magic: b"DSECBMAP"
+    "I"  # version: VERSION
+    "B"  # blkszbits: log2 of the blob's block size; 12
+    "B"  # chunkbits: log2 of the layer's chunk size; every entry's length is 1..chunk size
+    "H"  # reserved: 0
+    "I"  # count: number of entries
+    "I"  # blocks: size of the virtual blob in blocks, the sum of every entry's block count
+)
+
+_ENTRY = struct.Struct(
+    "<"
+    "I"  # blkaddr: first block of the chunk in the blob; the running sum of the previous block counts
+    "I"  # length: bytes of the chunk (uncompressed); it fills ceil(length / block size) blocks
+    f"{DIGEST_SIZE}s"  # digest: sha256 of the chunk's bytes, its name in the chunk store
+)
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    """Return log2(chunk_size); InputError unless it is a power of two from 4 KiB to 16 MiB."""
+    bits = chunk_size.bit_length() - 1
+    if chunk_size <= 0 or chunk_size != 1 << bits or not MIN_CHUNK_BITS <= bits <= MAX_CHUNK_BITS:
+        raise InputError(
+            f"chunk size must be a power of two from {1 << MIN_CHUNK_BITS} to {1 << MAX_CHUNK_BITS}, "
+            f"got {chunk_size}",
+            where="chunk size",
+        )
+    return bits
+
+
+def _blocks_for(length: int) -> int:
+    return -(-length // BLOCK_SIZE)
+
+
+class BlobMap:
+    """The chunks of one layer's virtual blob, in blob order."""
+
+    block_size = BLOCK_SIZE
+
+    def __init__(self, chunk_size: int):
+        self.chunk_bits = check_chunk_size(chunk_size)
+        self.chunk_size = chunk_size
+        self.entries: list[tuple[int, bytes, int]] = []  # (blkaddr, digest, length), in blob order
+        self.blocks = 0  # total blocks of the blob; also where the next chunk goes
+        self._starts: list[int] = []  # blkaddr of each entry, for bisect in locate()
+        self._by_digest: dict[bytes, int] = {}  # digest -> index into entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._by_digest
+
+    def add(self, digest: bytes, length: int) -> int:
+        """Place a chunk at the end of the blob and return its blkaddr; a chunk already here keeps its place."""
+        index = self._by_digest.get(digest)
+        if index is not None:
+            return self.entries[index][0]
+        if len(digest) != DIGEST_SIZE or not 1 <= length <= self.chunk_size:
+            raise InputError(f"bad chunk: {len(digest)}-byte digest, {length} bytes", where=f"chunk {digest.hex()}")
+        blkaddr = self.blocks
+        if blkaddr + _blocks_for(length) > MAX_BLOCKS:
+            raise UnsupportedError(
+                f"the layer's distinct data exceeds {MAX_BLOCKS} blocks of {BLOCK_SIZE} bytes",
+                where=f"chunk {short(digest)}",
+            )
+        self._by_digest[digest] = len(self.entries)
+        self.entries.append((blkaddr, digest, length))
+        self._starts.append(blkaddr)
+        self.blocks = blkaddr + _blocks_for(length)
+        return blkaddr
+
+    def blkaddr_of(self, digest: bytes) -> int:
+        index = self._by_digest.get(digest)
+        if index is None:
+            raise NotFoundError("chunk is not in the blob map", where=f"chunk {digest.hex()}")
+        return self.entries[index][0]
+
+    def locate(self, blkaddr: int) -> int:
+        """Index of the entry whose blocks include ``blkaddr`` (a block past a chunk's end is its padding)."""
+        if not 0 <= blkaddr < self.blocks:
+            raise InputError(f"block {blkaddr} is outside the blob ({self.blocks} blocks)", where="blob map")
+        return bisect.bisect_right(self._starts, blkaddr) - 1
+
+    def encode(self) -> bytes:
+        header = _HEADER.pack(MAGIC, VERSION, BLOCK_SIZE_BITS, self.chunk_bits, 0, len(self.entries), self.blocks)
+        return header + b"".join(_ENTRY.pack(blkaddr, length, digest) for blkaddr, digest, length in self.entries)
+
+    @property
+    def blob_id(self) -> str:
+        """sha256 hex of encode(): names the blob in the EROFS device table. Hashes the whole map each time."""
+        return hashlib.sha256(self.encode()).hexdigest()
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview, *, source: str) -> BlobMap:
+        """Parse and validate a blob map; FormatError(source=...) names the field or entry and its offset."""
+
+        def fail(structure: str, offset: int, message: str) -> FormatError:
+            return FormatError(structure, offset, message, source=source)
+
+        data = memoryview(data)
+        if len(data) < _HEADER.size:
+            raise fail("blob map header", 0, f"{len(data)} bytes, the header alone is {_HEADER.size}")
+        magic, version, blkszbits, chunkbits, reserved, count, blocks = _HEADER.unpack_from(data, 0)
+        if magic != MAGIC:
+            raise fail("blob map header", 0, f"bad magic {magic!r}")
+        if version != VERSION:
+            raise fail("blob map header", 8, f"unknown version {version}")
+        if blkszbits != BLOCK_SIZE_BITS:
+            raise fail("blob map header", 12, f"block size bits {blkszbits}, expected {BLOCK_SIZE_BITS}")
+        if not MIN_CHUNK_BITS <= chunkbits <= MAX_CHUNK_BITS:
+            raise fail("blob map header", 13, f"chunk size bits {chunkbits} outside {MIN_CHUNK_BITS}..{MAX_CHUNK_BITS}")
+        if reserved:
+            raise fail("blob map header", 14, f"reserved field is {reserved:#x}, expected 0")
+        expected_size = _HEADER.size + count * _ENTRY.size
+        if len(data) != expected_size:
+            raise fail("blob map header", 16, f"{count} entries need {expected_size} bytes, the map has {len(data)}")
+
+        blob_map = cls(1 << chunkbits)
+        for i, (blkaddr, length, digest) in enumerate(_ENTRY.iter_unpack(data[_HEADER.size:])):
+            offset = _HEADER.size + i * _ENTRY.size
+            if blkaddr != blob_map.blocks:
+                raise fail(f"blob map entry {i}", offset, f"blkaddr {blkaddr}, expected {blob_map.blocks}")
+            if not 1 <= length <= blob_map.chunk_size:
+                raise fail(f"blob map entry {i}", offset + 4, f"length {length} outside 1..{blob_map.chunk_size}")
+            if digest in blob_map:
+                first = blob_map._by_digest[digest]
+                raise fail(f"blob map entry {i}", offset + 8, f"chunk {short(digest)} already at entry {first}")
+            if blkaddr + _blocks_for(length) > MAX_BLOCKS:
+                raise fail(f"blob map entry {i}", offset + 4, f"blob runs past block {MAX_BLOCKS}")
+            blob_map.add(digest, length)
+        if blocks != blob_map.blocks:
+            raise fail("blob map header", 20, f"header says {blocks} blocks, the entries fill {blob_map.blocks}")
+        return blob_map

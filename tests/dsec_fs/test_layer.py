@@ -1,0 +1,289 @@
+import json
+import os
+
+import pytest
+
+from dsec_fs.digest import sha256
+from dsec_fs.errors import FormatError, InputError, IntegrityError, NotFoundError, UnavailableError, UnsupportedError
+from dsec_fs.layer import (
+    Manifest,
+    delete_ref,
+    list_refs,
+    open_layer,
+    parse_ref,
+    publish_layer,
+    resolve,
+    set_ref,
+)
+from dsec_fs.store import FilesystemStore, keys
+
+META = b"\xe2\xe1\xf5\xe0 pretend EROFS image" + bytes(4000)
+BLOBMAP = b"pretend blob map " * 10
+LAYER = sha256(META).hex()
+
+
+def make_manifest(**changes) -> Manifest:
+    fields = dict(
+        layer=LAYER,
+        blob_id=sha256(BLOBMAP).hex(),
+        meta_size=len(META),
+        blobmap_size=len(BLOBMAP),
+        blobmap_sha256=sha256(BLOBMAP).hex(),
+        chunk_size=1 << 20,
+        block_size=4096,
+        blob_blocks=12,
+        packs=sorted(["ab" * 32, "cd" * 32]),
+        stats={"files": 3, "bytes": 12345, "chunks": 4, "new_chunks": 2, "seconds": 0.25},
+        source="/src/tree",
+    )
+    fields.update(changes)
+    return Manifest(**fields)
+
+
+class RecordingStore(FilesystemStore):
+    """A real directory store that remembers the order of its puts."""
+
+    def __init__(self, root):
+        super().__init__(str(root), fsync=False)
+        self.put_keys: list[str] = []
+
+    def put(self, key, data):
+        self.put_keys.append(key)
+        super().put(key, data)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return RecordingStore(tmp_path / "store")
+
+
+def path_of(store, key) -> str:
+    return os.path.join(store.root, *key.split("/"))
+
+
+def test_manifest_json_round_trip():
+    manifest = make_manifest()
+    assert Manifest.from_json(manifest.to_json(), source="m") == manifest
+    assert manifest.created.endswith("Z")
+
+
+def test_manifest_ignores_fields_it_does_not_know():
+    obj = json.loads(make_manifest().to_json())
+    obj["added_later"] = [1, 2]
+    assert Manifest.from_json(json.dumps(obj).encode(), source="m") == make_manifest(created=obj["created"])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("layer", "XYZ"),
+        ("layer", "AB" * 32),
+        ("blob_id", 5),
+        ("meta_size", -1),
+        ("meta_size", "10"),
+        ("blob_blocks", True),
+        ("chunk_size", 3000),
+        ("block_size", 0),
+        ("packs", ["cd" * 32, "ab" * 32]),
+        ("packs", ["ab" * 32, "ab" * 32]),
+        ("packs", "ab" * 32),
+        ("stats", {"files": "3"}),
+        ("stats", []),
+        ("created", "yesterday"),
+        ("created", "2024-01-01T00:00:00"),
+        ("created", "2024-01-01T00:00:00+02:00"),
+        ("source", None),
+        ("version", "1"),
+    ],
+)
+def test_manifest_bad_field_is_a_format_error_naming_it(field, value):
+    obj = json.loads(make_manifest().to_json())
+    obj[field] = value
+    with pytest.raises(FormatError) as info:
+        Manifest.from_json(json.dumps(obj).encode(), source="layers/x/manifest.json")
+    assert repr(field) in str(info.value) and "layers/x/manifest.json" in str(info.value)
+
+
+def test_manifest_missing_field_is_named():
+    obj = json.loads(make_manifest().to_json())
+    del obj["chunk_size"]
+    with pytest.raises(FormatError, match="'chunk_size'.*missing"):
+        Manifest.from_json(json.dumps(obj).encode(), source="m")
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b"[1, 2]", b"\xff\xfe\x00", b"null"])
+def test_manifest_that_is_not_a_json_object_is_a_format_error(data):
+    with pytest.raises(FormatError):
+        Manifest.from_json(data, source="m")
+
+
+def test_manifest_from_a_newer_writer_is_unsupported():
+    obj = json.loads(make_manifest().to_json())
+    obj["version"] = 2
+    with pytest.raises(UnsupportedError):
+        Manifest.from_json(json.dumps(obj).encode(), source="m")
+
+
+def test_publish_then_open(store):
+    manifest = make_manifest()
+    assert publish_layer(store, META, BLOBMAP, manifest) == LAYER
+    layer = open_layer(store, LAYER)
+    assert (layer.digest, layer.meta, layer.blobmap) == (LAYER, META, BLOBMAP)
+    assert layer.manifest == manifest
+
+
+def test_publish_writes_the_manifest_last(store):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    assert store.put_keys == [keys.layer_meta(LAYER), keys.layer_blobmap(LAYER), keys.layer_manifest(LAYER)]
+
+
+class ManifestOutageStore(FilesystemStore):
+    """Fails the manifest put: a crash between the blob map and the manifest, on demand."""
+
+    def put(self, key, data):
+        if key.endswith("/manifest.json"):
+            raise UnavailableError("injected outage", where=key)
+        super().put(key, data)
+
+
+def test_a_failed_publish_leaves_nothing_a_reader_or_a_ref_can_reach(tmp_path):
+    store = ManifestOutageStore(str(tmp_path / "store"), fsync=False)
+    with pytest.raises(UnavailableError):
+        publish_layer(store, META, BLOBMAP, make_manifest())
+    assert store.exists(keys.layer_meta(LAYER))  # written before the failure...
+    assert not store.exists(keys.layer_manifest(LAYER))  # ...but not published
+    with pytest.raises(NotFoundError):
+        set_ref(store, "base/debian:12", LAYER)
+    with pytest.raises(NotFoundError):
+        resolve(store, "base/debian:12")
+    with pytest.raises(NotFoundError):
+        open_layer(store, LAYER)
+
+
+def test_publish_refuses_a_manifest_that_does_not_match_the_bytes(store):
+    with pytest.raises(IntegrityError):
+        publish_layer(store, META + b"x", BLOBMAP, make_manifest())
+    with pytest.raises(IntegrityError):
+        publish_layer(store, META, BLOBMAP + b"x", make_manifest())
+    with pytest.raises(IntegrityError):
+        publish_layer(store, META, BLOBMAP, make_manifest(meta_size=len(META) + 1))
+    assert store.put_keys == []
+
+
+def test_publish_refuses_an_invalid_manifest(store):
+    with pytest.raises(FormatError, match="'packs'"):
+        publish_layer(store, META, BLOBMAP, make_manifest(packs=["cd" * 32, "ab" * 32]))
+    assert store.put_keys == []
+
+
+@pytest.mark.parametrize("key_of", [keys.layer_meta, keys.layer_blobmap])
+def test_a_corrupted_layer_file_is_an_integrity_error_naming_its_key(store, key_of):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    path = path_of(store, key_of(LAYER))
+    with open(path, "r+b") as f:
+        f.seek(7)
+        f.write(b"!")
+    with pytest.raises(IntegrityError) as info:
+        open_layer(store, LAYER)
+    assert key_of(LAYER) in str(info.value)
+
+
+def test_a_corrupted_manifest_is_a_format_error_naming_its_key(store):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    with open(path_of(store, keys.layer_manifest(LAYER)), "r+b") as f:
+        f.write(b"[")
+    with pytest.raises(FormatError) as info:
+        open_layer(store, LAYER)
+    assert keys.layer_manifest(LAYER) in str(info.value)
+
+
+def test_a_manifest_stored_under_another_layer_is_an_integrity_error(store):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    other = "0" * 64
+    store.put(keys.layer_manifest(other), store.get(keys.layer_manifest(LAYER)))
+    with pytest.raises(IntegrityError):
+        open_layer(store, other)
+
+
+def test_refs(store):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    set_ref(store, "base/debian:12", LAYER)
+    set_ref(store, "toolkit", LAYER)
+    assert resolve(store, "base/debian:12") == LAYER
+    assert resolve(store, "toolkit:latest") == LAYER
+    assert resolve(store, LAYER) == LAYER
+    assert resolve(store, LAYER.upper()) == LAYER
+    assert list_refs(store) == {"base/debian:12": LAYER, "toolkit:latest": LAYER}
+    assert open_layer(store, "base/debian:12").meta == META
+
+    delete_ref(store, "toolkit")
+    assert list_refs(store) == {"base/debian:12": LAYER}
+    with pytest.raises(NotFoundError, match="toolkit:latest"):
+        resolve(store, "toolkit")
+    with pytest.raises(NotFoundError):
+        delete_ref(store, "toolkit")
+
+
+def test_resolve_of_an_unknown_ref_names_it(store):
+    with pytest.raises(NotFoundError, match="workspace/task-17:v2"):
+        resolve(store, "workspace/task-17:v2")
+
+
+def test_set_ref_refuses_a_bad_digest(store):
+    with pytest.raises(InputError):
+        set_ref(store, "base:1", "not-a-digest")
+
+
+def test_a_corrupt_ref_is_a_format_error_naming_it(store):
+    store.put(keys.ref("base", "1"), b"garbage\n")
+    with pytest.raises(FormatError, match="refs/base:1"):
+        resolve(store, "base:1")
+    with pytest.raises(FormatError, match="refs/base:1"):
+        list_refs(store)
+
+
+@pytest.mark.parametrize(
+    "ref, expected",
+    [
+        ("base/debian:12", ("base/debian", "12")),
+        ("base/debian", ("base/debian", "latest")),
+        ("ws/org/repo-1.2_x:sha-abc.1", ("ws/org/repo-1.2_x", "sha-abc.1")),
+        ("base:_x", ("base", "_x")),
+    ],
+)
+def test_parse_ref(ref, expected):
+    assert parse_ref(ref) == expected
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "",
+        ":12",
+        "base:",
+        "base//debian:1",
+        "/base:1",
+        "base/:1",
+        "../etc:1",
+        "base/..:1",
+        "a..b:1",
+        "base:1..2",
+        "base:a:b",
+        "base:a/b",
+        "base\n:1",
+        "base:1\x00",
+        "ba\x7fse",
+        ".hidden:1",
+        "_name:1",
+        ".tmp-x:1",
+        "base/.:1",
+        "with space:1",
+        "base:" + "t" * 129,
+        "n" * 300,
+        "ab" * 32,
+        "AB" * 32 + ":1",
+    ],
+)
+def test_bad_refs_are_input_errors(ref):
+    with pytest.raises(InputError):
+        parse_ref(ref)

@@ -1,0 +1,168 @@
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsec_fs import compress
+from dsec_fs.digest import sha256
+from dsec_fs.errors import ConflictError, FormatError
+from dsec_fs.pack import (
+    INDEX_ENTRY,
+    INDEX_HEADER,
+    PACK_TRAILER,
+    PackEntry,
+    PackWriter,
+    decode_index,
+    encode_index,
+    index_from_pack,
+)
+
+SOURCE = "index/ab/abcd"
+
+
+def make_pack(chunks: list[bytes]) -> tuple[str, bytes, bytes, list[PackEntry]]:
+    writer = PackWriter()
+    for chunk in chunks:
+        writer.add(sha256(chunk), compress.compress(chunk), len(chunk))
+    entries = writer.entries
+    pack_id, pack, index = writer.finish()
+    return pack_id, pack, index, entries
+
+
+CHUNKS = [b"alpha" * 1000, os.urandom(3000), b"", b"\0" * 65536, b"omega"]
+PACK_ID, PACK, INDEX, ENTRIES = make_pack(CHUNKS)
+
+
+def test_pack_round_trip():
+    assert PACK_ID == sha256(PACK).hex()
+    assert decode_index(INDEX, source=SOURCE, pack_size=len(PACK)) == ENTRIES
+    assert index_from_pack(PACK, source="packs/x") == ENTRIES
+    assert encode_index(ENTRIES) == INDEX
+    # The pack's own index is byte for byte the separate index object.
+    assert PACK[-PACK_TRAILER.size - len(INDEX) : -PACK_TRAILER.size] == INDEX
+    for chunk, entry in zip(CHUNKS, ENTRIES):
+        assert entry.digest == sha256(chunk)
+        frame = PACK[entry.offset : entry.offset + entry.clen]
+        assert compress.decompress(frame, entry.ulen, what="test") == chunk
+
+
+def test_frames_are_back_to_back():
+    end = 0
+    for entry in ENTRIES:
+        assert entry.offset == end
+        end += entry.clen
+    assert end == len(PACK) - len(INDEX) - PACK_TRAILER.size
+
+
+def test_writer_counts_and_size():
+    writer = PackWriter()
+    assert (writer.count, writer.size) == (0, 0)
+    writer.add(b"\1" * 32, b"frame-one", 100)
+    writer.add(b"\2" * 32, b"two", 50)
+    assert (writer.count, writer.size) == (2, 12)
+
+
+def test_empty_pack_round_trips():
+    pack_id, pack, index, entries = make_pack([])
+    assert entries == []
+    assert index_from_pack(pack, source="p") == []
+    assert decode_index(index, source=SOURCE) == []
+
+
+def test_writer_refuses_the_same_chunk_twice():
+    writer = PackWriter()
+    writer.add(b"\1" * 32, b"frame", 5)
+    with pytest.raises(ConflictError):
+        writer.add(b"\1" * 32, b"frame", 5)
+
+
+@settings(max_examples=300)
+@given(position=st.integers(min_value=0, max_value=len(INDEX) - 1), xor=st.integers(min_value=1, max_value=255))
+def test_any_flipped_index_byte_is_a_format_error(position, xor):
+    data = bytearray(INDEX)
+    data[position] ^= xor
+    with pytest.raises(FormatError) as info:
+        decode_index(bytes(data), source=SOURCE)
+    assert SOURCE in str(info.value)
+
+
+@given(length=st.integers(min_value=0, max_value=len(INDEX) - 1))
+def test_any_truncated_index_is_a_format_error(length):
+    with pytest.raises(FormatError):
+        decode_index(INDEX[:length], source=SOURCE)
+
+
+@given(extra=st.binary(min_size=1, max_size=100))
+def test_trailing_garbage_after_an_index_is_a_format_error(extra):
+    with pytest.raises(FormatError):
+        decode_index(INDEX + extra, source=SOURCE)
+
+
+@given(data=st.binary(max_size=300))
+def test_arbitrary_bytes_are_a_format_error(data):
+    with pytest.raises(FormatError):
+        decode_index(data, source=SOURCE)
+
+
+@settings(max_examples=300)
+@given(back=st.integers(min_value=1, max_value=len(INDEX) + PACK_TRAILER.size), xor=st.integers(1, 255))
+def test_any_flipped_byte_in_a_packs_index_or_trailer_is_a_format_error(back, xor):
+    data = bytearray(PACK)
+    data[len(PACK) - back] ^= xor
+    with pytest.raises(FormatError):
+        index_from_pack(bytes(data), source="packs/x")
+
+
+@given(length=st.integers(min_value=0, max_value=len(PACK) - 1))
+def test_any_truncated_pack_is_a_format_error(length):
+    with pytest.raises(FormatError):
+        index_from_pack(PACK[:length], source="packs/x")
+
+
+def entry_offset(number: int) -> int:
+    return INDEX_HEADER.size + number * INDEX_ENTRY.size
+
+
+def test_overlapping_frames_are_rejected_naming_the_entry():
+    a, b = ENTRIES[0], ENTRIES[1]
+    bad = encode_index([a, b._replace(offset=a.offset + a.clen - 1)])
+    with pytest.raises(FormatError) as info:
+        decode_index(bad, source=SOURCE)
+    assert info.value.offset == entry_offset(1)
+    assert "entry 1" in str(info.value) and b.digest.hex() in str(info.value)
+
+
+def test_entries_out_of_offset_order_are_rejected():
+    with pytest.raises(FormatError) as info:
+        decode_index(encode_index([ENTRIES[1], ENTRIES[0]]), source=SOURCE)
+    assert info.value.offset == entry_offset(1)
+
+
+def test_duplicate_chunk_is_rejected():
+    a = ENTRIES[0]
+    with pytest.raises(FormatError, match="already listed as entry 0"):
+        decode_index(encode_index([a, a._replace(offset=a.offset + a.clen)]), source=SOURCE)
+
+
+def test_empty_frame_is_rejected():
+    with pytest.raises(FormatError, match="empty frame"):
+        decode_index(encode_index([ENTRIES[0]._replace(clen=0)]), source=SOURCE)
+
+
+def test_frame_past_the_end_of_the_pack_is_rejected_when_the_pack_size_is_known():
+    last = ENTRIES[-1]
+    bad = encode_index([*ENTRIES[:-1], last._replace(clen=last.clen + 1)])
+    decode_index(bad, source=SOURCE)  # without the pack size nothing shows the problem
+    with pytest.raises(FormatError, match="runs past the frame area") as info:
+        decode_index(bad, source=SOURCE, pack_size=len(PACK))
+    assert info.value.offset == entry_offset(len(ENTRIES) - 1)
+
+
+def test_errors_in_a_packs_index_give_pack_offsets():
+    data = bytearray(PACK)
+    index_at = len(PACK) - PACK_TRAILER.size - len(INDEX)
+    data[index_at] ^= 0xFF  # first magic byte
+    with pytest.raises(FormatError, match="bad magic") as info:
+        index_from_pack(bytes(data), source="packs/x")
+    assert info.value.offset == index_at
