@@ -75,3 +75,9 @@ def check_range(key: str, offset: int, length: int | None) -> None:
     """Reject negative ranges before they reach a backend (each would treat them differently)."""
     if offset < 0 or (length is not None and length < 0):
         raise InputError(f"negative range offset={offset} length={length}", where=key)
+
+
+def check_key(key: str, where: str) -> None:
+    """Keys are relative slash paths without empty, '.' or '..' parts, so any store copies to any other."""
+    if not key or any(part in ("", ".", "..") for part in key.split("/")):
+        raise InputError(f"invalid store key {key!r}", where=where)

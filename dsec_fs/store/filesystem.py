@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Iterator
 
 from ..errors import CorruptError, InputError, NotFoundError, UnavailableError
-from .base import Store, check_range
+from .base import Store, check_key, check_range
 
 TMP_PREFIX = ".tmp-"
 
@@ -39,9 +39,10 @@ class FilesystemStore(Store):
             raise UnavailableError("store directory does not exist", where=self.root, transient=False)
 
     def _path(self, key: str) -> str:
+        check_key(key, self.url)
         parts = key.split("/")
-        if not key or any(p in ("", ".", "..") or p.startswith(TMP_PREFIX) for p in parts):
-            raise InputError(f"invalid store key {key!r}", where=self.url)
+        if any(p.startswith(TMP_PREFIX) for p in parts):
+            raise InputError(f"store keys may not start with {TMP_PREFIX!r}: {key!r}", where=self.url)
         return os.path.join(self.root, *parts)
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -49,6 +50,9 @@ class FilesystemStore(Store):
         path = self._path(key)
         try:
             with open(path, "rb", buffering=0) as f:
+                # An empty read past the end is a range past the end too (the same answer as S3's 416).
+                if not length and offset > os.fstat(f.fileno()).st_size:
+                    raise CorruptError(f"offset {offset} is past the end", where=f"{self.url}/{key}")
                 if length is None:
                     f.seek(offset)
                     return f.read()
