@@ -1,4 +1,9 @@
-"""Shared fixtures: the real Debian rootfs, and a sweep of mounts a crashed run may have left behind.
+"""Shared fixtures: the real Debian rootfs, an S3 endpoint, and a sweep of mounts a crashed run may have left behind.
+
+``moto_server`` (session) runs one moto S3 server on a free port of 127.0.0.1 and stops it by PID at the
+end, whatever the tests did; ``s3_url`` (per test) points the environment at it (fake credentials,
+DSECFS_S3_ENDPOINT) and yields ``s3://dsecfs-test/<unique prefix>``, so tests never see each other's
+objects.
 
 Every mount a test makes is undone by that test (a fixture's finally); the sweep is the second line of
 defence so one failed run cannot poison the next: before and after the session it detaches every
@@ -8,11 +13,14 @@ erofs, fuse and overlay mount below the temporary directory.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
 
 import pytest
+
+from tests.s3server import MotoServer
 
 DEBIAN_ROOTFS = os.environ.get("DSECFS_TEST_ROOTFS", "/var/cache/dsecfs-test/debian-minbase")
 SWEPT_FSTYPES = ("erofs", "overlay", "fuse")
@@ -74,3 +82,22 @@ def debian_rootfs() -> str:
         subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", "bookworm", tmp], check=True)
         os.rename(tmp, DEBIAN_ROOTFS)
     return DEBIAN_ROOTFS
+
+
+S3_TEST_BUCKET = "dsecfs-test"
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    with MotoServer() as server:
+        server.create_bucket(S3_TEST_BUCKET)
+        yield server
+
+
+@pytest.fixture
+def s3_url(moto_server, monkeypatch):
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{S3_TEST_BUCKET}/t-{secrets.token_hex(6)}"
