@@ -1,0 +1,131 @@
+"""A layer's virtual blob (EROFS device 1), read by byte range and made from chunks fetched by digest.
+
+The blob is the layer's distinct chunks in blob-map order, each starting on a block boundary; the bytes
+between a chunk's end and the next block boundary are zeros. Nothing stores the blob: ``read`` finds the
+chunks a range covers in the blob map, fetches them all with one ``fetch_many`` (so neighbours in a pack
+travel in one ranged GET), and cuts the range out, zero padding included. This is what the kernel-mode
+FUSE blob file and the fuse-mode file reads call.
+
+Threads: a LayerBlob is used from the trio thread (its fetcher lives there). The blob map and the chunk
+index it reads are safe to share.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import trio
+
+from dsec_fs.chunks import ChunkIndex, ChunkLocation
+from dsec_fs.digest import to_hex
+from dsec_fs.errors import CorruptError, FormatError, InputError, NotFoundError, UnavailableError
+from dsec_fs.layer import LayerFiles
+from dsec_fs.store import keys
+from erofs_builder.blobmap import BlobMap
+
+from .fetcher import ONDEMAND, ChunkFetcher, Priority
+
+
+class BlobChunk(NamedTuple):
+    """A chunk whose bytes a blob range covers."""
+
+    entry: int  # its number in the blob map
+    digest: bytes
+    start: int  # byte offset of its first byte in the blob (its blkaddr times the block size)
+    length: int  # bytes of chunk data; zeros follow up to the next block boundary
+
+
+class LayerBlob:
+    """The virtual blob of one layer; ``chunk_index`` must locate every chunk of ``blob_map``."""
+
+    def __init__(self, blob_map: BlobMap, chunk_index: ChunkIndex, fetcher: ChunkFetcher, *, label: str = ""):
+        self.blob_map = blob_map
+        self.chunk_index = chunk_index
+        self.fetcher = fetcher
+        self.label = label
+        self.size = blob_map.blocks * blob_map.block_size
+
+    def chunks_for_range(self, offset: int, length: int) -> list[BlobChunk]:
+        """The chunks whose data overlaps [offset, offset + length), in blob order. A range that falls
+        only in padding or past the end of the blob needs none."""
+        _check_range(offset, length)
+        end = min(offset + length, self.size)
+        if offset >= end:
+            return []
+        block_size = self.blob_map.block_size
+        entries = self.blob_map.entries
+        chunks = []
+        for number in range(self.blob_map.locate(offset // block_size), len(entries)):
+            blkaddr, digest, chunk_length = entries[number]
+            start = blkaddr * block_size
+            if start >= end:
+                break
+            if start + chunk_length > offset:
+                chunks.append(BlobChunk(number, digest, start, chunk_length))
+        return chunks
+
+    async def read(self, offset: int, length: int, *, priority: Priority = ONDEMAND) -> bytes:
+        """Bytes [offset, offset + length) of the blob, shorter when the range runs past its end (empty at
+        or beyond the end), as read(2) answers."""
+        chunks = self.chunks_for_range(offset, length)
+        end = min(offset + length, self.size)
+        if offset >= end:
+            return b""
+        fetched = await self.fetcher.fetch_many(
+            [(chunk.digest, self._location(chunk)) for chunk in chunks], priority=priority, label=self.label
+        )
+        out = bytearray(end - offset)  # what no chunk covers is padding: zeros
+        for chunk in chunks:
+            data = fetched[chunk.digest]
+            if len(data) != chunk.length:
+                raise CorruptError(f"{len(data)} bytes, the blob map says {chunk.length}",
+                                   where=f"chunk {to_hex(chunk.digest)}")
+            low, high = max(offset, chunk.start), min(end, chunk.start + chunk.length)
+            out[low - offset:high - offset] = data[low - chunk.start:high - chunk.start]
+        return bytes(out)
+
+    def _location(self, chunk: BlobChunk) -> ChunkLocation:
+        location = self.chunk_index.get(chunk.digest)
+        if location is None:
+            raise NotFoundError("the chunk index does not locate this chunk of the blob",
+                                where=f"chunk {to_hex(chunk.digest)} (blob entry {chunk.entry})")
+        return location
+
+
+async def open_layer_blob(layer: LayerFiles, fetcher: ChunkFetcher, *, chunk_index: ChunkIndex | None = None,
+                          label: str | None = None) -> LayerBlob:
+    """The blob of an opened layer (dsec_fs.layer.open_layer). Reads the index objects of the layer's packs
+    into ``chunk_index`` (a new one by default; pass the daemon's shared one) unless it already locates
+    every chunk, and checks that each chunk is located with the length the blob map gives it.
+    ``label`` (the FetchStats label) defaults to the layer digest."""
+    source = keys.layer_blobmap(layer.digest)
+    blob_map = BlobMap.decode(layer.blobmap, source=source)
+    manifest = layer.manifest
+    if (blob_map.blocks, blob_map.block_size) != (manifest.blob_blocks, manifest.block_size):
+        raise FormatError("blob map header", None,
+                          f"{blob_map.blocks} blocks of {blob_map.block_size} bytes, the manifest says "
+                          f"{manifest.blob_blocks} of {manifest.block_size}", source=source)
+    chunk_index = ChunkIndex() if chunk_index is None else chunk_index
+    if any(digest not in chunk_index for _, digest, _ in blob_map.entries):
+        try:
+            with trio.fail_after(fetcher.timeout):
+                await trio.to_thread.run_sync(chunk_index.load_packs, fetcher.store, manifest.packs,
+                                              abandon_on_cancel=True)
+        except trio.TooSlowError:
+            raise UnavailableError(f"the store did not answer within {fetcher.timeout:g} s",
+                                   where=f"pack indexes of layer {layer.digest}", transient=True) from None
+    for number, (_blkaddr, digest, length) in enumerate(blob_map.entries):
+        location = chunk_index.get(digest)
+        if location is None:
+            raise NotFoundError("no pack of the layer holds this chunk",
+                                where=f"chunk {to_hex(digest)} (blob entry {number} of layer {layer.digest})")
+        if location.ulen != length:
+            raise FormatError(f"blob map entry {number}", None,
+                              f"chunk {to_hex(digest)} is {length} bytes here, {location.ulen} in its pack",
+                              source=source)
+    return LayerBlob(blob_map, chunk_index, fetcher, label=layer.digest if label is None else label)
+
+
+def _check_range(offset: int, length: int) -> None:
+    if offset < 0 or length < 0:
+        raise InputError(f"negative range offset={offset} length={length}", where="blob read")

@@ -1,0 +1,273 @@
+"""The node's local chunk cache: verified chunk bytes in files keyed by digest, an LMDB index beside them,
+bounded in size with least-recently-used eviction.
+
+Layout of the cache directory::
+
+    lock                       flock()ed while a ChunkCache is open: one owner per directory
+    index/                     the LMDB index (lmdb_index.py): size, atime, xxh3_64 per chunk, total bytes
+    chunks/<hh>/<digest hex>   a chunk's plain bytes; <hh> is the first two hex characters
+    chunks/<hh>/.tmp-<random>  a chunk being written
+
+The rule that keeps it consistent after SIGKILL at any point: an index entry is only ever added for a file
+already renamed into place, and removed before its file is unlinked. A crash can therefore leave only
+files nobody indexes (temporary or complete), and the next open deletes them in one scan, together with
+index entries whose file has gone (someone deleted it). Chunk files are not fsynced: every read checks the
+size and xxh3_64 the index recorded, so bytes a power cut lost (or a disk rotted) are found on read; such
+a rotten entry is dropped and reported as a miss, and the fetcher fetches the chunk again. The index itself
+commits durably.
+
+``max_bytes`` bounds the sum of the chunk sizes (not the disk blocks they occupy, nor the index). Hits
+move a chunk to the recent end of the LRU order; those moves are collected in memory and written in
+one transaction per TOUCH_BATCH hits, and always before eviction, so a hit does not cost an index commit.
+A crash loses at most the last batch of moves, which only makes the LRU order slightly stale.
+
+The cache trusts the bytes it is given: callers put only chunks they verified against their digest
+(the fetcher's read_chunks does).
+
+Threads: every method blocks (disk I/O and index transactions); in the daemon they run in trio worker
+threads and any number may run at once. ``_lock`` serialises the changes that must agree between files
+and index: rename + record (put), eviction, dropping a rotten entry. Reads take no lock: a read that races
+an eviction sees a missing file and re-checks under ``_lock`` before calling anything rotten.
+``_counters_lock`` guards the statistics counters and the pending LRU moves.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+from dsec_fs.digest import is_hex_digest, short, to_hex
+from dsec_fs.errors import CorruptError, InputError, UnavailableError
+
+from .lmdb_index import DEFAULT_MAP_SIZE, CacheIndex, IndexEntry
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"
+# Hits remembered before their LRU moves are written to the index in one transaction.
+TOUCH_BATCH = 64
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    entries: int  # chunks in the cache
+    bytes: int  # sum of their sizes
+    max_bytes: int
+    hits: int  # gets answered, since open
+    misses: int  # gets not answered (absent, raced an eviction, or rotten)
+    evictions: int  # entries removed to stay under max_bytes
+    rotten: int  # entries dropped because the file was missing, the wrong size or failed its xxh3 check
+    reconciled: int  # files deleted and entries dropped by the check at open
+
+
+def checksum(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class ChunkCache:
+    """The cache in ``directory`` (created if missing), holding at most ``max_bytes`` of chunks."""
+
+    def __init__(self, directory: str, max_bytes: int, *, map_size: int = DEFAULT_MAP_SIZE):
+        if max_bytes <= 0:
+            raise InputError(f"the cache size must be positive, got {max_bytes}", where=directory)
+        self.directory = os.path.abspath(directory)
+        self.max_bytes = max_bytes
+        self._chunks_dir = os.path.join(self.directory, "chunks")
+        self._lock = threading.Lock()
+        self._counters_lock = threading.Lock()
+        self._pending_touches: dict[bytes, int] = {}
+        self._hits = self._misses = self._evictions = self._rotten = 0
+        os.makedirs(self._chunks_dir, exist_ok=True)
+        self._lock_fd = self._lock_directory()
+        try:
+            self._index = self._open_index(map_size)
+            self._reconciled = self._reconcile()
+            self.evict_to(max_bytes)  # in case it was reopened with a smaller limit
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _lock_directory(self) -> int:
+        fd = os.open(os.path.join(self.directory, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UnavailableError("the chunk cache is in use by another ChunkCache (this or another process)",
+                                   where=self.directory, transient=False) from None
+        return fd
+
+    def _open_index(self, map_size: int) -> CacheIndex:
+        """Open the index; a damaged one is a cache we can afford to lose, so it starts again empty."""
+        index_dir = os.path.join(self.directory, "index")
+        try:
+            return CacheIndex(index_dir, map_size)
+        except CorruptError as exc:
+            log.warning("chunk cache %s: %s; starting with an empty cache", self.directory, exc)
+        for name in os.listdir(index_dir):
+            os.unlink(os.path.join(index_dir, name))
+        return CacheIndex(index_dir, map_size)
+
+    def _reconcile(self) -> int:
+        """Make files and index agree after a crash: one pass over the index, one over the chunk files."""
+        indexed = set(self._index.digests())
+        present: set[bytes] = set()
+        removed = 0
+        for fan_out in os.listdir(self._chunks_dir):
+            fan_out_dir = os.path.join(self._chunks_dir, fan_out)
+            if not os.path.isdir(fan_out_dir):
+                continue
+            for entry in os.scandir(fan_out_dir):
+                name = entry.name
+                if is_hex_digest(name) and name.startswith(fan_out) and bytes.fromhex(name) in indexed:
+                    present.add(bytes.fromhex(name))
+                    continue
+                # A temporary file, a chunk whose put never reached the index, or one evicted from the
+                # index but not yet unlinked.
+                os.unlink(entry.path)
+                removed += 1
+        missing = indexed - present
+        if missing:
+            self._index.delete(missing)
+        if removed or missing:
+            log.info("chunk cache %s: removed %d unindexed files, dropped %d entries without a file",
+                     self.directory, removed, len(missing))
+        return removed + len(missing)
+
+    def _path(self, digest: bytes) -> str:
+        name = to_hex(digest)
+        return os.path.join(self._chunks_dir, name[:2], name)
+
+    def get(self, digest: bytes) -> bytes | None:
+        """The chunk's bytes, checked against the index; None when it is not cached (or was rotten)."""
+        entry = self._index.get(digest)
+        data = None if entry is None else self._read_valid(digest, entry)[0]
+        if entry is not None and data is None:
+            data = self._recheck(digest)
+        with self._counters_lock:
+            if data is None:
+                self._misses += 1
+                return None
+            self._hits += 1
+            self._pending_touches[digest] = time.time_ns()
+            flush = len(self._pending_touches) >= TOUCH_BATCH
+        if flush:
+            self._flush_touches()
+        return data
+
+    def put(self, digest: bytes, data: bytes | memoryview) -> bool:
+        """Cache a verified chunk; False when it is larger than the whole cache and so not kept."""
+        size = memoryview(data).nbytes
+        if size > self.max_bytes:
+            return False
+        if self._index.get(digest) is not None:
+            with self._counters_lock:
+                self._pending_touches[digest] = time.time_ns()
+            return True
+        path = self._path(digest)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = os.path.join(os.path.dirname(path), f"{TMP_PREFIX}{secrets.token_hex(8)}")
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+            with self._lock:
+                os.rename(tmp, path)
+                self._index.put(digest, size, checksum(data), time.time_ns())
+                if self._index.total_bytes > self.max_bytes:
+                    self._evict_locked(self.max_bytes)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return True
+
+    def evict_to(self, max_bytes: int) -> int:
+        """Evict least recently used chunks until at most ``max_bytes`` are cached; returns how many."""
+        with self._lock:
+            return self._evict_locked(max_bytes)
+
+    def stats(self) -> CacheStats:
+        with self._counters_lock:
+            hits, misses, evictions, rotten = self._hits, self._misses, self._evictions, self._rotten
+        return CacheStats(entries=len(self._index), bytes=self._index.total_bytes, max_bytes=self.max_bytes,
+                          hits=hits, misses=misses, evictions=evictions, rotten=rotten,
+                          reconciled=self._reconciled)
+
+    def close(self) -> None:
+        """Write pending LRU moves and release the index and the directory lock. Call it after every
+        other call has returned (a call after close raises UnavailableError)."""
+        self._flush_touches()
+        self._index.close()
+        os.close(self._lock_fd)
+
+    def __enter__(self) -> "ChunkCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read_valid(self, digest: bytes, entry: IndexEntry) -> tuple[bytes | None, str]:
+        """(bytes, "") when the file matches the index entry, else (None, why not)."""
+        try:
+            with open(self._path(digest), "rb") as f:
+                data = f.read(entry.size + 1)  # one byte more shows a file that grew
+        except FileNotFoundError:
+            return None, "file missing"
+        if len(data) != entry.size:
+            return None, f"{len(data)} bytes, the index says {entry.size}"
+        if checksum(data) != entry.checksum:
+            return None, "xxh3 mismatch"
+        return data, ""
+
+    def _recheck(self, digest: bytes) -> bytes | None:
+        """A read failed: under ``_lock`` look again, and drop the entry only if it is still bad.
+
+        The lock keeps eviction and put out, so a file that vanished because it was evicted (its entry is
+        gone too) or re-put meanwhile (its new file is good) is not mistaken for rot.
+        """
+        with self._lock:
+            entry = self._index.get(digest)
+            if entry is None:
+                return None
+            data, problem = self._read_valid(digest, entry)
+            if data is not None:
+                return data
+            log.warning("chunk cache: dropping rotten chunk %s (%s)", to_hex(digest), problem)
+            self._index.delete([digest])
+            self._unlink(digest)
+        with self._counters_lock:
+            self._rotten += 1
+        return None
+
+    def _evict_locked(self, max_bytes: int) -> int:
+        """With ``_lock`` held: evict down to ``max_bytes``; index first, then files (see the module doc)."""
+        self._flush_touches()
+        evicted = self._index.evict_to(max_bytes)
+        for digest in evicted:
+            self._unlink(digest)
+        if evicted:
+            log.debug("chunk cache: evicted %d chunks, first %s", len(evicted), short(evicted[0]))
+        with self._counters_lock:
+            self._evictions += len(evicted)
+        return len(evicted)
+
+    def _flush_touches(self) -> None:
+        with self._counters_lock:
+            touches, self._pending_touches = self._pending_touches, {}
+        if touches:
+            self._index.touch(touches)
+
+    def _unlink(self, digest: bytes) -> None:
+        try:
+            os.unlink(self._path(digest))
+        except FileNotFoundError:
+            pass

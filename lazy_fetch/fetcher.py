@@ -1,0 +1,450 @@
+"""The node daemon's chunk fetcher: local cache first, then the store; one fetch per chunk at a time.
+
+    async with open_fetcher(store, cache) as fetcher:
+        data = await fetcher.fetch(digest, location, priority=ONDEMAND, label="base/debian:12")
+        chunks = await fetcher.fetch_many([(digest, location), ...], priority=PREFETCH, label=...)
+
+How a request is served:
+
+- **Single flight.** The first request for a chunk starts a *flight*; requests for the same chunk that
+  arrive while it is in the air wait for it and get its result. A failure is delivered to every waiter and
+  forgotten: the next request starts a new flight.
+- **Cache, then store.** A flight looks the chunk up in the ChunkCache (in a worker thread). Misses go to
+  the store with ``read_chunks``, which merges the chunks of one call that are neighbours in a pack into
+  one ranged GET, and decompresses and sha256-verifies each before anything else sees it. Verified chunks
+  are put into the cache by the same worker thread, so a fetch whose caller gave up still fills the cache.
+  When a merged read fails on one corrupt chunk, each chunk of it is read alone, so the good ones are
+  still served and only the bad one fails, with an error naming it.
+- **Bounded concurrency with priorities.** At most ``max_concurrent`` store reads run at once, and
+  prefetch reads use at most ``prefetch_slots`` of them, so on-demand reads always find a slot soon. Queued
+  on-demand reads go before queued prefetch reads; a queued prefetch that an on-demand request joins is
+  promoted. A slot is held until the worker thread really ends, so threads stuck in a hung store cannot
+  pile up beyond the limit.
+- **Timeout.** Each store read (waiting for a slot included) must finish within ``timeout`` seconds, else
+  its chunks fail with UnavailableError(transient=True); the worker thread is abandoned (its result, if it
+  ever comes, is still cached).
+- **Batches.** One call's misses are split per pack and into batches of at most MAX_BATCH_BYTES of
+  compressed bytes; each batch is one worker-thread call holding one slot, and batches run in parallel.
+
+Metrics: a FetchStats per label (a layer, normally), exported by the daemon's prometheus adapter.
+
+Threads: ChunkFetcher lives in the trio thread; every method, the flights, the slots and the FetchStats
+are used from there only, so they need no locks. Store reads and cache calls run in worker threads via
+trio.to_thread.run_sync. Flights run as tasks of the fetcher's own nursery (open_fetcher), not of the
+caller: a caller that is cancelled stops waiting, and the fetch goes on for the others and the cache.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from dsec_fs.chunks import ChunkLocation, read_chunk, read_chunks
+from dsec_fs.digest import to_hex
+from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError
+from dsec_fs.store.base import Store
+
+from .cache import ChunkCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONCURRENT = 8
+DEFAULT_TIMEOUT = 30.0
+# Compressed bytes per store read: large enough to merge a run of neighbours, small enough that a big
+# request is spread over several slots and its first chunks are not held up by its last.
+MAX_BATCH_BYTES = 16 * 1024 * 1024
+# Upper bounds (seconds) of the latency histogram's buckets; the last catches everything.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, math.inf)
+RECENT_LATENCIES = 1024
+
+
+class Priority(enum.IntEnum):
+    """Lower goes first."""
+
+    ONDEMAND = 0  # a reader is waiting for these bytes (a FUSE read)
+    PREFETCH = 1  # warming the cache ahead of need
+
+
+ONDEMAND = Priority.ONDEMAND
+PREFETCH = Priority.PREFETCH
+
+
+@dataclass
+class FetchStats:
+    """Counters of one label, updated in the trio thread; readers may read them at any time."""
+
+    label: str
+    hits: int = 0  # chunks found in the local cache
+    misses: int = 0  # chunks not in the local cache, so read from the store
+    coalesced: int = 0  # requests that joined a flight already in the air
+    chunks_fetched: int = 0  # chunks read from the store, verified and delivered
+    bytes_fetched: int = 0  # their uncompressed bytes
+    store_reads: int = 0  # batches sent to the store (each one or a few ranged GETs)
+    errors: int = 0  # chunks whose fetch failed, for any reason
+    corrupt: int = 0  # ... because the store returned bad bytes (CorruptError, IntegrityError)
+    timeouts: int = 0  # ... because the store did not answer within the timeout
+    # Store read latency (queueing for a slot included): count per LATENCY_BUCKETS bucket (not
+    # cumulative), their sum, and the most recent values.
+    latency_counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    latency_sum: float = 0.0
+    recent_latencies: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_LATENCIES))
+
+    def observe_latency(self, seconds: float) -> None:
+        bucket = next(i for i, bound in enumerate(LATENCY_BUCKETS) if seconds <= bound)
+        self.latency_counts[bucket] += 1
+        self.latency_sum += seconds
+        self.recent_latencies.append(seconds)
+
+
+class _Flight:
+    """One chunk's fetch in the air: the result every waiter gets, once ``done`` is set."""
+
+    __slots__ = ("done", "data", "error", "priority", "ticket")
+
+    def __init__(self, priority: Priority):
+        self.done = trio.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.priority = priority
+        self.ticket: _Ticket | None = None  # the store-slot claim of its batch, once it has one
+
+
+class _Ticket:
+    """A batch's claim on a store slot."""
+
+    __slots__ = ("priority", "queued", "granted", "as_prefetch", "event")
+
+    def __init__(self, priority: Priority):
+        self.priority = priority
+        self.queued = False
+        self.granted = False
+        self.as_prefetch = False  # it was granted as a prefetch and counts against the prefetch limit
+        self.event = trio.Event()
+
+
+class _StoreSlots:
+    """At most ``total`` store reads at once, at most ``prefetch_limit`` of them prefetch; queued
+    on-demand reads are granted before queued prefetch reads, each queue first come, first served."""
+
+    def __init__(self, total: int, prefetch_limit: int):
+        self.total = total
+        self.prefetch_limit = prefetch_limit
+        self.in_use = 0
+        self.prefetch_in_use = 0
+        self._queues: dict[Priority, deque[_Ticket]] = {ONDEMAND: deque(), PREFETCH: deque()}
+
+    def waiting(self, priority: Priority) -> int:
+        return len(self._queues[priority])
+
+    async def acquire(self, ticket: _Ticket) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        queued_ahead = any(self._queues[p] for p in Priority if p <= ticket.priority)
+        if not queued_ahead and self._may_start(ticket.priority):
+            self._grant(ticket)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        ticket.queued = True
+        self._queues[ticket.priority].append(ticket)
+        try:
+            await ticket.event.wait()
+        except BaseException:  # cancelled (a timeout): give back what we hold, or leave the queue
+            if ticket.granted:
+                self.release(ticket)
+            else:
+                self._queues[ticket.priority].remove(ticket)
+                ticket.queued = False
+            raise
+
+    def release(self, ticket: _Ticket) -> None:
+        self.in_use -= 1
+        if ticket.as_prefetch:
+            self.prefetch_in_use -= 1
+        self._grant_queued()
+
+    def promote(self, ticket: _Ticket) -> None:
+        """Make a prefetch ticket on-demand; a queued one moves to the end of the on-demand queue."""
+        if ticket.priority == ONDEMAND:
+            return
+        if ticket.queued:
+            self._queues[PREFETCH].remove(ticket)
+            self._queues[ONDEMAND].append(ticket)
+        ticket.priority = ONDEMAND
+        self._grant_queued()
+
+    def _may_start(self, priority: Priority) -> bool:
+        return self.in_use < self.total and (priority == ONDEMAND or self.prefetch_in_use < self.prefetch_limit)
+
+    def _grant(self, ticket: _Ticket) -> None:
+        ticket.granted = True
+        ticket.queued = False
+        ticket.as_prefetch = ticket.priority == PREFETCH
+        self.in_use += 1
+        self.prefetch_in_use += ticket.as_prefetch
+        ticket.event.set()
+
+    def _grant_queued(self) -> None:
+        for priority in (ONDEMAND, PREFETCH):
+            queue = self._queues[priority]
+            while queue and self._may_start(priority):
+                self._grant(queue.popleft())
+
+
+class _SlotLimiter:
+    """What trio.to_thread.run_sync needs of a limiter, for one ticket: the slot is taken before the
+    thread starts and given back when the thread has really finished, even after a timeout."""
+
+    def __init__(self, slots: _StoreSlots, ticket: _Ticket):
+        self._slots = slots
+        self._ticket = ticket
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        await self._slots.acquire(self._ticket)
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self._slots.release(self._ticket)
+
+
+class ChunkFetcher:
+    """Made by open_fetcher, which owns the nursery the flights run in."""
+
+    def __init__(
+        self,
+        store: Store,
+        cache: ChunkCache,
+        nursery: trio.Nursery,
+        *,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        prefetch_slots: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
+        prefetch_slots = max(1, max_concurrent // 2) if prefetch_slots is None else prefetch_slots
+        if max_concurrent < 1 or not 0 < prefetch_slots <= max_concurrent:
+            raise InputError(f"need 0 < prefetch_slots ({prefetch_slots}) <= max_concurrent ({max_concurrent})",
+                             where="chunk fetcher")
+        self.store = store
+        self.cache = cache
+        self.timeout = timeout
+        self._nursery = nursery
+        self._slots = _StoreSlots(max_concurrent, prefetch_slots)
+        self._flights: dict[bytes, _Flight] = {}
+        self._stats: dict[str, FetchStats] = {}
+
+    def stats(self, label: str = "") -> FetchStats:
+        """The counters of ``label`` (created on first use)."""
+        stats = self._stats.get(label)
+        if stats is None:
+            stats = self._stats[label] = FetchStats(label)
+        return stats
+
+    def all_stats(self) -> dict[str, FetchStats]:
+        return dict(self._stats)
+
+    def waiting(self, priority: Priority) -> int:
+        """Store reads of ``priority`` queued for a slot (a gauge for metrics)."""
+        return self._slots.waiting(priority)
+
+    @property
+    def store_reads_running(self) -> int:
+        """Store reads holding a slot (a gauge; threads abandoned after a timeout count until they end)."""
+        return self._slots.in_use
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks being fetched right now (in the cache lookup, queued or being read)."""
+        return len(self._flights)
+
+    async def fetch(self, digest: bytes, location: ChunkLocation, *, priority: Priority = ONDEMAND,
+                    label: str = "") -> bytes:
+        """The verified bytes of one chunk."""
+        return (await self.fetch_many([(digest, location)], priority=priority, label=label))[digest]
+
+    async def fetch_many(self, items: Iterable[tuple[bytes, ChunkLocation]], *, priority: Priority = ONDEMAND,
+                         label: str = "") -> dict[bytes, bytes]:
+        """digest -> verified bytes for every item. Raises the error of the first failed chunk (in the order
+        given) after that chunk's flight ends; the other chunks' flights go on and fill the cache."""
+        stats = self.stats(label)
+        waits: dict[bytes, _Flight] = {}
+        started: list[tuple[bytes, ChunkLocation, _Flight]] = []
+        for digest, location in items:
+            if digest in waits:
+                continue
+            flight = self._flights.get(digest)
+            if flight is None:
+                flight = self._flights[digest] = _Flight(priority)
+                started.append((digest, location, flight))
+            else:
+                stats.coalesced += 1
+                if priority < flight.priority:
+                    flight.priority = priority
+                    if flight.ticket is not None:
+                        self._slots.promote(flight.ticket)
+            waits[digest] = flight
+        if started:
+            self._nursery.start_soon(self._fly, started, stats)
+        chunks: dict[bytes, bytes] = {}
+        for digest, flight in waits.items():
+            await flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            chunks[digest] = flight.data
+        return chunks
+
+    async def _fly(self, started: list[tuple[bytes, ChunkLocation, _Flight]], stats: FetchStats) -> None:
+        """Serve new flights: cache lookups, then the store for the misses, in batches run side by side."""
+        try:
+            cached = await trio.to_thread.run_sync(self._cache_get_all, [digest for digest, _, _ in started])
+            missed = []
+            for digest, location, flight in started:
+                if digest in cached:
+                    stats.hits += 1
+                    self._land(digest, flight, data=cached[digest])
+                else:
+                    stats.misses += 1
+                    missed.append((digest, location, flight))
+            async with trio.open_nursery() as nursery:
+                for batch in _batches(missed):
+                    ticket = _Ticket(min(flight.priority for _, _, flight in batch))
+                    for _, _, flight in batch:
+                        flight.ticket = ticket
+                    nursery.start_soon(self._read_batch, batch, ticket, stats)
+        finally:
+            # Only when the fetcher shuts down (or on a bug) can a flight still be in the air here;
+            # nobody may wait for it forever.
+            for digest, _, flight in started:
+                if not flight.done.is_set():
+                    self._land(digest, flight, error=UnavailableError(
+                        "the chunk fetcher stopped before the chunk arrived", where=f"chunk {to_hex(digest)}"))
+
+    async def _read_batch(self, batch: list[tuple[bytes, ChunkLocation, _Flight]], ticket: _Ticket,
+                          stats: FetchStats) -> None:
+        items = [(digest, location) for digest, location, _ in batch]
+        started_at = trio.current_time()
+        stats.store_reads += 1
+        try:
+            with trio.fail_after(self.timeout):
+                results = await trio.to_thread.run_sync(
+                    self._read_and_cache, items, abandon_on_cancel=True, limiter=_SlotLimiter(self._slots, ticket)
+                )
+        except trio.TooSlowError:
+            stats.timeouts += len(items)
+            error = UnavailableError(f"the store did not answer within {self.timeout:g} s",
+                                     where=_chunks_name(items), transient=True)
+            results = dict.fromkeys((digest for digest, _ in items), error)
+        except Exception as exc:  # whatever the store raised goes to the waiters
+            results = dict.fromkeys((digest for digest, _ in items), exc)
+        stats.observe_latency(trio.current_time() - started_at)
+
+        logged: set[int] = set()  # a whole-batch error is logged once
+        for digest, _location, flight in batch:
+            result = results[digest]
+            if isinstance(result, BaseException):
+                stats.errors += 1
+                stats.corrupt += isinstance(result, CorruptError)
+                if id(result) not in logged:
+                    logged.add(id(result))
+                    log.error("fetching chunk %s failed: %s", to_hex(digest), result)
+                self._land(digest, flight, error=result)
+            else:
+                stats.chunks_fetched += 1
+                stats.bytes_fetched += len(result)
+                self._land(digest, flight, data=result)
+
+    def _land(self, digest: bytes, flight: _Flight, *, data: bytes | None = None,
+              error: BaseException | None = None) -> None:
+        flight.data, flight.error = data, error
+        if self._flights.get(digest) is flight:
+            del self._flights[digest]
+        flight.done.set()
+
+    # -- worker threads
+
+    def _cache_get_all(self, digests: list[bytes]) -> dict[bytes, bytes]:
+        """The cached chunks among ``digests``. A cache that fails is logged and bypassed: the store has
+        every chunk."""
+        found = {}
+        for digest in digests:
+            try:
+                data = self.cache.get(digest)
+            except (DsecError, OSError) as exc:
+                log.warning("chunk cache lookup of %s failed, reading the store: %s", to_hex(digest), exc)
+                continue
+            if data is not None:
+                found[digest] = data
+        return found
+
+    def _read_and_cache(self, items: list[tuple[bytes, ChunkLocation]]) -> dict[bytes, bytes | Exception]:
+        results = self._read(items)
+        for digest, result in results.items():
+            if isinstance(result, bytes):
+                try:
+                    self.cache.put(digest, result)
+                except (DsecError, OSError) as exc:
+                    log.warning("caching chunk %s failed: %s", to_hex(digest), exc)
+        return results
+
+    def _read(self, items: list[tuple[bytes, ChunkLocation]]) -> dict[bytes, bytes | Exception]:
+        try:
+            return dict(read_chunks(self.store, items))
+        except CorruptError:
+            if len(items) == 1:
+                raise
+        # One bad chunk fails a merged read as a whole: read each chunk alone so the good ones are served.
+        results: dict[bytes, bytes | Exception] = {}
+        for digest, location in items:
+            try:
+                results[digest] = read_chunk(self.store, digest, location)
+            except CorruptError as exc:
+                results[digest] = exc
+        return results
+
+
+def _batches(missed: list[tuple[bytes, ChunkLocation, _Flight]]) -> list[list[tuple[bytes, ChunkLocation, _Flight]]]:
+    """Split chunks per pack, in pack order, into batches of at most MAX_BATCH_BYTES compressed bytes."""
+    by_pack: dict[str, list[tuple[bytes, ChunkLocation, _Flight]]] = defaultdict(list)
+    for item in missed:
+        by_pack[item[1].pack_id].append(item)
+    batches = []
+    for chunks in by_pack.values():
+        chunks.sort(key=lambda item: item[1].offset)
+        batch: list[tuple[bytes, ChunkLocation, _Flight]] = []
+        batch_bytes = 0
+        for item in chunks:
+            if batch and batch_bytes + item[1].clen > MAX_BATCH_BYTES:
+                batches.append(batch)
+                batch, batch_bytes = [], 0
+            batch.append(item)
+            batch_bytes += item[1].clen
+        batches.append(batch)
+    return batches
+
+
+def _chunks_name(items: list[tuple[bytes, ChunkLocation]]) -> str:
+    first = f"chunk {to_hex(items[0][0])} in pack {items[0][1].pack_id}"
+    return first + (f" and {len(items) - 1} more" if len(items) > 1 else "")
+
+
+@asynccontextmanager
+async def open_fetcher(
+    store: Store,
+    cache: ChunkCache,
+    *,
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+    prefetch_slots: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> AsyncIterator[ChunkFetcher]:
+    """A ChunkFetcher whose flights run in a nursery of its own; leaving the block cancels the flights
+    still in the air (their waiters get UnavailableError). ``prefetch_slots`` defaults to half the slots."""
+    async with trio.open_nursery() as nursery:
+        fetcher = ChunkFetcher(store, cache, nursery, max_concurrent=max_concurrent,
+                               prefetch_slots=prefetch_slots, timeout=timeout)
+        try:
+            yield fetcher
+        finally:
+            nursery.cancel_scope.cancel()

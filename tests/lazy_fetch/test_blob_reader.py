@@ -1,0 +1,127 @@
+import random
+
+import pytest
+import trio
+
+from dsec_fs.errors import InputError
+from dsec_fs.layer import open_layer
+from dsec_fs.store import FilesystemStore
+from dsec_fs.store.wrappers import CountingStore
+from erofs_builder.build import build_layer
+from erofs_builder.export import export_layer
+from lazy_fetch.blob_reader import open_layer_blob
+from lazy_fetch.cache import ChunkCache
+from lazy_fetch.fetcher import open_fetcher
+
+CHUNK_SIZE = 16384
+
+
+@pytest.fixture(scope="module")
+def layer(tmp_path_factory):
+    """A real layer: files whose last chunks end mid-block (padding in the blob), a duplicate, an empty file."""
+    root = tmp_path_factory.mktemp("layer")
+    source = root / "src"
+    source.mkdir()
+    rng = random.Random(5)
+    for name, size in [("big", 3 * CHUNK_SIZE + 1234), ("small", 100), ("odd", 5000), ("empty", 0)]:
+        (source / name).write_bytes(rng.randbytes(size))
+    (source / "copy").write_bytes((source / "odd").read_bytes())
+    store = FilesystemStore(str(root / "store"), fsync=False)
+    digest = build_layer(source, store, chunk_size=CHUNK_SIZE).digest
+    blob_path = export_layer(store, digest, root / "export").blob_path
+    with open(blob_path, "rb") as f:
+        materialised = f.read()
+    return store, digest, materialised
+
+
+def run_with_blob(layer, tmp_path, body):
+    """Run ``body(blob, counting_store)`` in trio with a LayerBlob over a fresh cache."""
+    store, digest, _ = layer
+    counting = CountingStore(store)
+
+    async def main():
+        with ChunkCache(str(tmp_path / "cache"), 64 << 20) as cache:
+            async with open_fetcher(counting, cache) as fetcher:
+                blob = await open_layer_blob(open_layer(store, digest), fetcher, label="test")
+                counting.reset()
+                return await body(blob, counting)
+
+    return trio.run(main)
+
+
+def test_whole_blob_is_the_materialised_blob_in_one_get(layer, tmp_path):
+    materialised = layer[2]
+
+    async def body(blob, counting):
+        assert blob.size == len(materialised)
+        assert len(blob.blob_map) == 6  # big: 4 chunks, small, odd (its copy is deduplicated)
+        assert await blob.read(0, blob.size) == materialised
+        assert counting.calls["get"] == 1  # every chunk is in one pack, next to each other
+        assert await blob.read(0, blob.size) == materialised  # now from the cache
+        assert counting.calls["get"] == 1
+
+    run_with_blob(layer, tmp_path, body)
+
+
+def test_ranges_match_the_materialised_blob(layer, tmp_path):
+    materialised = layer[2]
+    rng = random.Random(1)
+
+    async def body(blob, counting):
+        block = blob.blob_map.block_size
+        ranges = [(rng.randrange(blob.size), rng.randrange(1, 40000)) for _ in range(50)]
+        ranges += [(0, 1), (block - 1, 2), (blob.size - 10, 100), (blob.size - 1, 1)]
+        for offset, length in ranges:
+            assert await blob.read(offset, length) == materialised[offset:offset + length], (offset, length)
+
+    run_with_blob(layer, tmp_path, body)
+
+
+def test_past_the_end_and_padding(layer, tmp_path):
+    async def body(blob, counting):
+        assert await blob.read(blob.size, 10) == b""
+        assert await blob.read(blob.size + 4096, 10) == b""
+        assert await blob.read(5, 0) == b""
+        # The last chunk of "big" ends 1234 bytes into a block; the rest of that block is padding.
+        blkaddr, _digest, length = next(entry for entry in blob.blob_map.entries if entry[2] == 1234)
+        padding_at = blkaddr * blob.blob_map.block_size + length
+        assert blob.chunks_for_range(padding_at, 100) == []
+        assert await blob.read(padding_at, 100) == bytes(100)
+        assert counting.calls.get("get", 0) == 0  # padding needs no chunk
+        with pytest.raises(InputError):
+            await blob.read(-1, 10)
+
+    run_with_blob(layer, tmp_path, body)
+
+
+def test_chunks_for_range_names_the_covering_chunks(layer, tmp_path):
+    async def body(blob, counting):
+        block = blob.blob_map.block_size
+        entries = blob.blob_map.entries
+        first, second = entries[0], entries[1]
+        last_byte_of_first = first[0] * block + first[2] - 1
+        across = blob.chunks_for_range(last_byte_of_first, second[0] * block - last_byte_of_first + 1)
+        assert [(chunk.entry, chunk.digest) for chunk in across] == [(0, first[1]), (1, second[1])]
+        assert [chunk.entry for chunk in blob.chunks_for_range(0, blob.size)] == list(range(len(entries)))
+        assert all(chunk.start == blkaddr * block and chunk.length == length
+                   for chunk, (blkaddr, _, length) in zip(blob.chunks_for_range(0, blob.size), entries))
+
+    run_with_blob(layer, tmp_path, body)
+
+
+def test_shared_chunk_index_is_loaded_once(layer, tmp_path):
+    store, digest, _ = layer
+    counting = CountingStore(store)
+
+    async def main():
+        with ChunkCache(str(tmp_path / "cache"), 64 << 20) as cache:
+            async with open_fetcher(counting, cache) as fetcher:
+                files = open_layer(store, digest)
+                first = await open_layer_blob(files, fetcher)
+                index_gets = counting.calls["get"]
+                assert index_gets == len(files.manifest.packs)
+                second = await open_layer_blob(files, fetcher, chunk_index=first.chunk_index, label="again")
+                assert counting.calls["get"] == index_gets
+                assert (first.label, second.label) == (digest, "again")
+
+    trio.run(main)

@@ -1,0 +1,286 @@
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from dsec_fs.digest import sha256, to_hex
+from dsec_fs.errors import InputError, UnavailableError
+from lazy_fetch.cache import TMP_PREFIX, ChunkCache
+from lazy_fetch.lmdb_index import CacheIndex
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def chunk(n: int, size: int = 4096) -> bytes:
+    return random.Random(n).randbytes(size)
+
+
+def chunk_files(directory) -> dict[str, str]:
+    """name -> path of every file under the cache's chunks/ directory, temporary ones included."""
+    found = {}
+    for dirpath, _dirnames, filenames in os.walk(os.path.join(directory, "chunks")):
+        for name in filenames:
+            found[name] = os.path.join(dirpath, name)
+    return found
+
+
+def assert_consistent(directory, max_bytes):
+    """Open the cache and check that index and files agree exactly and every entry reads back valid."""
+    with ChunkCache(str(directory), max_bytes) as cache:
+        files = chunk_files(directory)
+        assert not [name for name in files if name.startswith(TMP_PREFIX)]
+        stats = cache.stats()
+        assert stats.entries == len(files)
+        total = 0
+        for name in files:
+            data = cache.get(bytes.fromhex(name))
+            assert data is not None and to_hex(sha256(data)) == name
+            total += len(data)
+        stats = cache.stats()
+        assert stats.rotten == 0
+        assert stats.bytes == total <= max_bytes
+        return stats
+
+
+def test_put_get_and_stats(tmp_path):
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        data = chunk(1, 5000)
+        assert cache.get(sha256(data)) is None
+        assert cache.put(sha256(data), data)
+        assert cache.get(sha256(data)) == data
+        stats = cache.stats()
+        assert (stats.entries, stats.bytes, stats.hits, stats.misses) == (1, 5000, 1, 1)
+        path = chunk_files(tmp_path)[to_hex(sha256(data))]
+        assert os.path.basename(os.path.dirname(path)) == to_hex(sha256(data))[:2]
+
+
+def test_survives_reopen(tmp_path):
+    chunks = [chunk(n, 1000 + n) for n in range(20)]
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        for data in chunks:
+            cache.put(sha256(data), data)
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert all(cache.get(sha256(data)) == data for data in chunks)
+        stats = cache.stats()
+        assert (stats.entries, stats.bytes, stats.reconciled) == (20, sum(map(len, chunks)), 0)
+
+
+def test_one_owner_per_directory(tmp_path):
+    with ChunkCache(str(tmp_path), 1 << 20):
+        with pytest.raises(UnavailableError) as err:
+            ChunkCache(str(tmp_path), 1 << 20)
+        assert str(tmp_path) in str(err.value)
+    ChunkCache(str(tmp_path), 1 << 20).close()
+
+
+def test_size_must_be_positive(tmp_path):
+    with pytest.raises(InputError):
+        ChunkCache(str(tmp_path), 0)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "grow", "delete"])
+def test_rotten_entry_is_dropped_and_reported_as_miss(tmp_path, damage):
+    data, other = chunk(1), chunk(2)
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        cache.put(sha256(data), data)
+        cache.put(sha256(other), other)
+        path = chunk_files(tmp_path)[to_hex(sha256(data))]
+        if damage == "delete":
+            os.unlink(path)
+        else:
+            damaged = {"flip": bytes([data[0] ^ 1]) + data[1:], "truncate": data[:-1], "grow": data + b"\0"}[damage]
+            with open(path, "wb") as f:
+                f.write(damaged)
+        assert cache.get(sha256(data)) is None
+        stats = cache.stats()
+        assert (stats.rotten, stats.entries, stats.bytes) == (1, 1, len(other))
+        assert not os.path.exists(path)
+        assert cache.get(sha256(other)) == other
+        # Fetched again, it is cached again.
+        cache.put(sha256(data), data)
+        assert cache.get(sha256(data)) == data
+
+
+def test_lru_eviction_keeps_under_max_bytes(tmp_path):
+    chunks = [chunk(n) for n in range(10)]
+    max_bytes = 8 * 4096
+    with ChunkCache(str(tmp_path), max_bytes) as cache:
+        for data in chunks[:8]:
+            cache.put(sha256(data), data)
+        assert cache.get(sha256(chunks[0])) == chunks[0]  # now the most recently used
+        cache.put(sha256(chunks[8]), chunks[8])
+        cache.put(sha256(chunks[9]), chunks[9])
+        stats = cache.stats()
+        assert stats.bytes <= max_bytes and stats.evictions == 2
+        cached = {n for n, data in enumerate(chunks) if cache.get(sha256(data)) is not None}
+        assert cached == {0, 3, 4, 5, 6, 7, 8, 9}
+        assert len(chunk_files(tmp_path)) == 8
+    assert_consistent(tmp_path, max_bytes)
+
+
+def test_index_walks_least_recent_first(tmp_path):
+    index = CacheIndex(str(tmp_path / "index"))
+    try:
+        for n in range(5):
+            index.put(bytes([n]) * 32, 100, 0, atime=1000 + n)
+        index.touch({bytes([0]) * 32: 2000, bytes([9]) * 32: 3000})  # an unknown digest is skipped
+        assert [digest[0] for digest, _entry in index.least_recent(10)] == [1, 2, 3, 4, 0]
+        assert index.evict_to(250) == [bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32]
+        assert (len(index), index.total_bytes) == (2, 200)
+    finally:
+        index.close()
+
+
+def test_chunk_larger_than_the_cache_is_not_kept(tmp_path):
+    with ChunkCache(str(tmp_path), 4096) as cache:
+        data = chunk(1, 8192)
+        assert not cache.put(sha256(data), data)
+        assert cache.get(sha256(data)) is None and cache.stats().entries == 0
+
+
+def test_reopen_with_smaller_limit_evicts(tmp_path):
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        for n in range(10):
+            cache.put(sha256(chunk(n)), chunk(n))
+    stats = assert_consistent(tmp_path, 4 * 4096)
+    assert stats.entries == 4
+
+
+def test_open_reconciles_files_and_index(tmp_path):
+    kept, lost = chunk(1), chunk(2)
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        cache.put(sha256(kept), kept)
+        cache.put(sha256(lost), lost)
+    files = chunk_files(tmp_path)
+    os.unlink(files[to_hex(sha256(lost))])  # an entry without a file
+    orphan = chunk(3)  # a file without an entry (a put killed before it reached the index)
+    orphan_path = os.path.join(tmp_path, "chunks", to_hex(sha256(orphan))[:2], to_hex(sha256(orphan)))
+    os.makedirs(os.path.dirname(orphan_path), exist_ok=True)
+    with open(orphan_path, "wb") as f:
+        f.write(orphan)
+    with open(os.path.join(os.path.dirname(files[to_hex(sha256(kept))]), TMP_PREFIX + "leftover"), "wb") as f:
+        f.write(b"partial")
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        stats = cache.stats()
+        assert (stats.entries, stats.bytes, stats.reconciled) == (1, len(kept), 3)
+        assert set(chunk_files(tmp_path)) == {to_hex(sha256(kept))}
+        assert cache.get(sha256(orphan)) is None
+
+
+def test_damaged_index_starts_empty(tmp_path):
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        cache.put(sha256(chunk(1)), chunk(1))
+    with open(os.path.join(tmp_path, "index", "data.mdb"), "r+b") as f:
+        f.write(os.urandom(8192))
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert cache.stats().entries == 0 and chunk_files(tmp_path) == {}
+        cache.put(sha256(chunk(1)), chunk(1))
+        assert cache.get(sha256(chunk(1))) == chunk(1)
+
+
+def test_threads_share_one_cache(tmp_path):
+    max_bytes = 16 * 4096
+    chunks = [chunk(n) for n in range(40)]
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(200):
+                data = rng.choice(chunks)
+                got = cache.get(sha256(data))
+                if got is None:
+                    cache.put(sha256(data), data)
+                else:
+                    assert got == data
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    with ChunkCache(str(tmp_path), max_bytes) as cache:
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors
+        assert cache.stats().rotten == 0 and cache.stats().evictions > 0
+    assert_consistent(tmp_path, max_bytes)
+
+
+# -- crashes: a writer process killed with SIGKILL, then the cache reopened
+
+WRITER = r"""
+import os, random, signal, sys
+from dsec_fs.digest import sha256
+from lazy_fetch.cache import ChunkCache
+
+directory, max_bytes, crash = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+real_rename, real_unlink = os.rename, os.unlink
+renames = 0
+def rename(src, dst):
+    global renames
+    renames += 1
+    if crash == "before-rename" and renames == 20:
+        die()  # the temporary file is written, the chunk not yet in place
+    real_rename(src, dst)
+    if crash == "after-rename" and renames == 20:
+        die()  # the chunk file is in place, the index does not know it
+def unlink(path):
+    if crash == "mid-eviction" and "/chunks/" in path and ".tmp-" not in path:
+        die()  # the index forgot the evicted chunk, its file is still there
+    real_unlink(path)
+os.rename, os.unlink = rename, unlink
+
+cache = ChunkCache(directory, max_bytes)
+rng = random.Random(7)
+for n in range(100000):
+    data = random.Random(n % 300).randbytes(rng.randrange(1000, 20000))
+    if cache.get(sha256(data)) is None:
+        cache.put(sha256(data), data)
+    print(n, flush=True)
+"""
+
+CRASH_MAX_BYTES = 128 * 1024
+
+
+def run_writer(directory, crash, kill_after=None):
+    """Run WRITER; with ``kill_after``, SIGKILL it once it has done that many operations."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(directory), str(CRASH_MAX_BYTES), crash],
+        stdout=subprocess.PIPE, cwd=PROJECT, env={**os.environ, "PYTHONPATH": PROJECT},
+    )
+    try:
+        if kill_after is not None:
+            for _ in range(kill_after):
+                assert process.stdout.readline(), "the writer ended early"
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+        process.stdout.close()
+    assert process.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("crash", ["before-rename", "after-rename", "mid-eviction"])
+def test_sigkill_at_each_step_leaves_a_consistent_cache(tmp_path, crash):
+    run_writer(tmp_path, crash)
+    stats = assert_consistent(tmp_path, CRASH_MAX_BYTES)
+    assert stats.entries > 0
+    if crash != "before-rename":  # the kill left an unindexed chunk file, which the reopen removed
+        assert stats.reconciled >= 1
+
+
+def test_sigkill_at_random_points_leaves_a_consistent_cache(tmp_path):
+    for kill_after in (37, 150, 400):
+        run_writer(tmp_path, "none", kill_after=kill_after)
+        assert_consistent(tmp_path, CRASH_MAX_BYTES)

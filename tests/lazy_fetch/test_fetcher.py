@@ -1,0 +1,300 @@
+import logging
+import os
+import random
+import threading
+
+import pytest
+import trio
+
+from dsec_fs import compress
+from dsec_fs.chunks import ChunkIndex, ChunkUploader
+from dsec_fs.digest import sha256, to_hex
+from dsec_fs.errors import IntegrityError, UnavailableError
+from dsec_fs.store import FilesystemStore, keys
+from dsec_fs.store.wrappers import CountingStore, FaultStore, LatencyStore, StoreWrapper
+from lazy_fetch.cache import ChunkCache
+from lazy_fetch.fetcher import ONDEMAND, PREFETCH, open_fetcher
+
+
+class GatedStore(StoreWrapper):
+    """Holds every get until the test opens the gate: a store that answers exactly when told, so tests
+    of queueing order do not depend on timing."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    def _call(self, op, key, fn, sent=0):
+        if op == "get":
+            self.gate.wait()
+        return fn()
+
+
+def chunk(n: int, size: int = 4096) -> bytes:
+    return random.Random(n).randbytes(size)
+
+
+@pytest.fixture
+def backend(tmp_path):
+    return FilesystemStore(str(tmp_path / "store"), fsync=False)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    with ChunkCache(str(tmp_path / "cache"), 64 << 20) as cache:
+        yield cache
+
+
+def upload(store, chunks) -> list[tuple[bytes, object]]:
+    """Upload ``chunks`` into one pack; returns (digest, location) of each, in order."""
+    index = ChunkIndex()
+    uploader = ChunkUploader(store, index)
+    for data in chunks:
+        uploader.add(sha256(data), len(data), compress.compress(data))
+    uploader.flush()
+    return [(sha256(data), index.get(sha256(data))) for data in chunks]
+
+
+async def until(condition):
+    for _ in range(2000):
+        if condition():
+            return
+        await trio.sleep(0.005)
+    raise AssertionError("condition never held")
+
+
+def test_sixteen_readers_fetch_each_chunk_once(backend, cache):
+    chunks = [chunk(n) for n in range(8)]
+    items = upload(backend, chunks)
+    counting = CountingStore(LatencyStore(backend, latency=0.1, bandwidth=None))
+    results = []
+
+    async def main():
+        async with open_fetcher(counting, cache) as fetcher:
+            async def reader():
+                results.append(await fetcher.fetch_many(items, label="layer"))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(16):
+                    nursery.start_soon(reader)
+            stats = fetcher.stats("layer")
+            assert (stats.chunks_fetched, stats.misses, stats.store_reads) == (8, 8, 1)
+            assert stats.coalesced == 15 * 8
+            # Later readers are served by the cache.
+            assert await fetcher.fetch(*items[3], label="layer") == chunks[3]
+            assert stats.hits == 1
+
+    trio.run(main)
+    assert len(results) == 16
+    assert all(result == {digest: data for (digest, _), data in zip(items, chunks)} for result in results)
+    # Eight neighbouring chunks of one pack: a single ranged GET for all sixteen readers.
+    assert counting.calls["get"] == 1
+    assert counting.nbytes["get"] == sum(location.clen for _, location in items)
+
+
+def test_cache_survives_reopen(backend, tmp_path):
+    items = upload(backend, [chunk(1), chunk(2)])
+    counting = CountingStore(backend)
+
+    async def fetch_all():
+        async with open_fetcher(counting, cache) as fetcher:
+            return await fetcher.fetch_many(items)
+
+    with ChunkCache(str(tmp_path / "cache"), 1 << 20) as cache:
+        first = trio.run(fetch_all)
+    assert counting.calls["get"] == 1
+    with ChunkCache(str(tmp_path / "cache"), 1 << 20) as cache:
+        assert trio.run(fetch_all) == first
+    assert counting.calls["get"] == 1
+
+
+def test_corrupted_cache_file_is_dropped_and_refetched(backend, cache, tmp_path):
+    data = chunk(1)
+    (digest, location), = upload(backend, [data])
+    counting = CountingStore(backend)
+
+    async def main():
+        async with open_fetcher(counting, cache) as fetcher:
+            assert await fetcher.fetch(digest, location) == data
+            path = os.path.join(cache.directory, "chunks", to_hex(digest)[:2], to_hex(digest))
+            with open(path, "r+b") as f:
+                f.write(bytes([data[0] ^ 0x80]))
+            assert await fetcher.fetch(digest, location) == data
+            assert await fetcher.fetch(digest, location) == data
+
+    trio.run(main)
+    assert counting.calls["get"] == 2  # the first fetch and the refetch of the rotten entry
+    stats = cache.stats()
+    assert (stats.rotten, stats.entries) == (1, 1)
+    assert cache.get(digest) == data
+
+
+def test_hung_store_raises_unavailable_within_the_timeout(backend, cache):
+    (digest, location), = upload(backend, [chunk(1)])
+    hung = FaultStore(backend, "get:*:slow=5")
+
+    async def main():
+        async with open_fetcher(hung, cache, timeout=0.2) as fetcher:
+            started = trio.current_time()
+            with pytest.raises(UnavailableError) as err:
+                await fetcher.fetch(digest, location, label="layer")
+            assert trio.current_time() - started < 4  # did not wait for the store's answer
+            assert err.value.transient and to_hex(digest) in str(err.value)
+            assert fetcher.stats("layer").timeouts == 1
+            assert fetcher.in_flight == 0  # the failure was not kept: the next request tries again
+
+    trio.run(main)
+
+
+def test_corrupt_chunk_in_store_fails_alone(backend, cache, caplog):
+    chunks = [os.urandom(64 * 1024) for _ in range(3)]  # incompressible: zstd stores the bytes raw
+    items = upload(backend, chunks)
+    bad_digest, bad = items[1]
+    with open(os.path.join(backend.root, keys.pack(bad.pack_id)), "r+b") as f:
+        f.seek(bad.offset + bad.clen // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    counting = CountingStore(backend)
+
+    async def main():
+        async with open_fetcher(counting, cache) as fetcher:
+            with pytest.raises(IntegrityError) as err:
+                await fetcher.fetch_many(items, label="layer")
+            assert to_hex(bad_digest) in str(err.value)
+            assert cache.get(bad_digest) is None
+            # The good neighbours were served by the same fetch and cached.
+            gets = counting.calls["get"]
+            assert await fetcher.fetch(*items[0]) == chunks[0]
+            assert await fetcher.fetch(*items[2]) == chunks[2]
+            assert counting.calls["get"] == gets
+            # The failure was not cached: asking again reads the store again, and fails again.
+            with pytest.raises(IntegrityError):
+                await fetcher.fetch(bad_digest, bad, label="layer")
+            assert counting.calls["get"] == gets + 1
+            stats = fetcher.stats("layer")
+            assert (stats.errors, stats.corrupt, stats.chunks_fetched) == (2, 2, 2)
+
+    with caplog.at_level(logging.ERROR, logger="lazy_fetch.fetcher"):
+        trio.run(main)
+    assert any(to_hex(bad_digest) in record.getMessage() for record in caplog.records)
+
+
+def test_error_goes_to_every_waiter_and_is_not_cached(backend, cache):
+    data = chunk(1)
+    (digest, location), = upload(backend, [data])
+    flaky = CountingStore(FaultStore(backend, "get:1:transient"))
+    outcomes = []
+
+    async def main():
+        async with open_fetcher(flaky, cache) as fetcher:
+            async def reader():
+                try:
+                    outcomes.append(await fetcher.fetch(digest, location))
+                except UnavailableError as exc:
+                    outcomes.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(reader)
+            assert await fetcher.fetch(digest, location) == data
+
+    trio.run(main)
+    assert len(outcomes) == 4 and all(isinstance(outcome, UnavailableError) for outcome in outcomes)
+    assert flaky.calls["get"] == 2
+
+
+def test_ondemand_goes_before_queued_prefetch(backend, cache):
+    items = upload(backend, [chunk(n) for n in range(4)])
+    gated = GatedStore(backend)
+    finished = []
+
+    async def main():
+        async with open_fetcher(gated, cache, max_concurrent=1, prefetch_slots=1) as fetcher:
+            async def fetch(number, priority):
+                await fetcher.fetch(*items[number], priority=priority)
+                finished.append(number)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, 0, ONDEMAND)  # takes the only slot and waits at the gate
+                await until(lambda: fetcher.store_reads_running == 1)
+                nursery.start_soon(fetch, 1, PREFETCH)
+                await until(lambda: fetcher.waiting(PREFETCH) == 1)  # queue 1 before 2: trio starts
+                nursery.start_soon(fetch, 2, PREFETCH)                # tasks in random order
+                await until(lambda: fetcher.waiting(PREFETCH) == 2)
+                nursery.start_soon(fetch, 3, ONDEMAND)
+                await until(lambda: fetcher.waiting(ONDEMAND) == 1)
+                gated.gate.set()
+
+    trio.run(main)
+    assert finished == [0, 3, 1, 2]
+
+
+def test_prefetch_leaves_slots_for_ondemand(backend, cache):
+    items = upload(backend, [chunk(n) for n in range(3)])
+    gated = GatedStore(backend)
+
+    async def main():
+        async with open_fetcher(gated, cache, max_concurrent=2, prefetch_slots=1) as fetcher:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: fetcher.fetch(*items[0], priority=PREFETCH))
+                await until(lambda: fetcher.store_reads_running == 1)
+                nursery.start_soon(lambda: fetcher.fetch(*items[1], priority=PREFETCH))
+                await until(lambda: fetcher.waiting(PREFETCH) == 1)
+                assert fetcher.store_reads_running == 1  # a slot is free, but not for prefetch
+                nursery.start_soon(lambda: fetcher.fetch(*items[2], priority=ONDEMAND))
+                await until(lambda: fetcher.store_reads_running == 2)
+                assert (fetcher.waiting(ONDEMAND), fetcher.waiting(PREFETCH)) == (0, 1)
+                gated.gate.set()
+
+    trio.run(main)
+
+
+def test_ondemand_request_promotes_a_queued_prefetch(backend, cache):
+    items = upload(backend, [chunk(n) for n in range(3)])
+    gated = GatedStore(backend)
+    finished = []
+
+    async def main():
+        async with open_fetcher(gated, cache, max_concurrent=1, prefetch_slots=1) as fetcher:
+            async def fetch(number, priority):
+                await fetcher.fetch(*items[number], priority=priority)
+                finished.append((number, priority))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, 0, ONDEMAND)
+                await until(lambda: fetcher.store_reads_running == 1)
+                nursery.start_soon(fetch, 1, PREFETCH)
+                nursery.start_soon(fetch, 2, PREFETCH)
+                await until(lambda: fetcher.waiting(PREFETCH) == 2)
+                nursery.start_soon(fetch, 2, ONDEMAND)  # a reader now needs what prefetch queued
+                await until(lambda: fetcher.waiting(ONDEMAND) == 1)
+                assert fetcher.waiting(PREFETCH) == 1
+                gated.gate.set()
+
+    trio.run(main)
+    assert [number for number, _ in finished] == [0, 2, 2, 1]
+
+
+def test_cancelled_caller_does_not_stop_the_fetch(backend, cache):
+    data = chunk(1)
+    (digest, location), = upload(backend, [data])
+    gated = GatedStore(backend)
+
+    async def main():
+        async with open_fetcher(gated, cache) as fetcher:
+            async with trio.open_nursery() as nursery:
+                async def impatient(task_status=trio.TASK_STATUS_IGNORED):
+                    with trio.CancelScope() as scope:
+                        task_status.started(scope)
+                        await fetcher.fetch(digest, location)
+                    assert scope.cancelled_caught
+
+                scope = await nursery.start(impatient)
+                await until(lambda: fetcher.store_reads_running == 1)
+                scope.cancel()
+            gated.gate.set()
+            await until(lambda: fetcher.in_flight == 0)
+
+    trio.run(main)
+    assert cache.get(digest) == data
