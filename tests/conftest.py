@@ -6,8 +6,9 @@ DSECFS_S3_ENDPOINT) and yields ``s3://dsecfs-test/<unique prefix>``, so tests ne
 objects.
 
 Every mount a test makes is undone by that test (a fixture's finally); the sweep is the second line of
-defence so one failed run cannot poison the next: before and after the session it detaches every
-erofs, fuse and overlay mount below the temporary directory.
+defence so one failed run cannot poison the next: at the end of a session it detaches every erofs, fuse
+and overlay mount below the session's temporary directory, and at the start those below the directories
+of earlier sessions whose pytest process is gone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import tempfile
 
 import pytest
 
@@ -26,39 +26,57 @@ DEBIAN_ROOTFS = os.environ.get("DSECFS_TEST_ROOTFS", "/var/cache/dsecfs-test/deb
 SWEPT_FSTYPES = ("erofs", "overlay", "fuse")
 
 
-def _stale_mounts(base: str) -> list[str]:
+PID_FILE = ".dsecfs-pytest-pid"
+
+
+def _mounts_below(base: str) -> list[str]:
     found = []
     with open("/proc/self/mounts") as f:
         for line in f:
             _src, target, fstype, *_ = line.split()
             target = target.encode().decode("unicode_escape")
-            if target.startswith(base) and fstype.split(".")[0] in SWEPT_FSTYPES:
+            if target.startswith(base + "/") and fstype.split(".")[0] in SWEPT_FSTYPES:
                 found.append(target)
     # Deepest first, so an overlay comes off before the layers under it.
     return sorted(found, key=len, reverse=True)
 
 
-def sweep_mounts(base: str = tempfile.gettempdir()) -> list[str]:
-    if os.geteuid() != 0:
-        return []
+def _detach(base: str) -> None:
     from dsec_fs.mounts import umount
 
-    swept = []
-    for target in _stale_mounts(base):
+    for target in _mounts_below(base):
         try:
             umount(target, lazy=True)
-            swept.append(target)
         except Exception:
             pass
-    return swept
+
+
+def _session_alive(session_dir: str) -> bool:
+    try:
+        with open(os.path.join(session_dir, PID_FILE)) as f:
+            os.kill(int(f.read()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def pytest_sessionstart(session):
-    sweep_mounts()
+    """Detach what dead test runs left mounted; runs of other live pytest processes are left alone."""
+    if os.geteuid() != 0:
+        return
+    basetemp = session.config._tmp_path_factory.getbasetemp()
+    with open(basetemp / PID_FILE, "w") as f:
+        f.write(str(os.getpid()))
+    root = str(basetemp.parent)
+    for name in os.listdir(root):
+        other = os.path.join(root, name)
+        if other != str(basetemp) and os.path.isdir(other) and not _session_alive(other):
+            _detach(other)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    sweep_mounts()
+    if os.geteuid() == 0:
+        _detach(str(session.config._tmp_path_factory.getbasetemp()))
 
 
 def pytest_collection_modifyitems(config, items):

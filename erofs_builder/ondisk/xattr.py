@@ -32,8 +32,9 @@ PREFIXES = {
     5: b"lustre.",
     6: b"security.",
 }
-# Longest first so "system.posix_acl_default" is not taken for a shorter prefix.
-_BY_LENGTH = sorted(PREFIXES.items(), key=lambda kv: -len(kv[1]))
+# Longest first so "system.posix_acl_default" is not taken for a shorter prefix. "lustre." is readable
+# but never written: Linux does not expose it through a mounted EROFS, so storing it would lose it silently.
+_BY_LENGTH = sorted(((i, p) for i, p in PREFIXES.items() if p != b"lustre."), key=lambda kv: -len(kv[1]))
 MAX_VALUE = 0xFFFF
 
 
@@ -94,7 +95,13 @@ def decode(image: bytes | memoryview, offset: int, icount: int, *, nid: int, sou
         if index not in PREFIXES or body_end > end:
             raise FormatError(where, pos, f"xattr entry with prefix {index}, name {name_len} and value "
                               f"{value_size} bytes does not fit", source=source)
-        name = PREFIXES[index] + bytes(image[pos + XATTR_ENTRY.size:pos + XATTR_ENTRY.size + name_len])
+        suffix = bytes(image[pos + XATTR_ENTRY.size:pos + XATTR_ENTRY.size + name_len])
+        # ACL entries are named by their prefix alone; every other prefix needs a suffix. No name has a NUL.
+        if b"\0" in suffix or bool(suffix) == (index in (2, 3)):
+            raise FormatError(where, pos, f"invalid name suffix {suffix[:64]!r} for prefix {index}", source=source)
+        name = PREFIXES[index] + suffix
+        if name in result:
+            raise FormatError(where, pos, f"xattr {name[:64]!r} appears twice", source=source)
         result[name] = bytes(image[body_end - value_size:body_end])
         pos = pos + _pad4(body_end - pos)
     return result

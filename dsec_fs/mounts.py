@@ -1,0 +1,128 @@
+"""mount(2) and umount2(2) through libc, and file-backed EROFS mounts.
+
+util-linux mount(8) puts an EROFS image that is a regular file on a loop device, and the kernel then
+refuses a regular file as ``device=``. Calling mount(2) ourselves with the image path as the source makes
+the kernel open the image and the blobs as files (CONFIG_EROFS_FS_BACKED_BY_FILE, Linux 6.12 and later):
+no loop devices, and a blob may be a file served by the node daemon over FUSE.
+
+Errors carry the errno text and the paths. By errno: an fs type or a mode the kernel lacks (ENODEV,
+ENOTBLK, EOPNOTSUPP) is UnsupportedError; EFSCORRUPTED (EUCLEAN) and EFSBADCRC (EBADMSG) are
+CorruptError; anything else is UnavailableError, transient only for EBUSY, EAGAIN, EINTR and ENOMEM.
+The kernel says EINVAL when the number of device= options differs from the image's extra devices.
+
+Needs CAP_SYS_ADMIN. Any thread may call these functions; they keep no state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import re
+from collections.abc import Iterator, Sequence
+
+from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError, UnsupportedError
+
+MS_RDONLY = 0x1
+MNT_DETACH = 0x2  # umount2: detach now, finish when the last user goes away
+
+PathLike = str | bytes | os.PathLike
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_libc.mount.restype = ctypes.c_int
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+_libc.umount2.restype = ctypes.c_int
+
+_UNSUPPORTED = {errno.ENODEV, errno.ENOTBLK, errno.EOPNOTSUPP}
+_CORRUPT = {errno.EUCLEAN, errno.EBADMSG}  # the kernel's EFSCORRUPTED and EFSBADCRC (a bad checksum)
+_TRANSIENT = {errno.EBUSY, errno.EAGAIN, errno.EINTR, errno.ENOMEM}
+
+
+def _error(call: str, err: int, where: str) -> DsecError:
+    message = f"{call}: {os.strerror(err)} ({errno.errorcode.get(err, err)})"
+    if err in _UNSUPPORTED:
+        return UnsupportedError(message, where=where)
+    if err in _CORRUPT:
+        return CorruptError(message, where=where)
+    return UnavailableError(message, where=where, transient=err in _TRANSIENT)
+
+
+def _show(path: PathLike) -> str:
+    return os.fsdecode(path)
+
+
+def mount(source: PathLike, target: PathLike, fstype: str, flags: int = 0, data: str | bytes = "") -> None:
+    """mount(2): attach ``source`` (a device, an image file, or a name like "overlay") at ``target``."""
+    data_b = os.fsencode(data)
+    if _libc.mount(os.fsencode(source), os.fsencode(target), fstype.encode(), flags, data_b or None) != 0:
+        where = f"{_show(source)} on {_show(target)} (type {fstype}, options {os.fsdecode(data_b) or '-'})"
+        raise _error("mount", ctypes.get_errno(), where)
+
+
+def umount(target: PathLike, lazy: bool = False) -> None:
+    """umount2(2); ``lazy`` detaches now even if files are open (MNT_DETACH)."""
+    if _libc.umount2(os.fsencode(target), MNT_DETACH if lazy else 0) != 0:
+        raise _error("umount", ctypes.get_errno(), _show(target))
+
+
+def erofs_options(blob_paths: Sequence[PathLike]) -> str:
+    """The mount data for EROFS extra devices, in device-table order: "device=/a,device=/b"."""
+    options = []
+    for path in blob_paths:
+        path = os.path.abspath(os.fsdecode(path))
+        if "," in path:
+            raise InputError("the kernel splits mount options at ',', so a blob path cannot contain one",
+                             where=path)
+        options.append(f"device={path}")
+    return ",".join(options)
+
+
+def mount_erofs(meta_path: PathLike, mountpoint: PathLike, blob_paths: Sequence[PathLike]) -> None:
+    """Mount the EROFS image file ``meta_path`` read-only, its extra devices backed by ``blob_paths``.
+
+    The number of blobs must equal the image's extra_devices (else the kernel says EINVAL).
+    """
+    mount(os.path.abspath(os.fsdecode(meta_path)), mountpoint, "erofs", MS_RDONLY, erofs_options(blob_paths))
+
+
+def _unescape(field: bytes) -> bytes:
+    """/proc/self/mountinfo escapes space, tab, newline and backslash as \\ooo."""
+    return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field)
+
+
+def is_mountpoint(path: PathLike) -> bool:
+    """True if something is mounted exactly at ``path`` (symlinks resolved), per /proc/self/mountinfo."""
+    wanted = os.path.realpath(os.fsencode(path))
+    with open("/proc/self/mountinfo", "rb") as f:
+        return any(_unescape(line.split(b" ")[4]) == wanted for line in f)
+
+
+def _umount_surely(target: PathLike) -> None:
+    """Unmount; if something still holds the mount (EBUSY), detach it lazily instead of leaving it."""
+    try:
+        umount(target)
+    except UnavailableError as e:
+        if not e.transient:
+            raise
+        umount(target, lazy=True)
+
+
+@contextlib.contextmanager
+def mounted(source: PathLike, target: PathLike, fstype: str, flags: int = 0,
+            data: str | bytes = "") -> Iterator[str]:
+    """``mount(...)`` for the duration of a with-block; yields the target; always unmounts."""
+    mount(source, target, fstype, flags, data)
+    try:
+        yield os.fsdecode(target)
+    finally:
+        _umount_surely(target)
+
+
+def mounted_erofs(meta_path: PathLike, mountpoint: PathLike,
+                  blob_paths: Sequence[PathLike]) -> contextlib.AbstractContextManager[str]:
+    """``mount_erofs(...)`` for the duration of a with-block; yields the mountpoint; always unmounts."""
+    return mounted(os.path.abspath(os.fsdecode(meta_path)), mountpoint, "erofs", MS_RDONLY,
+                   erofs_options(blob_paths))
