@@ -7,46 +7,16 @@ with the error class's own exit code (2 input, 3 corrupt, 4 unsupported, 5 unava
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from collections.abc import Callable
 
 import click
 
 from dsec_fs.errors import DsecError
-from dsec_fs.store import default_store_url, open_store
+from dsec_fs.store import open_store
 
-CHUNK_SIZE_HELP = "chunk size in bytes: a power of two from 4 KiB to 16 MiB"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def _parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(text[:-1]) * units[text[-1]]
-    return int(text)
-
-
-store_option = click.option(
-    "--store", "store_url", default=None, metavar="URL",
-    help="chunk store: a path, file://, posix:// or s3://BUCKET/PREFIX (default $DSECFS_STORE or "
-         f"{default_store_url()})",
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text")
-
-
-def _emit(as_json: bool, data: dict, text: Callable[[], str]) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else text())
-
+from . import diff_cmds
+from .common import CHUNK_SIZE_HELP, _emit, _human, _parse_size, json_option, store_option
 
 class DsecGroup(click.Group):
     """Turns DsecError into one clear line and the error class's exit code."""
@@ -70,24 +40,28 @@ def main() -> None:
 @store_option
 @click.option("--name", "ref", metavar="NAME:TAG", help="publish the layer under this ref")
 @click.option("--chunk-size", default="1MiB", show_default=True, help=CHUNK_SIZE_HELP)
+@click.option("--parent", metavar="LAYER",
+              help="an earlier build of SOURCE (ref or digest): files unchanged since (same inode, size, mtime "
+                   "and ctime) are not read again")
 @json_option
-def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, as_json: bool) -> None:
+def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, parent: str | None,
+          as_json: bool) -> None:
     """Build SOURCE (a directory) into a layer in the store."""
     from erofs_builder.build import build_layer
 
-    show_bar = sys.stderr.isatty() and not as_json
+    options = dict(name=ref, chunk_size=_parse_size(chunk_size), parent=parent)
     with open_store(store_url) as store:
-        if show_bar:
+        if sys.stderr.isatty() and not as_json:
             with click.progressbar(length=1, label="building", file=sys.stderr, show_pos=False) as bar:
                 def progress(done: int, total: int) -> None:
                     bar.length = max(total, 1)
                     bar.update(done - bar.pos)
 
-                result = build_layer(source, store, name=ref, chunk_size=_parse_size(chunk_size), progress=progress)
+                result = build_layer(source, store, progress=progress, **options)
         else:
-            result = build_layer(source, store, name=ref, chunk_size=_parse_size(chunk_size))
+            result = build_layer(source, store, **options)
     stats = result.manifest.stats
-    data = {"layer": result.digest, "ref": ref, "store": store.url, "stats": stats}
+    data = {"layer": result.digest, "ref": ref, "parent": parent, "store": store.url, "stats": stats}
 
     def text() -> str:
         return "\n".join([
@@ -98,6 +72,8 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
             f"new          {_human(stats['new_bytes']):>12}  in {stats['new_chunks']:,} chunks, "
             f"stored as {_human(stats['stored_bytes'])}",
             f"deduplicated {_human(stats['dedup_bytes']):>12}",
+            *([f"not read     {_human(stats['reused_bytes']):>12}  in {stats['reused_files']:,} files unchanged "
+               f"since the parent"] if parent else []),
             f"layer        {result.digest}" + (f"  ({ref})" if ref else ""),
         ])
 
@@ -198,6 +174,8 @@ def mount_export(export_dir: str, mountpoint: str, command: tuple[str, ...]) -> 
         rc = subprocess.run(list(command)).returncode
     sys.exit(rc)
 
+
+main.add_command(diff_cmds.diff)
 
 if __name__ == "__main__":
     main()

@@ -93,8 +93,11 @@ class TraceWriter:
         self._file.write(PREAMBLE.pack(MAGIC, len(header_bytes)) + header_bytes)
         self._file.flush()
 
-    def record(self, *, nid: int, offset: int, length: int, chunk: int, latency_us: int, flags: int) -> None:
-        elapsed = time.monotonic_ns() - self._start
+    def record(self, *, nid: int, offset: int, length: int, chunk: int, latency_us: int, flags: int,
+               time_ns: int | None = None) -> None:
+        """Append one read; ``time_ns`` (since the trace started) defaults to now, tools that replay or
+        synthesise a workload pass their own."""
+        elapsed = time.monotonic_ns() - self._start if time_ns is None else time_ns
         self._pending.append(RECORD.pack(elapsed, nid, offset, length, chunk, min(latency_us, 0xFFFFFFFF),
                                          flags, b"\0\0\0"))
         if len(self._pending) >= FLUSH_RECORDS:

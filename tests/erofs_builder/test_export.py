@@ -1,0 +1,146 @@
+"""export_layer (meta.erofs + materialised blob, checked by fsck.erofs and the kernel) and extract_layer
+(the tree recreated on disk, compared with the source by tests/treecmp.py), including its refusal to
+write through symlinks or into a non-empty directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from dsec_fs.errors import ConflictError
+from dsec_fs.layer import open_layer
+from dsec_fs.mounts import mounted_erofs
+from dsec_fs.store import FilesystemStore
+from erofs_builder import build_layer
+from erofs_builder.blob import FileBlob
+from erofs_builder.blobmap import BlobMap
+from erofs_builder.export import export_layer, extract_image, extract_layer
+from erofs_builder.reader import ErofsImage
+from test_reader import CHUNK, build, make_source, mkfs, needs_mkfs, rich, write  # noqa: F401 (rich: a fixture)
+from treecmp import assert_same_tree, snapshot
+
+
+def test_export_writes_the_image_and_a_block_aligned_blob(rich, tmp_path):
+    result = export_layer(rich.store, rich.digest, tmp_path / "out")
+    layer = open_layer(rich.store, rich.digest)
+    blobmap = BlobMap.decode(layer.blobmap, source="blobmap")
+    assert open(result.meta_path, "rb").read() == layer.meta
+    assert os.path.getsize(result.blob_path) == result.blob_size == blobmap.blocks * 4096
+    assert sorted(os.listdir(tmp_path / "out")) == ["blob", "meta.erofs"]  # no temporary files left
+    with open(result.blob_path, "rb") as f:
+        for blkaddr, _digest, length in blobmap.entries:
+            f.seek(blkaddr * 4096)
+            padded = f.read(-(-length // 4096) * 4096)
+            assert padded[length:] == bytes(len(padded) - length)
+    # Exporting again replaces both files with the same bytes.
+    again = export_layer(rich.store, rich.digest, tmp_path / "out")
+    assert open(again.blob_path, "rb").read() == open(rich.blob_path, "rb").read()
+
+
+@pytest.mark.skipif(shutil.which("fsck.erofs") is None, reason="needs erofs-utils")
+def test_fsck_erofs_accepts_the_export(rich, tmp_path):
+    out = tmp_path / "extracted"
+    proc = subprocess.run(["fsck.erofs", f"--device={rich.blob_path}", f"--extract={out}", rich.meta_path],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "multi").read_bytes() == open(os.path.join(rich.src, "multi"), "rb").read()
+
+
+@pytest.mark.root
+def test_the_kernel_mounts_the_export_as_the_source(rich, tmp_path):
+    (tmp_path / "mnt").mkdir()
+    with mounted_erofs(rich.meta_path, tmp_path / "mnt", [rich.blob_path]) as mnt:
+        assert_same_tree(snapshot(rich.src), snapshot(mnt))
+
+
+@pytest.mark.root
+def test_extract_recreates_the_source(rich, tmp_path):
+    out = tmp_path / "out"
+    stats = extract_layer(rich.store, rich.digest, out)
+    assert_same_tree(snapshot(rich.src), snapshot(out))
+    assert stats.hard_links == 3 and stats.entries == len(snapshot(rich.src)[0])
+    # Holes stay holes: the sparse file has one 4 KiB block of data in 24 KiB.
+    st = os.stat(out / "sparse")
+    assert st.st_size == 6 * CHUNK and st.st_blocks * 512 <= 2 * CHUNK
+    assert os.lseek(os.open(out / "sparse", os.O_RDONLY), 0, os.SEEK_DATA) == 2 * CHUNK
+    assert os.stat(out / "zeros").st_blocks == 0
+
+
+def test_extract_as_an_unprivileged_tree(tmp_path):
+    layer = build(tmp_path, make_source(tmp_path / "src", special=False))
+    with FileBlob(layer.blob_path) as blob:
+        extract_image(ErofsImage(layer.meta, blob=blob), tmp_path / "out", same_owner=False)
+    assert_same_tree(snapshot(layer.src), snapshot(tmp_path / "out"))
+
+
+@needs_mkfs
+def test_extract_an_mkfs_image_with_inline_data(tmp_path):
+    src = make_source(tmp_path / "src", special=os.geteuid() == 0)
+    _path, data = mkfs(tmp_path, src)  # xattrs kept, FLAT_INLINE tails, no chunks
+    extract_image(ErofsImage(data), tmp_path / "out")
+    assert_same_tree(snapshot(src), snapshot(tmp_path / "out"))
+
+
+def test_extract_refuses_a_non_empty_directory(rich, tmp_path):
+    out = tmp_path / "out"
+    write(os.path.join(out, "unrelated"), b"mine")
+    with pytest.raises(ConflictError, match="not empty"):
+        extract_layer(rich.store, rich.digest, out)
+    assert os.listdir(out) == ["unrelated"]
+    extract_layer(rich.store, rich.digest, out, exist_ok=True)
+    assert (out / "unrelated").read_bytes() == b"mine" and (out / "small").read_bytes() == b"hello\n"
+
+
+def test_extract_never_writes_through_a_symlink(tmp_path):
+    """A symlink already in out_dir where the layer has a directory or a file: nothing lands outside."""
+    src = tmp_path / "src"
+    write(os.path.join(src, "d", "payload"), b"payload")
+    write(os.path.join(src, "f"), b"file")
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    digest = build_layer(str(src), store, chunk_size=CHUNK).digest
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f").write_bytes(b"precious")
+    for name in ["d", "f"]:
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        os.symlink(outside if name == "d" else outside / "f", out / name)
+        with pytest.raises(ConflictError):
+            extract_layer(store, digest, out, exist_ok=True)
+    assert sorted(os.listdir(outside)) == ["f"] and (outside / "f").read_bytes() == b"precious"
+
+
+def test_a_layer_symlink_is_stored_not_followed(tmp_path):
+    """The layer's own symlinks point outside; hard links to them link the symlink, never the target."""
+    src = tmp_path / "src"
+    src.mkdir()
+    target = tmp_path / "target"
+    target.write_bytes(b"do not touch")
+    os.symlink(target, src / "escape")
+    os.link(src / "escape", src / "escape2", follow_symlinks=False)
+    os.symlink("../../..", src / "up")
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    digest = build_layer(str(src), store, chunk_size=CHUNK).digest
+    extract_layer(store, digest, tmp_path / "out", same_owner=False)
+    out = tmp_path / "out"
+    assert os.readlink(out / "escape") == str(target) and os.readlink(out / "up") == "../../.."
+    assert os.lstat(out / "escape").st_ino == os.lstat(out / "escape2").st_ino
+    assert os.path.islink(out / "escape2")
+    assert target.read_bytes() == b"do not touch" and os.lstat(target).st_nlink == 1
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_debian_rootfs_extracts_and_exports_identically(tmp_path, debian_rootfs):
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    digest = build_layer(debian_rootfs, store).digest
+    extract_layer(store, digest, tmp_path / "out")
+    expected = snapshot(debian_rootfs)
+    assert_same_tree(expected, snapshot(tmp_path / "out"))
+    exported = export_layer(store, digest, tmp_path / "exported")
+    (tmp_path / "mnt").mkdir()
+    with mounted_erofs(exported.meta_path, tmp_path / "mnt", [exported.blob_path]) as mnt:
+        assert_same_tree(expected, snapshot(mnt))
