@@ -15,7 +15,7 @@ import click
 from dsec_fs.errors import DsecError
 from dsec_fs.store import open_store
 
-from . import diff_cmds
+from . import diff_cmds, sched_cmds
 from .common import CHUNK_SIZE_HELP, _emit, _human, _parse_size, json_option, store_option
 
 class DsecGroup(click.Group):
@@ -176,6 +176,7 @@ def mount_export(export_dir: str, mountpoint: str, command: tuple[str, ...]) -> 
 
 
 main.add_command(diff_cmds.diff)
+main.add_command(sched_cmds.sched)
 
 if __name__ == "__main__":
     main()
