@@ -15,7 +15,7 @@ import click
 from dsec_fs.errors import DsecError
 from dsec_fs.store import open_store
 
-from . import diff_cmds, sched_cmds, trace_cmds
+from . import diff_cmds, sched_cmds, store_cmds, trace_cmds
 from .common import CHUNK_SIZE_HELP, _emit, _human, _parse_size, json_option, store_option
 
 class DsecGroup(click.Group):
@@ -179,6 +179,8 @@ main.add_command(diff_cmds.diff)
 main.add_command(sched_cmds.sched)
 main.add_command(trace_cmds.trace)
 main.add_command(trace_cmds.prefetch)
+main.add_command(store_cmds.gc_command)
+main.add_command(store_cmds.store_group)
 
 if __name__ == "__main__":
     main()

@@ -2,11 +2,19 @@
 
 Steps, each finished before the next starts:
 1. walk the source into a Tree (metadata only; gives the total size for progress);
-2. load the store's chunk index, so chunks the store already holds are neither compressed nor uploaded;
+2. take a build lease (dsec_fs.leases: gc keeps every pack this build may see until it ends) and sync the
+   store's local index mirror (dsec_fs.index_mirror), so chunks the store already holds are neither
+   compressed nor uploaded;
 3. chunk every regular file and upload the new chunks in packs (chunker.py), then flush the uploader:
    every pack and pack index is in the store before anything names it;
 4. write meta.erofs (writer.py) against the blob map the chunker filled;
-5. publish: meta.erofs, blob map, then manifest.json (dsec_fs.layer.publish_layer), then the ref.
+5. confirm against the store's own index objects that the layer's packs hold all its chunks (the mirror
+   is a cache), then publish: the build info of a directory build (incremental.py), meta.erofs, blob
+   map, then manifest.json (dsec_fs.layer.publish_layer); restore any pack index a concurrent gc
+   soft-deleted meanwhile (dsec_fs.gc.ensure_pack_indexes); then the ref.
+
+Incremental builds: with ``parent`` (a layer built earlier from the same directory), files whose stat
+identity has not changed since take their chunk lists from the parent without being read (incremental.py).
 
 On any error before step 5 nothing of the layer is published: the packs already uploaded are
 unreferenced and gc removes them. A ref name is checked before any work, so a bad name costs nothing.
@@ -19,16 +27,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 
 from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import NotFoundError
+from dsec_fs.gc import ensure_pack_indexes
+from dsec_fs.index_mirror import load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
+from dsec_fs.leases import Lease
+from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
 from .chunker import DEFAULT_CHUNK_SIZE, ChunkStats, Progress, chunk_tree
+from .incremental import ParentLayer, encode_buildinfo
 from .tree import Tree
 from .walk_dir import walk_directory
 from .writer import write_image
@@ -49,13 +63,18 @@ def build_layer(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     progress: Progress | None = None,
     workers: int | None = None,
+    parent: str | None = None,
 ) -> BuildResult:
-    """Build and publish the layer of directory ``source``; with ``name`` ("name:tag"), point that ref at it."""
+    """Build and publish the layer of directory ``source``; with ``name`` ("name:tag"), point that ref at it.
+
+    ``parent`` (a ref or digest) makes the build incremental: unchanged files are not read."""
     _check_options(name, chunk_size)
+    base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
+    scanned_at_ns = time.time_ns()
     tree = walk_directory(os.fspath(source))
     return build_tree(
         tree, store, name=name, chunk_size=chunk_size, progress=progress, workers=workers,
-        source=os.path.abspath(os.fsdecode(source)),
+        source=os.path.abspath(os.fsdecode(source)), parent=base, scanned_at_ns=scanned_at_ns,
     )
 
 
@@ -68,33 +87,46 @@ def build_tree(
     progress: Progress | None = None,
     workers: int | None = None,
     source: str = "",
+    parent: ParentLayer | None = None,
+    scanned_at_ns: int | None = None,
 ) -> BuildResult:
-    """Build and publish the layer of ``tree`` (from any walker); ``source`` is recorded in the manifest."""
-    _check_options(name, chunk_size)
-    index = ChunkIndex()
-    index.load(store)
-    with ChunkUploader(store, index) as uploader:
-        blob_map, stats = chunk_tree(tree, uploader, index, chunk_size=chunk_size, workers=workers, progress=progress)
-        uploader.flush()
+    """Build and publish the layer of ``tree`` (from any walker); ``source`` is recorded in the manifest.
 
-    meta = write_image(tree, blob_map, chunk_size)
-    blob_map_bytes = blob_map.encode()
-    manifest = Manifest(
-        layer=to_hex(sha256(meta)),
-        blob_id=blob_map.blob_id,
-        meta_size=len(meta),
-        blobmap_size=len(blob_map_bytes),
-        blobmap_sha256=to_hex(sha256(blob_map_bytes)),
-        chunk_size=chunk_size,
-        block_size=BLOCK_SIZE,
-        blob_blocks=blob_map.blocks,
-        packs=_packs_of(blob_map, index),
-        stats=dataclasses.asdict(stats),
-        source=source,
-    )
-    digest = publish_layer(store, meta, blob_map_bytes, manifest)
-    if name is not None:
-        set_ref(store, name, digest)
+    For a walk_directory tree only: ``scanned_at_ns`` (wall clock when the walk started) gives the layer
+    its build info, so that it can be a parent later; ``parent`` lends its chunk lists to unchanged files.
+    """
+    _check_options(name, chunk_size)
+    known = parent.reusable_chunks(tree).get if parent is not None else None
+    # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
+    with Lease(store, purpose=f"build {name or source}") as lease, load_chunk_index(store) as index:
+        with ChunkUploader(store, index) as uploader:
+            blob_map, stats = chunk_tree(tree, uploader, index, chunk_size=chunk_size, workers=workers,
+                                         progress=progress, known=known)
+            uploader.flush()
+
+        meta = write_image(tree, blob_map, chunk_size)
+        blob_map_bytes = blob_map.encode()
+        manifest = Manifest(
+            layer=to_hex(sha256(meta)),
+            blob_id=blob_map.blob_id,
+            meta_size=len(meta),
+            blobmap_size=len(blob_map_bytes),
+            blobmap_sha256=to_hex(sha256(blob_map_bytes)),
+            chunk_size=chunk_size,
+            block_size=BLOCK_SIZE,
+            blob_blocks=blob_map.blocks,
+            packs=_packs_of(blob_map, index),
+            stats=dataclasses.asdict(stats),
+            source=source,
+        )
+        index.confirm(store, (chunk for _blkaddr, chunk, _length in blob_map.entries), manifest.packs)
+        lease.check()
+        if scanned_at_ns is not None:
+            store.put(keys.layer_buildinfo(manifest.layer), encode_buildinfo(tree, manifest.layer, scanned_at_ns))
+        digest = publish_layer(store, meta, blob_map_bytes, manifest)
+        ensure_pack_indexes(store, manifest.packs)
+        if name is not None:  # under the lease too: gc keeps an unnamed layer while a build may name it
+            set_ref(store, name, digest)
     return BuildResult(digest=digest, manifest=manifest, stats=stats)
 
 

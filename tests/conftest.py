@@ -119,3 +119,12 @@ def s3_url(moto_server, monkeypatch):
     for name, value in moto_server.env().items():
         monkeypatch.setenv(name, value)
     return f"s3://{S3_TEST_BUCKET}/t-{secrets.token_hex(6)}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def index_mirror_dir(tmp_path_factory):
+    """Builds keep each store's index mirror (dsec_fs.index_mirror) under the session's temporary
+    directory: every test store has its own URL, so the default (/var/cache, ~/.cache) would fill up."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSECFS_INDEX_DIR", str(tmp_path_factory.mktemp("index-mirror")))
+        yield

@@ -4,8 +4,12 @@
     index/<hh>/<pack id>        the pack's index: chunk digest -> offset, compressed and plain length
     layers/<layer digest>/meta.erofs   the EROFS metadata image
     layers/<layer digest>/blobmap      the virtual blob's map: blocks -> chunk digests
+    layers/<layer digest>/buildinfo    optional: source file identities for incremental rebuilds
     layers/<layer digest>/manifest.json   written last; its presence publishes the layer
     refs/<name>:<tag>           text: the layer digest the name points at
+    leases/<lease id>           JSON: a build in progress, which gc must not pull packs from under
+    gc-locks/<lease id>         JSON: a gc run in progress; at most one runs at a time (leases.py)
+    trash/<hh>/<pack id>        JSON: when gc soft-deleted the pack by removing its index (gc.py)
 
 <hh> is the first two hex characters of the id: a fan-out that keeps directories of POSIX stores small
 and spreads S3 key prefixes.
@@ -17,6 +21,9 @@ PACKS = "packs/"
 INDEX = "index/"
 LAYERS = "layers/"
 REFS = "refs/"
+LEASES = "leases/"
+GC_LOCKS = "gc-locks/"
+TRASH = "trash/"
 
 
 def pack(pack_id: str) -> str:
@@ -35,12 +42,20 @@ def layer_blobmap(layer: str) -> str:
     return f"{LAYERS}{layer}/blobmap"
 
 
+def layer_buildinfo(layer: str) -> str:
+    return f"{LAYERS}{layer}/buildinfo"
+
+
 def layer_manifest(layer: str) -> str:
     return f"{LAYERS}{layer}/manifest.json"
 
 
 def ref(name: str, tag: str) -> str:
     return f"{REFS}{name}:{tag}"
+
+
+def trash(pack_id: str) -> str:
+    return f"{TRASH}{pack_id[:2]}/{pack_id}"
 
 
 def id_from_key(key: str) -> str:

@@ -1,0 +1,148 @@
+"""Rebuild benchmark: an incremental build (build_layer(parent=...)) against a full build, after changing one
+file of a copy of the Debian rootfs, side by side in one run.
+
+Steps: copy the tree with ``cp -a`` into a temporary directory, wait RACY_NS and touch the copy's root (a
+file younger than RACY_NS at build time is not recorded in build info, see erofs_builder/incremental.py),
+build the parent into a fresh store, overwrite CHANGE_BYTES in the middle of one large file, then for
+ROUNDS rounds, alternating, time a full build and an incremental build of the changed tree into the same
+store (so the full build uploads nothing either: it reads and hashes every file, the incremental one
+only the changed file). Prints the medians, their ratio, the incremental build's phases (from a profiled
+extra run), and what the first incremental build uploaded against the size of the change.
+
+    .venv/bin/python bench/bench_rebuild.py [--rounds 5] [--tree DIR] [--file REL_PATH]
+
+Builds run in this process (the CLI costs both the same start-up); the page cache is warm for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, PROJECT)
+
+from dsec_fs.store import FilesystemStore  # noqa: E402
+from erofs_builder.build import build_layer  # noqa: E402
+from erofs_builder.incremental import RACY_NS  # noqa: E402
+
+CHANGE_BYTES = 4096
+DEFAULT_FILE = "usr/lib/x86_64-linux-gnu/libc.so.6"
+# Phases of a build, by the function that does each (for the profile breakdown).
+PHASES = {
+    "walk the source": "walk_directory",
+    "load the parent": "load",
+    "match unchanged files": "reusable_chunks",
+    "load the chunk index": "_load_keys",
+    "read, hash, upload": "chunk_tree",
+    "write meta.erofs": "write_image",
+    "encode build info": "encode_buildinfo",
+    "publish": "publish_layer",
+}
+
+
+def store_bytes(root: str) -> dict[str, int]:
+    sizes = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            sizes[os.path.relpath(path, root)] = os.path.getsize(path)
+    return sizes
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def phases(fn) -> dict[str, float]:
+    """Seconds per phase of one profiled call of ``fn`` (profiling slows everything about equally)."""
+    profile = cProfile.Profile()
+    profile.runcall(fn)
+    stats = pstats.Stats(profile).stats
+    total = max(entry[3] for entry in stats.values())
+    found = {"total (profiled)": total}
+    for phase, function in PHASES.items():
+        found[phase] = sum(entry[3] for (filename, _line, name), entry in stats.items()
+                           if name == function and filename.startswith(PROJECT))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tree", default="/var/cache/dsecfs-test/debian-minbase")
+    parser.add_argument("--file", default=DEFAULT_FILE, help="the file to change, relative to the tree")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="dsecfs-rebuild-") as work:
+        tree = os.path.join(work, "tree")
+        subprocess.run(["cp", "-a", args.tree, tree], check=True)
+        time.sleep(RACY_NS / 1e9 + 0.2)
+        os.chmod(tree, os.stat(tree).st_mode & 0o7777)
+        store_root = os.path.join(work, "store")
+        store = FilesystemStore(store_root)
+
+        first_s, parent = timed(lambda: build_layer(tree, store))
+        changed = os.path.join(tree, args.file)
+        size = os.path.getsize(changed)
+        with open(changed, "r+b") as f:
+            f.seek(size // 2)
+            f.write(os.urandom(CHANGE_BYTES))
+
+        before = store_bytes(store_root)
+        incremental_s, child = timed(lambda: build_layer(tree, store, parent=parent.digest))
+        uploaded = {key: n for key, n in store_bytes(store_root).items() if before.get(key) != n}
+        full_times, incremental_times = [], [incremental_s]
+        for _round in range(args.rounds):
+            seconds, full = timed(lambda: build_layer(tree, store))
+            full_times.append(seconds)
+            seconds, again = timed(lambda: build_layer(tree, store, parent=parent.digest))
+            incremental_times.append(seconds)
+            assert again.digest == full.digest == child.digest, "incremental and full builds differ"
+        breakdown = phases(lambda: build_layer(tree, store, parent=parent.digest))
+
+    chunk_objects = sum(n for key, n in uploaded.items() if key.startswith(("packs", "index")))
+    result = {
+        "tree": args.tree,
+        "files": child.stats.files,
+        "bytes": child.stats.bytes,
+        "changed_file": args.file,
+        "change_bytes": CHANGE_BYTES,
+        "first_build_s": first_s,
+        "full_rebuild_s": statistics.median(full_times),
+        "incremental_s": statistics.median(incremental_times),
+        "ratio": statistics.median(incremental_times) / statistics.median(full_times),
+        "reused_files": child.stats.reused_files,
+        "new_chunk_bytes": child.stats.new_bytes,
+        "uploaded_chunk_objects_bytes": chunk_objects,
+        "uploaded_metadata_bytes": {key: n for key, n in uploaded.items() if not key.startswith(("packs", "index"))},
+        "incremental_phases_s": breakdown,
+    }
+    print(f"tree            {args.tree}: {child.stats.files:,} files, {child.stats.bytes / 2**20:.1f} MiB")
+    print(f"change          {CHANGE_BYTES:,} bytes in {args.file} ({size / 2**20:.1f} MiB)")
+    print(f"first build     {first_s:.3f} s (empty store)")
+    print(f"full rebuild    {result['full_rebuild_s']:.3f} s (median of {args.rounds}, chunks already stored)")
+    print(f"incremental     {result['incremental_s']:.3f} s (median of {len(incremental_times)}), "
+          f"{child.stats.reused_files:,} of {child.stats.files:,} files not read")
+    print(f"ratio           {result['ratio']:.2f} (goal: at most 0.10)")
+    print(f"uploaded        {child.stats.new_bytes:,} bytes of new chunks ({child.stats.new_chunks} chunk), "
+          f"{chunk_objects:,} bytes of pack + index objects, "
+          f"{sum(result['uploaded_metadata_bytes'].values()):,} bytes of layer metadata")
+    print("phases of an incremental build (profiled):")
+    for phase, seconds in breakdown.items():
+        print(f"  {phase:<24}{seconds:>8.3f} s")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

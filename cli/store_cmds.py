@@ -1,0 +1,101 @@
+"""Store maintenance commands: ``dsecfs gc`` and ``dsecfs store stats``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import click
+
+from dsec_fs.store import open_store
+
+from .common import _emit, _human, json_option, store_option
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?)([smhdw]?)")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: ``90``, ``0s``, ``30m``, ``1h``, ``2d``, ``1w`` or sums such as ``1h30m``.
+    ValueError when it is none of those."""
+    text = text.strip().lower()
+    parts = list(_DURATION_PART.finditer(text))
+    if not text or "".join(m.group(0) for m in parts) != text:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 0s, 30m, 1h, 2d or 1h30m)")
+    return sum(float(m.group(1)) * _DURATION_UNITS[m.group(2)] for m in parts)
+
+
+class Duration(click.ParamType):
+    name = "duration"
+
+    def convert(self, value, param, ctx) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def blobmap_chunks(data: bytes, source: str) -> Iterator[bytes]:
+    """The chunk digests a layer's blob map names: what dsec_fs.gc needs to know to repack."""
+    from erofs_builder.blobmap import BlobMap
+
+    return (digest for _blkaddr, digest, _length in BlobMap.decode(data, source=source).entries)
+
+
+@click.command("gc")
+@store_option
+@click.option("--grace", "grace_seconds", type=Duration(), default="24h", show_default=True,
+              help="leave alone anything younger than this (layers without a ref, packs, trashed packs)")
+@click.option("--dry-run", is_flag=True, help="report what would be done, change nothing")
+@click.option("--keep-unreferenced-layers", is_flag=True,
+              help="keep published layers no ref names, however old (by default they go after --grace)")
+@click.option("--repack-threshold", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="repack packs whose live bytes are below this fraction (0: never)")
+@json_option
+def gc_command(store_url: str | None, grace_seconds: float, dry_run: bool, keep_unreferenced_layers: bool,
+               repack_threshold: float, as_json: bool) -> None:
+    """Delete layers no ref needs and the packs only they used; repack sparse packs.
+
+    Safe while builds run: packs are first soft-deleted (their index removed) and only a later run,
+    after the grace period and once no build that started before may still use them, deletes them.
+    """
+    from dsec_fs.gc import gc
+
+    with open_store(store_url) as store:
+        report = gc(store, grace_seconds=grace_seconds, dry_run=dry_run, repack_threshold=repack_threshold,
+                    keep_unreferenced_layers=keep_unreferenced_layers, blobmap_chunks=blobmap_chunks)
+    _emit(as_json, {"store": store.url, **report.to_dict()}, report.summary)
+
+
+@click.group("store")
+def store_group() -> None:
+    """Inspect a chunk store."""
+
+
+@store_group.command("stats")
+@store_option
+@json_option
+def stats_command(store_url: str | None, as_json: bool) -> None:
+    """Layers, refs, chunks and packs in the store; logical versus stored bytes, and the dedup ratio."""
+    from dsec_fs.store_stats import store_stats
+
+    with open_store(store_url) as store:
+        stats = store_stats(store)
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    def text() -> str:
+        return "\n".join([
+            f"store          {stats['store']}",
+            f"layers         {stats['layers']:>12,}   refs {stats['refs']:,}",
+            f"chunks         {stats['chunks']:>12,}",
+            f"packs          {stats['packs']:>12,}   ({stats['trashed_packs']:,} trashed)",
+            f"logical bytes  {_human(stats['logical_bytes']):>12}",
+            f"unique bytes   {_human(stats['unique_bytes']):>12}   dedup {ratio(stats['dedup_ratio'])}",
+            f"stored bytes   {_human(stats['stored_bytes']):>12}   overall {ratio(stats['storage_ratio'])}",
+        ])
+
+    _emit(as_json, stats, text)

@@ -1,0 +1,172 @@
+"""The local LMDB mirror of a store's pack indexes: incremental syncs, dropping what gc soft-deleted,
+rebuilding a damaged mirror, the freshness rule against slow syncs, and the build's check that a lying
+mirror cannot make a layer name a chunk its packs do not hold."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_gc import CHUNK, PausingStore, assert_all_layers_ok, build, make_tree, random_bytes, run_gc
+
+from dsec_fs.digest import sha256
+from dsec_fs.errors import CorruptError
+from dsec_fs.index_mirror import IndexMirror, load_chunk_index, mirror_path
+from dsec_fs.layer import delete_ref, open_layer
+from dsec_fs.pack import PackEntry, decode_index, index_from_pack
+from dsec_fs.store import FilesystemStore, keys
+from dsec_fs.store.wrappers import CountingStore
+from erofs_builder.build import build_layer
+
+
+@pytest.fixture
+def store(tmp_path):
+    return FilesystemStore(str(tmp_path / "store"), fsync=False)
+
+
+@pytest.fixture(autouse=True)
+def index_root(tmp_path, monkeypatch):
+    path = str(tmp_path / "index-mirror")
+    monkeypatch.setenv("DSECFS_INDEX_DIR", path)
+    return path
+
+
+def layer_with(store, tmp_path, name: str, seed: int, chunks: int = 4) -> tuple[str, str]:
+    """A layer of ``chunks`` random chunks, and the one pack that holds them."""
+    digest = build(store, tmp_path / name, {name: random_bytes(seed, chunks * CHUNK)}, f"t/{name}")
+    (pack,) = open_layer(store, digest).manifest.packs
+    return digest, pack
+
+
+def chunks_of(store, pack: str) -> list[bytes]:
+    return [e.digest for e in decode_index(store.get(keys.index(pack)), source=pack)]
+
+
+def chunks_of_pack(store, pack: str) -> list[bytes]:
+    """From the pack itself, for when its index object is gone."""
+    return [e.digest for e in index_from_pack(store.get(keys.pack(pack)), source=pack)]
+
+
+def test_a_sync_reads_only_the_index_objects_it_has_not_mirrored(store, tmp_path, index_root, monkeypatch):
+    _, first = layer_with(store, tmp_path, "one", 1)
+    counting = CountingStore(store)
+    with IndexMirror.for_store(store, index_root) as mirror:
+        assert mirror.pack_ids() == {first}  # the build added its pack already
+        stats = mirror.sync(counting)
+        assert (stats.listed, stats.fetched, stats.dropped) == (1, 0, 0)
+        assert counting.calls.get("get", 0) == 0
+        # A pack another host (with its own mirror) uploaded: only its index is read.
+        monkeypatch.setenv("DSECFS_INDEX_DIR", str(tmp_path / "elsewhere"))
+        _, second = layer_with(store, tmp_path, "two", 2)
+        counting.reset()
+        stats = mirror.sync(counting)
+        assert (stats.listed, stats.fetched) == (2, 1)
+        assert counting.calls["get"] == 1 and counting.calls["list"] == 1
+        assert mirror.pack_ids() == {first, second}
+        for digest in chunks_of(store, second):
+            assert mirror.lookup(digest).pack_id == second
+
+
+def test_a_pack_whose_index_disappeared_is_dropped(store, tmp_path, index_root):
+    _, gone = layer_with(store, tmp_path, "gone", 1)
+    _, kept = layer_with(store, tmp_path, "kept", 2)
+    gone_chunks = chunks_of(store, gone)
+    store.delete(keys.index(gone))  # what gc's soft delete does
+    with IndexMirror.for_store(store, index_root) as mirror:
+        assert mirror.lookup(gone_chunks[0]) is not None  # stale until synced
+        stats = mirror.sync(store)
+        assert stats.dropped == 1 and mirror.pack_ids() == {kept}
+        assert all(mirror.lookup(d) is None for d in gone_chunks)
+
+
+def test_a_damaged_mirror_is_rebuilt_from_the_store(store, tmp_path, index_root):
+    _, pack = layer_with(store, tmp_path, "one", 1)
+    path = mirror_path(store.url, index_root)  # a filesystem store's identity is its URL
+    data_file = os.path.join(path, "data.mdb")
+    with open(data_file, "r+b") as f:
+        f.write(os.urandom(8192))
+    with load_chunk_index(store) as index:
+        assert index.mirror.rebuilt
+        assert index.mirror.pack_ids() == {pack}
+        assert all(d in index for d in chunks_of(store, pack))
+
+
+def test_a_mirror_of_another_store_or_version_is_rebuilt(store, tmp_path, index_root):
+    _, pack = layer_with(store, tmp_path, "one", 1)
+    path = mirror_path(store.url, index_root)
+    with IndexMirror("file:///some/other/store", path=path) as foreign:
+        assert foreign.rebuilt and foreign.pack_ids() == set()
+    with IndexMirror(store.url, path=path) as mirror:
+        assert mirror.rebuilt
+        mirror.sync(store)
+        assert mirror.pack_ids() == {pack}
+
+
+def test_a_sync_that_began_before_a_newer_one_commits_nothing(store, tmp_path, index_root):
+    _, dropped = layer_with(store, tmp_path, "dropped", 1)
+    _, other = layer_with(store, tmp_path, "other", 2)
+    path = str(tmp_path / "fresh-mirror")
+    # The slow sync has listed both indexes and is fetching them when the pause hits.
+    slow_store = PausingStore(store, "get", lambda key: key.startswith(keys.INDEX))
+    with ThreadPoolExecutor(1) as pool, slow_store, IndexMirror(store.url, path=path) as slow:
+        syncing = pool.submit(slow.sync, slow_store)
+        assert slow_store.reached.wait(60)
+        store.delete(keys.index(dropped))  # gc soft-deletes one of them
+        with IndexMirror(store.url, path=path) as fast:
+            assert fast.sync(store).fetched == 1
+        slow_store.proceed.set()
+        stats = syncing.result()
+        assert stats.superseded
+        assert slow.pack_ids() == {other}  # the slow listing did not bring the dropped pack back
+        assert all(slow.lookup(d) is None for d in chunks_of_pack(store, dropped))
+
+
+def test_an_answer_once_given_stays_for_the_build(store, tmp_path, index_root):
+    _, pack = layer_with(store, tmp_path, "one", 1)
+    chunk = chunks_of(store, pack)[0]
+    with load_chunk_index(store) as index:
+        assert index.get(chunk).pack_id == pack
+        store.delete(keys.index(pack))
+        with IndexMirror.for_store(store, index_root) as other:
+            other.sync(store)
+            assert other.lookup(chunk) is None
+        assert chunk in index and index.get(chunk).pack_id == pack
+
+
+def test_a_second_build_of_the_same_tree_uploads_nothing(store, tmp_path):
+    src = make_tree(tmp_path / "src", {"a": random_bytes(1, 6 * CHUNK), "b": random_bytes(2, 3 * CHUNK)})
+    first = build_layer(src, store, chunk_size=CHUNK)
+    packs = set(store.list(keys.PACKS))
+    second = build_layer(src, store, chunk_size=CHUNK)
+    assert second.digest == first.digest and second.stats.new_chunks == 0
+    assert set(store.list(keys.PACKS)) == packs
+
+
+def test_a_lying_mirror_publishes_nothing_and_is_reset(store, tmp_path, index_root):
+    _, pack = layer_with(store, tmp_path, "one", 1)
+    secret = random_bytes(99, CHUNK)
+    # The mirror claims a chunk the store has never seen is in a pack that really exists.
+    with IndexMirror.for_store(store, index_root) as mirror:
+        mirror.reset()
+        mirror.add_pack(pack, [PackEntry(sha256(secret), 0, 10, CHUNK)])
+    src = make_tree(tmp_path / "src", {"secret": secret})
+    with pytest.raises(CorruptError, match="index mirror"):
+        build_layer(src, store, name="t/secret", chunk_size=CHUNK)
+    assert not any(key.endswith("manifest.json") and "secret" in key for key in store.list(keys.LAYERS))
+    assert "t/secret" not in {key[len(keys.REFS):].split(":")[0] for key in store.list(keys.REFS)}
+    result = build_layer(src, store, name="t/secret", chunk_size=CHUNK)
+    assert result.stats.new_chunks == 1
+    assert_all_layers_ok(store)
+
+
+def test_a_stale_mirror_entry_for_a_pack_gc_deleted_is_never_used(store, tmp_path):
+    old = build(store, tmp_path / "old", {"f": random_bytes(5, 4 * CHUNK)}, "t/old")
+    (old_pack,) = open_layer(store, old).manifest.packs
+    delete_ref(store, "t/old")
+    run_gc(store)
+    run_gc(store)  # hard-deleted now, while the mirror still lists it
+    assert not store.exists(keys.pack(old_pack))
+    new = build(store, tmp_path / "new", {"f": random_bytes(5, 4 * CHUNK), "g": b"more"}, "t/new")
+    assert old_pack not in open_layer(store, new).manifest.packs
+    assert_all_layers_ok(store)
