@@ -1,0 +1,519 @@
+"""The runtime shim: run one command in a root filesystem, isolated, and collect its exit code and output.
+
+``run_in_rootfs(rootfs, argv, ...)`` runs ``argv`` as root (uid 0, gid 0) in ``rootfs`` (usually a
+sandbox's OverlayFS stack) with its own pid, mount, ipc and uts namespaces, and a new empty network
+namespace (only a loopback interface, down) unless ``network=True``. stdout and stderr are captured
+separately (no terminal); the exit code passes through, 128 + N for a command killed by signal N.
+
+Two runtimes:
+
+- ``"runc"`` (default). An OCI bundle (config.json, OCI runtime spec 1.0) is written to a temporary
+  directory outside the rootfs, and ``runc run`` runs it in the foreground; ``runc delete --force``
+  always follows. The config is close to ``runc spec``: /proc, a tmpfs /dev (runc adds the standard
+  nodes and lets only them through the devices cgroup), /dev/pts, /dev/shm, /dev/mqueue, sysfs and
+  cgroupfs read-only, runc's masked and read-only paths, ``noNewPrivileges``, and Docker's default
+  capabilities (DEFAULT_CAPABILITIES) in the bounding, effective and permitted sets. Limits go to cgroups
+  (memory limit, CFS quota over a 100 ms period, pids.max); the container's cgroup is created below
+  runc's own, so a limit set on the caller's cgroup still applies. Not set: seccomp, AppArmor/SELinux,
+  user namespaces (root in the sandbox is root on the host, held back by the capabilities, the devices
+  cgroup and the masked paths). runc's state lives in ``runc_root`` (default: a directory in the
+  temporary bundle dir); ``reap_containers`` deletes containers a crashed caller left behind there.
+- ``"namespaces"``, for machines without runc. util-linux ``unshare`` makes the namespaces and forks;
+  the child is this module run as a program (``python -m overlay.runtime``), which reads its
+  instructions from a pipe, chroots into the rootfs, mounts /proc, /dev (tmpfs with null, zero, full,
+  random, urandom, tty), /dev/pts, /dev/shm and sysfs (read-only) there, applies the binds and the masked
+  and read-only paths, sets the hostname, drops capabilities to DEFAULT_CAPABILITIES minus CAP_SYS_CHROOT
+  and CAP_MKNOD, sets no_new_privs, and execs the command. What it does not enforce: no cgroups, so no
+  CPU quota and no pids limit (RLIMIT_NPROC does not bind uid 0): asking for ``cpus`` or ``pids_limit``
+  is an UnsupportedError; ``memory_bytes`` becomes RLIMIT_AS, which limits address space (virtual
+  memory), not resident memory, and may stop programs that reserve large address ranges. No devices
+  cgroup and no seccomp. It is a chroot, not a pivot_root: the two capabilities it withholds close the
+  known ways out (chroot again, make a disk's device node), but this runtime is for development
+  machines, not for untrusted code.
+
+Errors: InputError for bad arguments and for a command that cannot be executed (runc's "exec:" failure,
+or the namespaces child's execvpe); NotFoundError for a missing rootfs or bind source; UnavailableError
+(transient=False) when runc or unshare is missing or the runtime fails to set the sandbox up, with the
+runtime's own message; UnsupportedError for a limit the runtime cannot enforce.
+
+Threads: run_in_rootfs keeps no shared state; any number of threads may run commands at once (each has
+its own bundle, container id and pipes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import json
+import math
+import os
+import re
+import resource
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from dsec_fs import mounts
+from dsec_fs.errors import DsecError, InputError, NotFoundError, UnavailableError, UnsupportedError
+
+RUNTIMES = ("runc", "namespaces")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_HOSTNAME = "sandbox"
+CPU_PERIOD_US = 100_000
+SIGNAL_EXIT_BASE = 128  # a command killed by signal N exits 128 + N, as shells and runc report it
+
+# Docker's default capability set (linux/capability.h numbers).
+DEFAULT_CAPABILITIES = {
+    "CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_KILL": 5, "CAP_SETGID": 6,
+    "CAP_SETUID": 7, "CAP_SETPCAP": 8, "CAP_NET_BIND_SERVICE": 10, "CAP_NET_RAW": 13, "CAP_SYS_CHROOT": 18,
+    "CAP_MKNOD": 27, "CAP_AUDIT_WRITE": 29, "CAP_SETFCAP": 31,
+}
+# Without runc's devices cgroup and pivot_root, these two are ways out of a chroot.
+NAMESPACES_WITHHELD = ("CAP_SYS_CHROOT", "CAP_MKNOD")
+
+# runc spec's defaults: hidden (an empty read-only tmpfs on a directory, /dev/null on a file) ...
+MASKED_PATHS = ("/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+                "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware")
+# ... and read-only.
+READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,62})")
+
+
+class Bind(NamedTuple):
+    """A host path made visible in the sandbox; plain (source, destination, readonly) tuples work too."""
+
+    source: str  # on the host
+    destination: str  # absolute, inside the sandbox
+    readonly: bool = True
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int  # the command's status; 128 + N if signal N killed it (137 after a timeout)
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False  # ``timeout`` passed and the sandbox's processes were killed
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What run_in_rootfs takes besides rootfs and argv; checked by ``checked()``."""
+
+    env: Mapping[str, str] | None = None  # added to PATH=DEFAULT_PATH and HOME=/root, may override them
+    cwd: str = "/"
+    hostname: str = DEFAULT_HOSTNAME
+    network: bool = False  # True: share the host's network namespace
+    memory_bytes: int | None = None
+    cpus: float | None = None  # CPU time per wall second, e.g. 0.5 or 2
+    pids_limit: int | None = None
+    readonly_paths: Sequence[str] = ()  # sandbox paths made read-only, besides READONLY_PATHS
+    extra_binds: Sequence[Bind | tuple[str, str, bool]] = ()
+    stdin: bytes | None = None  # None: /dev/null
+    timeout: float | None = None  # seconds
+
+    def checked(self) -> "RunOptions":
+        """These options with binds as Bind tuples and sources absolute; InputError/NotFoundError if unusable."""
+        where = "run options"
+        env = dict(self.env or {})
+        for name, value in env.items():
+            if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+                raise InputError(f"bad environment variable name {name!r}", where=where)
+            if not isinstance(value, str) or "\0" in value:
+                raise InputError(f"environment variable {name} must be a string without NUL", where=where)
+        for path in (self.cwd, *self.readonly_paths):
+            _check_sandbox_path(path, where)
+        if not _HOSTNAME.fullmatch(self.hostname):
+            raise InputError(f"bad hostname {self.hostname!r}", where=where)
+        for name in ("memory_bytes", "cpus", "pids_limit", "timeout"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise InputError(f"{name} must be a positive number, not {value!r}", where=where)
+        binds = []
+        for bind in self.extra_binds:
+            source, destination, readonly = Bind(*bind)
+            source = os.path.abspath(source)
+            if not os.path.exists(source):
+                raise NotFoundError("bind source does not exist", where=source)
+            _check_sandbox_path(destination, where)
+            binds.append(Bind(source, destination, bool(readonly)))
+        return dataclasses.replace(self, env=env, readonly_paths=tuple(self.readonly_paths), extra_binds=tuple(binds))
+
+    def environment(self) -> dict[str, str]:
+        return {"PATH": DEFAULT_PATH, "HOME": "/root", **(self.env or {})}
+
+
+def run_in_rootfs(rootfs: str | os.PathLike, argv: Sequence[str], *, runtime: str = "runc",
+                  runc_root: str | None = None, env: Mapping[str, str] | None = None, cwd: str = "/",
+                  hostname: str = DEFAULT_HOSTNAME, network: bool = False, memory_bytes: int | None = None,
+                  cpus: float | None = None, pids_limit: int | None = None, readonly_paths: Sequence[str] = (),
+                  extra_binds: Sequence[Bind | tuple[str, str, bool]] = (), stdin: bytes | None = None,
+                  timeout: float | None = None) -> RunResult:
+    """Run ``argv`` (argv[0] looked up in the sandbox's PATH) in ``rootfs``; see the module docstring."""
+    rootfs = os.path.abspath(os.fsdecode(rootfs))
+    if not os.path.isdir(rootfs):
+        raise NotFoundError("root filesystem does not exist or is not a directory", where=rootfs)
+    argv = list(argv)
+    if not argv or not all(isinstance(arg, str) and "\0" not in arg for arg in argv):
+        raise InputError(f"argv must be a non-empty list of strings without NUL, not {argv!r}", where=rootfs)
+    options = RunOptions(env=env, cwd=cwd, hostname=hostname, network=network, memory_bytes=memory_bytes,
+                         cpus=cpus, pids_limit=pids_limit, readonly_paths=readonly_paths,
+                         extra_binds=extra_binds, stdin=stdin, timeout=timeout).checked()
+    if runtime == "runc":
+        return _run_runc(rootfs, argv, options, runc_root)
+    if runtime == "namespaces":
+        return _run_namespaces(rootfs, argv, options)
+    raise InputError(f"unknown runtime {runtime!r}, expected one of {', '.join(RUNTIMES)}", where=rootfs)
+
+
+def _check_sandbox_path(path: str, where: str) -> None:
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise InputError(f"a path in the sandbox must be absolute: {path!r}", where=where)
+
+
+def _require(program: str, runtime: str) -> str:
+    path = shutil.which(program)
+    if path is None:
+        hint = " (or use runtime='namespaces')" if runtime == "runc" else ""
+        raise UnavailableError(f"{program} is not installed or not on PATH{hint}", where=f"runtime {runtime}",
+                               transient=False)
+    return path
+
+
+def _finish(returncode: int, stdout: bytes, stderr: bytes, timed_out: bool = False) -> RunResult:
+    code = SIGNAL_EXIT_BASE - returncode if returncode < 0 else returncode
+    return RunResult(exit_code=code, stdout=stdout or b"", stderr=stderr or b"", timed_out=timed_out)
+
+
+def _communicate(process: subprocess.Popen, options: RunOptions, stop: Callable[[], None]) -> RunResult:
+    """Feed stdin and collect output; after ``timeout``, ``stop()`` kills the sandbox, and what it wrote is kept."""
+    try:
+        stdout, stderr = process.communicate(options.stdin, timeout=options.timeout)
+    except subprocess.TimeoutExpired:
+        stop()
+        stdout, stderr = process.communicate()
+        return _finish(-signal.SIGKILL, stdout, stderr, timed_out=True)
+    return _finish(process.returncode, stdout, stderr)
+
+
+# --- runc -------------------------------------------------------------------------------------------------
+
+def oci_config(rootfs: str, argv: Sequence[str], options: RunOptions) -> dict:
+    """The OCI runtime spec (1.0) config.json of one run (``options`` as returned by RunOptions.checked)."""
+    capabilities = sorted(DEFAULT_CAPABILITIES)
+    mounts_ = [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+         "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
+    ]
+    for bind in options.extra_binds:
+        mounts_.append({"destination": bind.destination, "type": "bind", "source": bind.source,
+                        "options": ["rbind", "nosuid", "nodev", "ro" if bind.readonly else "rw"]})
+    namespaces = ["pid", "mount", "ipc", "uts"] + ([] if options.network else ["network"])
+    resources: dict = {"devices": [{"allow": False, "access": "rwm"}]}  # runc allows its standard nodes
+    if options.memory_bytes is not None:
+        resources["memory"] = {"limit": int(options.memory_bytes)}
+    if options.cpus is not None:
+        resources["cpu"] = {"quota": max(1000, round(options.cpus * CPU_PERIOD_US)), "period": CPU_PERIOD_US}
+    if options.pids_limit is not None:
+        resources["pids"] = {"limit": int(options.pids_limit)}
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": list(argv),
+            "env": [f"{name}={value}" for name, value in options.environment().items()],
+            "cwd": options.cwd,
+            "capabilities": {kind: capabilities for kind in ("bounding", "effective", "permitted")},
+            "noNewPrivileges": True,
+        },
+        "root": {"path": rootfs, "readonly": False},
+        "hostname": options.hostname,
+        "mounts": mounts_,
+        "linux": {
+            "namespaces": [{"type": kind} for kind in namespaces],
+            "resources": resources,
+            "maskedPaths": list(MASKED_PATHS),
+            "readonlyPaths": list(READONLY_PATHS) + list(options.readonly_paths),
+        },
+    }
+
+
+def _run_runc(rootfs: str, argv: list[str], options: RunOptions, runc_root: str | None) -> RunResult:
+    runc = _require("runc", "runc")
+    bundle = tempfile.mkdtemp(prefix="dsecfs-run-")
+    state_root = os.path.abspath(runc_root) if runc_root else os.path.join(bundle, "state")
+    container = "dsecfs-" + secrets.token_hex(8)
+    log_path = os.path.join(bundle, "runc.log")
+
+    def delete() -> None:
+        """Kill whatever still runs in the container and remove its state and cgroups."""
+        subprocess.run([runc, "--root", state_root, "delete", "--force", container],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    try:
+        with open(os.path.join(bundle, "config.json"), "w") as f:
+            json.dump(oci_config(rootfs, argv, options), f)
+        process = subprocess.Popen(
+            [runc, "--root", state_root, "--log", log_path, "--log-format", "json", "run", "--bundle", bundle,
+             container],
+            stdin=subprocess.DEVNULL if options.stdin is None else subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        # A killed `runc run` leaves the container running (and holding our pipes): delete it first.
+        result = _communicate(process, options, stop=lambda: (delete(), process.kill()))
+        failure = None if result.timed_out else _runc_error(log_path)
+        if failure is not None:
+            where = f"runc container {container} in {rootfs}"
+            if "unable to start container process: exec:" in failure:
+                raise InputError(f"cannot execute {argv[0]!r}: {failure}", where=where)
+            raise UnavailableError(failure, where=where, transient=False)
+        return result
+    finally:
+        delete()
+        shutil.rmtree(bundle, ignore_errors=True)
+
+
+def _runc_error(log_path: str) -> str | None:
+    """The error runc logged (it failed to create or start the container), or None."""
+    errors = []
+    try:
+        with open(log_path) as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if entry.get("level") in ("error", "fatal"):
+                    errors.append(str(entry.get("msg", "")))
+    except FileNotFoundError:
+        return None
+    return "; ".join(errors) or None
+
+
+def reap_containers(runc_root: str) -> list[str]:
+    """Delete (killing their processes) every container in ``runc_root``: what a crashed caller left behind.
+
+    Only for a state root no live caller is using. Returns the container ids deleted.
+    """
+    runc = shutil.which("runc")
+    if runc is None or not os.path.isdir(runc_root):
+        return []
+    listed = subprocess.run([runc, "--root", runc_root, "list", "--format", "json"], stdin=subprocess.DEVNULL,
+                            capture_output=True)
+    if listed.returncode != 0:
+        raise UnavailableError(f"runc list failed: {listed.stderr.decode(errors='replace').strip()}",
+                               where=runc_root, transient=False)
+    ids = [entry["id"] for entry in json.loads(listed.stdout or b"null") or []]
+    for container in ids:
+        subprocess.run([runc, "--root", runc_root, "delete", "--force", container], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return ids
+
+
+# --- namespaces -------------------------------------------------------------------------------------------
+
+def _run_namespaces(rootfs: str, argv: list[str], options: RunOptions) -> RunResult:
+    for limit in ("cpus", "pids_limit"):
+        if getattr(options, limit) is not None:
+            raise UnsupportedError(f"{limit} needs cgroups: use runtime='runc'", where="runtime namespaces")
+    unshare = _require("unshare", "namespaces")
+    todo = json.dumps({
+        "rootfs": rootfs, "argv": argv, "env": options.environment(), "cwd": options.cwd,
+        "hostname": options.hostname, "memory_bytes": options.memory_bytes,
+        "readonly_paths": list(READONLY_PATHS) + list(options.readonly_paths),
+        "binds": [list(bind) for bind in options.extra_binds],
+    }).encode()
+    command = [unshare, "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private", "--ipc", "--uts"]
+    if not options.network:
+        command.append("--net")
+    project_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    todo_r, todo_w = os.pipe()
+    report_r, report_w = os.pipe()
+    with open(todo_w, "wb") as to_child, open(report_r, "rb") as from_child:
+        try:
+            process = subprocess.Popen(
+                command + ["--", sys.executable, "-s", "-m", "overlay.runtime", str(todo_r), str(report_w)],
+                stdin=subprocess.DEVNULL if options.stdin is None else subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(todo_r, report_w),
+                env={"PATH": os.environ.get("PATH", DEFAULT_PATH), "PYTHONPATH": project_root},
+                start_new_session=True)
+        finally:
+            os.close(todo_r)
+            os.close(report_w)
+        try:
+            to_child.write(todo)
+            to_child.close()
+        except BrokenPipeError:
+            pass  # the child is gone already; the report and the status say why
+        # unshare --kill-child takes the whole pid namespace down with it.
+        result = _communicate(process, options, stop=process.kill)
+        report = from_child.read()
+    where = f"runtime namespaces in {rootfs}"
+    if not report.startswith(CHILD_STARTED) and not result.timed_out:
+        raise UnavailableError(f"unshare failed: {result.stderr.decode(errors='replace').strip()}", where=where,
+                               transient=False)
+    if report[len(CHILD_STARTED):]:
+        failure = json.loads(report[len(CHILD_STARTED):])
+        if failure["stage"] == "exec":
+            raise InputError(f"cannot execute {argv[0]!r}: {failure['message']}", where=where)
+        raise UnavailableError(f"sandbox setup failed: {failure['message']}", where=where, transient=False)
+    return result
+
+
+# The child of the namespaces runtime: pid 1 of the new pid namespace until it execs the command. It runs
+# with every capability in fresh namespaces. On the report pipe (closed by a successful exec) it writes
+# CHILD_STARTED first, then, if anything fails, {"stage": "setup" | "exec", "message": ...} as JSON.
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+CHILD_STARTED = b"+"
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+O_PATH = getattr(os, "O_PATH", 0o10000000)
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 0x2, 0x4, 0x8, 0x20, 0x1000, 0x4000
+DEVICE_NODES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
+DEVICE_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+                "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx"}
+
+
+class _Failure(Exception):
+    def __init__(self, stage: str, message: str):
+        super().__init__(message)
+        self.stage = stage
+
+
+def _namespace_child(todo_fd: int, report_fd: int) -> None:
+    os.set_inheritable(report_fd, False)
+    os.write(report_fd, CHILD_STARTED)
+    try:
+        with open(todo_fd, "rb") as f:
+            todo = json.loads(f.read())
+        _enter_sandbox(todo)
+        try:
+            os.execvpe(todo["argv"][0], todo["argv"], todo["env"])
+        except OSError as exc:
+            raise _Failure("exec", os.strerror(exc.errno or 0)) from None
+    except BaseException as exc:  # the child must report whatever went wrong, then exit
+        stage = exc.stage if isinstance(exc, _Failure) else "setup"
+        message = str(exc) if isinstance(exc, (_Failure, DsecError)) else f"{type(exc).__name__}: {exc}"
+        os.write(report_fd, json.dumps({"stage": stage, "message": message}).encode())
+        os._exit(127)
+
+
+def _enter_sandbox(todo: dict) -> None:
+    # Bind sources are host paths: open them before the chroot hides them, mount them through
+    # /proc/self/fd once /proc is back. Every other path is resolved inside the chroot, so a symlink in the
+    # rootfs cannot point a mount outside it.
+    sources = [os.open(source, O_PATH | os.O_CLOEXEC) for source, _dst, _ro in todo["binds"]]
+    os.chroot(todo["rootfs"])
+    os.chdir("/")
+    _mount_at("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount_at("tmpfs", "/dev", "tmpfs", MS_NOSUID, "mode=755,size=65536k")
+    for name, (major, minor) in DEVICE_NODES.items():
+        os.mknod(f"/dev/{name}", stat.S_IFCHR | 0o666, os.makedev(major, minor))
+        os.chmod(f"/dev/{name}", 0o666)  # mknod obeys the umask
+    for name, target in DEVICE_LINKS.items():
+        os.symlink(target, f"/dev/{name}")
+    _mount_at("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5")
+    _mount_at("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777,size=65536k")
+    _mount_at("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | mounts.MS_RDONLY)
+    for fd, (_source, destination, readonly) in zip(sources, todo["binds"]):
+        _prepare_mountpoint(destination, directory=stat.S_ISDIR(os.fstat(fd).st_mode))
+        mounts.mount(f"/proc/self/fd/{fd}", destination, "", MS_BIND | MS_REC)
+        mounts.mount("none", destination, "", MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV
+                     | (mounts.MS_RDONLY if readonly else 0))
+        os.close(fd)
+    for path in MASKED_PATHS:
+        if os.path.isdir(path):
+            mounts.mount("tmpfs", path, "tmpfs", mounts.MS_RDONLY, "size=0")
+        elif os.path.exists(path):
+            mounts.mount("/dev/null", path, "", MS_BIND)
+    for path in todo["readonly_paths"]:
+        if os.path.exists(path):
+            mounts.mount(path, path, "", MS_BIND | MS_REC)
+            mounts.mount("none", path, "", MS_BIND | MS_REMOUNT | mounts.MS_RDONLY)
+    socket.sethostname(todo["hostname"])
+    if todo["memory_bytes"] is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (todo["memory_bytes"], todo["memory_bytes"]))
+    try:
+        os.chdir(todo["cwd"])
+    except OSError as exc:
+        raise _Failure("setup", f"cwd {todo['cwd']}: {os.strerror(exc.errno or 0)}") from None
+    _drop_privileges()
+
+
+def _prepare_mountpoint(path: str, *, directory: bool) -> None:
+    if os.path.lexists(path):
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if directory:
+        os.mkdir(path)
+    else:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+
+
+def _mount_at(source: str, path: str, fstype: str, flags: int, data: str = "") -> None:
+    _prepare_mountpoint(path, directory=True)
+    mounts.mount(source, path, fstype, flags, data)
+
+
+def _prctl(option: int, arg: int, what: str) -> None:
+    if _libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        err = ctypes.get_errno()
+        raise _Failure("setup", f"prctl {what}: {os.strerror(err)}")
+
+
+def _drop_privileges() -> None:
+    """Leave only the allowed capabilities in the bounding set (uid 0 gets exactly those on exec)."""
+    allowed = {number for name, number in DEFAULT_CAPABILITIES.items() if name not in NAMESPACES_WITHHELD}
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        if cap not in allowed:
+            _prctl(PR_CAPBSET_DROP, cap, f"drop capability {cap}")
+    _clear_inheritable()
+    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "clear ambient capabilities")
+    _prctl(PR_SET_NO_NEW_PRIVS, 1, "no_new_privs")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _clear_inheritable() -> None:
+    """Empty the inheritable set, which exec would otherwise add to the new permitted set for uid 0."""
+    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words per set
+    data = (_CapData * 2)()
+    if _libc.capget(ctypes.byref(header), data) != 0 or not any(word.inheritable for word in data):
+        return
+    for word in data:
+        word.inheritable = 0
+    if _libc.capset(ctypes.byref(header), data) != 0:
+        raise _Failure("setup", f"capset: {os.strerror(ctypes.get_errno())}")
+
+
+if __name__ == "__main__":
+    _namespace_child(int(sys.argv[1]), int(sys.argv[2]))
