@@ -15,7 +15,7 @@ import click
 from dsec_fs.errors import DsecError
 from dsec_fs.store import open_store
 
-from . import diff_cmds, sched_cmds, store_cmds, trace_cmds
+from . import daemon_cmds, diff_cmds, sched_cmds, store_cmds, trace_cmds
 from .common import CHUNK_SIZE_HELP, _emit, _human, _parse_size, json_option, store_option
 
 class DsecGroup(click.Group):
@@ -181,6 +181,12 @@ main.add_command(trace_cmds.trace)
 main.add_command(trace_cmds.prefetch)
 main.add_command(store_cmds.gc_command)
 main.add_command(store_cmds.store_group)
+main.add_command(daemon_cmds.daemon)
+main.add_command(daemon_cmds.mount)
+main.add_command(daemon_cmds.umount)
+main.add_command(daemon_cmds.status)
+main.add_command(daemon_cmds.cache)
+trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
 
 if __name__ == "__main__":
     main()

@@ -47,6 +47,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -60,6 +61,9 @@ log = logging.getLogger(__name__)
 ROOT_INO = 1  # FUSE's root inode (pyfuse3.ROOT_INODE, FUSE_ROOT_ID)
 SLOT_SHIFT = 40  # SessionTree: the low 40 bits are the inode number inside a part (an EROFS nid < 2**40)
 CHUNK_MAPS_KEPT = 64  # files whose chunk map LayerTree keeps parsed: those being read right now
+# (nid, file offset) of the file bytes a LayerTree is reading from its blob right now, set around each
+# blob read (in the reading task's context), so a blob that traces reads can name the file (the daemon's).
+FILE_READ: ContextVar[tuple[int, int] | None] = ContextVar("FILE_READ", default=None)
 
 
 class FsError(DsecError):
@@ -226,12 +230,18 @@ class LayerTree:
         if self.image.inode(nid).layout != LAYOUT_CHUNK_BASED:
             return self.image.read(nid, offset, end - offset)  # FLAT data inside meta.erofs (mkfs.erofs images)
         pieces = []
+        position = offset
         for blob_offset, length in self._extents(nid, offset, end):
             if blob_offset is None:
                 pieces.append(bytes(length))
             else:
                 where = f"{self._where(ino)} bytes [{offset}, {end})"
-                pieces.append(await read_blob(self.blob, blob_offset, length, what=where))
+                token = FILE_READ.set((nid, position))
+                try:
+                    pieces.append(await read_blob(self.blob, blob_offset, length, what=where))
+                finally:
+                    FILE_READ.reset(token)
+            position += length
         return b"".join(pieces)
 
     def _extents(self, nid: int, offset: int, end: int) -> list[tuple[int | None, int]]:

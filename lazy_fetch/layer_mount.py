@@ -159,8 +159,8 @@ class LayerMounter:
             if mode == "kernel":
                 await self._retain(("blob", mount.blob_id), undo, self.session.blobs.add, mount.blob_id, blob)
                 await self._retain(("meta", layer.digest), undo, self._write_meta, layer)
-                await trio.to_thread.run_sync(mounts.mount_erofs, self.meta_path(layer.digest), mountpoint,
-                                              [self.blob_path(mount.blob_id)])
+                await trio.to_thread.run_sync(_mount_erofs_direct, self.meta_path(layer.digest), mountpoint,
+                                              self.blob_path(mount.blob_id))
             else:
                 tree = LayerTree(ErofsImage(layer.meta, source=keys.layer_meta(layer.digest)), blob)
                 await self._retain(("tree", layer.digest), undo, self.session.add_layer, layer.digest, tree)
@@ -286,6 +286,20 @@ async def _serve_session(serve, mounter: LayerMounter, *, task_status=trio.TASK_
     error, because every layer mounted through it is dead."""
     await serve(mounter.session, mounter.fuse_dir, fuse_options(), task_status=task_status)
     raise UnavailableError("the FUSE session was unmounted from outside", where=mounter.fuse_dir, transient=False)
+
+
+def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str) -> None:
+    """mount_erofs with ``directio``: the kernel reads the blob file straight from the daemon, only the
+    ranges EROFS asks for, instead of through the blob file's own page cache. File data is then cached
+    once (in the EROFS files' pages, not also in the blob's), and readahead on the blob cannot run on into
+    the next file's chunks and fetch them. Kernels before 6.13 do not know the option (6.12 reads backing
+    files directly anyway), so a refused mount is tried again without it; a real problem fails again."""
+    options = mounts.erofs_options([blob_path])
+    try:
+        mounts.mount(meta_path, mountpoint, "erofs", mounts.MS_RDONLY, f"{options},directio")
+    except DsecError as exc:
+        mounts.mount_erofs(meta_path, mountpoint, [blob_path])
+        log.warning("mounted %s without directio, which the kernel refused: %s", mountpoint, exc)
 
 
 def _reset_state(mounter: LayerMounter) -> None:

@@ -137,7 +137,7 @@ def read_header(f: BinaryIO, path: str) -> TraceHeader:
         raise FormatError("trace header", PREAMBLE.size, "file ends inside the header", source=path)
     try:
         fields = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise FormatError("trace header", PREAMBLE.size, f"not JSON: {exc}", source=path) from None
     if not isinstance(fields, dict):
         raise FormatError("trace header", PREAMBLE.size, "header is not a JSON object", source=path)
@@ -150,7 +150,7 @@ def read_header(f: BinaryIO, path: str) -> TraceHeader:
         raise FormatError("trace header", PREAMBLE.size, str(exc), source=path) from None
     for name, spec in known.items():
         expected = int if spec.type in ("int", int) else str
-        if not isinstance(getattr(header, name), expected):
+        if type(getattr(header, name)) is not expected:  # JSON true/false would pass isinstance(..., int)
             raise FormatError("trace header", PREAMBLE.size, f"field {name!r} is not {expected.__name__}",
                               source=path)
     return header

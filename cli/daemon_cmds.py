@@ -1,0 +1,183 @@
+"""``dsecfs daemon`` (the node daemon) and the commands that talk to it: ``mount``, ``umount``, ``status``,
+``cache stats|evict``, ``prefetch start``.
+
+cli/main.py registers them:
+
+    from . import daemon_cmds
+    main.add_command(daemon_cmds.daemon)
+    main.add_command(daemon_cmds.mount)
+    main.add_command(daemon_cmds.umount)
+    main.add_command(daemon_cmds.status)
+    main.add_command(daemon_cmds.cache)
+    trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
+
+Every command but ``daemon`` is a call through dsec_fs.client.Node; ``mount`` starts a daemon (with the
+default directories, its log in the state directory) when none answers on the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV, Node
+
+from .common import _emit, _human, _parse_size, json_option, store_option
+
+# lazy_fetch.layer_mount's choices, spelled out so that every dsecfs command does not import trio and the
+# FUSE code just to build its help; the daemon checks them again.
+BINDINGS = ("pyfuse3", "fusepy")
+MODES = ("kernel", "fuse")
+
+socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, default=DEFAULT_SOCKET, show_default=True,
+                             metavar="PATH", help=f"the daemon's API socket (also ${SOCKET_ENV})")
+
+
+@click.command()
+@socket_option
+@click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, metavar="DIR",
+              help="mount state, FUSE session, traces (traces/)")
+@click.option("--cache-dir", default=DEFAULT_CACHE_DIR, show_default=True, metavar="DIR", help="the chunk cache")
+@click.option("--cache-size", default="10GiB", show_default=True, metavar="SIZE", help="bound of the chunk cache")
+@click.option("--memory-cache", default="64MiB", show_default=True, metavar="SIZE",
+              help="in-memory cache of recently read chunks")
+@store_option
+@click.option("--fuse-binding", type=click.Choice(BINDINGS), default="pyfuse3", show_default=True)
+@click.option("--latency", type=float, default=None, metavar="MS",
+              help="emulate a remote store: add MS milliseconds to every store request")
+@click.option("--bandwidth", type=float, default=None, metavar="MBPS",
+              help="emulate a remote store: a shared link of MBPS megabytes (10^6) per second")
+@click.option("--fetch-timeout", type=float, default=30.0, show_default=True, metavar="SECONDS",
+              help="a store read that takes longer fails (the reader gets EIO)")
+@click.option("--no-trace", is_flag=True, help="do not write access traces")
+@click.option("--log-file", default=None, metavar="PATH", help="log here instead of stderr")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
+           store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: float | None,
+           fetch_timeout: float, no_trace: bool, log_file: str | None, log_level: str) -> None:
+    """Run the node daemon: mounts layers, fetches and caches chunks, serves the API on the socket.
+
+    SIGTERM or SIGINT unmounts everything and stops. Store faults for tests come from $DSECFS_FAULTS
+    (FaultStore rules)."""
+    from lazy_fetch.daemon import DaemonOptions, run_daemon
+
+    logging.basicConfig(level=log_level.upper(), filename=log_file,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = DaemonOptions(
+        socket_path=socket_path, state_dir=state_dir, cache_dir=cache_dir, cache_bytes=_parse_size(cache_size),
+        memory_cache_bytes=_parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
+        latency=None if latency is None else latency / 1000, bandwidth=None if bandwidth is None else bandwidth * 1e6,
+        fetch_timeout=fetch_timeout, trace=not no_trace)
+    run_daemon(options)
+
+
+@click.command()
+@click.argument("layer")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--mode", type=click.Choice(MODES), default="kernel", show_default=True,
+              help="kernel: the kernel's EROFS driver over a FUSE blob file; fuse: the whole tree over FUSE")
+@click.option("--prefetch", "prefetch_list", default=None, metavar="LIST",
+              type=click.Path(exists=True, dir_okay=False, path_type=str),
+              help="a prefetch list (dsecfs prefetch build) to fetch in the background")
+@store_option
+@click.option("--fuse-binding", type=click.Choice(BINDINGS), default=None,
+              help="the FUSE binding of a daemon this command starts (and that a running one must use)")
+@socket_option
+@json_option
+def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, store_url: str | None,
+          fuse_binding: str | None, socket_path: str, as_json: bool) -> None:
+    """Mount LAYER (a ref or a digest) at DIRECTORY through the node daemon (started if none answers)."""
+    node = Node.ensure_running(socket_path, store=store_url, fuse_binding=fuse_binding)
+    info = node.mount(layer, directory, mode=mode, store=store_url, prefetch_list=prefetch_list,
+                      fuse_binding=fuse_binding)
+    _emit(as_json, vars(info), lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
+                                       f"mode" + (f"; trace {info.trace}" if info.trace else ""))
+
+
+@click.command()
+@click.argument("directory", type=click.Path(path_type=str))
+@click.option("--lazy", is_flag=True, help="detach even if busy; files open on it keep working")
+@socket_option
+def umount(directory: str, lazy: bool, socket_path: str) -> None:
+    """Unmount a layer the node daemon mounted at DIRECTORY."""
+    Node(socket_path).umount(directory, lazy=lazy)
+
+
+@click.command()
+@socket_option
+@json_option
+def status(socket_path: str, as_json: bool) -> None:
+    """The node daemon: its mounts, layers, cache and prefetches."""
+    from dataclasses import asdict
+
+    st = Node(socket_path).status()
+
+    def text() -> str:
+        cache = st.cache
+        lines = [f"daemon   pid {st.pid}, dsecfs {st.version}, since {st.started}, FUSE {st.fuse_binding}",
+                 f"socket   {st.socket}", f"state    {st.state_dir}", f"store    {st.store}",
+                 f"cache    {_human(cache.bytes)} of {_human(cache.max_bytes)} in {cache.entries:,} chunks, "
+                 f"{cache.hits:,} hits, {cache.misses:,} misses (memory: {_human(cache.memory_bytes)}, "
+                 f"{cache.memory_hits:,} hits)"]
+        if st.cleaned:
+            lines.append(f"cleaned  {', '.join(st.cleaned)} (left by a daemon that died)")
+        lines.append(f"\n{'MOUNTPOINT':<40} {'MODE':<6} {'LAYER':<12} REF")
+        lines += [f"{m.mountpoint:<40} {m.mode:<6} {m.layer[:12]:<12} {m.ref}" for m in st.mounts]
+        lines.append(f"\n{'LAYER':<12} {'MOUNTS':>6} {'USED':>7} {'FETCHED':>10} {'CHUNKS':>7} {'ERRORS':>6}")
+        lines += [f"{layer.layer[:12]:<12} {layer.mounts:>6} {layer.fetched_ratio * 100:>6.1f}% "
+                  f"{_human(layer.bytes_fetched):>10} {layer.chunks_fetched:>7,} {layer.fetch_errors:>6,}"
+                  for layer in st.layers]
+        lines += [f"prefetch {p.layer[:12]} {p.state}: {p.done_chunks:,}/{p.chunks:,} chunks, "
+                  f"{_human(p.done_bytes)}, {p.failed_chunks} failed" for p in st.prefetches]
+        return "\n".join(lines)
+
+    _emit(as_json, asdict(st), text)
+
+
+@click.group()
+def cache() -> None:
+    """The node daemon's chunk cache."""
+
+
+@cache.command("stats")
+@socket_option
+@json_option
+def cache_stats(socket_path: str, as_json: bool) -> None:
+    """Size, entries, hits and misses of the chunk cache (disk and memory)."""
+    info = Node(socket_path).cache_stats()
+    _emit(as_json, vars(info), lambda: _cache_text(info))
+
+
+@cache.command("evict")
+@click.option("--to", "to_size", default="0", show_default=True, metavar="SIZE",
+              help="evict least recently used chunks until at most SIZE stay")
+@socket_option
+@json_option
+def cache_evict(to_size: str, socket_path: str, as_json: bool) -> None:
+    """Evict chunks from the cache (disk and memory)."""
+    info = Node(socket_path).cache_evict(_parse_size(to_size))
+    _emit(as_json, vars(info), lambda: f"evicted {info.evicted:,} chunks\n" + _cache_text(info))
+
+
+def _cache_text(info) -> str:
+    return "\n".join([
+        f"directory  {info.directory}",
+        f"size       {_human(info.bytes)} of {_human(info.max_bytes)}, {info.entries:,} chunks",
+        f"lookups    {info.hits:,} hits, {info.misses:,} misses, {info.evictions:,} evicted, {info.rotten:,} rotten",
+        f"memory     {_human(info.memory_bytes)} of {_human(info.memory_max_bytes)}, {info.memory_entries:,} chunks, "
+        f"{info.memory_hits:,} hits, {info.memory_misses:,} misses",
+    ])
+
+
+@click.command("start")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("prefetch_list", metavar="LIST", type=click.Path(exists=True, dir_okay=False, path_type=str))
+@socket_option
+@json_option
+def prefetch_start(directory: str, prefetch_list: str, socket_path: str, as_json: bool) -> None:
+    """Fetch LIST in the background for the layer the node daemon mounted at DIRECTORY."""
+    info = Node(socket_path).prefetch(directory, prefetch_list)
+    _emit(as_json, vars(info), lambda: f"prefetching {info.chunks:,} chunks ({_human(info.bytes)}) of layer "
+                                       f"{info.layer[:12]}")

@@ -1,0 +1,987 @@
+"""The node daemon: layer mounts, the chunk cache and fetchers, access traces, prefetch and the HTTP API,
+composed in one trio loop.
+
+    trio.run(serve_until_signalled, NodeDaemon(DaemonOptions(socket_path=..., state_dir=..., ...)))
+
+is what ``dsecfs daemon`` runs. The parts::
+
+    HttpApi (http_api.py) on the unix socket: /v1/... routes and /metrics (metrics.py)
+      NodeDaemon: mount table (persisted), per-layer state, prefetch tasks
+        LayerMounter (layer_mount.py): the one FUSE session; kernel-mode and fuse-mode mounts
+        per store URL: the store wrapped (faults, latency, limit, retry), its ChunkIndex, and a ChunkFetcher
+            (single flight, priorities, timeout) over the node's one ChunkCache (disk)
+        MemoryChunkCache: recently read chunks, in front of every fetcher
+        per served blob: a TracedBlob (the LayerBlob, each read counted and traced) and its TraceWriter
+
+Why a memory cache in front of the fetchers. FUSE reads arrive in pieces of 128 KiB (the kernel's
+readahead window) while chunks are 1 MiB: without it, each piece went to a worker thread that re-read and
+re-checked (xxh3) the whole chunk from the disk cache, eight times the disk and hashing work per chunk.
+``MemoryFrontedFetcher`` answers chunks it holds right in the trio thread and hands the rest to the
+ChunkFetcher (disk cache, then store), keeping what comes back; it is bounded (64 MiB by default, least
+recently used out). Prefetch bypasses it: prefetched chunks go to the disk cache, not to memory.
+
+Traces. Each mount gets a trace file under ``state_dir/traces/`` (trace.py). In kernel mode the daemon
+only sees reads of the virtual blob, so records name blob ranges (FLAG_BLOB); in fuse mode LayerTree says
+which file it is reading (fs_core.FILE_READ) and records name the nid and file offset. A record has
+FLAG_MISS when its read waited for a chunk fetched from the store: ``StoreFetchLog`` (the cache as the
+fetchers see it) numbers every chunk the fetchers put into the cache, which they do for each chunk read
+from the store before anyone is answered, so a read that finds one of its chunks numbered after it started
+waited for the store. Mounts of one layer in one mode share the blob layer_mount serves them from, so
+they share the trace of the first of them, which closes with the last. Prefetch reads are recorded
+too (FLAG_PREFETCH).
+
+Prefetch. A mount may name a prefetch list (prefetch_list.py, learned from traces). It is checked against
+the layer's blob map before the mount is made, then fetched in the background in groups of
+PREFETCH_GROUP_BYTES at PREFETCH priority, so on-demand reads go first; it stops when the layer's last
+mount goes.
+
+Persisted state and crashes. ``state_dir/mounts.json`` lists the live mounts, rewritten (atomically) after
+each mount and unmount. A daemon killed with SIGKILL leaves its mounts behind, dead (their FUSE
+connection is gone: readers get ENOTCONN or EIO). The next daemon on the same state directory detaches
+each listed mountpoint that still carries one of our mounts (an EROFS mount of our meta image, or a bind
+mount of our FUSE session), after layer_mount has detached the dead FUSE session itself; it does not
+remount them. The chunk cache repairs itself on open (cache.py).
+
+Shutdown. ``shutdown()`` (SIGTERM, SIGINT) stops the API and the prefetches, unmounts every layer (lazily
+where busy), ends the FUSE session, cancels the fetches still in the air, then flushes and closes the
+traces and closes the stores and the cache.
+``serve_until_signalled`` installs the signal handlers before anything is served, so libfuse2 (fusepy),
+which takes SIGTERM and SIGHUP when they are left at their defaults, does not get them.
+
+Threads: everything here runs in the daemon's trio thread, so MemoryChunkCache, the tables and the traces
+need no lock; blocking work (opening layers and stores, mount(2), cache eviction) runs in worker threads
+through trio.to_thread. ``_lock`` (a trio.Lock) makes mount and unmount calls take turns over the tables;
+a layer is opened from its store before taking it, so a slow store holds up no other mount.
+``StoreFetchLog._lock`` guards its numbering, which the fetchers' worker threads change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import asdict, dataclass, field, fields
+from importlib import metadata
+
+import trio
+
+from dsec_fs.chunks import ChunkIndex, ChunkLocation
+from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR
+from dsec_fs.digest import is_hex_digest
+from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
+from dsec_fs.layer import LayerFiles, open_layer, utc_now
+from dsec_fs.mounts import umount
+from dsec_fs.store import default_store_url, open_store
+from dsec_fs.store.base import Store
+from dsec_fs.store.wrappers import wrap_store
+
+from . import prefetch_list
+from .blob_reader import BlobChunk, LayerBlob, open_layer_blob
+from .cache import ChunkCache
+from .fetcher import DEFAULT_MAX_CONCURRENT, DEFAULT_TIMEOUT, ONDEMAND, PREFETCH, ChunkFetcher, FetchStats, Priority
+from .fs_core import FILE_READ
+from .http_api import HttpApi, Request, Response
+from .layer_mount import BINDINGS, MODES, LayerMounter, open_mounter
+from .metrics import LayerFigures, MemoryFigures, MetricsPage, NodeFigures
+from .trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, NO_CHUNK, TraceHeader, TraceWriter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 10 << 30
+DEFAULT_MEMORY_CACHE_BYTES = 64 << 20
+DEFAULT_STORE_CONCURRENCY = 16  # store calls at once (fetches, index loads, layer opens), per store
+FAULTS_ENV = "DSECFS_FAULTS"  # FaultStore rules for every store the daemon opens (tests)
+MOUNT_TABLE = "mounts.json"
+TRACE_DIR = "traces"
+TRACE_SUFFIX = ".dtr"
+TRACE_FLUSH_SECONDS = 5.0  # so a live trace can be read while its mount lives
+PREFETCH_GROUP_BYTES = 4 << 20  # chunk bytes a prefetch asks for at once (and holds in memory)
+FETCH_LOG_KEPT = 1 << 16  # store fetches StoreFetchLog remembers: far more than can happen during one read
+
+
+@dataclass
+class DaemonOptions:
+    socket_path: str = DEFAULT_SOCKET
+    state_dir: str = DEFAULT_STATE_DIR
+    cache_dir: str = DEFAULT_CACHE_DIR
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    store_url: str | None = None  # store of mounts that name none; None: $DSECFS_STORE, else the default
+    fuse_binding: str = "pyfuse3"
+    latency: float | None = None  # seconds added to every store request (benchmarks)
+    bandwidth: float | None = None  # bytes per second of the emulated link to the store (benchmarks)
+    faults: str | None = None  # FaultStore rules; None: $DSECFS_FAULTS
+    fetch_timeout: float = DEFAULT_TIMEOUT
+    fetch_concurrency: int = DEFAULT_MAX_CONCURRENT
+    store_concurrency: int = DEFAULT_STORE_CONCURRENCY
+    memory_cache_bytes: int = DEFAULT_MEMORY_CACHE_BYTES
+    trace: bool = True
+
+    def check(self) -> None:
+        if self.fuse_binding not in BINDINGS:
+            raise InputError(f"unknown FUSE binding {self.fuse_binding!r} (one of {', '.join(BINDINGS)})",
+                             where="daemon options")
+        for name in ("cache_bytes", "fetch_timeout", "fetch_concurrency", "store_concurrency"):
+            if getattr(self, name) <= 0:
+                raise InputError(f"{name} must be positive, got {getattr(self, name)}", where="daemon options")
+        if self.memory_cache_bytes < 0:
+            raise InputError("memory_cache_bytes must not be negative", where="daemon options")
+
+
+# ---- chunk reads: memory cache, fetch log ------------------------------------------------------------
+
+
+class MemoryChunkCache:
+    """Recently read chunks by digest, at most ``max_bytes`` of them, least recently used out first."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = self.misses = 0
+        self._chunks: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def get(self, digest: bytes) -> bytes | None:
+        data = self._chunks.get(digest)
+        if data is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._chunks.move_to_end(digest)
+        return data
+
+    def put(self, digest: bytes, data: bytes) -> None:
+        if len(data) > self.max_bytes or digest in self._chunks:
+            return
+        self._chunks[digest] = data
+        self.bytes += len(data)
+        self.shrink_to(self.max_bytes)
+
+    def shrink_to(self, max_bytes: int) -> None:
+        while self.bytes > max_bytes:
+            _digest, data = self._chunks.popitem(last=False)
+            self.bytes -= len(data)
+
+    def figures(self) -> MemoryFigures:
+        return MemoryFigures(entries=len(self._chunks), bytes=self.bytes, max_bytes=self.max_bytes,
+                             hits=self.hits, misses=self.misses)
+
+
+class MemoryFrontedFetcher:
+    """The fetcher a LayerBlob reads through: chunks the MemoryChunkCache holds are answered at once, the
+    others are fetched by ``fetcher`` (disk cache, then store) and remembered. Has what LayerBlob and
+    open_layer_blob use of a ChunkFetcher: ``fetch_many``, ``store`` and ``timeout``."""
+
+    def __init__(self, fetcher: ChunkFetcher, memory: MemoryChunkCache):
+        self.fetcher = fetcher
+        self.memory = memory
+        self.store = fetcher.store
+        self.timeout = fetcher.timeout
+
+    async def fetch_many(self, items: Iterable[tuple[bytes, ChunkLocation]], *, priority: Priority = ONDEMAND,
+                         label: str = "") -> dict[bytes, bytes]:
+        found: dict[bytes, bytes] = {}
+        missing: dict[bytes, ChunkLocation] = {}
+        for digest, location in items:
+            if digest in found or digest in missing:
+                continue
+            data = self.memory.get(digest)
+            if data is None:
+                missing[digest] = location
+            else:
+                found[digest] = data
+        if missing:
+            fetched = await self.fetcher.fetch_many(missing.items(), priority=priority, label=label)
+            for digest, data in fetched.items():
+                self.memory.put(digest, data)
+            found.update(fetched)
+        return found
+
+
+class StoreFetchLog:
+    """The ChunkCache as the fetchers see it. A fetcher puts each chunk it read from the store (and only
+    those) before answering anyone, so numbering the puts tells a read whether it waited for the store:
+    take ``mark()`` before reading, ask ``fetched_since(mark, digests)`` after. Worker threads put; the
+    trio thread marks and asks; ``_lock`` guards the numbering."""
+
+    def __init__(self, cache: ChunkCache):
+        self.cache = cache
+        self._lock = threading.Lock()
+        self._count = 0
+        self._fetched: OrderedDict[bytes, int] = OrderedDict()  # digest -> number of its latest put
+
+    def get(self, digest: bytes) -> bytes | None:
+        return self.cache.get(digest)
+
+    def put(self, digest: bytes, data: bytes | memoryview) -> bool:
+        with self._lock:
+            self._count += 1
+            self._fetched[digest] = self._count
+            self._fetched.move_to_end(digest)
+            if len(self._fetched) > FETCH_LOG_KEPT:
+                self._fetched.popitem(last=False)
+        return self.cache.put(digest, data)
+
+    def mark(self) -> int:
+        with self._lock:
+            return self._count
+
+    def fetched_since(self, mark: int, digests: Iterable[bytes]) -> bool:
+        with self._lock:
+            return any(self._fetched.get(digest, 0) > mark for digest in digests)
+
+
+# ---- layers, traced blobs, mounts --------------------------------------------------------------------
+
+
+@dataclass
+class _StoreContext:
+    url: str
+    store: Store
+    chunk_index: ChunkIndex
+    fetcher: ChunkFetcher
+    reader: MemoryFrontedFetcher
+
+
+class _LayerUsage:
+    """What readers used of one layer since the daemon started (kept after its mounts go, for metrics)."""
+
+    def __init__(self, blob: LayerBlob):
+        self.data_bytes = sum(length for _blkaddr, _digest, length in blob.blob_map.entries)
+        self.used_bytes = 0
+        self.reads = 0
+        self.read_errors = 0
+        self._used = bytearray(len(blob.blob_map.entries))  # 1 for each blob-map entry served
+
+    def note(self, chunks: list[BlobChunk], failed: bool) -> None:
+        self.reads += 1
+        if failed:
+            self.read_errors += 1
+            return
+        for chunk in chunks:
+            if not self._used[chunk.entry]:
+                self._used[chunk.entry] = 1
+                self.used_bytes += chunk.length
+
+
+@dataclass
+class _Prefetch:
+    layer: str
+    list: str  # path of the prefetch list
+    chunks: int
+    bytes: int
+    state: str = "running"  # running | done | cancelled | failed
+    done_chunks: int = 0
+    done_bytes: int = 0
+    failed_chunks: int = 0
+    started: str = field(default_factory=utc_now)
+    finished: str = ""
+    cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cancel_scope"}
+
+
+@dataclass
+class _Layer:
+    """A layer some mount uses: its files, its blob, the store it came from."""
+
+    files: LayerFiles
+    blob: LayerBlob
+    store: _StoreContext
+    usage: _LayerUsage
+    mounts: int = 0
+    prefetch: _Prefetch | None = None
+
+    @property
+    def digest(self) -> str:
+        return self.files.digest
+
+
+class TracedBlob:
+    """What FUSE reads of one layer's blob in one mode (what layer_mount serves): the LayerBlob, each read
+    counted in the layer's usage and, while ``trace`` is open, recorded in it."""
+
+    def __init__(self, layer: _Layer, fetch_log: StoreFetchLog, trace: TraceWriter | None):
+        self.blob = layer.blob
+        self.size = layer.blob.size
+        self.usage = layer.usage
+        self.fetch_log = fetch_log
+        self.trace = trace
+
+    async def read(self, offset: int, length: int) -> bytes:
+        chunks = self.blob.chunks_for_range(offset, length)
+        mark = self.fetch_log.mark()
+        started = time.monotonic_ns()
+        try:
+            data = await self.blob.read(offset, length)
+        except DsecError:
+            self._note(offset, length, chunks, mark, started, failed=True)
+            raise
+        self._note(offset, length, chunks, mark, started, failed=False)
+        return data
+
+    def _note(self, offset: int, length: int, chunks: list[BlobChunk], mark: int, started: int, *,
+              failed: bool) -> None:
+        self.usage.note(chunks, failed)
+        if self.trace is None:
+            return
+        flags = FLAG_ERROR if failed else 0
+        if self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks)):
+            flags |= FLAG_MISS
+        file_read = FILE_READ.get()  # set by LayerTree (fuse mode): the file and offset being read
+        if file_read is None:
+            nid, position = 0, offset
+            flags |= FLAG_BLOB
+        else:
+            nid, position = file_read
+        self.trace.record(nid=nid, offset=position, length=length, chunk=chunks[0].entry if chunks else NO_CHUNK,
+                          latency_us=(time.monotonic_ns() - started) // 1000, flags=flags)
+
+
+@dataclass
+class _Served:
+    """The blob layer_mount serves for one layer in one mode, shared by that layer's mounts in that mode."""
+
+    blob: TracedBlob
+    trace_path: str
+    mounts: int = 0
+
+
+@dataclass
+class _Mount:
+    mountpoint: str
+    mode: str
+    layer: str  # digest
+    ref: str  # as the mount request named the layer (a ref or the digest)
+    store: str  # store URL
+    blob_id: str
+    trace: str  # trace file ("" when tracing is off)
+    prefetch: str  # prefetch list path, or ""
+    created: str
+    chunks: int
+    data_bytes: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _served_key(mode: str, files: LayerFiles) -> tuple[str, str]:
+    """layer_mount shares a kernel-mode blob by blob id and a fuse-mode tree by layer digest."""
+    return (mode, files.manifest.blob_id if mode == "kernel" else files.digest)
+
+
+# ---- the daemon ----------------------------------------------------------------------------------------
+
+
+class NodeDaemon:
+    """See the module docstring. ``api`` may be given more routes before ``run`` starts serving."""
+
+    def __init__(self, options: DaemonOptions, api: HttpApi | None = None):
+        options.check()
+        self.options = options
+        self.state_dir = os.path.abspath(options.state_dir)
+        self.trace_dir = os.path.join(self.state_dir, TRACE_DIR)
+        self.api = api or HttpApi()
+        self.memory = MemoryChunkCache(options.memory_cache_bytes)
+        self.metrics = MetricsPage(self.figures)
+        self.cleaned: list[str] = []  # stale mountpoints detached at start
+        self._stop = trio.Event()
+        self._lock = trio.Lock()
+        self._stores_lock = trio.Lock()
+        self._stores: dict[str, _StoreContext] = {}
+        self._layers: dict[str, _Layer] = {}
+        self._usage: dict[str, _LayerUsage] = {}
+        self._served: dict[tuple[str, str], _Served] = {}
+        self._mounts: dict[str, _Mount] = {}
+        self._prefetches: list[_Prefetch] = []
+        self._started = utc_now()
+        self._cache: ChunkCache | None = None
+        self._fetch_log: StoreFetchLog | None = None
+        self._mounter: LayerMounter | None = None
+        self._flights: trio.Nursery | None = None
+        self._nursery: trio.Nursery | None = None
+        self._register_routes()
+
+    # -- life cycle
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until ``shutdown()``; reports started once the API answers. On the way out (in this
+        order): the API and the prefetches stop, every layer is unmounted, the FUSE session ends, fetches
+        still in the air are cancelled, traces are closed, then the stores and the cache."""
+        options = self.options
+        os.makedirs(self.trace_dir, mode=0o755, exist_ok=True)
+        async with contextlib.AsyncExitStack() as stack:
+            self._cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
+            self._fetch_log = StoreFetchLog(self._cache)
+            stack.callback(self._close_stores)
+            stack.callback(self._close_traces)
+            self._flights = await stack.enter_async_context(_nursery_cancelled_on_exit())
+            self._mounter = await stack.enter_async_context(open_mounter(self.state_dir, binding=options.fuse_binding))
+            stack.push_async_callback(self._unmount_all)
+            await self._clean_stale_mounts()
+            async with _nursery_cancelled_on_exit() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.api.serve, options.socket_path)
+                nursery.start_soon(self._flush_traces_now_and_then)
+                log.info("dsecfs daemon %d serving on %s (state %s, cache %s, FUSE %s)", os.getpid(),
+                         options.socket_path, self.state_dir, self._cache.directory, options.fuse_binding)
+                task_status.started()
+                await self._stop.wait()
+                log.info("shutting down")
+        log.info("stopped")
+
+    def shutdown(self) -> None:
+        """Ask ``run`` to stop (unmounting everything); safe to call from the trio thread at any time."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    # -- stores and layers
+
+    async def _store_context(self, url: str | None) -> _StoreContext:
+        url = url or self.options.store_url or default_store_url()
+        async with self._stores_lock:
+            context = self._stores.get(url)
+            if context is None:
+                options = self.options
+                backend = await trio.to_thread.run_sync(open_store, url)
+                faults = options.faults if options.faults is not None else os.environ.get(FAULTS_ENV)
+                store = wrap_store(backend, retry=True, max_concurrent=options.store_concurrency,
+                                   latency=options.latency, bandwidth=options.bandwidth, faults=faults or None)
+                fetcher = ChunkFetcher(store, self._fetch_log, self._flights, max_concurrent=options.fetch_concurrency,
+                                       timeout=options.fetch_timeout)
+                context = _StoreContext(url, store, ChunkIndex(), fetcher, MemoryFrontedFetcher(fetcher, self.memory))
+                self._stores[url] = context
+                log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
+        return context
+
+    async def _open_layer(self, store: _StoreContext, ref: str) -> LayerFiles:
+        timeout = self.options.fetch_timeout
+        try:
+            with trio.fail_after(timeout):
+                return await trio.to_thread.run_sync(open_layer, store.store, ref, abandon_on_cancel=True)
+        except trio.TooSlowError:
+            raise UnavailableError(f"the store did not answer within {timeout:g} s",
+                                   where=f"layer {ref} in {store.url}", transient=True) from None
+
+    def _open_trace(self, files: LayerFiles, mode: str, ref: str, blob: LayerBlob) -> tuple[str, TraceWriter | None]:
+        if not self.options.trace:
+            return "", None
+        stats = files.manifest.stats
+        header = TraceHeader(layer=files.digest, ref="" if is_hex_digest(ref.lower()) else ref, mode=mode,
+                             chunk_size=files.manifest.chunk_size, layer_bytes=int(stats.get("bytes", 0)),
+                             layer_files=int(stats.get("files", 0)), blob_bytes=blob.size)
+        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{files.digest[:12]}-{mode}-{secrets.token_hex(3)}{TRACE_SUFFIX}"
+        path = os.path.join(self.trace_dir, name)
+        return path, TraceWriter(path, header)
+
+    # -- mounts
+
+    async def mount(self, ref: str, mountpoint: str, *, mode: str = "kernel", store_url: str | None = None,
+                    prefetch: str | None = None, fuse_binding: str | None = None) -> dict:
+        """Mount layer ``ref`` (a ref or a digest, from ``store_url`` or the default store) at the
+        directory ``mountpoint``; with ``prefetch`` (a prefetch list file) fetch that list in the
+        background. Returns the mount's description."""
+        if mode not in MODES:
+            raise InputError(f"unknown mount mode {mode!r} (one of {', '.join(MODES)})", where=mountpoint)
+        if fuse_binding and fuse_binding != self.options.fuse_binding:
+            raise ConflictError(f"this daemon serves FUSE with {self.options.fuse_binding}, not {fuse_binding}; "
+                                "restart it with --fuse-binding to change", where=mountpoint)
+        mountpoint = _checked_mountpoint(mountpoint)
+        store = await self._store_context(store_url)
+        files = await self._open_layer(store, ref)
+        plist = None
+        if prefetch:
+            prefetch = os.path.abspath(prefetch)
+            plist = await trio.to_thread.run_sync(prefetch_list.load, prefetch)
+        blob = None if files.digest in self._layers else await self._open_blob(files, store)
+        async with self._lock:
+            if mountpoint in self._mounts:
+                raise ConflictError("a layer is already mounted here", where=mountpoint)
+            layer = self._layers.get(files.digest)
+            if layer is None:  # new, or its last mount went while we opened its blob
+                blob = blob or await self._open_blob(files, store)
+            if plist is not None:
+                plist.verify((layer.blob if layer else blob).blob_map, layer=files.digest)
+            if layer is None:
+                layer = self._add_layer(files, store, blob)
+            key = _served_key(mode, files)
+            served = self._served.get(key)
+            if served is None:
+                trace_path, trace = self._open_trace(files, mode, ref, layer.blob)
+                served = _Served(TracedBlob(layer, self._fetch_log, trace), trace_path)
+            try:
+                await self._mounter.mount_layer(files, served.blob, mountpoint, mode=mode)
+            except BaseException:
+                if not served.mounts:
+                    _close_trace(served, remove=True)
+                if not layer.mounts:
+                    del self._layers[layer.digest]
+                raise
+            self._served[key] = served
+            served.mounts += 1
+            layer.mounts += 1
+            mount = _Mount(mountpoint=mountpoint, mode=mode, layer=files.digest, ref=ref, store=store.url,
+                           blob_id=files.manifest.blob_id, trace=served.trace_path, prefetch=prefetch or "",
+                           created=utc_now(), chunks=len(layer.blob.blob_map.entries),
+                           data_bytes=layer.usage.data_bytes)
+            self._mounts[mountpoint] = mount
+            self._save_mount_table()
+            log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
+            if plist is not None:
+                self._start_prefetch(layer, plist, prefetch, served)
+        return mount.to_json()
+
+    async def _open_blob(self, files: LayerFiles, store: _StoreContext) -> LayerBlob:
+        return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
+
+    def _add_layer(self, files: LayerFiles, store: _StoreContext, blob: LayerBlob) -> _Layer:
+        usage = self._usage.get(files.digest) or self._usage.setdefault(files.digest, _LayerUsage(blob))
+        layer = self._layers[files.digest] = _Layer(files, blob, store, usage)
+        return layer
+
+    async def unmount(self, mountpoint: str, *, lazy: bool = False) -> None:
+        """Unmount what this daemon mounted at ``mountpoint``. A busy mount raises UnavailableError
+        (transient) and stays, unless ``lazy``: then it is detached, and what it needs stays served (and
+        traced) until the daemon stops."""
+        mountpoint = os.path.realpath(mountpoint)
+        async with self._lock:
+            mount = self._mounts.get(mountpoint)
+            if mount is None:
+                raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
+            await self._mounter.unmount(mountpoint, lazy=lazy)
+            del self._mounts[mountpoint]
+            self._save_mount_table()
+            log.info("unmounted %s%s", mountpoint, " (lazily)" if lazy else "")
+            if not lazy:
+                self._release(mount)
+
+    def _release(self, mount: _Mount) -> None:
+        layer = self._layers[mount.layer]
+        key = _served_key(mount.mode, layer.files)
+        served = self._served[key]
+        served.mounts -= 1
+        if not served.mounts:
+            del self._served[key]
+            _close_trace(served)
+        layer.mounts -= 1
+        if not layer.mounts:
+            del self._layers[mount.layer]
+            if layer.prefetch is not None:
+                layer.prefetch.cancel_scope.cancel()
+
+    async def _unmount_all(self) -> None:
+        """Unmount every mount, newest first, lazily where busy; one that fails is logged and skipped.
+        Shielded: it runs when the daemon stops, cancelled or not."""
+        with trio.CancelScope(shield=True):
+            await self._unmount_each()
+
+    async def _unmount_each(self) -> None:
+        for mountpoint in reversed(list(self._mounts)):
+            try:
+                await self.unmount(mountpoint)
+            except UnavailableError:
+                try:
+                    await self.unmount(mountpoint, lazy=True)
+                except DsecError as exc:
+                    log.error("cannot unmount %s: %s", mountpoint, exc)
+            except DsecError as exc:
+                log.error("cannot unmount %s: %s", mountpoint, exc)
+
+    # -- persisted mount table and stale mounts
+
+    def _mount_table_path(self) -> str:
+        return os.path.join(self.state_dir, MOUNT_TABLE)
+
+    def _save_mount_table(self) -> None:
+        path = self._mount_table_path()
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"pid": os.getpid(), "mounts": [m.to_json() for m in self._mounts.values()]}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    async def _clean_stale_mounts(self) -> None:
+        """Detach the mounts a dead daemon listed and left behind (see the module docstring)."""
+        path = self._mount_table_path()
+        try:
+            with open(path) as f:
+                table = json.load(f)
+            entries = [(m["mountpoint"], m["mode"], m["layer"]) for m in table["mounts"]]
+        except FileNotFoundError:
+            entries = []
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring the unreadable mount table %s: %s", path, exc)
+            entries = []
+        for mountpoint, mode, layer in entries:
+            detached = await trio.to_thread.run_sync(self._detach_stale, mountpoint, mode, layer)
+            if detached:
+                self.cleaned.append(mountpoint)
+                log.warning("detached %s, left mounted (%s mode) by a daemon that died", mountpoint, mode)
+        self._save_mount_table()
+
+    def _detach_stale(self, mountpoint: str, mode: str, layer: str) -> bool:
+        """Detach our mounts at ``mountpoint`` (several, if stacked); leave anything else there alone."""
+        detached = False
+        while True:
+            entry = _top_mount(mountpoint)
+            if entry is None or not _is_ours(entry, mode, self._mounter.meta_path(layer), layer):
+                if entry is not None and not detached:
+                    log.warning("%s holds a mount that is not ours (%s %s); leaving it", mountpoint, *entry[:2])
+                return detached
+            try:
+                umount(mountpoint, lazy=True)
+            except DsecError as exc:
+                log.error("cannot detach the stale mount %s: %s", mountpoint, exc)
+                return detached
+            detached = True
+
+    # -- prefetch
+
+    def _start_prefetch(self, layer: _Layer, plist: prefetch_list.PrefetchList, path: str,
+                        served: _Served) -> _Prefetch:
+        if layer.prefetch is not None and layer.prefetch.state == "running":
+            raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
+        job = _Prefetch(layer=layer.digest, list=path, chunks=len(plist.entries), bytes=plist.bytes)
+        layer.prefetch = job
+        self._prefetches.append(job)
+        self._nursery.start_soon(self._prefetch, layer, plist, job, served)
+        return job
+
+    async def prefetch(self, mountpoint: str, path: str) -> dict:
+        """Fetch the prefetch list at ``path`` for the layer mounted at ``mountpoint``, in the background."""
+        mountpoint, path = os.path.realpath(mountpoint), os.path.abspath(path)
+        plist = await trio.to_thread.run_sync(prefetch_list.load, path)
+        async with self._lock:
+            mount = self._mounts.get(mountpoint)
+            if mount is None:
+                raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
+            layer = self._layers[mount.layer]
+            plist.verify(layer.blob.blob_map, layer=layer.digest)
+            served = self._served[_served_key(mount.mode, layer.files)]
+            return self._start_prefetch(layer, plist, path, served).to_json()
+
+    async def _prefetch(self, layer: _Layer, plist: prefetch_list.PrefetchList, job: _Prefetch,
+                        served: _Served) -> None:
+        started = time.monotonic()
+        with job.cancel_scope:
+            try:
+                group: list[prefetch_list.PrefetchEntry] = []
+                for entry in plist.entries:
+                    group.append(entry)
+                    if sum(e.length for e in group) >= PREFETCH_GROUP_BYTES:
+                        await self._prefetch_group(layer, group, job, served)
+                        group = []
+                if group:
+                    await self._prefetch_group(layer, group, job, served)
+                job.state = "done"
+            except Exception as exc:
+                job.state = "failed"
+                log.error("prefetch of layer %s failed: %s", layer.digest[:12], exc)
+        if job.state == "running":
+            job.state = "cancelled"
+        job.finished = utc_now()
+        log.info("prefetch of layer %s %s: %d of %d chunks (%d bytes) in %.1f s, %d failed", layer.digest[:12],
+                 job.state, job.done_chunks, job.chunks, job.done_bytes, time.monotonic() - started, job.failed_chunks)
+
+    async def _prefetch_group(self, layer: _Layer, group: list[prefetch_list.PrefetchEntry], job: _Prefetch,
+                              served: _Served) -> None:
+        """Fetch one group; when a chunk fails, fetch its members one by one to count which."""
+        store, fetch_log = layer.store, self._fetch_log
+        items = [(entry.digest, store.chunk_index.get(entry.digest)) for entry in group]
+        mark, started = fetch_log.mark(), time.monotonic_ns()
+        failed: set[bytes] = set()
+        try:
+            await store.fetcher.fetch_many(items, priority=PREFETCH, label=layer.digest)
+        except DsecError:
+            for digest, location in items:
+                try:
+                    await store.fetcher.fetch_many([(digest, location)], priority=PREFETCH, label=layer.digest)
+                except DsecError as exc:
+                    failed.add(digest)
+                    log.warning("prefetch of layer %s: %s", layer.digest[:12], exc)
+        latency_us = (time.monotonic_ns() - started) // 1000
+        trace = served.blob.trace
+        for entry in group:
+            bad = entry.digest in failed
+            job.failed_chunks += bad
+            job.done_chunks += not bad
+            job.done_bytes += 0 if bad else entry.length
+            if trace is not None:
+                flags = FLAG_PREFETCH | FLAG_BLOB | (FLAG_ERROR if bad else 0)
+                if fetch_log.fetched_since(mark, [entry.digest]):
+                    flags |= FLAG_MISS
+                trace.record(nid=0, offset=entry.offset, length=entry.length, chunk=entry.chunk,
+                             latency_us=latency_us, flags=flags)
+
+    # -- traces
+
+    async def _flush_traces_now_and_then(self) -> None:
+        while True:
+            await trio.sleep(TRACE_FLUSH_SECONDS)
+            for served in self._served.values():
+                if served.blob.trace is not None:
+                    served.blob.trace.flush()
+
+    def _close_traces(self) -> None:
+        for served in self._served.values():
+            _close_trace(served)
+        self._served.clear()
+
+    def _close_stores(self) -> None:
+        for context in self._stores.values():
+            context.store.close()
+        self._stores.clear()
+
+    # -- status, cache, metrics
+
+    def mounts(self) -> list[dict]:
+        return [mount.to_json() for mount in self._mounts.values()]
+
+    def cache_status(self) -> dict:
+        stats = asdict(self._cache.stats())
+        memory = asdict(self.memory.figures())
+        return {"directory": self._cache.directory, **stats, **{f"memory_{k}": v for k, v in memory.items()}}
+
+    async def evict(self, to_bytes: int) -> dict:
+        """Evict the disk cache (least recently used first) and the memory cache down to ``to_bytes``."""
+        if to_bytes < 0:
+            raise InputError(f"cannot evict to a negative size ({to_bytes})", where="cache evict")
+        evicted = await trio.to_thread.run_sync(self._cache.evict_to, to_bytes)
+        self.memory.shrink_to(to_bytes)
+        log.info("evicted %d chunks from the cache (down to %d bytes)", evicted, to_bytes)
+        return {"evicted": evicted, **self.cache_status()}
+
+    def _fetch_stats(self) -> dict[str, FetchStats]:
+        """FetchStats by layer, summed over the stores' fetchers."""
+        merged: dict[str, FetchStats] = {}
+        for context in self._stores.values():
+            for label, stats in context.fetcher.all_stats().items():
+                merged[label] = _add_stats(merged.get(label), stats)
+        return merged
+
+    def figures(self) -> NodeFigures:
+        fetch = self._fetch_stats()
+        layers = []
+        for digest in sorted(set(fetch) | set(self._usage)):
+            usage = self._usage.get(digest)
+            layers.append(LayerFigures(
+                layer=digest, fetch=fetch.get(digest) or FetchStats(digest),
+                data_bytes=usage.data_bytes if usage else 0, used_bytes=usage.used_bytes if usage else 0,
+                reads=usage.reads if usage else 0, read_errors=usage.read_errors if usage else 0))
+        fetchers = [context.fetcher for context in self._stores.values()]
+        return NodeFigures(
+            layers=layers, cache=self._cache.stats(), memory=self.memory.figures(),
+            mounts={mode: sum(m.mode == mode for m in self._mounts.values()) for mode in MODES},
+            prefetch_running=sum(job.state == "running" for job in self._prefetches),
+            store_reads_running=sum(f.store_reads_running for f in fetchers),
+            store_reads_waiting={p.name.lower(): sum(f.waiting(p) for f in fetchers) for p in Priority})
+
+    def status(self) -> dict:
+        fetch = self._fetch_stats()
+        layers = []
+        for digest, usage in sorted(self._usage.items()):
+            stats = fetch.get(digest) or FetchStats(digest)
+            layers.append({
+                "layer": digest, "mounts": sum(m.layer == digest for m in self._mounts.values()),
+                "data_bytes": usage.data_bytes, "used_bytes": usage.used_bytes,
+                "fetched_ratio": usage.used_bytes / usage.data_bytes if usage.data_bytes else 0.0,
+                "reads": usage.reads, "read_errors": usage.read_errors,
+                "chunks_fetched": stats.chunks_fetched, "bytes_fetched": stats.bytes_fetched,
+                "cache_hits": stats.hits, "cache_misses": stats.misses, "fetch_errors": stats.errors,
+                "corrupt": stats.corrupt, "timeouts": stats.timeouts})
+        return {
+            "pid": os.getpid(), "version": _version(), "started": self._started, "socket": self.options.socket_path,
+            "state_dir": self.state_dir, "cache_dir": self._cache.directory,
+            "store": self.options.store_url or default_store_url(), "fuse_binding": self.options.fuse_binding,
+            "mounts": self.mounts(), "layers": layers, "prefetches": [job.to_json() for job in self._prefetches],
+            "cache": self.cache_status(), "cleaned": list(self.cleaned),
+        }
+
+    # -- HTTP routes
+
+    def _register_routes(self) -> None:
+        api = self.api
+        api.route("GET", "/v1/status", self._get_status)
+        api.route("GET", "/v1/mounts", self._get_mounts)
+        api.route("POST", "/v1/mounts", self._post_mount)
+        api.route("POST", "/v1/umount", self._post_umount)
+        api.route("GET", "/v1/prefetch", self._get_prefetch)
+        api.route("POST", "/v1/prefetch", self._post_prefetch)
+        api.route("GET", "/v1/cache", self._get_cache)
+        api.route("POST", "/v1/cache/evict", self._post_evict)
+        api.route("GET", "/metrics", self._get_metrics)
+
+    async def _get_status(self, request: Request) -> dict:
+        return self.status()
+
+    async def _get_mounts(self, request: Request) -> dict:
+        return {"mounts": self.mounts()}
+
+    async def _post_mount(self, request: Request) -> dict:
+        body = request.json()
+        return await self.mount(
+            _field(body, "layer", str), _field(body, "mountpoint", str), mode=_field(body, "mode", str, "kernel"),
+            store_url=_field(body, "store", str, None), prefetch=_field(body, "prefetch", str, None),
+            fuse_binding=_field(body, "fuse_binding", str, None))
+
+    async def _post_umount(self, request: Request) -> dict:
+        body = request.json()
+        mountpoint = _field(body, "mountpoint", str)
+        await self.unmount(mountpoint, lazy=_field(body, "lazy", bool, False))
+        return {"mountpoint": os.path.realpath(mountpoint)}
+
+    async def _get_prefetch(self, request: Request) -> dict:
+        return {"prefetches": [job.to_json() for job in self._prefetches]}
+
+    async def _post_prefetch(self, request: Request) -> dict:
+        body = request.json()
+        return await self.prefetch(_field(body, "mountpoint", str), _field(body, "list", str))
+
+    async def _get_cache(self, request: Request) -> dict:
+        return self.cache_status()
+
+    async def _post_evict(self, request: Request) -> dict:
+        return await self.evict(_field(request.json(), "to", int, 0))
+
+    async def _get_metrics(self, request: Request) -> Response:
+        return Response(200, self.metrics.render(), MetricsPage.content_type)
+
+
+@contextlib.asynccontextmanager
+async def _nursery_cancelled_on_exit() -> AsyncIterator[trio.Nursery]:
+    """A nursery for background tasks that run until the block is left."""
+    async with trio.open_nursery() as nursery:
+        try:
+            yield nursery
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+_REQUIRED = object()
+
+
+def _field(body: dict, name: str, kind: type, default=_REQUIRED):
+    """``body[name]``, checked to be a ``kind`` (or null when the default is None)."""
+    value = body.get(name, default)
+    if value is _REQUIRED:
+        raise InputError(f"the request needs the field {name!r}", where="request body")
+    if value is None and default is None:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InputError(f"field {name!r} must be a {kind.__name__}, got {value!r:.80}", where="request body")
+    return value
+
+
+def _checked_mountpoint(path: str) -> str:
+    if not os.path.isabs(path):
+        raise InputError("the mountpoint must be an absolute path (the daemon's working directory is not "
+                         "yours)", where=path)
+    path = os.path.realpath(path)
+    if not os.path.isdir(path):
+        raise InputError("the mountpoint is not an existing directory", where=path)
+    return path
+
+
+def _close_trace(served: _Served, *, remove: bool = False) -> None:
+    trace, served.blob.trace = served.blob.trace, None
+    if trace is not None:
+        trace.close()
+        if remove:
+            os.unlink(trace.path)
+
+
+def _add_stats(total: FetchStats | None, stats: FetchStats) -> FetchStats:
+    if total is None:
+        return stats
+    summed = FetchStats(stats.label)
+    for name in ("hits", "misses", "coalesced", "chunks_fetched", "bytes_fetched", "store_reads", "errors",
+                 "corrupt", "timeouts", "latency_sum"):
+        setattr(summed, name, getattr(total, name) + getattr(stats, name))
+    summed.latency_counts = [a + b for a, b in zip(total.latency_counts, stats.latency_counts)]
+    return summed
+
+
+def _unescape_mountinfo(field_: str) -> str:
+    """/proc/self/mountinfo writes space, tab, newline and backslash as \\ooo."""
+    out, i = [], 0
+    while i < len(field_):
+        if field_[i] == "\\" and field_[i + 1:i + 4].isdigit():
+            out.append(chr(int(field_[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field_[i])
+            i += 1
+    return "".join(out)
+
+
+def _top_mount(path: str) -> tuple[str, str, str] | None:
+    """(fstype, source, root) of the topmost mount at exactly ``path``, or None."""
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            separator = fields.index("-")
+            if _unescape_mountinfo(fields[4]) == path:
+                found = (fields[separator + 1], _unescape_mountinfo(fields[separator + 2]),
+                         _unescape_mountinfo(fields[3]))
+    return found
+
+
+def _is_ours(entry: tuple[str, str, str], mode: str, meta_path: str, layer: str) -> bool:
+    """A kernel-mode mount is EROFS from our meta image; a fuse-mode one a bind mount of our session's
+    layers/<digest>/ directory."""
+    fstype, source, root = entry
+    if mode == "kernel":
+        return fstype == "erofs" and source == meta_path
+    return fstype.startswith("fuse") and source == "dsecfs" and root == f"/layers/{layer}"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("dsecfs")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def serve_until_signalled(daemon: NodeDaemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run ``daemon`` until SIGTERM or SIGINT, then shut it down cleanly. The handlers are installed
+    before anything is served; SIGHUP is taken too, and ignored, so libfuse2 cannot end the session."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_signals, signals, daemon)
+            await daemon.run(task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+
+async def _watch_signals(signals, daemon: NodeDaemon) -> None:
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            log.info("ignoring %s", name)
+        elif daemon.stopping:
+            log.info("%s: already shutting down", name)
+        else:
+            log.info("%s: shutting down", name)
+            daemon.shutdown()
+
+
+def run_daemon(options: DaemonOptions) -> None:
+    """Run a daemon in this process until signalled (``dsecfs daemon``). An error that stops it comes out
+    as itself, not inside the exception groups of the nurseries it passed through."""
+    try:
+        trio.run(serve_until_signalled, NodeDaemon(options))
+    except BaseExceptionGroup as group:
+        error: BaseException = group
+        while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        raise error from None

@@ -1,0 +1,181 @@
+"""Prometheus metrics of the node daemon, read from its live counters at scrape time.
+
+The only module that imports prometheus_client. Nothing is counted twice: the fetcher keeps its
+FetchStats, the chunk cache its CacheStats, the daemon its per-layer read counts and mount table; at each
+scrape of ``/metrics`` the daemon hands a ``NodeFigures`` snapshot of them to ``NodeCollector``, which
+turns it into metric families:
+
+    dsecfs_fetch_bytes_total{layer}            uncompressed bytes of chunks fetched from the store
+    dsecfs_fetch_chunks_total{layer}           chunks fetched from the store (each verified)
+    dsecfs_fetch_store_reads_total{layer}      store reads (batches of neighbouring chunks)
+    dsecfs_fetch_coalesced_total{layer}        requests that joined a fetch already in the air
+    dsecfs_fetch_errors_total{layer,kind}      chunks whose fetch failed: kind corrupt | timeout | other
+    dsecfs_fetch_latency_seconds{layer}        histogram of store read latency (queueing included)
+    dsecfs_layer_fetched_ratio{layer}          share of the layer's chunk bytes this node has served
+                                               readers so far (from the store or the local caches)
+    dsecfs_layer_reads_total{layer}            reads served from the layer's blob (FUSE reads)
+    dsecfs_layer_read_errors_total{layer}      of those, reads that failed (EIO)
+    dsecfs_layer_chunk_hits_total{layer}       chunk lookups the local disk cache answered
+    dsecfs_layer_chunk_misses_total{layer}     chunk lookups that went to the store
+    dsecfs_cache_hits_total, dsecfs_cache_misses_total, dsecfs_cache_evictions_total,
+    dsecfs_cache_rotten_total, dsecfs_cache_bytes, dsecfs_cache_max_bytes, dsecfs_cache_entries
+                                               the local chunk cache (disk)
+    dsecfs_memory_cache_hits_total, dsecfs_memory_cache_misses_total, dsecfs_memory_cache_bytes
+                                               the in-memory cache of recently read chunks
+    dsecfs_mounts{mode}                        layers mounted now
+    dsecfs_prefetch_running                    prefetch lists being fetched now
+    dsecfs_store_reads_running, dsecfs_store_reads_waiting{priority}
+
+Threads: ``render`` runs in the daemon's trio thread, like everything that changes the counters, so a
+snapshot is consistent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .cache import CacheStats
+from .fetcher import LATENCY_BUCKETS, FetchStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass(frozen=True)
+class LayerFigures:
+    layer: str  # digest
+    fetch: FetchStats
+    data_bytes: int  # bytes of the layer's distinct chunks
+    used_bytes: int  # of those, bytes served to readers since the daemon started
+    reads: int
+    read_errors: int
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    entries: int
+    bytes: int
+    max_bytes: int
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True)
+class NodeFigures:
+    layers: list[LayerFigures]
+    cache: CacheStats
+    memory: MemoryFigures
+    mounts: dict[str, int]  # mode -> layers mounted in it
+    prefetch_running: int
+    store_reads_running: int
+    store_reads_waiting: dict[str, int]  # priority name -> store reads queued for a slot
+
+
+class NodeCollector(Collector):
+    """Metric families from the NodeFigures that ``figures()`` returns at each scrape."""
+
+    def __init__(self, figures: Callable[[], NodeFigures]):
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        node = self._figures()
+        yield from _layer_families(node.layers)
+        yield from _cache_families(node.cache, node.memory)
+        mounts = GaugeMetricFamily("dsecfs_mounts", "Layers mounted now, by mode.", labels=["mode"])
+        for mode, count in sorted(node.mounts.items()):
+            mounts.add_metric([mode], count)
+        yield mounts
+        yield GaugeMetricFamily("dsecfs_prefetch_running", "Prefetch lists being fetched now.",
+                                value=node.prefetch_running)
+        yield GaugeMetricFamily("dsecfs_store_reads_running", "Store reads holding a fetcher slot.",
+                                value=node.store_reads_running)
+        waiting = GaugeMetricFamily("dsecfs_store_reads_waiting", "Store reads queued for a fetcher slot.",
+                                    labels=["priority"])
+        for priority, count in sorted(node.store_reads_waiting.items()):
+            waiting.add_metric([priority], count)
+        yield waiting
+
+
+def _counter(name: str, documentation: str, labels: list[str] | None = None) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, labels=labels)
+
+
+def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
+    by_layer = ["layer"]
+    fetch_bytes = _counter("dsecfs_fetch_bytes", "Uncompressed bytes of chunks fetched from the store.", by_layer)
+    fetch_chunks = _counter("dsecfs_fetch_chunks", "Chunks fetched from the store and verified.", by_layer)
+    store_reads = _counter("dsecfs_fetch_store_reads", "Store reads (batches of neighbouring chunks).", by_layer)
+    coalesced = _counter("dsecfs_fetch_coalesced", "Chunk requests that joined a fetch in the air.", by_layer)
+    errors = _counter("dsecfs_fetch_errors", "Chunks whose fetch failed, by kind.", ["layer", "kind"])
+    latency = HistogramMetricFamily("dsecfs_fetch_latency_seconds",
+                                    "Store read latency, waiting for a fetcher slot included.", labels=by_layer)
+    ratio = GaugeMetricFamily("dsecfs_layer_fetched_ratio",
+                              "Share of the layer's chunk bytes served to readers on this node so far.",
+                              labels=by_layer)
+    reads = _counter("dsecfs_layer_reads", "Reads served from the layer's blob.", by_layer)
+    read_errors = _counter("dsecfs_layer_read_errors", "Reads of the layer that failed (EIO).", by_layer)
+    hits = _counter("dsecfs_layer_chunk_hits", "Chunk lookups answered by the local disk cache.", by_layer)
+    misses = _counter("dsecfs_layer_chunk_misses", "Chunk lookups that went to the store.", by_layer)
+    for figures in layers:
+        label, stats = [figures.layer], figures.fetch
+        fetch_bytes.add_metric(label, stats.bytes_fetched)
+        fetch_chunks.add_metric(label, stats.chunks_fetched)
+        store_reads.add_metric(label, stats.store_reads)
+        coalesced.add_metric(label, stats.coalesced)
+        other = stats.errors - stats.corrupt - stats.timeouts
+        for kind, count in (("corrupt", stats.corrupt), ("timeout", stats.timeouts), ("other", other)):
+            errors.add_metric([figures.layer, kind], count)
+        latency.add_metric(label, _buckets(stats.latency_counts), stats.latency_sum)
+        ratio.add_metric(label, figures.used_bytes / figures.data_bytes if figures.data_bytes else 0.0)
+        reads.add_metric(label, figures.reads)
+        read_errors.add_metric(label, figures.read_errors)
+        hits.add_metric(label, stats.hits)
+        misses.add_metric(label, stats.misses)
+    yield from (fetch_bytes, fetch_chunks, store_reads, coalesced, errors, latency, ratio, reads, read_errors,
+                hits, misses)
+
+
+def _buckets(counts: list[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts (FetchStats) as Prometheus' cumulative ``le`` buckets."""
+    cumulative, total = [], 0
+    for bound, count in zip(LATENCY_BUCKETS, counts):
+        total += count
+        cumulative.append(("+Inf" if math.isinf(bound) else repr(bound), total))
+    return cumulative
+
+
+def _cache_families(cache: CacheStats, memory: MemoryFigures) -> Iterator[Metric]:
+    yield CounterMetricFamily("dsecfs_cache_hits", "Chunk lookups the disk cache answered.", value=cache.hits)
+    yield CounterMetricFamily("dsecfs_cache_misses", "Chunk lookups the disk cache could not answer.",
+                              value=cache.misses)
+    yield CounterMetricFamily("dsecfs_cache_evictions", "Chunks evicted to stay under the cache size.",
+                              value=cache.evictions)
+    yield CounterMetricFamily("dsecfs_cache_rotten", "Cached chunks dropped because they failed their check.",
+                              value=cache.rotten)
+    yield GaugeMetricFamily("dsecfs_cache_bytes", "Bytes of chunks in the disk cache.", value=cache.bytes)
+    yield GaugeMetricFamily("dsecfs_cache_max_bytes", "Size bound of the disk cache.", value=cache.max_bytes)
+    yield GaugeMetricFamily("dsecfs_cache_entries", "Chunks in the disk cache.", value=cache.entries)
+    yield CounterMetricFamily("dsecfs_memory_cache_hits", "Chunk lookups the in-memory cache answered.",
+                              value=memory.hits)
+    yield CounterMetricFamily("dsecfs_memory_cache_misses", "Chunk lookups the in-memory cache could not answer.",
+                              value=memory.misses)
+    yield GaugeMetricFamily("dsecfs_memory_cache_bytes", "Bytes of chunks in the in-memory cache.",
+                            value=memory.bytes)
+
+
+class MetricsPage:
+    """The text ``/metrics`` answers: one registry holding one NodeCollector."""
+
+    content_type = CONTENT_TYPE
+
+    def __init__(self, figures: Callable[[], NodeFigures]):
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(NodeCollector(figures))
+
+    def render(self) -> bytes:
+        return generate_latest(self._registry)

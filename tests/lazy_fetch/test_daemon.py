@@ -1,0 +1,431 @@
+"""The node daemon for real: ``dsecfs daemon`` runs as a subprocess on a test's own directories and the tests
+talk to it through dsec_fs.client, as users do. Every test stops its daemons (``daemons`` fixture) and
+then checks that nothing is left mounted below its tmp_path.
+
+The layer (``CHUNK`` = 64 KiB chunks) holds a large file for reads that take a while, a few small ones,
+and ``victim.bin``, built into a layer of its own first, so that its chunk sits in a pack no other file
+uses; ``solo.bin`` is a layer by itself, so that kernel-mode readahead on the blob file can only ever
+touch its own chunks.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from treecmp import assert_same_tree, snapshot
+
+from dsec_fs.client import DaemonProcess, Node
+from dsec_fs.digest import to_hex
+from dsec_fs.errors import ConflictError, NotFoundError, UnavailableError
+from dsec_fs.layer import LayerFiles, open_layer
+from dsec_fs.mounts import umount
+from dsec_fs.pack import decode_index
+from dsec_fs.store import FilesystemStore, keys, open_store
+from erofs_builder import BlobMap, build_layer
+from erofs_builder.ondisk.chunk_index import HOLE
+from erofs_builder.reader import ErofsImage
+from lazy_fetch.trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, read_trace
+from tests.s3server import MotoServer
+
+pytestmark = [pytest.mark.fuse, pytest.mark.root]
+
+CHUNK = 64 * 1024
+DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
+rng = random.Random(7)
+VICTIM = rng.randbytes(CHUNK - 5)
+FILES = {
+    "large.bin": rng.randbytes(48 * CHUNK + 999),
+    "medium.bin": rng.randbytes(5 * CHUNK + 17),
+    "healthy.bin": rng.randbytes(2 * CHUNK),
+    "dir/small.txt": b"small\n",
+    "dir/sub/other.txt": b"other " * 1000,
+    "empty": b"",
+    "victim.bin": VICTIM,
+}
+SOLO = rng.randbytes(16 * CHUNK)
+
+
+def _write(path, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@dataclass
+class Layers:
+    store_dir: str
+    source: str
+    main: LayerFiles  # the tree of FILES
+    solo: LayerFiles  # solo.bin alone
+    victim_pack: str
+
+
+@pytest.fixture(scope="module")
+def layers(tmp_path_factory) -> Layers:
+    base = tmp_path_factory.mktemp("daemon-layers")
+    store = FilesystemStore(str(base / "store"), fsync=False)
+    _write(base / "victim-only" / "victim.bin", VICTIM)
+    victim_pack, = build_layer(str(base / "victim-only"), store, chunk_size=CHUNK).manifest.packs
+    source = base / "src"
+    for name, data in FILES.items():
+        _write(source / name, data)
+    os.symlink("dir/small.txt", source / "link")
+    main = build_layer(str(source), store, name="test/main:1", chunk_size=CHUNK)
+    _write(base / "solo-src" / "solo.bin", SOLO)
+    solo = build_layer(str(base / "solo-src"), store, name="test/solo:1", chunk_size=CHUNK)
+    return Layers(str(base / "store"), str(source), open_layer(store, main.digest), open_layer(store, solo.digest),
+                  victim_pack)
+
+
+class Daemons:
+    """Real daemon processes working in one test's directories (state, cache, log under tmp_path; the
+    socket in a short directory of its own, since a unix socket path holds at most 107 bytes)."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.socket_dir = tempfile.mkdtemp(prefix="dsd-", dir="/tmp")
+        self.socket = os.path.join(self.socket_dir, "daemon.sock")
+        self.state_dir = str(tmp_path / "state")
+        self.cache_dir = str(tmp_path / "cache")
+        self.log_file = str(tmp_path / "daemon.log")
+        self.started: list[DaemonProcess] = []
+
+    def start(self, store: str, *, binding: str = "pyfuse3", **options) -> DaemonProcess:
+        """Start one (the previous one must have stopped: they share the directories)."""
+        options.setdefault("fetch_timeout", 10)
+        options.setdefault("cache_dir", self.cache_dir)
+        daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, store=store, fuse_binding=binding,
+                                   log_file=self.log_file, command=[DSECFS], **options)
+        self.started.append(daemon)
+        return daemon
+
+    def log(self) -> str:
+        with open(self.log_file, errors="replace") as f:
+            return f.read()
+
+    def stop_all(self) -> None:
+        for daemon in self.started:
+            assert daemon.stop() in (0, -signal.SIGKILL), f"the daemon failed; its log:\n{self.log()[-3000:]}"
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def daemons(tmp_path, mounts_below):
+    started = Daemons(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+        left = mounts_below(tmp_path)
+        for target in sorted(left, key=len, reverse=True):  # so the next test is unharmed
+            umount(target, lazy=True)
+        assert left == []
+
+
+def metrics(node: Node) -> dict[tuple[str, frozenset], float]:
+    """(sample name, labels) -> value, from the daemon's /metrics."""
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(node.metrics_text()) for sample in family.samples}
+
+
+def layer_metric(node: Node, name: str, layer: str, **labels) -> float:
+    return metrics(node).get((name, frozenset({"layer": layer, **labels}.items())), 0.0)
+
+
+def file_chunks(layer: LayerFiles, path: str) -> set[bytes]:
+    """The distinct chunks (digests) holding a file's data, from the layer's image and blob map."""
+    image = ErofsImage(layer.meta, source="meta.erofs")
+    blob_map = BlobMap.decode(layer.blobmap, source="blobmap")
+    digest_at = {blkaddr: digest for blkaddr, digest, _length in blob_map.entries}
+    return {digest_at[blkaddr] for _device, blkaddr in image.chunk_map(image.resolve(path.encode()))
+            if blkaddr != HOLE}
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def mount_dirs(tmp_path, *names) -> list[str]:
+    paths = [str(tmp_path / name) for name in names]
+    for path in paths:
+        os.makedirs(path)
+    return paths
+
+
+@pytest.mark.parametrize("binding", ["pyfuse3", "fusepy"])
+def test_both_modes_serve_the_tree_and_trace_their_reads(layers, daemons, tmp_path, binding):
+    node = daemons.start(layers.store_dir, binding=binding).node
+    kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
+    infos = [node.mount("test/main:1", kernel), node.mount(layers.main.digest, fuse, mode="fuse")]
+    assert [(m.mountpoint, m.mode, m.layer) for m in node.mounts()] == \
+        [(kernel, "kernel", layers.main.digest), (fuse, "fuse", layers.main.digest)]
+    expected = snapshot(layers.source)
+    assert_same_tree(expected, snapshot(kernel))
+    assert_same_tree(expected, snapshot(fuse))
+    with pytest.raises(ConflictError):
+        node.mount("test/main:1", kernel)
+
+    status = node.status()
+    layer, = status.layers
+    assert layer.fetched_ratio == 1.0 and layer.read_errors == 0 and status.fuse_binding == binding
+    for info in infos:
+        node.umount(info.mountpoint)
+    assert node.mounts() == []
+
+    # Kernel mode sees blob reads; fuse mode names the file read (nid) and its offset.
+    kernel_trace, fuse_trace = (read_trace(info.trace) for info in infos)
+    assert kernel_trace.header.mode == "kernel" and kernel_trace.header.ref == "test/main:1"
+    assert kernel_trace.records and all(r.flags & FLAG_BLOB for r in kernel_trace.records)
+    assert any(r.flags & FLAG_MISS for r in kernel_trace.records)
+    image = ErofsImage(layers.main.meta, source="meta.erofs")
+    large = image.resolve(b"large.bin")
+    assert fuse_trace.header.mode == "fuse" and not any(r.flags & FLAG_BLOB for r in fuse_trace.records)
+    assert {r.nid for r in fuse_trace.records} >= {large, image.resolve(b"medium.bin")}
+    assert sum(r.length for r in fuse_trace.records if r.nid == large) == len(FILES["large.bin"])
+
+
+@pytest.mark.parametrize("mode", ["kernel", "fuse"])
+def test_reading_one_file_fetches_only_its_chunks(layers, daemons, tmp_path, mode):
+    node = daemons.start(layers.store_dir).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    node.mount("test/main:1", mnt, mode=mode)
+    drop_caches()
+    with open(os.path.join(mnt, "medium.bin"), "rb") as f:
+        assert f.read() == FILES["medium.bin"]
+    digest = layers.main.digest
+    assert layer_metric(node, "dsecfs_fetch_chunks_total", digest) == len(file_chunks(layers.main, "medium.bin"))
+    assert layer_metric(node, "dsecfs_fetch_bytes_total", digest) == len(FILES["medium.bin"])
+    ratio = layer_metric(node, "dsecfs_layer_fetched_ratio", digest)
+    assert ratio == pytest.approx(len(FILES["medium.bin"]) / sum(len(d) for d in FILES.values()), rel=0.01)
+
+
+@pytest.mark.parametrize("mode", ["kernel", "fuse"])
+def test_concurrent_readers_of_a_cold_file_fetch_each_chunk_once(layers, daemons, tmp_path, mode):
+    # Reader i reads pages i, i + 16, i + 32, ... without readahead, so the sixteen of them ask for
+    # different pages of the same chunk at the same time; a store request takes 100 ms, so they overlap.
+    node = daemons.start(layers.store_dir, latency_ms=100).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    node.mount("test/solo:1", mnt, mode=mode)
+    readers, page = 16, 4096
+    start = threading.Barrier(readers)
+    pages: dict[int, bytes] = {}
+    failures: list[BaseException] = []
+
+    def read(i: int) -> None:
+        try:
+            fd = os.open(os.path.join(mnt, "solo.bin"), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                start.wait()
+                for number in range(i, len(SOLO) // page, readers):
+                    pages[number] = os.pread(fd, page, number * page)
+            finally:
+                os.close(fd)
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(readers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failures == []
+    assert b"".join(pages[number] for number in sorted(pages)) == SOLO
+    digest, chunks = layers.solo.digest, len(file_chunks(layers.solo, "solo.bin"))
+    assert layer_metric(node, "dsecfs_fetch_chunks_total", digest) == chunks == 16
+    assert layer_metric(node, "dsecfs_fetch_coalesced_total", digest) > 0  # they did ask at once
+    assert node.cache_stats().entries == chunks
+
+
+def test_sigkill_mid_read_then_restart(layers, daemons, tmp_path, mounts_below):
+    first = daemons.start(layers.store_dir, latency_ms=150)
+    kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
+    first.node.mount("test/main:1", kernel)
+    first.node.mount("test/main:1", fuse, mode="fuse")
+    with open(os.path.join(fuse, "medium.bin"), "rb") as f:  # cached before the crash
+        assert f.read() == FILES["medium.bin"]
+    cached = len(file_chunks(layers.main, "medium.bin"))
+    reader = subprocess.Popen(["cat", os.path.join(kernel, "large.bin")], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while layer_metric(first.node, "dsecfs_fetch_chunks_total", layers.main.digest) <= cached:
+            assert time.monotonic() < deadline and reader.poll() is None, "the reader never got going"
+            time.sleep(0.02)
+        first.kill()
+        assert reader.wait(30) != 0  # the read fails, it does not hang
+    finally:
+        reader.kill()
+        reader.wait()
+    assert {kernel, fuse} <= set(mounts_below(tmp_path))  # dead mounts, left behind
+
+    second = daemons.start(layers.store_dir).node
+    status = second.status()
+    assert sorted(status.cleaned) == sorted([kernel, fuse]) and status.mounts == []
+    assert mounts_below(tmp_path) == [daemons.state_dir + "/fuse"]
+    assert status.cache.rotten == 0 and status.cache.entries >= cached
+    second.mount("test/main:1", kernel)
+    with open(os.path.join(kernel, "medium.bin"), "rb") as f:
+        assert f.read() == FILES["medium.bin"]
+    assert layer_metric(second, "dsecfs_fetch_chunks_total", layers.main.digest) == 0  # all from the cache
+    with open(os.path.join(kernel, "large.bin"), "rb") as f:
+        assert f.read() == FILES["large.bin"]
+
+
+def _corrupt_chunk_in_store(store_dir: str, pack_id: str) -> bytes:
+    """Flip a byte inside the (only) chunk frame of a pack on disk; returns the chunk's digest."""
+    entry, = decode_index(FilesystemStore(store_dir).get(keys.index(pack_id)), source=pack_id)
+    path = os.path.join(store_dir, keys.pack(pack_id))
+    with open(path, "r+b") as f:
+        f.seek(entry.offset + entry.clen // 2)
+        byte = f.read(1)
+        f.seek(entry.offset + entry.clen // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return entry.digest
+
+
+@pytest.mark.parametrize("mode", ["kernel", "fuse"])
+def test_a_corrupt_chunk_fails_its_file_only(layers, daemons, tmp_path, mode):
+    store_dir = str(tmp_path / "store")
+    shutil.copytree(layers.store_dir, store_dir)
+    digest = _corrupt_chunk_in_store(store_dir, layers.victim_pack)
+    node = daemons.start(store_dir).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    node.mount("test/main:1", mnt, mode=mode)
+    for _attempt in range(2):  # a failure is not remembered: the second read fails the same way
+        drop_caches()
+        with open(os.path.join(mnt, "victim.bin"), "rb") as f, pytest.raises(OSError) as info:
+            f.read()
+        assert info.value.errno == errno.EIO
+    for name in ("healthy.bin", "medium.bin", "dir/small.txt"):
+        with open(os.path.join(mnt, name), "rb") as f:
+            assert f.read() == FILES[name]
+    assert node.ping()
+    errors = layer_metric(node, "dsecfs_fetch_errors_total", layers.main.digest, kind="corrupt")
+    layer, = node.status().layers
+    assert errors >= 2 and layer.corrupt == errors and layer.read_errors >= 2
+    assert f"fetching chunk {to_hex(digest)} failed" in daemons.log()
+
+
+def test_store_faults_come_from_the_environment(layers, daemons, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSECFS_FAULTS", f"get:{keys.pack(layers.victim_pack)}:permanent")
+    node = daemons.start(layers.store_dir).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    node.mount("test/main:1", mnt, mode="fuse")
+    with open(os.path.join(mnt, "victim.bin"), "rb") as f, pytest.raises(OSError) as info:
+        f.read()
+    assert info.value.errno == errno.EIO
+    with open(os.path.join(mnt, "healthy.bin"), "rb") as f:
+        assert f.read() == FILES["healthy.bin"]
+    assert layer_metric(node, "dsecfs_fetch_errors_total", layers.main.digest, kind="other") >= 1
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_an_unreachable_store_fails_reads_within_the_timeout(daemons, tmp_path, monkeypatch):
+    with MotoServer() as server:  # a server of its own, to stop halfway
+        server.create_bucket("unreachable")
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        source = tmp_path / "src"
+        _write(source / "first.bin", FILES["medium.bin"])
+        _write(source / "second.bin", FILES["large.bin"])
+        url = "s3://unreachable/layers"
+        with open_store(url) as store:
+            digest = build_layer(str(source), store, chunk_size=CHUNK).digest
+        node = daemons.start(url, fetch_timeout=3).node
+        kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
+        node.mount(digest, kernel)
+        node.mount(digest, fuse, mode="fuse")
+        with open(os.path.join(kernel, "first.bin"), "rb") as f:
+            assert f.read() == FILES["medium.bin"]
+    # The server is gone: what is cached still reads, the rest fails with EIO, and soon.
+    drop_caches()
+    for mnt in (kernel, fuse):
+        with open(os.path.join(mnt, "first.bin"), "rb") as f:
+            assert f.read() == FILES["medium.bin"]
+        started = time.monotonic()
+        with open(os.path.join(mnt, "second.bin"), "rb") as f, pytest.raises(OSError) as info:
+            f.read()
+        assert info.value.errno == errno.EIO
+        assert time.monotonic() - started < 30
+    assert node.ping()
+    with pytest.raises(UnavailableError):
+        node.mount(digest, str(tmp_path))  # a layer cannot be opened either
+
+
+def test_a_prefetch_list_learned_from_a_trace_is_fetched_in_the_background(layers, daemons, tmp_path):
+    node = daemons.start(layers.store_dir).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    info = node.mount("test/main:1", mnt, mode="fuse")
+    for name in ("medium.bin", "dir/small.txt"):
+        with open(os.path.join(mnt, name), "rb") as f:
+            f.read()
+    node.umount(mnt)
+    plist = str(tmp_path / "prefetch.json")
+    subprocess.run([DSECFS, "prefetch", "build", info.trace, "-o", plist, "--store", layers.store_dir], check=True,
+                   stdout=subprocess.DEVNULL)
+    node.cache_evict(0)
+    wanted = file_chunks(layers.main, "medium.bin") | file_chunks(layers.main, "dir/small.txt")
+
+    info = node.mount("test/main:1", mnt, mode="kernel", prefetch_list=plist)
+    deadline = time.monotonic() + 30
+    while (job := node.prefetches()[-1]).state == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert (job.state, job.chunks, job.done_chunks, job.failed_chunks) == ("done", len(wanted), len(wanted), 0)
+    fetched = layer_metric(node, "dsecfs_fetch_chunks_total", layers.main.digest)
+    drop_caches()
+    with open(os.path.join(mnt, "medium.bin"), "rb") as f:
+        assert f.read() == FILES["medium.bin"]
+    assert layer_metric(node, "dsecfs_fetch_chunks_total", layers.main.digest) == fetched  # nothing new
+    node.umount(mnt)
+    prefetched = [r for r in read_trace(info.trace).records if r.flags & FLAG_PREFETCH]
+    assert len(prefetched) == len(wanted) and not any(r.flags & FLAG_ERROR for r in prefetched)
+
+
+def test_sigterm_unmounts_everything_and_removes_the_socket(layers, daemons, tmp_path, mounts_below):
+    daemon = daemons.start(layers.store_dir)
+    kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
+    daemon.node.mount("test/main:1", kernel)
+    daemon.node.mount("test/main:1", fuse, mode="fuse")
+    assert daemon.stop() == 0
+    assert mounts_below(tmp_path) == []
+    assert not os.path.exists(daemons.socket)
+    with pytest.raises(UnavailableError, match="no daemon answers"):
+        daemon.node.status()
+
+
+def test_the_cli_talks_to_the_daemon(layers, daemons, tmp_path):
+    daemons.start(layers.store_dir)
+    mnt, = mount_dirs(tmp_path, "mnt")
+
+    def dsecfs(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([DSECFS, *args, "--socket", daemons.socket], capture_output=True, text=True)
+
+    mounted = dsecfs("mount", "test/main:1", mnt, "--mode", "fuse")
+    assert mounted.returncode == 0, mounted.stderr
+    assert "fuse mode" in mounted.stdout
+    with open(os.path.join(mnt, "dir/small.txt"), "rb") as f:
+        assert f.read() == FILES["dir/small.txt"]
+    status = dsecfs("status")
+    assert mnt in status.stdout and layers.main.digest[:12] in status.stdout
+    assert "1 chunks" in dsecfs("cache", "stats").stdout
+    assert "evicted 1 chunks" in dsecfs("cache", "evict", "--to", "0").stdout
+    missing = dsecfs("umount", str(tmp_path))
+    assert missing.returncode == NotFoundError.exit_code and "not-found error" in missing.stderr
+    assert dsecfs("umount", mnt).returncode == 0
