@@ -13,10 +13,14 @@ cli/main.py registers them:
 
 Every command but ``daemon`` is a call through dsec_fs.client.Node; ``mount`` starts a daemon (with the
 default directories, its log in the state directory) when none answers on the socket.
+
+``daemon`` is where the node daemon is composed: lazy_fetch's NodeDaemon, extended with overlay's
+sandboxes (overlay.node_service.attach), so that lazy_fetch imports nothing above it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import click
@@ -29,6 +33,7 @@ from .common import _emit, _human, _parse_size, json_option, store_option
 # FUSE code just to build its help; the daemon checks them again.
 BINDINGS = ("pyfuse3", "fusepy")
 MODES = ("kernel", "fuse")
+RUNTIMES = ("runc", "namespaces")  # overlay.runtime's
 
 socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, default=DEFAULT_SOCKET, show_default=True,
                              metavar="PATH", help=f"the daemon's API socket (also ${SOCKET_ENV})")
@@ -54,14 +59,21 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
 @click.option("--log-file", default=None, metavar="PATH", help="log here instead of stderr")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
+@click.option("--sandbox-layer-mode", type=click.Choice(MODES), default="kernel", show_default=True,
+              help="how the layers of sandboxes are mounted")
+@click.option("--sandbox-runtime", type=click.Choice(RUNTIMES), default="runc", show_default=True,
+              help="what runs sandbox commands unless `sandbox exec --runtime` says otherwise")
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
            store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: float | None,
-           fetch_timeout: float, no_trace: bool, log_file: str | None, log_level: str) -> None:
-    """Run the node daemon: mounts layers, fetches and caches chunks, serves the API on the socket.
+           fetch_timeout: float, no_trace: bool, log_file: str | None, log_level: str, sandbox_layer_mode: str,
+           sandbox_runtime: str) -> None:
+    """Run the node daemon: mounts layers, fetches and caches chunks, runs sandboxes, serves the API on the
+    socket.
 
-    SIGTERM or SIGINT unmounts everything and stops. Store faults for tests come from $DSECFS_FAULTS
-    (FaultStore rules)."""
+    SIGTERM or SIGINT stops the sandboxes (keeping their changes), unmounts everything and stops. Store
+    faults for tests come from $DSECFS_FAULTS (FaultStore rules)."""
     from lazy_fetch.daemon import DaemonOptions, run_daemon
+    from overlay import node_service
 
     logging.basicConfig(level=log_level.upper(), filename=log_file,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -70,7 +82,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
         memory_cache_bytes=_parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
         latency=None if latency is None else latency / 1000, bandwidth=None if bandwidth is None else bandwidth * 1e6,
         fetch_timeout=fetch_timeout, trace=not no_trace)
-    run_daemon(options)
+    sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)
+    run_daemon(options, extensions=[sandboxes])
 
 
 @click.command()

@@ -15,7 +15,7 @@ import click
 from dsec_fs.errors import DsecError
 from dsec_fs.store import open_store
 
-from . import daemon_cmds, diff_cmds, sched_cmds, store_cmds, trace_cmds
+from . import daemon_cmds, diff_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
 from .common import CHUNK_SIZE_HELP, _emit, _human, _parse_size, json_option, store_option
 
 class DsecGroup(click.Group):
@@ -186,6 +186,7 @@ main.add_command(daemon_cmds.mount)
 main.add_command(daemon_cmds.umount)
 main.add_command(daemon_cmds.status)
 main.add_command(daemon_cmds.cache)
+main.add_command(sandbox_cmds.sandbox)
 trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
 
 if __name__ == "__main__":

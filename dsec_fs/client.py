@@ -5,6 +5,8 @@
     node.status().cache.hits
     node.umount("/mnt/debian")
     node = Node.ensure_running(store="s3://bucket/prefix")   # start a daemon if none answers
+    with node.sandbox(base="base/debian:12", workspace="ws/task:1") as sb:   # see sandbox_client.py
+        sb.exec(["/bin/sh", "-c", "ls /workspace"]).stdout
 
 Every call is one HTTP request with a JSON body; results come back as the dataclasses below (fields the
 daemon adds later are ignored, so an older client keeps working). An error the daemon reports is raised
@@ -32,7 +34,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ConflictError,
@@ -43,6 +45,9 @@ from .errors import (
     UnavailableError,
     UnsupportedError,
 )
+
+if TYPE_CHECKING:
+    from .sandbox_client import Sandbox, SandboxInfo
 
 # Where a node daemon lives unless told otherwise (lazy_fetch/daemon.py uses these too).
 DEFAULT_SOCKET = "/run/dsecfs/daemon.sock"
@@ -240,6 +245,34 @@ class Node:
     def metrics_text(self) -> str:
         """The Prometheus exposition text of ``/metrics``."""
         return self.request("GET", "/metrics")
+
+    # -- sandboxes (sandbox_client.py: the Sandbox handle and the result types; imported here when used,
+    # since it imports this module)
+
+    def sandbox_up(self, base: str | None = None, workspace: str | None = None, toolkit: str | Sequence[str] = (),
+                   *, name: str | None = None, store: str | None = None) -> SandboxInfo:
+        """Start a sandbox of these layers (refs or digests; any may be left out, not all; ``toolkit`` one or
+        a list, the first on top) named ``name`` (default: its id). ``store`` must be the daemon's own
+        store if given (ConflictError otherwise)."""
+        from .sandbox_client import SandboxInfo
+
+        toolkits = [toolkit] if isinstance(toolkit, str) else list(toolkit)
+        body = {"base": base, "workspace": workspace, "toolkits": toolkits, "name": name,
+                "store": _absolute_store(store)}
+        return SandboxInfo.from_json(self.request("POST", "/v1/sandboxes", body))
+
+    def sandbox(self, base: str | None = None, workspace: str | None = None, toolkit: str | Sequence[str] = (),
+                *, name: str | None = None, store: str | None = None) -> Sandbox:
+        """``sandbox_up``, as a handle to use the sandbox with; a with-block on it ends with ``down()``."""
+        from .sandbox_client import Sandbox
+
+        info = self.sandbox_up(base, workspace, toolkit, name=name, store=store)
+        return Sandbox(self, info.id, info=info)
+
+    def sandboxes(self) -> list[SandboxInfo]:
+        from .sandbox_client import SandboxInfo
+
+        return [SandboxInfo.from_json(s) for s in self.request("GET", "/v1/sandboxes")["sandboxes"]]
 
     # -- HTTP
 

@@ -42,11 +42,17 @@ each listed mountpoint that still carries one of our mounts (an EROFS mount of o
 mount of our FUSE session), after layer_mount has detached the dead FUSE session itself; it does not
 remount them. The chunk cache repairs itself on open (cache.py).
 
-Shutdown. ``shutdown()`` (SIGTERM, SIGINT) stops the API and the prefetches, unmounts every layer (lazily
-where busy), ends the FUSE session, cancels the fetches still in the air, then flushes and closes the
-traces and closes the stores and the cache.
+Shutdown. ``shutdown()`` (SIGTERM, SIGINT) runs the stop hooks, stops the API and the prefetches, unmounts
+every layer (lazily where busy), ends the FUSE session, cancels the fetches still in the air, then flushes
+and closes the traces and closes the stores and the cache.
 ``serve_until_signalled`` installs the signal handlers before anything is served, so libfuse2 (fusepy),
 which takes SIGTERM and SIGHUP when they are left at their defaults, does not get them.
+
+Extensions. Packages above lazy_fetch add to the daemon without it importing them (``run_daemon``'s
+``extensions``, composed in cli/): routes on ``api``, and ``on_start`` / ``on_stop`` hooks. Start hooks
+run once the FUSE session serves and stale mounts are detached, before the API answers; stop hooks run
+(shielded, newest first) once shutdown is asked for, while the API still answers and every layer is still
+mounted. overlay/node_service.py serves sandboxes this way.
 
 Threads: everything here runs in the daemon's trio thread, so MemoryChunkCache, the tables and the traces
 need no lock; blocking work (opening layers and stores, mount(2), cache eviction) runs in worker threads
@@ -66,7 +72,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 
@@ -406,6 +412,8 @@ class NodeDaemon:
         self._mounter: LayerMounter | None = None
         self._flights: trio.Nursery | None = None
         self._nursery: trio.Nursery | None = None
+        self.on_start: list[Callable[[], Awaitable[None]]] = []  # see "Extensions" in the module docstring
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []
         self._register_routes()
 
     # -- life cycle
@@ -427,13 +435,20 @@ class NodeDaemon:
             await self._clean_stale_mounts()
             async with _nursery_cancelled_on_exit() as nursery:
                 self._nursery = nursery
+                for hook in self.on_start:
+                    await hook()
                 await nursery.start(self.api.serve, options.socket_path)
                 nursery.start_soon(self._flush_traces_now_and_then)
                 log.info("dsecfs daemon %d serving on %s (state %s, cache %s, FUSE %s)", os.getpid(),
                          options.socket_path, self.state_dir, self._cache.directory, options.fuse_binding)
                 task_status.started()
-                await self._stop.wait()
-                log.info("shutting down")
+                try:
+                    await self._stop.wait()
+                finally:
+                    log.info("shutting down")
+                    with trio.CancelScope(shield=True):
+                        for hook in reversed(self.on_stop):
+                            await hook()
         log.info("stopped")
 
     def shutdown(self) -> None:
@@ -445,6 +460,10 @@ class NodeDaemon:
         return self._stop.is_set()
 
     # -- stores and layers
+
+    async def store(self, url: str | None = None) -> Store:
+        """The store at ``url`` (default: the daemon's), opened and wrapped as mounts read it."""
+        return (await self._store_context(url)).store
 
     async def _store_context(self, url: str | None) -> _StoreContext:
         url = url or self.options.store_url or default_store_url()
@@ -975,11 +994,15 @@ async def _watch_signals(signals, daemon: NodeDaemon) -> None:
             daemon.shutdown()
 
 
-def run_daemon(options: DaemonOptions) -> None:
-    """Run a daemon in this process until signalled (``dsecfs daemon``). An error that stops it comes out
-    as itself, not inside the exception groups of the nurseries it passed through."""
+def run_daemon(options: DaemonOptions, *, extensions: Iterable[Callable[[NodeDaemon], object]] = ()) -> None:
+    """Run a daemon in this process until signalled (``dsecfs daemon``). Each of ``extensions`` is called
+    with the NodeDaemon before it starts, to add routes and hooks. An error that stops it comes out as
+    itself, not inside the exception groups of the nurseries it passed through."""
+    daemon = NodeDaemon(options)
+    for extend in extensions:
+        extend(daemon)
     try:
-        trio.run(serve_until_signalled, NodeDaemon(options))
+        trio.run(serve_until_signalled, daemon)
     except BaseExceptionGroup as group:
         error: BaseException = group
         while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:

@@ -1,0 +1,121 @@
+"""``dsecfs sandbox up|exec|down|ls|commit``: sandboxes on this node, through the node daemon.
+
+Each command is a call of the SDK (dsec_fs.client.Node, dsec_fs.sandbox_client.Sandbox). ``up`` starts a
+daemon (default directories, its log in the state directory) when none answers on the socket, as
+``mount`` does. ``exec`` writes the command's stdout and stderr as they came, bytes unchanged, and exits
+with its exit code; dsecfs's own errors exit with their class's code (2 to 7, see cli/main.py), so a
+script that needs to tell them apart from the command's should use the SDK.
+
+cli/main.py registers the group: ``main.add_command(sandbox_cmds.sandbox)``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+
+import click
+
+from dsec_fs.client import Node
+from dsec_fs.errors import InputError
+from dsec_fs.sandbox_client import Sandbox
+
+from .common import _emit, _parse_size, json_option, store_option
+from .daemon_cmds import RUNTIMES, socket_option
+
+
+@click.group()
+def sandbox() -> None:
+    """Sandboxes on this node: layers stacked with OverlayFS, commands run by runc."""
+
+
+@sandbox.command("up")
+@click.option("--base", metavar="LAYER", help="the base image layer (a ref or a digest)")
+@click.option("--workspace", metavar="LAYER", help="the workspace layer")
+@click.option("--toolkit", "toolkits", multiple=True, metavar="LAYER",
+              help="a toolkit layer; may be given again, the first on top")
+@click.option("--name", metavar="NAME", help="a name to use instead of the id (default: the id)")
+@store_option
+@socket_option
+@json_option
+def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name: str | None,
+       store_url: str | None, socket_path: str, as_json: bool) -> None:
+    """Start a sandbox; prints its id and the path of its root filesystem. Any layer may be left out
+    (not all); the stack is toolkits, workspace, base, top first."""
+    node = Node.ensure_running(socket_path, store=store_url)
+    info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url)
+    _emit(as_json, asdict(info), lambda: f"{info.id} {info.rootfs}")
+
+
+@sandbox.command("exec")
+@click.argument("key", metavar="SANDBOX")
+@click.argument("command", nargs=-1, required=True)
+@click.option("--runtime", type=click.Choice(RUNTIMES), default=None,
+              help="runc, or namespaces where runc cannot run (default: the daemon's)")
+@click.option("-e", "--env", "env", multiple=True, metavar="NAME=VALUE", help="an environment variable; repeatable")
+@click.option("--cwd", default="/", show_default=True, metavar="DIR", help="working directory in the sandbox")
+@click.option("--network", is_flag=True, help="share the node's network (default: none)")
+@click.option("--memory", default=None, metavar="SIZE", help="memory limit, e.g. 512MiB")
+@click.option("--cpus", type=float, default=None, help="CPU limit, in CPUs (e.g. 0.5)")
+@click.option("--pids", "pids_limit", type=int, default=None, help="most processes at once")
+@click.option("--timeout", type=float, default=None, metavar="SECONDS", help="kill the command after this")
+@click.option("-i", "--stdin", "with_stdin", is_flag=True, help="hand this command's stdin to the command")
+@socket_option
+def exec_(key: str, command: tuple[str, ...], runtime: str | None, env: tuple[str, ...], cwd: str, network: bool,
+          memory: str | None, cpus: float | None, pids_limit: int | None, timeout: float | None, with_stdin: bool,
+          socket_path: str) -> None:
+    """Run COMMAND in SANDBOX (an id or a name): dsecfs sandbox exec SANDBOX -- CMD ARGS..."""
+    variables = {}
+    for item in env:
+        name, equals, value = item.partition("=")
+        if not equals:
+            raise InputError("an environment variable is NAME=VALUE", where=f"--env {item!r}")
+        variables[name] = value
+    result = Sandbox(Node(socket_path), key).exec(
+        list(command), env=variables, cwd=cwd, network=network,
+        memory_bytes=None if memory is None else _parse_size(memory), cpus=cpus, pids_limit=pids_limit,
+        timeout=timeout, runtime=runtime, stdin=click.get_binary_stream("stdin").read() if with_stdin else None)
+    for stream, data in (("stdout", result.stdout), ("stderr", result.stderr)):
+        out = click.get_binary_stream(stream)
+        out.write(data)
+        out.flush()
+    if result.timed_out:
+        click.echo(f"dsecfs: the command ran out of its {timeout:g} s and was killed", err=True)
+    sys.exit(result.exit_code)
+
+
+@sandbox.command("down")
+@click.argument("key", metavar="SANDBOX")
+@click.option("--keep", is_flag=True, help="keep the upper dir (the sandbox's changes) for commit")
+@socket_option
+def down(key: str, keep: bool, socket_path: str) -> None:
+    """Take SANDBOX down: unmount it, drop its layers, remove its changes unless --keep."""
+    Sandbox(Node(socket_path), key).down(keep=keep)
+
+
+@sandbox.command("ls")
+@socket_option
+@json_option
+def ls(socket_path: str, as_json: bool) -> None:
+    """List the sandboxes on this node."""
+    infos = Node(socket_path).sandboxes()
+
+    def text() -> str:
+        lines = [f"{'ID':<16} {'NAME':<20} {'STATUS':<8} {'CREATED':<20} LAYERS"]
+        lines += [f"{i.id:<16} {i.name:<20} {i.status:<8} {i.created:<20} "
+                  + " ".join(f"{layer.role}={layer.ref}" for layer in i.layers) for i in infos]
+        return "\n".join(lines)
+
+    _emit(as_json, {"sandboxes": [asdict(info) for info in infos]}, text)
+
+
+@sandbox.command("commit")
+@click.argument("key", metavar="SANDBOX")
+@click.option("--name", "ref", required=True, metavar="NAME:TAG", help="the ref of the new layer")
+@store_option
+@socket_option
+@json_option
+def commit(key: str, ref: str, store_url: str | None, socket_path: str, as_json: bool) -> None:
+    """Publish SANDBOX's changes (its upper dir, whiteouts included) as a layer; prints its digest."""
+    result = Sandbox(Node(socket_path), key).commit(ref, store=store_url)
+    _emit(as_json, asdict(result), lambda: result.layer)

@@ -1,0 +1,150 @@
+"""The sandbox SDK: sandboxes on a node, through its daemon's API (overlay/node_service.py serves it).
+
+    from dsec_fs.client import Node
+
+    with Node().sandbox(base="base/debian:12", workspace="ws/task-42:v1", toolkit="tk/agent:3") as sb:
+        result = sb.exec(["/bin/sh", "-c", "cd /workspace && make test"], timeout=600)
+        print(result.exit_code, result.stdout.decode())
+        sb.commit("ws/task-42:v2")    # its changes, as a layer to stack over the layers it ran on
+    # the block's end takes the sandbox down
+
+``Node.sandbox(...)`` starts a sandbox and returns a ``Sandbox`` handle whose with-block ends with
+``down()``; ``Node.sandbox_up(...)`` starts one and returns its ``SandboxInfo``; ``Node.sandboxes()``
+lists them; ``Sandbox(node, id_or_name)`` is a handle of one that runs already. Any layer role may be
+left out (not all of them); ``toolkit`` takes one ref or a list, the first the top layer.
+
+Results are typed (``SandboxInfo``, ``ExecResult``, ``CommitResult``); fields a newer daemon adds are
+ignored. Errors are the DsecError classes the CLI maps to exit codes, raised again from the daemon's
+answer: NotFoundError (no such ref, layer, pack or sandbox), ConflictError (a name in use), InputError,
+UnavailableError (no daemon answers, a stopped sandbox, a runtime that failed). A command's own failure
+is no error: it is its ``exit_code``.
+
+Limits: a command's stdout and stderr travel back whole in one answer (base64 in JSON), so a command
+with a lot of output should write it to a file in the sandbox; ``stdin`` is at most about 700 KiB (the
+API's requests are at most 1 MiB).
+
+Threads: a Sandbox holds its node and its key only, so it is as thread-safe as Node (any thread).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+from .client import Node, _absolute_store, _typed
+from .errors import InputError
+
+EXEC_ANSWER_GRACE = 60.0  # seconds an exec's answer may take beyond its command's timeout
+EXEC_WAIT_UNBOUNDED = 7 * 86400.0  # how long an exec without a timeout is waited for
+
+
+@dataclass(frozen=True)
+class SandboxLayerInfo:
+    role: str  # toolkit | workspace | base
+    ref: str  # as the sandbox was asked for it
+    digest: str
+    mountpoint: str = ""  # where the daemon mounts the layer, shared by every sandbox using it
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    id: str
+    name: str = ""
+    status: str = ""  # running; stopped (down with keep, or the daemon stopped); creating; stopping
+    rootfs: str = ""  # the sandbox's root, on the node
+    upper: str = ""  # its writes
+    created: str = ""
+    layers: tuple[SandboxLayerInfo, ...] = ()  # top first
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "SandboxInfo":
+        info = _typed(cls, obj)
+        return dataclasses.replace(info, layers=tuple(_typed(SandboxLayerInfo, layer) for layer in info.layers))
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int  # the command's; 128 + N when signal N killed it (137 after the timeout)
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    sandbox: str  # id
+    layer: str  # digest of the new layer
+    ref: str
+    store: str
+    stats: dict = field(default_factory=dict)  # the build's statistics (files, bytes, chunks, ...)
+
+
+class Sandbox:
+    """A sandbox on ``node``, by id or name. As a context manager it takes the sandbox down at the end of
+    the block, unless ``down`` was called in it."""
+
+    def __init__(self, node: Node, key: str, *, info: SandboxInfo | None = None):
+        self.node = node
+        self.key = key
+        self.started = info  # what up answered, when this handle comes from Node.sandbox
+        self._down = False
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.key!r} on {self.node.socket_path})"
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._down:
+            self.down()
+
+    # id and rootfs: from up's answer, else asked for.
+    @property
+    def id(self) -> str:
+        return (self.started or self.info()).id
+
+    @property
+    def rootfs(self) -> str:
+        return (self.started or self.info()).rootfs
+
+    def info(self) -> SandboxInfo:
+        return SandboxInfo.from_json(self.node.request("GET", self._path()))
+
+    def exec(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
+             stdin: bytes | None = None, timeout: float | None = None, network: bool = False,
+             memory_bytes: int | None = None, cpus: float | None = None, pids_limit: int | None = None,
+             runtime: str | None = None) -> ExecResult:
+        """Run ``argv`` in the sandbox as root, in new pid, mount, ipc and uts namespaces, without network
+        unless ``network``, with no new privileges, and wait for it. ``timeout`` (seconds) kills it;
+        ``memory_bytes``, ``cpus`` (CPU seconds per second) and ``pids_limit`` bound it; ``runtime`` is
+        runc (the daemon's default) or namespaces."""
+        if isinstance(argv, (str, bytes)):
+            raise InputError("argv is a list of strings; for a shell line use ['/bin/sh', '-c', line]",
+                             where=f"exec in sandbox {self.key}")
+        body = {"argv": list(argv), "env": dict(env or {}), "cwd": cwd, "network": network,
+                "memory_bytes": memory_bytes, "cpus": cpus, "pids_limit": pids_limit, "timeout": timeout,
+                "runtime": runtime, "stdin": None if stdin is None else base64.b64encode(stdin).decode("ascii")}
+        wait = EXEC_WAIT_UNBOUNDED if timeout is None else timeout + EXEC_ANSWER_GRACE
+        answer = self.node.request("POST", self._path("exec"), body, timeout=wait)
+        return ExecResult(exit_code=answer["exit_code"], stdout=base64.b64decode(answer["stdout"]),
+                          stderr=base64.b64decode(answer["stderr"]), timed_out=bool(answer.get("timed_out")))
+
+    def down(self, *, keep: bool = False) -> None:
+        """Unmount the sandbox and drop its layers; its upper dir is removed unless ``keep`` (then it stays,
+        ``stopped``, for commit; a later ``down`` removes it)."""
+        self.node.request("POST", self._path("down"), {"keep": keep})
+        self._down = True
+
+    def commit(self, name: str, *, store: str | None = None) -> CommitResult:
+        """Publish the sandbox's changes (its upper dir, whiteouts and opaque directories kept) as a layer
+        named ``name`` (NAME:TAG) in ``store`` (default: the daemon's); stack it over the layers the sandbox
+        ran on. Commit between commands, or after ``down(keep=True)``."""
+        body = {"name": name, "store": _absolute_store(store)}
+        return _typed(CommitResult, self.node.request("POST", self._path("commit"), body))
+
+    def _path(self, action: str = "") -> str:
+        return f"/v1/sandboxes/{quote(self.key, safe='')}" + (f"/{action}" if action else "")

@@ -1,0 +1,478 @@
+"""Sandboxes served by the node daemon: the composition of lazy_fetch's layer mounts and overlay's sandboxes.
+
+    daemon = NodeDaemon(options)
+    attach(daemon, layer_mode="kernel", runtime="runc")   # routes and start/stop hooks
+    trio.run(serve_until_signalled, daemon)
+
+``dsecfs daemon`` does this (cli/daemon_cmds.py), so lazy_fetch never imports overlay. The parts:
+
+- ``DaemonLayers``, the LayerProvider of the node's SandboxManager: each layer a sandbox uses is mounted
+  once per node by the daemon (``NodeDaemon.mount``, kernel mode unless told otherwise) at
+  ``state_dir/sandbox/layers/<digest>`` and counted; the last release unmounts it. The mounts are the
+  daemon's own, so ``dsecfs status`` lists them and a restarted daemon detaches them like any other.
+  Before a layer's first mount every pack holding its chunks is checked to be in the store, so a layer
+  whose data is gone fails ``up`` with NotFoundError instead of failing reads (EIO) inside a command.
+- ``SandboxService``: the HTTP routes (below) over a SandboxManager whose state lives in
+  ``state_dir/sandbox/`` (its lock, ``sandboxes/``, ``runc/``), and the daemon's start and stop hooks.
+
+Routes (JSON in and out; ``{sandbox}`` is a sandbox id or name; errors as every daemon route answers them)::
+
+    POST /v1/sandboxes                   {base, workspace, toolkits: [...], name, store}  -> sandbox
+    GET  /v1/sandboxes                   -> {sandboxes: [...], layers: [...], removed_at_start: [...]}
+    GET  /v1/sandboxes/{sandbox}         -> sandbox
+    POST /v1/sandboxes/{sandbox}/exec    {argv, env, cwd, runtime, network, memory_bytes, cpus, pids_limit,
+                                          timeout, stdin (base64)}  -> {exit_code, stdout, stderr (base64),
+                                          timed_out}
+    POST /v1/sandboxes/{sandbox}/down    {keep}  -> {}
+    POST /v1/sandboxes/{sandbox}/commit  {name, store}  -> {sandbox, layer, ref, store, stats}
+
+A sandbox is SandboxState as JSON (overlay/sandbox.py). Sandbox layers come from the daemon's store; an
+``up`` that names another store is refused (ConflictError) rather than quietly mixing stores. ``commit``
+builds the sandbox's upper dir (stack.upper_to_tree: whiteouts and opaque directories kept) into a layer
+in ``store`` (default: the daemon's) and points the ref ``name`` at it.
+
+Start (before the API answers, after the daemon detached the mounts a dead predecessor left):
+SandboxManager.recover(). A daemon that died took the FUSE session its layer mounts read from, and the
+new daemon has detached those mounts, so a sandbox that was running is no longer whole: recover unmounts
+its overlay, kills its containers and removes its files. Sandboxes stopped with ``down --keep`` stay
+listed. Layer directories no sandbox holds are removed.
+
+Stop (SIGTERM): new requests are refused, calls of up, down and commit under way are waited for, runc
+containers still running are killed (their exec answers exit code 137), and every running sandbox is
+taken down with its upper dir kept (status ``stopped``): its layers cannot outlive the daemon, but its
+changes can still be committed, or removed with ``down``, once a daemon runs again. Commands of the
+``namespaces`` runtime cannot be killed from here; a handler waiting for one is abandoned.
+
+Threads: the routes and DaemonLayers' async methods run in the daemon's trio loop, which holds every
+table here, so they need no lock; ``DaemonLayers._turn`` makes calls on one layer take turns across the
+awaits of a mount or unmount. SandboxManager calls block (mount(2), the runtime) and run in worker threads
+(trio.to_thread) under limiters of their own: those threads call back into the loop
+(trio.from_thread.run) for layers, and the daemon's own worker threads (mount(2) of a layer, store reads)
+must never wait behind them for the default limiter, or an ``up`` would wait for itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from dsec_fs import mounts
+from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
+from dsec_fs.layer import Manifest, parse_ref, resolve
+from dsec_fs.store import default_store_url, keys, open_store
+from dsec_fs.store.base import Store
+from erofs_builder.build import build_tree
+from lazy_fetch.daemon import NodeDaemon
+from lazy_fetch.http_api import Request
+from lazy_fetch.layer_mount import MODES
+
+from .runtime import RUNTIMES, reap_containers
+from .sandbox import LayerHandle, SandboxManager, SandboxSpec, SandboxState
+from .stack import StackOptions
+
+log = logging.getLogger(__name__)
+
+SANDBOX_DIR = "sandbox"  # under the daemon's state directory
+LAYER_DIR = "layers"  # under SANDBOX_DIR: one mountpoint per layer in use
+LIFECYCLE_THREADS = 8  # up, down and commit calls at once (each mounts, or builds a layer)
+EXEC_THREADS = 256  # commands running at once
+STOP_POLL_SECONDS = 0.05
+
+
+# ---- layers ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _HeldLayer:
+    mountpoint: str
+    users: int = 0
+
+
+@dataclass
+class _Turn:
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    callers: int = 0  # holding or waiting for the lock
+
+
+class DaemonLayers:
+    """The LayerProvider of the node's sandboxes: layers mounted by the daemon, one mount per layer, counted.
+
+    ``acquire``, ``release`` and ``adopt`` (the protocol) block, for SandboxManager's worker threads;
+    they run their async twins in the daemon's loop (``token``) as system tasks, so a mount or unmount
+    under way finishes even if the request that asked for it is cancelled. Everything else runs in that
+    loop."""
+
+    def __init__(self, daemon: NodeDaemon, directory: str, *, mode: str, token: trio.lowlevel.TrioToken):
+        self.daemon = daemon
+        self.directory = directory
+        self.mode = mode
+        self._token = token
+        self._held: dict[str, _HeldLayer] = {}  # digest -> its mount and users
+        self._turns: dict[str, _Turn] = {}  # digest -> the lock its calls take turns with
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+
+    # -- the LayerProvider protocol, for worker threads
+
+    def acquire(self, layer_ref: str) -> LayerHandle:
+        return trio.from_thread.run(self.acquire_async, layer_ref, trio_token=self._token)
+
+    def release(self, digest: str) -> None:
+        trio.from_thread.run(self.release_async, digest, trio_token=self._token)
+
+    def adopt(self, handle: LayerHandle) -> None:
+        trio.from_thread.run(self.adopt_async, handle, trio_token=self._token)
+
+    # -- in the daemon's loop
+
+    def held(self) -> list[dict]:
+        return [{"layer": digest, "mountpoint": held.mountpoint, "users": held.users}
+                for digest, held in sorted(self._held.items())]
+
+    async def acquire_async(self, layer_ref: str) -> LayerHandle:
+        store = await self.daemon.store()
+        digest = await trio.to_thread.run_sync(resolve, store, layer_ref)
+        async with self._turn(digest):
+            held = self._held.get(digest)
+            if held is None:
+                held = self._held[digest] = _HeldLayer(await self._mount(store, digest))
+            held.users += 1
+            return LayerHandle(digest, held.mountpoint)
+
+    async def release_async(self, digest: str) -> None:
+        async with self._turn(digest):
+            held = self._held.get(digest)
+            if held is None:
+                raise NotFoundError("no sandbox holds this layer", where=f"layer {digest}")
+            held.users -= 1
+            if held.users:
+                return
+            del self._held[digest]
+            try:
+                await self._unmount(held.mountpoint)
+            except BaseException:
+                self._held[digest] = held  # still mounted: the next acquire uses it, the next release retries
+                raise
+
+    async def adopt_async(self, handle: LayerHandle) -> None:
+        async with self._turn(handle.digest):
+            held = self._held.setdefault(handle.digest, _HeldLayer(handle.mountpoint))
+            if held.mountpoint != handle.mountpoint:
+                raise ConflictError(f"layer is mounted at {held.mountpoint} already", where=handle.mountpoint)
+            held.users += 1
+
+    def remove_strays(self) -> None:
+        """Remove the layer directories no sandbox holds (left by a crash between mkdir and mount, or
+        after an unmount); one that still carries a mount no sandbox recorded is left alone."""
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name in self._held:
+                continue
+            if mounts.is_mountpoint(path):
+                log.warning("%s is no layer of a sandbox, yet something is mounted there; leaving it", path)
+                continue
+            _remove_dir(path)
+
+    async def _mount(self, store: Store, digest: str) -> str:
+        await trio.to_thread.run_sync(_check_packs, store, digest)
+        mountpoint = os.path.join(self.directory, digest)
+        os.makedirs(mountpoint, exist_ok=True)
+        try:
+            await self.daemon.mount(digest, mountpoint, mode=self.mode)
+        except BaseException:
+            _remove_dir(mountpoint)
+            raise
+        return mountpoint
+
+    async def _unmount(self, mountpoint: str) -> None:
+        try:
+            try:
+                await self.daemon.unmount(mountpoint)
+            except UnavailableError as exc:
+                if not exc.transient:
+                    raise
+                # A process still runs in a sandbox whose overlay was detached lazily.
+                await self.daemon.unmount(mountpoint, lazy=True)
+        except NotFoundError:
+            # Not this daemon's mount: one a dead daemon left (adopted by recover) that its successor did
+            # not detach. It is ours all the same (our directory, a sandbox's recorded layer).
+            if await trio.to_thread.run_sync(mounts.is_mountpoint, mountpoint):
+                await trio.to_thread.run_sync(mounts.umount, mountpoint, True)
+        _remove_dir(mountpoint)
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, digest: str) -> AsyncIterator[None]:
+        """Calls on one layer take turns (a mount or an unmount awaits); the lock goes when unused."""
+        turn = self._turns.setdefault(digest, _Turn())
+        turn.callers += 1
+        try:
+            async with turn.lock:
+                yield
+        finally:
+            turn.callers -= 1
+            if not turn.callers:
+                del self._turns[digest]
+
+
+def _check_packs(store: Store, digest: str) -> None:
+    """NotFoundError unless the layer is published and every pack holding its chunks is in the store."""
+    key = keys.layer_manifest(digest)
+    try:
+        manifest = Manifest.from_json(store.get(key), source=key)
+    except NotFoundError:
+        raise NotFoundError("layer is not published (no manifest)", where=f"layer {digest}") from None
+    missing = [pack for pack in manifest.packs if not store.exists(keys.pack(pack))]
+    if missing:
+        raise NotFoundError(f"{len(missing)} of the {len(manifest.packs)} packs holding the layer's chunks are "
+                            "not in the store", where=f"layer {digest}, pack {missing[0]}")
+
+
+def _remove_dir(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc.strerror)
+
+
+# ---- the service -------------------------------------------------------------------------------------
+
+
+class SandboxService:
+    """Sandboxes over the daemon's layer mounts, behind its API; see the module docstring."""
+
+    def __init__(self, daemon: NodeDaemon, *, layer_mode: str = "kernel", runtime: str = "runc",
+                 stack_options: StackOptions = StackOptions()):
+        if layer_mode not in MODES:
+            raise InputError(f"unknown layer mode {layer_mode!r} (one of {', '.join(MODES)})", where="sandboxes")
+        if runtime not in RUNTIMES:
+            raise InputError(f"unknown runtime {runtime!r} (one of {', '.join(RUNTIMES)})", where="sandboxes")
+        self.daemon = daemon
+        self.root = os.path.join(os.path.realpath(daemon.state_dir), SANDBOX_DIR)
+        self.layer_mode = layer_mode
+        self.runtime = runtime
+        self.stack_options = stack_options
+        self.layers: DaemonLayers | None = None  # from start() on
+        self.manager: SandboxManager | None = None
+        self.removed_at_start: list[str] = []  # ids of the dead sandboxes recover() took apart
+        self._lifecycle: trio.CapacityLimiter | None = None
+        self._execs: trio.CapacityLimiter | None = None
+        self._busy = 0  # up, down and commit calls under way
+        self._stopping = False
+
+    def register(self) -> None:
+        """Add the routes to the daemon's API and the start and stop hooks (before the daemon runs)."""
+        daemon, api = self.daemon, self.daemon.api
+        api.route("POST", "/v1/sandboxes", self._post_up)
+        api.route("GET", "/v1/sandboxes", self._get_list)
+        api.route("GET", "/v1/sandboxes/{sandbox}", self._get_one)
+        api.route("POST", "/v1/sandboxes/{sandbox}/exec", self._post_exec)
+        api.route("POST", "/v1/sandboxes/{sandbox}/down", self._post_down)
+        api.route("POST", "/v1/sandboxes/{sandbox}/commit", self._post_commit)
+        daemon.on_start.append(self.start)
+        daemon.on_stop.append(self.stop)
+
+    # -- start and stop (the daemon's hooks)
+
+    async def start(self) -> None:
+        self._lifecycle = trio.CapacityLimiter(LIFECYCLE_THREADS)
+        self._execs = trio.CapacityLimiter(EXEC_THREADS)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        self.layers = DaemonLayers(self.daemon, os.path.join(self.root, LAYER_DIR), mode=self.layer_mode,
+                                   token=trio.lowlevel.current_trio_token())
+        self.manager = await self._in_thread(functools.partial(
+            SandboxManager, self.root, self.layers, runtime=self.runtime, stack_options=self.stack_options))
+        recovery = await self._in_thread(self.manager.recover)
+        self.layers.remove_strays()
+        self.removed_at_start = recovery.removed
+        log.info("sandboxes in %s (layers in %s mode, runtime %s): %d kept, %d dead ones removed", self.root,
+                 self.layer_mode, self.runtime, len(self.manager.list()), len(recovery.removed))
+
+    async def stop(self) -> None:
+        if self.manager is None:
+            return
+        self._stopping = True
+        while self._busy:
+            await trio.sleep(STOP_POLL_SECONDS)
+        await self._in_thread(self._stop_sandboxes)
+
+    def _stop_sandboxes(self) -> None:
+        """Kill the containers, take every running sandbox down keeping its upper dir, let go of the state."""
+        manager = self.manager
+        try:
+            killed = reap_containers(manager.runc_root)
+            if killed:
+                log.warning("killed %d running containers", len(killed))
+        except DsecError as exc:
+            log.error("cannot kill the running containers: %s", exc)
+        for state in manager.list():
+            if state.status != "running":
+                continue
+            try:
+                manager.down(state.id, keep=True)
+                log.info("stopped sandbox %s (%s), its upper dir kept", state.id, state.name)
+            except DsecError as exc:
+                log.error("cannot stop sandbox %s (%s): %s", state.id, state.name, exc)
+        manager.close()
+
+    # -- routes
+
+    async def _post_up(self, request: Request) -> dict:
+        body = _Body(request)
+        spec = SandboxSpec(base=body.get("base", str), workspace=body.get("workspace", str),
+                           toolkits=tuple(body.strings("toolkits")), name=body.get("name", str))
+        store = body.get("store", str)
+        ours = self._store_url()
+        if store is not None and _absolute_store(store) != _absolute_store(ours):
+            raise ConflictError(f"this daemon's sandboxes read layers from {ours}; start a daemon with --store "
+                                "to use another store", where=f"store {store}")
+        started = time.monotonic()
+        state = await self._lifecycle_call(self.manager.up, spec)
+        log.info("sandbox %s (%s) up in %.3f s: %s", state.id, state.name, time.monotonic() - started,
+                 ", ".join(f"{layer.role} {layer.ref}" for layer in state.layers))
+        return _state_json(state)
+
+    async def _get_list(self, request: Request) -> dict:
+        self._check_serving()
+        return {"sandboxes": [_state_json(state) for state in self.manager.list()], "layers": self.layers.held(),
+                "removed_at_start": self.removed_at_start}
+
+    async def _get_one(self, request: Request) -> dict:
+        self._check_serving()
+        return _state_json(self.manager.get(request.params["sandbox"]))
+
+    async def _post_exec(self, request: Request) -> dict:
+        self._check_serving()
+        body = _Body(request)
+        argv = body.strings("argv")
+        if not argv:
+            raise InputError("the request needs a non-empty 'argv'", where="request body")
+        options: dict[str, Any] = dict(
+            env=body.environment("env"), cwd=body.get("cwd", str, "/"), network=body.get("network", bool, False),
+            memory_bytes=body.get("memory_bytes", int), cpus=body.get("cpus", (int, float)),
+            pids_limit=body.get("pids_limit", int), timeout=body.get("timeout", (int, float)),
+            stdin=_decode(body.get("stdin", str), "stdin"))
+        runtime = body.get("runtime", str)
+        if runtime is not None:
+            options["runtime"] = runtime
+        run = functools.partial(self.manager.exec, request.params["sandbox"], argv, **options)
+        # Abandoned if the daemon stops meanwhile: a namespaces command cannot be killed from here.
+        result = await trio.to_thread.run_sync(run, limiter=self._execs, abandon_on_cancel=True)
+        return {"exit_code": result.exit_code, "stdout": _encode(result.stdout), "stderr": _encode(result.stderr),
+                "timed_out": result.timed_out}
+
+    async def _post_down(self, request: Request) -> dict:
+        keep = _Body(request).get("keep", bool, False)
+        await self._lifecycle_call(functools.partial(self.manager.down, request.params["sandbox"], keep=keep))
+        return {}
+
+    async def _post_commit(self, request: Request) -> dict:
+        body = _Body(request)
+        name = body.get("name", str)
+        if name is None:
+            raise InputError("the request needs the field 'name' (NAME:TAG, the ref of the new layer)",
+                             where="request body")
+        parse_ref(name)
+        store = _absolute_store(body.get("store", str) or self._store_url())
+        return await self._lifecycle_call(self._commit, request.params["sandbox"], name, store)
+
+    def _commit(self, key: str, name: str, store_url: str) -> dict:
+        """Build the sandbox's upper dir into a layer of ``store_url`` named ``name`` (a worker thread)."""
+        state = self.manager.get(key)
+        tree = self.manager.commit(state.id)
+        with open_store(store_url) as store:
+            result = build_tree(tree, store, name=name, source=f"sandbox {state.id} ({state.name})")
+        log.info("committed sandbox %s (%s) as %s, layer %s", state.id, state.name, name, result.digest)
+        return {"sandbox": state.id, "layer": result.digest, "ref": name, "store": store_url,
+                "stats": result.manifest.stats}
+
+    # -- helpers
+
+    def _check_serving(self) -> None:
+        if self.manager is None or self._stopping:
+            raise UnavailableError("the daemon is shutting down", where="sandboxes", transient=True)
+
+    def _store_url(self) -> str:
+        return self.daemon.options.store_url or default_store_url()
+
+    async def _lifecycle_call(self, function: Callable, *args):
+        self._check_serving()
+        self._busy += 1
+        try:
+            return await self._in_thread(function, *args)
+        finally:
+            self._busy -= 1
+
+    async def _in_thread(self, function: Callable, *args):
+        return await trio.to_thread.run_sync(function, *args, limiter=self._lifecycle)
+
+
+def attach(daemon: NodeDaemon, *, layer_mode: str = "kernel", runtime: str = "runc",
+           stack_options: StackOptions = StackOptions()) -> SandboxService:
+    """Serve sandboxes from ``daemon`` (before it runs): routes on its API, recovery at start, stop at
+    shutdown. ``layer_mode``: how sandbox layers are mounted; ``runtime``: exec's default."""
+    service = SandboxService(daemon, layer_mode=layer_mode, runtime=runtime, stack_options=stack_options)
+    service.register()
+    return service
+
+
+def _state_json(state: SandboxState) -> dict:
+    return dataclasses.asdict(state)
+
+
+def _absolute_store(url: str) -> str:
+    return url if "://" in url else os.path.abspath(url)
+
+
+def _encode(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _decode(text: str | None, name: str) -> bytes | None:
+    if text is None:
+        return None
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError(f"field {name!r} must be base64", where="request body") from None
+
+
+class _Body:
+    """A request's JSON object, read field by field, each checked to have its type (InputError naming it)."""
+
+    def __init__(self, request: Request):
+        self.values = request.json()
+
+    def get(self, name: str, kind: type | tuple[type, ...], default=None):
+        """The field (``default`` when missing or null), which must be a ``kind`` (bool only if asked)."""
+        value = self.values.get(name)
+        if value is None:
+            return default
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            wanted = " or ".join(k.__name__ for k in kinds)
+            raise InputError(f"field {name!r} must be a {wanted}, got {value!r:.80}", where="request body")
+        return value
+
+    def strings(self, name: str) -> list[str]:
+        value = self.get(name, list, [])
+        if not all(isinstance(item, str) for item in value):
+            raise InputError(f"field {name!r} must be a list of strings", where="request body")
+        return value
+
+    def environment(self, name: str) -> dict[str, str]:
+        value = self.get(name, dict, {})
+        if not all(isinstance(item, str) for item in value.values()):
+            raise InputError(f"field {name!r} must map names to strings", where="request body")
+        return value

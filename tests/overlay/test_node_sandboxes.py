@@ -1,0 +1,388 @@
+"""Sandboxes served by the node daemon (overlay.node_service), end to end: ``dsecfs daemon`` runs as a
+subprocess on a test's own directories, and the tests drive it as users do, through the SDK
+(dsec_fs.client.Node, dsec_fs.sandbox_client) and the ``dsecfs sandbox`` commands.
+
+The base layer is the whole cached Debian minbase rootfs (building it takes about a second and a half,
+and a kernel-mode mount reads only its metadata image, so a subset would not be faster); the toolkit and
+the twenty workspaces are small trees. Every test stops its daemons in the fixture's finally and then
+checks that nothing is mounted below its tmp_path and no loop device reads a file there.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from dsec_fs import mounts
+from dsec_fs.client import DaemonProcess, Node
+from dsec_fs.errors import ConflictError, InputError, NotFoundError, UnavailableError
+from dsec_fs.layer import open_layer
+from dsec_fs.sandbox_client import ExecResult, Sandbox
+from dsec_fs.store import FilesystemStore, keys
+from erofs_builder.build import build_layer
+from erofs_builder.reader import ErofsImage
+from test_stack import write_files
+
+pytestmark = [pytest.mark.root, pytest.mark.fuse]
+
+DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
+BASE, TOOLKIT = "base/debian:12", "tk/tool:1"
+WORKSPACES = [f"task{i:02d}" for i in range(20)]
+
+
+def workspace_ref(name: str) -> str:
+    return f"ws/{name}:1"
+
+
+@dataclass
+class Layers:
+    store_dir: str
+    os_release: bytes  # the base's /etc/os-release
+
+
+@pytest.fixture(scope="module")
+def layers(tmp_path_factory, debian_rootfs) -> Layers:
+    root = tmp_path_factory.mktemp("sandbox-layers")
+    store = FilesystemStore(str(root / "store"), fsync=False)
+    build_layer(debian_rootfs, store, name=BASE)
+    build_layer(write_files(root / "toolkit", {"opt/tool/VERSION": b"tool 1\n"}), store, name=TOOLKIT)
+    for name in WORKSPACES:
+        files = {"workspace/id.txt": f"{name}\n".encode(), "workspace/common": b"common\n"}
+        build_layer(write_files(root / name, files), store, name=workspace_ref(name))
+    link = os.readlink(os.path.join(debian_rootfs, "etc/os-release"))  # ../usr/lib/os-release
+    with open(os.path.join(debian_rootfs, "etc", link), "rb") as f:
+        return Layers(str(root / "store"), f.read())
+
+
+def mounts_below(path) -> list[tuple[str, str]]:
+    """(mountpoint, fstype) of every mount below ``path``."""
+    prefix = os.path.realpath(str(path)) + "/"
+    with open("/proc/self/mounts") as f:
+        entries = [line.split()[1:3] for line in f]
+    return [(target.encode().decode("unicode_escape"), fstype) for target, fstype in entries
+            if target.encode().decode("unicode_escape").startswith(prefix)]
+
+
+def loop_devices_below(path) -> list[str]:
+    prefix = os.path.realpath(str(path)) + "/"
+    found = []
+    for backing in glob.glob("/sys/block/loop*/loop/backing_file"):
+        with open(backing) as f:
+            if f.read().strip().startswith(prefix):
+                found.append(backing)
+    return found
+
+
+class Daemons:
+    """Real ``dsecfs daemon`` processes on one test's directories (one at a time: they share them). The
+    socket lives in a short directory of its own: a unix socket path holds at most 107 bytes."""
+
+    def __init__(self, tmp_path, store_dir: str):
+        self.store_dir = store_dir
+        self.socket_dir = tempfile.mkdtemp(prefix="dsb-", dir="/tmp")
+        self.socket = os.path.join(self.socket_dir, "daemon.sock")
+        self.state_dir = str(tmp_path / "state")
+        self.cache_dir = str(tmp_path / "cache")
+        self.log_file = str(tmp_path / "daemon.log")
+        self.started: list[DaemonProcess] = []
+
+    @property
+    def sandbox_dir(self) -> str:
+        return os.path.join(self.state_dir, "sandbox")
+
+    def start(self, *extra_args: str) -> DaemonProcess:
+        daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, cache_dir=self.cache_dir,
+                                   store=self.store_dir, log_file=self.log_file, fetch_timeout=10,
+                                   extra_args=extra_args, command=[DSECFS])
+        self.started.append(daemon)
+        return daemon
+
+    def cli(self, *args: str, check: bool = True, stdin: bytes = b"") -> subprocess.CompletedProcess:
+        """``dsecfs sandbox ARGS... --socket S``, output captured as bytes."""
+        command, rest = args[0], args[1:]
+        done = subprocess.run([DSECFS, "sandbox", command, "--socket", self.socket, *rest], capture_output=True,
+                              input=stdin)
+        if check:
+            assert done.returncode == 0, done.stderr.decode(errors="replace")
+        return done
+
+    def runc_containers(self) -> list:
+        listed = subprocess.run(["runc", "--root", os.path.join(self.sandbox_dir, "runc"), "list", "--format",
+                                 "json"], capture_output=True, check=True)
+        return json.loads(listed.stdout or b"null") or []
+
+    def log(self) -> str:
+        with open(self.log_file, errors="replace") as f:
+            return f.read()
+
+    def stop_all(self) -> None:
+        try:
+            for daemon in self.started:
+                status = daemon.stop()
+                assert status in (0, -9), f"the daemon failed ({status}); its log:\n{self.log()[-3000:]}"
+        finally:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def daemons(tmp_path, layers):
+    started = Daemons(tmp_path, layers.store_dir)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+        left = mounts_below(tmp_path)
+        for target, _fstype in sorted(left, reverse=True):  # deepest first, so the next test is unharmed
+            mounts.umount(target, lazy=True)
+        assert left == [] and loop_devices_below(tmp_path) == []
+
+
+def sandbox_entries(daemons: Daemons) -> list[str]:
+    return sorted(os.listdir(os.path.join(daemons.sandbox_dir, "sandboxes")))
+
+
+def layer_dirs(daemons: Daemons) -> list[str]:
+    return sorted(os.listdir(os.path.join(daemons.sandbox_dir, "layers")))
+
+
+def only_the_fuse_session_is_mounted(daemons: Daemons, tmp_path) -> bool:
+    return mounts_below(tmp_path) == [(os.path.join(daemons.state_dir, "fuse"), "fuse.dsecfs")]
+
+
+def test_twenty_sandboxes_share_one_mount_of_each_layer_and_keep_their_writes(daemons, tmp_path, layers):
+    node = daemons.start().node
+    with ThreadPoolExecutor(8) as pool:
+        infos = list(pool.map(lambda name: node.sandbox_up(BASE, workspace_ref(name), TOOLKIT, name=name),
+                              WORKSPACES))
+    assert [info.name for info in infos] == WORKSPACES and {info.status for info in infos} == {"running"}
+    assert [layer.role for layer in infos[0].layers] == ["toolkit", "workspace", "base"]
+
+    # Each layer is mounted once on the node, under the daemon's state directory, and counted.
+    fstypes = [fstype for _target, fstype in mounts_below(tmp_path)]
+    assert fstypes.count("erofs") == 2 + 20 and fstypes.count("overlay") == 20
+    users = {layer["layer"]: layer["users"] for layer in node.request("GET", "/v1/sandboxes")["layers"]}
+    base, toolkit = infos[0].layers[2].digest, infos[0].layers[0].digest
+    assert users.pop(base) == 20 and users.pop(toolkit) == 20 and sorted(users.values()) == [1] * 20
+    assert len(node.status().mounts) == 22
+
+    for info in infos:  # each sees its own workspace over the shared layers
+        with open(os.path.join(info.rootfs, "workspace/id.txt"), "rb") as f:
+            assert f.read() == f"{info.name}\n".encode()
+        with open(os.path.join(info.rootfs, "opt/tool/VERSION"), "rb") as f:
+            assert f.read() == b"tool 1\n"
+
+    # Writes and deletions of lower files (whiteouts) stay in the sandbox that made them.
+    first, *others = infos
+    script = "echo mine > /workspace/private; rm /etc/os-release /workspace/common; cat /workspace/id.txt"
+    result = Sandbox(node, first.name).exec(["/bin/sh", "-c", script])
+    assert result == ExecResult(0, b"task00\n", b"")
+    assert os.path.isfile(os.path.join(first.upper, "workspace/private"))
+    for deleted in ("etc/os-release", "workspace/common"):
+        whiteout = os.lstat(os.path.join(first.upper, deleted))
+        assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+        assert not os.path.lexists(os.path.join(first.rootfs, deleted))
+    for info in others:
+        assert os.listdir(info.upper) == []
+        assert not os.path.exists(os.path.join(info.rootfs, "workspace/private"))
+        assert os.path.isfile(os.path.join(info.rootfs, "workspace/common"))
+        assert os.path.lexists(os.path.join(info.rootfs, "etc/os-release"))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda name: Sandbox(node, name).down(), WORKSPACES))
+    assert node.sandboxes() == [] and node.request("GET", "/v1/sandboxes")["layers"] == []
+    assert node.status().mounts == [] and only_the_fuse_session_is_mounted(daemons, tmp_path)
+    assert sandbox_entries(daemons) == [] and layer_dirs(daemons) == []
+
+
+def test_exec_runs_commands_in_debian_through_runc(daemons, tmp_path, layers):
+    node = daemons.start().node
+    up = daemons.cli("up", "--base", BASE, "--workspace", workspace_ref("task00"), "--toolkit", TOOLKIT,
+                     "--name", "deb", "--json")
+    info = json.loads(up.stdout)
+    assert info["name"] == "deb" and info["rootfs"].startswith(daemons.sandbox_dir + "/")
+
+    done = daemons.cli("exec", "deb", "--", "/bin/sh", "-c", "id; cat /etc/os-release; ls /workspace")
+    assert done.stdout == b"uid=0(root) gid=0(root) groups=0(root)\n" + layers.os_release + b"common\nid.txt\n"
+    assert done.stderr == b""
+    # Exit code, stdout and stderr pass through as they are.
+    done = daemons.cli("exec", info["id"], "--", "/bin/sh", "-c", "printf 'out\\0'; printf err >&2; exit 7",
+                       check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (7, b"out\0", b"err")
+    done = daemons.cli("exec", "-i", "deb", "--", "/bin/sh", "-c", "read line; echo got $line", stdin=b"this\n")
+    assert done.stdout == b"got this\n"
+
+    # Its own pid, uts and network namespaces, and the limits asked for.
+    sandbox = Sandbox(node, "deb")
+    result = sandbox.exec(["/bin/sh", "-c", "echo $$; cat /proc/sys/kernel/hostname; ls /sys/class/net; "
+                           "grep NoNewPrivs /proc/self/status"], stdin=b"", pids_limit=64, memory_bytes=256 << 20)
+    assert result == ExecResult(0, b"1\ndeb\nlo\nNoNewPrivs:\t1\n", b"")
+    assert sandbox.exec(["/bin/sh", "-c", "ls /sys/class/net"], network=True).stdout != b"lo\n"
+    result = sandbox.exec(["/bin/sh", "-c", "read a; echo ${a}2"], stdin=b"1\n", runtime="namespaces")
+    assert result == ExecResult(0, b"12\n", b"")
+    result = sandbox.exec(["sleep", "30"], timeout=0.5)
+    assert result.timed_out and result.exit_code == 137
+
+    listed = daemons.cli("ls").stdout.decode()
+    assert "deb" in listed and "toolkit=tk/tool:1 workspace=ws/task00:1 base=base/debian:12" in listed
+    daemons.cli("down", "deb")
+    assert node.sandboxes() == [] and only_the_fuse_session_is_mounted(daemons, tmp_path)
+
+
+def test_commit_publishes_the_changes_as_a_layer_to_stack(daemons, tmp_path, layers):
+    node = daemons.start().node
+    script = ("rm /workspace/common; echo new > /workspace/new; rm -r /opt/tool; mkdir /opt/tool; "
+              "echo mine > /opt/tool/mine")
+    with node.sandbox(BASE, workspace_ref("task01"), TOOLKIT, name="changer") as sandbox:
+        assert sandbox.exec(["/bin/sh", "-c", script]).exit_code == 0
+        committed = sandbox.commit("ws/task01:2")
+    assert committed.ref == "ws/task01:2" and committed.store == layers.store_dir
+    image = ErofsImage(open_layer(FilesystemStore(layers.store_dir), "ws/task01:2").meta, source="commit")
+    assert image.resolve(b"workspace/new") and image.resolve(b"workspace/common")  # the whiteout
+
+    # Stacked over the layers it was made on, the new layer shows what the sandbox saw.
+    with node.sandbox(BASE, workspace_ref("task01"), ["ws/task01:2", TOOLKIT]) as sandbox:
+        result = sandbox.exec(["/bin/sh", "-c", "ls /workspace /opt/tool"])
+    assert result.stdout == b"/opt/tool:\nmine\n\n/workspace:\nid.txt\nnew\n"
+    assert node.sandboxes() == [] and only_the_fuse_session_is_mounted(daemons, tmp_path)
+
+
+def test_a_restarted_daemon_cleans_up_after_one_that_was_killed(daemons, tmp_path, layers):
+    first = daemons.start()
+    running = first.node.sandbox_up(BASE, workspace_ref("task02"), TOOLKIT, name="running")
+    kept = first.node.sandbox_up(BASE, workspace_ref("task03"), name="kept")
+    assert Sandbox(first.node, "kept").exec(["/bin/sh", "-c", "echo saved > /workspace/saved"]).exit_code == 0
+    Sandbox(first.node, "kept").down(keep=True)
+    failures = []
+
+    def sleep_in_sandbox() -> None:
+        try:
+            Sandbox(first.node, "running").exec(["sleep", "600"])
+        except UnavailableError as exc:
+            failures.append(exc)
+
+    sleeper = threading.Thread(target=sleep_in_sandbox)
+    sleeper.start()
+    deadline = time.monotonic() + 20
+    while not daemons.runc_containers():
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    first.kill()
+    sleeper.join(30)
+    assert len(failures) == 1  # the answer never came
+    assert (running.rootfs, "overlay") in mounts_below(tmp_path)  # left behind, its layers dead
+
+    node = daemons.start().node
+    listing = node.request("GET", "/v1/sandboxes")
+    assert [(s["name"], s["status"]) for s in listing["sandboxes"]] == [("kept", "stopped")]
+    assert listing["removed_at_start"] == [running.id] and listing["layers"] == []
+    assert daemons.runc_containers() == []  # the sleeping command was killed
+    assert only_the_fuse_session_is_mounted(daemons, tmp_path)
+    assert sandbox_entries(daemons) == [kept.id, kept.id + ".json"] and layer_dirs(daemons) == []
+    assert "is running but not whole: taking it apart" in daemons.log()
+
+    # The stopped sandbox's changes survived the crash: commit them, then remove it.
+    done = daemons.cli("commit", "kept", "--name", "ws/task03:2")
+    digest = done.stdout.decode().strip()
+    image = ErofsImage(open_layer(FilesystemStore(layers.store_dir), digest).meta, source="commit")
+    assert image.resolve(b"workspace/saved")
+    daemons.cli("down", "kept")
+    assert node.sandboxes() == [] and sandbox_entries(daemons) == []
+    assert only_the_fuse_session_is_mounted(daemons, tmp_path)
+
+
+def test_a_stopped_daemon_keeps_its_sandboxes_changes(daemons, tmp_path):
+    first = daemons.start()
+    info = first.node.sandbox_up(BASE, workspace_ref("task04"), name="stays")
+    Sandbox(first.node, "stays").exec(["/bin/sh", "-c", "echo kept > /workspace/kept"])
+    assert first.stop() == 0
+    assert mounts_below(tmp_path) == []
+
+    node = daemons.start().node
+    stopped, = node.sandboxes()
+    assert (stopped.id, stopped.status) == (info.id, "stopped")
+    with open(os.path.join(stopped.upper, "workspace/kept"), "rb") as f:
+        assert f.read() == b"kept\n"
+    with pytest.raises(UnavailableError, match="stopped"):
+        Sandbox(node, "stays").exec(["true"])
+    Sandbox(node, "stays").down()
+    assert node.sandboxes() == [] and sandbox_entries(daemons) == []
+
+
+def test_layers_can_be_mounted_in_fuse_mode(daemons, tmp_path, layers):
+    node = daemons.start("--sandbox-layer-mode", "fuse").node
+    with node.sandbox(BASE, workspace_ref("task05"), name="fused") as sandbox:
+        assert {fstype for _target, fstype in mounts_below(tmp_path)} == {"fuse.dsecfs", "overlay"}
+        assert sandbox.exec(["cat", "/etc/os-release", "/workspace/id.txt"]).stdout == layers.os_release + b"task05\n"
+    assert only_the_fuse_session_is_mounted(daemons, tmp_path) and layer_dirs(daemons) == []
+
+
+def _break_layer(store_dir: str, tmp_path, ref: str, lose: str) -> None:
+    """Publish ``ref`` (content no other layer has, so its packs are its own), then delete its packs'
+    ``lose`` objects ("pack" or "index") from the store."""
+    files = {"workspace/data.bin": random.Random(ref).randbytes(3 << 20)}
+    source = write_files(tmp_path / ref.replace("/", "_").replace(":", "_"), files)
+    store = FilesystemStore(store_dir, fsync=False)
+    for pack in build_layer(source, store, name=ref).manifest.packs:
+        store.delete(keys.pack(pack) if lose == "pack" else keys.index(pack))
+
+
+def test_bad_input_fails_clearly_and_leaves_nothing_mounted(daemons, tmp_path, layers):
+    node = daemons.start().node
+    same = node.sandbox_up(BASE, workspace_ref("task06"), name="same")
+    mounted = mounts_below(tmp_path)
+    _break_layer(layers.store_dir, tmp_path, "ws/no-packs:1", "pack")
+    _break_layer(layers.store_dir, tmp_path, "ws/no-index:1", "index")
+
+    with pytest.raises(NotFoundError, match="no such ref") as error:
+        node.sandbox_up(BASE, "ws/missing:1", TOOLKIT)  # the toolkit is mounted first, then given back
+    assert error.value.where == "ref ws/missing:1"
+    with pytest.raises(NotFoundError, match="packs holding the layer's chunks are not in the store"):
+        node.sandbox_up(BASE, "ws/no-packs:1")
+    with pytest.raises(NotFoundError):
+        node.sandbox_up(BASE, "ws/no-index:1", TOOLKIT)
+    with pytest.raises(ConflictError, match="a sandbox with this name exists"):
+        node.sandbox_up(BASE, workspace_ref("task07"), name="same")
+    with pytest.raises(ConflictError):
+        node.sandbox_up(BASE, name=same.id)
+    with pytest.raises(ConflictError, match="read layers from"):
+        node.sandbox_up(BASE, store=str(tmp_path / "other-store"))
+    with pytest.raises(InputError, match="at least one layer"):
+        node.sandbox_up()
+    with pytest.raises(InputError):
+        node.sandbox_up(BASE, name="bad name")
+    for call in (lambda s: s.exec(["true"]), lambda s: s.down(), lambda s: s.commit("ws/x:1"), Sandbox.info):
+        with pytest.raises(NotFoundError, match="no such sandbox"):
+            call(Sandbox(node, "nobody"))
+    with pytest.raises(InputError, match="cannot execute"):
+        Sandbox(node, "same").exec(["/no/such/program"])
+    with pytest.raises(InputError):
+        Sandbox(node, "same").commit("not a ref")
+    with pytest.raises(InputError, match="argv"):
+        Sandbox(node, "same").exec("ls /")
+
+    # The CLI says the same, with the error class's exit code.
+    done = daemons.cli("up", "--base", BASE, "--workspace", "ws/missing:1", check=False)
+    assert done.returncode == 6 and b"not-found error: ref ws/missing:1: no such ref" in done.stderr
+    done = daemons.cli("up", "--base", BASE, "--name", "same", check=False)
+    assert done.returncode == 7 and b"conflict error" in done.stderr
+    done = daemons.cli("exec", "nobody", "--", "true", check=False)
+    assert done.returncode == 6 and done.stdout == b""
+
+    assert mounts_below(tmp_path) == mounted
+    assert [s.name for s in node.sandboxes()] == ["same"] and sandbox_entries(daemons) == [same.id, same.id + ".json"]
+    assert layer_dirs(daemons) == sorted(layer.digest for layer in same.layers)
+    Sandbox(node, "same").down()
+    assert only_the_fuse_session_is_mounted(daemons, tmp_path) and layer_dirs(daemons) == []
