@@ -11,20 +11,24 @@ Pipeline and threads:
 - The calling (main) thread reads pieces, one file after another: sequential reads in chunk-size buffers;
   a directory walk hands over every file of the finished tree, a tar or OCI walk each file as its
   content streams past (``Chunker.add_file`` as the walker's ``on_file``).
-- A ThreadPoolExecutor hashes, zero-checks, compresses and uploads; hashlib and zstandard release the GIL,
-  so on two cores both stay busy.
-- The main thread consumes results in submission order and alone touches the nodes' chunk lists and the
-  statistics, so those need no lock; the BlobMap is laid out from the final tree afterwards.
-- ``_Claims`` is the only state the workers share: ``_lock`` guards the set of digests some worker has
-  already taken on, so two workers that meet the same new chunk do not both compress it.
-- At most ``inflight`` pieces (about 2 per worker, capped by INFLIGHT_BYTES) are read and not yet
-  consumed, so memory does not grow with the amount of data (only the Tree grows, with the entries).
+- Pieces go to a ThreadPoolExecutor in batches of about BATCH_BYTES; a worker hashes, zero-checks,
+  compresses and uploads each piece of its batch. hashlib and zstandard release the GIL, so on two cores
+  both stay busy. A batch, not a piece, is the unit of work: a Future and a GIL hand-over per small file
+  would cost far more than naming it.
+- Files under INLINE_BYTES are named in the main thread at once: for so few bytes a worker would save
+  less time than handing them over costs, since the main thread's reads and the worker's Python code
+  would take turns at the GIL.
+- The main thread alone settles results (fills a node's chunk list at the piece's position, adds up the
+  statistics), so those need no lock; the BlobMap is laid out from the final tree afterwards.
+- ``_Claims`` is the only state the workers share: ``_lock`` guards the set of digests some thread has
+  already taken on, so two threads that meet the same new chunk do not both compress it.
+- At most ``_max_batches`` batches (about 2 per worker, capped by INFLIGHT_BYTES) are read and not yet
+  settled, so memory does not grow with the amount of data (only the Tree grows, with the entries).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -40,7 +44,11 @@ from .blobmap import BlobMap, check_chunk_size
 from .tree import Node, Tree
 
 DEFAULT_CHUNK_SIZE = 1 << 20
-# Read-ahead beyond two pieces per worker adds memory, not speed; with large chunks fewer pieces fit.
+# A batch goes to a worker once it holds this much; with small chunks a batch holds many pieces.
+BATCH_BYTES = 1 << 20
+# Files smaller than this are named in the main thread (see the module docstring).
+INLINE_BYTES = 16 << 10
+# Read-ahead beyond two batches per worker adds memory, not speed; with large chunks fewer batches fit.
 INFLIGHT_BYTES = 64 << 20
 _END = object()  # sentinel for next(): the reader has no more pieces
 
@@ -49,6 +57,10 @@ Progress = Callable[[int, int], None]
 # Incremental builds (incremental.py): the chunk digests a regular file is known to have (None for a
 # hole) without reading it, or None when it must be read.
 KnownChunks = Callable[[Node], "list[bytes | None] | None"]
+# A piece on its way to a worker: the chunk list it belongs to, its position there, its length and bytes.
+_Slot = tuple[list, int, int, bytes]
+# What naming a piece found: (digest, or None for all zeros; compressed size if it uploaded a new chunk).
+_Named = tuple["bytes | None", "int | None"]
 
 
 @dataclass(slots=True)
@@ -66,17 +78,8 @@ class ChunkStats:
     reused_bytes: int = 0  # their total size
 
 
-@dataclass(slots=True)
-class _Piece:
-    """What a worker found out about one piece."""
-
-    digest: bytes | None  # None: all zeros
-    length: int
-    stored: int | None  # compressed size when this piece uploaded a new chunk, else None
-
-
 class _Claims:
-    """Digests of new chunks that some worker of this build has taken on (to compress and upload)."""
+    """Digests of new chunks that some thread of this build has taken on (to compress and upload)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -119,91 +122,127 @@ class Chunker:
         self._claims = _Claims()
         self._zeros = bytes(chunk_size)
         workers = max(1, workers or os.cpu_count() or 1)
-        self._inflight = max(2, min(2 * workers, INFLIGHT_BYTES // chunk_size))
-        self._pool = ThreadPoolExecutor(max_workers=min(workers, self._inflight), thread_name_prefix="chunker")
-        # In submission order: the chunk list a piece belongs to, and its result (a Future while a worker has it).
-        self._pending: collections.deque[tuple[list[bytes | None], Future[_Piece] | _Piece]] = collections.deque()
+        self._batch_bytes = max(BATCH_BYTES, chunk_size)
+        self._max_batches = max(2, min(2 * workers, INFLIGHT_BYTES // self._batch_bytes))
+        self._pool = ThreadPoolExecutor(max_workers=min(workers, self._max_batches), thread_name_prefix="chunker")
+        self._batch: list[_Slot] = []  # pieces read, not yet handed to a worker
+        self._batch_size = 0  # their bytes
+        # Batches handed to workers, in order, with the Future of their results.
+        self._pending: collections.deque[tuple[list[_Slot], Future[list[_Named]]]] = collections.deque()
 
     def __enter__(self) -> "Chunker":
         return self
 
     def __exit__(self, *exc) -> None:
-        for _chunks, result in self._pending:
-            if isinstance(result, Future):
-                result.cancel()
+        for _batch, future in self._pending:
+            future.cancel()
         self._pending.clear()
         self._pool.shutdown(wait=True)
 
     def add_file(self, node: Node) -> None:
-        """Read ``node``'s content now and queue its pieces; ``node.chunks`` is complete after ``finish``."""
-        self.stats.files += 1
-        self.stats.bytes += node.size
-        self._total = max(self._total, self.stats.bytes)
-        node.chunks = []
-        reused = _known_pieces(node, self._known, self._index, self.chunk_size)
+        """Read ``node``'s content now and name or queue its pieces; ``node.chunks`` is complete after
+        ``finish``."""
+        stats = self.stats
+        stats.files += 1
+        stats.bytes += node.size
+        self._total = max(self._total, stats.bytes)
+        reused = _known_digests(node, self._known, self._index, self.chunk_size)
         if reused is not None:
-            self.stats.reused_files += 1
-            self.stats.reused_bytes += node.size
-            for piece in reused:
-                self._queue(node.chunks, piece)
+            stats.reused_files += 1
+            stats.reused_bytes += node.size
+            node.chunks = reused
+            for number, digest in enumerate(reused):
+                self._settle(_piece_length(node.size, number, self.chunk_size), digest, None)
             return
-        with contextlib.closing(_pieces(node, self.chunk_size)) as pieces:
-            for length, piece in pieces:
-                if piece is None:  # a hole the reader found without reading: nothing to hash
-                    self._queue(node.chunks, _Piece(None, length, None))
-                else:
-                    self._queue(node.chunks, self._pool.submit(self._process, piece))
+        node.chunks = [None] * -(-node.size // self.chunk_size)
+        if node.size:
+            if node.reader is None:
+                raise InputError("regular file has no content reader", where=node.source)
+            pieces = node.reader(self.chunk_size)
+            try:
+                self._read(node, pieces)
+            finally:
+                close = getattr(pieces, "close", None)  # a generator: let it close its file now
+                if close is not None:
+                    close()
+
+    def _read(self, node: Node, pieces: Iterator[bytes | None]) -> None:
+        """Take a file's pieces from its reader, checking that they add up to exactly ``node.size`` bytes,
+        and name a small file's pieces at once, or add each to the batch for a worker."""
+        chunks, size, chunk_size = node.chunks, node.size, self.chunk_size
+        inline = size < INLINE_BYTES
+        for number in range(len(chunks)):
+            piece = next(pieces, _END)
+            length = _piece_length(size, number, chunk_size)
+            if piece is None:  # a hole the reader found without reading: nothing to hash
+                self._settle(length, None, None)
+            elif piece is _END:
+                raise InputError(f"content ends after {number} of {len(chunks)} chunks", where=node.source)
+            elif len(piece) != length:
+                raise InputError(f"chunk {number} is {len(piece)} bytes, expected {length}", where=node.source)
+            elif inline:
+                digest, stored = self._name(piece, length)
+                chunks[number] = digest
+                self._settle(length, digest, stored)
+            else:
+                self._batch.append((chunks, number, length, piece))
+                self._batch_size += length
+                if self._batch_size >= self._batch_bytes:
+                    self._submit()
+        if next(pieces, _END) is not _END:
+            raise InputError(f"content runs past the file's size {size}", where=node.source)
 
     def finish(self) -> ChunkStats:
         """Wait for every queued piece; the caller then flushes the uploader."""
+        if self._batch:
+            self._submit()
         while self._pending:
-            self._consume_oldest()
+            self._settle_oldest()
         return self.stats
 
-    def _process(self, piece: bytes) -> _Piece:
-        """In a worker: name the piece, and compress and upload it if nobody has it yet."""
-        if piece == (self._zeros if len(piece) == self.chunk_size else bytes(len(piece))):
-            return _Piece(None, len(piece), None)
+    def _name(self, piece: bytes, length: int) -> _Named:
+        """Name one piece of ``length`` bytes, and compress and upload it if nobody has it yet (any thread)."""
+        # A piece that starts with a non-zero byte is not all zeros: no zero buffer to compare with.
+        if not piece[0] and piece == (self._zeros if length == self.chunk_size else bytes(length)):
+            return None, None
         digest = sha256(piece)
         if digest in self._index or not self._claims.first(digest):
-            return _Piece(digest, len(piece), None)
+            return digest, None
         frame = compress.compress(piece)
-        return _Piece(digest, len(piece), len(frame) if self._uploader.add(digest, len(piece), frame) else None)
+        return digest, (len(frame) if self._uploader.add(digest, length, frame) else None)
 
-    def _queue(self, chunks: list[bytes | None], result: Future[_Piece] | _Piece) -> None:
-        self._pending.append((chunks, result))
-        while len(self._pending) >= self._inflight:
-            self._consume_oldest()
+    def _name_batch(self, batch: list[_Slot]) -> list[_Named]:
+        """In a worker: name every piece of a batch."""
+        name = self._name
+        return [name(piece, length) for _chunks, _number, length, piece in batch]
 
-    def _consume_oldest(self) -> None:
-        chunks, result = self._pending.popleft()
-        piece = result.result() if isinstance(result, Future) else result
+    def _submit(self) -> None:
+        batch, self._batch, self._batch_size = self._batch, [], 0
+        while len(self._pending) >= self._max_batches:
+            self._settle_oldest()
+        self._pending.append((batch, self._pool.submit(self._name_batch, batch)))
+
+    def _settle_oldest(self) -> None:
+        batch, future = self._pending.popleft()
+        for (chunks, number, length, _piece), (digest, stored) in zip(batch, future.result()):
+            chunks[number] = digest
+            self._settle(length, digest, stored)
+
+    def _settle(self, length: int, digest: bytes | None, stored: int | None) -> None:
+        """Count one named piece in the statistics (its digest is already in its chunk list)."""
         stats = self.stats
-        chunks.append(piece.digest)
         stats.chunks += 1
-        if piece.digest is None:
+        if digest is None:
             stats.hole_chunks += 1
-        elif piece.stored is None:
-            stats.dedup_bytes += piece.length
+        elif stored is None:
+            stats.dedup_bytes += length
         else:
             stats.new_chunks += 1
-            stats.new_bytes += piece.length
-            stats.stored_bytes += piece.stored
-        self._done += piece.length
+            stats.new_bytes += length
+            stats.stored_bytes += stored
         if self._progress is not None:
+            self._done += length
             self._progress(self._done, self._total)
-
-
-def blob_map_for(tree: Tree, chunk_size: int) -> BlobMap:
-    """The virtual blob of a chunked tree: its distinct non-hole chunks, in tree order, then file order."""
-    blob_map = BlobMap(chunk_size)
-    for node in _regular_files(tree):
-        if node.chunks is None:
-            raise InputError("regular file was never chunked", where=node.source)
-        for number, digest in enumerate(node.chunks):
-            if digest is not None:
-                blob_map.add(digest, min(chunk_size, node.size - number * chunk_size))
-    return blob_map
 
 
 def chunk_tree(
@@ -217,63 +256,87 @@ def chunk_tree(
     known: KnownChunks | None = None,
 ) -> tuple[BlobMap, ChunkStats]:
     """Fill ``node.chunks`` of every regular file of a finished tree, upload new chunks, and return the blob
-    map and statistics.
+    map and statistics: ``chunk_files`` on the tree's ``regular_files``, then ``blob_map_of`` them.
 
     The caller flushes the uploader afterwards. Errors of readers (InputError naming the file) and of the
     uploader propagate; chunks already queued are then simply never referenced.
+    """
+    files = regular_files(tree)
+    stats = chunk_files(files, uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
+                        known=known)
+    blob_map = blob_map_of(files, chunk_size)
+    stats.distinct_chunks = len(blob_map)
+    return blob_map, stats
+
+
+def chunk_files(
+    files: list[Node],
+    uploader: ChunkUploader,
+    index: ChunkIndex,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    workers: int | None = None,
+    progress: Progress | None = None,
+    known: KnownChunks | None = None,
+) -> ChunkStats:
+    """Fill ``node.chunks`` of each regular file of ``files`` (distinct nodes) and upload new chunks;
+    ``stats.distinct_chunks`` is left to whoever lays out the blob map.
 
     ``known`` lets a file go unread: its chunk list is used if it has the file's chunk count and ``index``
     holds every chunk of it (else the file is read), and its chunks take their places in the blob map
     exactly as if the file had been read.
     """
-    files = _regular_files(tree)
     with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress, known=known,
                  total_bytes=sum(node.size for node in files)) as chunker:
         for node in files:
             chunker.add_file(node)
-        stats = chunker.finish()
-    blob_map = blob_map_for(tree, chunk_size)
-    stats.distinct_chunks = len(blob_map)
-    return blob_map, stats
+        return chunker.finish()
 
 
-def _regular_files(tree: Tree) -> list[Node]:
+def blob_map_for(tree: Tree, chunk_size: int) -> BlobMap:
+    """The virtual blob of a chunked tree: its distinct non-hole chunks, in tree order, then file order."""
+    return blob_map_of(regular_files(tree), chunk_size)
+
+
+def blob_map_of(files: list[Node], chunk_size: int) -> BlobMap:
+    """The virtual blob of chunked regular files (``regular_files`` of a tree, in that order)."""
+    blob_map = BlobMap(chunk_size)
+    add = blob_map.add
+    for node in files:
+        if node.chunks is None:
+            raise InputError("regular file was never chunked", where=node.source)
+        for number, digest in enumerate(node.chunks):
+            if digest is not None:
+                add(digest, _piece_length(node.size, number, chunk_size))
+    return blob_map
+
+
+def regular_files(tree: Tree) -> list[Node]:
     """Regular-file nodes in tree order, each once even when hard-linked."""
+    tree.finish()  # counts names: only a node with several can come again, so only those are remembered
     seen: set[int] = set()
     files = []
     for _path, node in tree.walk():
-        if node.is_reg and id(node) not in seen:
-            seen.add(id(node))
+        if node.is_reg and (node.nlink < 2 or id(node) not in seen):
+            if node.nlink > 1:
+                seen.add(id(node))
             files.append(node)
     return files
 
 
-def _known_pieces(node: Node, known: KnownChunks | None, index: ChunkIndex, chunk_size: int) -> list[_Piece] | None:
-    """The pieces of a file whose chunk list ``known`` gives, if that list fits the file and the store
-    holds every chunk of it (a chunk gc removed since means the file is read)."""
+def _piece_length(size: int, number: int, chunk_size: int) -> int:
+    """Bytes in piece ``number`` of a file of ``size`` bytes. The length of a file's only piece is its very
+    size object: the lengths the blob map and the packs keep are then no extra objects for small files."""
+    return size if number == 0 and size <= chunk_size else min(chunk_size, size - number * chunk_size)
+
+
+def _known_digests(node: Node, known: KnownChunks | None, index: ChunkIndex,
+                   chunk_size: int) -> list[bytes | None] | None:
+    """The chunk list ``known`` gives for a file, if it fits the file and the store holds every chunk of
+    it (a chunk gc removed since means the file is read)."""
     digests = known(node) if known is not None else None
     if digests is None or len(digests) != -(-node.size // chunk_size):
         return None
     if any(digest is not None and digest not in index for digest in digests):
         return None
-    return [_Piece(digest, min(chunk_size, node.size - k * chunk_size), None) for k, digest in enumerate(digests)]
-
-
-def _pieces(node: Node, chunk_size: int) -> Iterator[tuple[int, bytes | None]]:
-    """(length, piece) for each chunk of the node, checking that the reader gives exactly ``node.size`` bytes."""
-    if node.size == 0:
-        return
-    if node.reader is None:
-        raise InputError("regular file has no content reader", where=node.source)
-    count = -(-node.size // chunk_size)
-    pieces = node.reader(chunk_size)
-    for number in range(count):
-        piece = next(pieces, _END)
-        if piece is _END:
-            raise InputError(f"content ends after {number} of {count} chunks", where=node.source)
-        length = min(chunk_size, node.size - number * chunk_size)
-        if piece is not None and len(piece) != length:
-            raise InputError(f"chunk {number} is {len(piece)} bytes, expected {length}", where=node.source)
-        yield length, piece
-    if next(pieces, _END) is not _END:
-        raise InputError(f"content runs past the file's size {node.size}", where=node.source)
+    return list(digests)

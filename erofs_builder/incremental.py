@@ -15,7 +15,7 @@ Reuse rule. A regular file of the new tree is not opened, and takes its chunk di
 when one of its names
 - is recorded in the parent's build info with exactly the identity the walk sees now, and
 - names a regular file in the parent's image with the same size and mtime whose chunk indexes point at
-  chunks of the parent's blob map (diff.file_chunks),
+  chunks of the parent's blob map (``_ChunkLists``: anything else there and the file is read),
 and the store still holds all those chunks (checked by the chunker). Every other file is read and
 chunked as usual, so its content hash decides; chunks the store holds are not uploaded again either way.
 
@@ -52,15 +52,16 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .blobmap import BlobMap
-from .diff import file_chunks
-from .ondisk import dirent
+from .ondisk import INODE_SLOT_SIZE, chunk_index, dirent, inode, xattr
+from .ondisk.superblock import Superblock
 from .reader import ErofsImage
-from .tree import Node, Tree, split_path
+from .tree import Node, Tree
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"DSECBINF"
 VERSION = 1
+NS_PER_S = 1_000_000_000
 RACY_NS = 2_000_000_000  # covers filesystems with 1 s and 2 s timestamps, and a jiffy everywhere else
 MAX_BODY = 1 << 30  # a bound on what decode will decompress: ~10 million files
 MAX_PATH = 1 << 16  # a bound on one path; Tree paths are far shorter in practice
@@ -85,6 +86,8 @@ _ENTRY = struct.Struct(
     "I"  # path_length: bytes of the path that follows (1..MAX_PATH)
 )
 
+_I_FORMAT = struct.Struct("<H")  # the first field of every inode: version bit | data layout << 1
+
 # (st_dev, st_ino, size, mtime_ns, ctime_ns): Node.identity as walk_directory sets it.
 Identity = tuple[int, int, int, int, int]
 
@@ -93,18 +96,20 @@ def encode_buildinfo(tree: Tree, layer: str, scanned_at_ns: int) -> bytes:
     """The build info of ``layer`` built from ``tree`` (a walk_directory tree whose walk started at
     ``scanned_at_ns``, wall clock): every non-empty regular file that is not racily clean (see above)."""
     newest: dict[int, int] = {}  # st_dev -> the newest ctime the walk saw on that device
-    files: list[tuple[bytes, Identity]] = []
+    for node in tree.nodes():
+        if node.identity is not None:
+            dev, ctime_ns = node.identity[0], node.identity[4]
+            newest[dev] = max(newest.get(dev, ctime_ns), ctime_ns)
+    body = bytearray()
+    count = 0
     for path, node in tree.walk():
-        if node.identity is None:
-            continue
-        dev, ctime_ns = node.identity[0], node.identity[4]
-        newest[dev] = max(newest.get(dev, ctime_ns), ctime_ns)
-        if node.is_reg and node.size:
-            files.append((path, node.identity))
-    recorded = [(path, identity) for path, identity in files
-                if identity[4] < min(scanned_at_ns, newest[identity[0]]) - RACY_NS]
-    body = b"".join(_ENTRY.pack(*identity, len(path)) + path for path, identity in recorded)
-    header = _HEADER.pack(MAGIC, VERSION, len(recorded), len(body), sha256(body), from_hex(layer, what="layer digest"))
+        identity = node.identity
+        if (identity is not None and node.size and node.is_reg
+                and identity[4] < min(scanned_at_ns, newest[identity[0]]) - RACY_NS):
+            body += _ENTRY.pack(*identity, len(path))
+            body += path
+            count += 1
+    header = _HEADER.pack(MAGIC, VERSION, count, len(body), sha256(body), from_hex(layer, what="layer digest"))
     return header + compress.compress(body)
 
 
@@ -141,7 +146,8 @@ def decode_buildinfo(data: bytes, *, layer: str, source: str) -> dict[bytes, Ide
         path = body[offset + _ENTRY.size:offset + _ENTRY.size + path_length]
         if not 0 < path_length <= MAX_PATH or len(path) != path_length:
             raise fail(f"build info entry {number}", offset + 40, f"path of {path_length} bytes")
-        if b"/".join(split_path(path)) != path or b"\0" in path:
+        # A tree path: no empty component (a leading, trailing or doubled "/"), no NUL.
+        if path[:1] == b"/" or path[-1:] == b"/" or b"//" in path or b"\0" in path:
             raise fail(f"build info entry {number}", offset + _ENTRY.size, f"path {path[:64]!r} is not a tree path")
         if identity[2] == 0:
             raise fail(f"build info entry {number}", offset + 16, "size 0")
@@ -157,9 +163,10 @@ def decode_buildinfo(data: bytes, *, layer: str, source: str) -> dict[bytes, Ide
 class ParentLayer:
     """A published layer whose chunk lists an incremental build may take for unchanged files."""
 
-    def __init__(self, digest: str, image: ErofsImage, blob_map: BlobMap, identities: dict[bytes, Identity]):
+    def __init__(self, digest: str, meta: bytes, blob_map: BlobMap, identities: dict[bytes, Identity]):
         self.digest = digest
-        self.image = image
+        self.meta = meta
+        self.image = ErofsImage(meta, source=keys.layer_meta(digest))
         self.blob_map = blob_map
         self.identities = identities  # empty: nothing can be reused (the build reads every file)
 
@@ -169,7 +176,6 @@ class ParentLayer:
         or whose build info is missing or fails validation, is usable but gives nothing: a warning is
         logged and the build reads every file."""
         files = open_layer(store, ref_or_digest)
-        image = ErofsImage(files.meta, source=keys.layer_meta(files.digest))
         blob_map = BlobMap.decode(files.blobmap, source=keys.layer_blobmap(files.digest))
         identities: dict[bytes, Identity] = {}
         key = keys.layer_buildinfo(files.digest)
@@ -184,21 +190,21 @@ class ParentLayer:
                             files.digest)
             except CorruptError as exc:
                 log.warning("parent layer's build info is unusable, every file is read: %s", exc)
-        return cls(files.digest, image, blob_map, identities)
+        return cls(files.digest, files.meta, blob_map, identities)
 
     def reusable_chunks(self, tree: Tree) -> dict[Node, list[bytes | None]]:
         """Chunk digests for each regular file of ``tree`` (a walk_directory tree) that the reuse rule lets
         the build take from the parent without reading it."""
         if not self.identities:
             return {}
+        chunks = _ChunkLists(self.meta, self.image.superblock, self.blob_map)
         found: dict[Node, list[bytes | None]] = {}
         try:
             for path, node, nid in self._files_in_both(tree):
-                if node in found or self.identities.get(path) != node.identity:
-                    continue
-                st = self.image.stat(nid)
-                if stat.S_ISREG(st.mode) and st.size == node.size and st.mtime_ns == node.mtime_ns:
-                    found[node] = file_chunks(self.image, self.blob_map, nid)
+                if node not in found and self.identities.get(path) == node.identity:
+                    digests = chunks.of(nid, node.size, node.mtime_ns)
+                    if digests is not None:
+                        found[node] = digests
         except (CorruptError, UnsupportedError) as exc:
             log.warning("cannot take chunk lists from the parent layer, every file is read: %s", exc)
             return {}
@@ -220,3 +226,62 @@ class ParentLayer:
                     stack.append((prefix + name + b"/", child, match[0]))
                 elif child.is_reg and match[1] == dirent.FT_REG:
                     yield prefix + name, child, match[0]
+
+
+class _ChunkLists:
+    """Regular files' chunk digests read straight from a parent image's inodes and chunk indexes.
+
+    Only a file that matched the build info by path and identity is looked at, and its list is only ever
+    used if everything about it is as our writer makes it: a chunk-based regular file of the expected
+    size and mtime, chunks of the blob map's size, and each index naming device 1 at the first block of
+    a blob-map chunk of exactly that chunk's length (or a hole). Anything else answers None and the file
+    is read, so this skips the reader's general validation (and its caches) without trusting more.
+    """
+
+    def __init__(self, meta: bytes, superblock: Superblock, blob_map: BlobMap):
+        self._meta = meta
+        self._meta_offset = superblock.meta_blkaddr * superblock.block_size
+        self._build_time_ns = superblock.build_time * NS_PER_S + superblock.build_time_nsec
+        self._chunk_size = blob_map.chunk_size
+        self._chunk_format = chunk_index.chunk_format(blob_map.chunk_bits, superblock.blkszbits)
+        self._chunk_at = {blkaddr: (digest, length) for blkaddr, digest, length in blob_map.entries}
+
+    def of(self, nid: int, size: int, mtime_ns: int) -> list[bytes | None] | None:
+        """The digests of regular file ``nid``, if it has ``size`` bytes, mtime ``mtime_ns`` and sound
+        chunk indexes; else None."""
+        offset = self._meta_offset + nid * INODE_SLOT_SIZE
+        try:
+            (i_format,) = _I_FORMAT.unpack_from(self._meta, offset)
+            if i_format & inode.VERSION_EXTENDED:
+                (_, icount, mode, _, i_size, i_u, _, _, _, mtime, mtime_nsec, _, _) = inode.EXTENDED.unpack_from(
+                    self._meta, offset)
+                header_size = inode.EXTENDED.size
+                i_mtime_ns = (mtime - (1 << 64) if mtime >= 1 << 63 else mtime) * NS_PER_S + mtime_nsec
+            else:
+                (_, icount, mode, _, i_size, _, i_u, _, _, _, _) = inode.COMPACT.unpack_from(self._meta, offset)
+                header_size = inode.COMPACT.size
+                i_mtime_ns = self._build_time_ns
+        except struct.error:  # past the end of the image
+            return None
+        if (i_format != inode.VERSION_COMPACT | inode.LAYOUT_CHUNK_BASED << 1
+                and i_format != inode.VERSION_EXTENDED | inode.LAYOUT_CHUNK_BASED << 1):
+            return None
+        if not stat.S_ISREG(mode) or i_size != size or i_mtime_ns != mtime_ns or i_u & 0xFFFF != self._chunk_format:
+            return None
+        xattr_size = xattr.XATTR_HEADER.size + 4 * (icount - 1) if icount else 0
+        start = chunk_index.array_offset(offset + header_size + xattr_size)
+        count = -(-size // self._chunk_size)
+        array = self._meta[start:start + count * chunk_index.CHUNK_INDEX.size]
+        if len(array) != count * chunk_index.CHUNK_INDEX.size:
+            return None
+        digests: list[bytes | None] = []
+        for number, (_advise, device, blkaddr) in enumerate(chunk_index.CHUNK_INDEX.iter_unpack(array)):
+            if blkaddr == chunk_index.HOLE:
+                digests.append(None)
+                continue
+            chunk = self._chunk_at.get(blkaddr)
+            if (device != chunk_index.BLOB_DEVICE_ID or chunk is None
+                    or chunk[1] != min(self._chunk_size, size - number * self._chunk_size)):
+                return None
+            digests.append(chunk[0])
+        return digests

@@ -1,19 +1,28 @@
 """Walk a directory into a Tree: every inode kind, xattrs, hard links, sparse files.
 
-The walk itself reads metadata only (one lstat and one listxattr per entry; readlink for symlinks);
-file contents are read later, once, by the chunker through each regular file's ``Node.reader``. Nothing
-ever follows a symlink below the source: entries are lstat'ed, xattrs read with follow_symlinks=False and
-files opened with O_NOFOLLOW. The source itself may be given through a symlink. The root directory's own
-metadata becomes the layer root's.
+The walk itself reads metadata only (one lstat and one listxattr per entry, a getxattr per name found;
+readlink for symlinks); file contents are read later, once, by the chunker through each regular file's
+``Node.reader``. Nothing ever follows a symlink below the source: entries are lstat'ed, xattrs read with
+follow_symlinks=False and files opened with O_NOFOLLOW. The source itself may be given through a symlink.
+The root directory's own metadata becomes the layer root's.
 
 Hard links: non-directories with st_nlink > 1 that share (st_dev, st_ino) become one Node placed at
 every path. Links to the same inode from outside the source do not matter; a link count above the names
 seen here is normal.
 
-The reader skips holes without reading them (SEEK_DATA): a piece wholly inside a hole is yielded as None,
-so a sparse file of many GiB costs a few lseek calls. A file must not change between the walk and the
-end of its read: the reader compares fstat (inode, size, mtime, ctime) with the walk's lstat both when
-it opens the file and after its last read, and raises InputError naming the path otherwise.
+Memory: a Tree of a large source holds every entry, so a node keeps its on-disk path once (``source``),
+a file's reader is a small object that takes the path from there when the chunker calls it, nodes
+without xattrs share one read-only empty mapping, and the values most entries share (mode, uid, gid,
+device) are one object each rather than one per entry.
+
+A file must not change between the walk and the end of its read: the reader compares fstat (device,
+inode, size, mtime, ctime) with the walk's lstat after its last read, and, for a file of several pieces,
+also before its first, and raises InputError naming the path otherwise. A file of one piece is read with
+one pread between open and that fstat: a handful of system calls for each of the many small files of a
+root filesystem. A file whose allocated blocks do not cover its size may have holes: the reader skips
+them without reading (SEEK_DATA) and yields None for a piece wholly inside one, so a sparse file of many
+GiB costs a few lseek calls. Any other file is read whole; a hole it might still have (a filesystem that
+counts blocks its own way) reads as zeros, which the chunker stores as a hole all the same.
 
 Errors: InputError naming the path for anything about the input (missing or non-directory source,
 unreadable entries, names over 255 bytes, files changed or removed during the build).
@@ -25,14 +34,22 @@ reads in its main thread); they share no state.
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import stat
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 from dsec_fs.errors import InputError
 
 from .tree import Node, Tree
+
+# O_NONBLOCK: a file replaced by a FIFO since the walk must not block the open; the fstat check then
+# reports it. Reads of regular files ignore the flag.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_SECTOR = 512  # unit of st_blocks
+_NO_XATTRS: Mapping[bytes, bytes] = MappingProxyType({})
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
 def walk_directory(root: str | bytes | os.PathLike) -> Tree:
@@ -45,50 +62,47 @@ def walk_directory(root: str | bytes | os.PathLike) -> Tree:
     if not stat.S_ISDIR(root_stat.st_mode):
         raise InputError("the source is not a directory", where=os.fsdecode(root))
 
-    tree = Tree(_node(root, root_stat, {}))
+    shared: dict[int, int] = {}  # one int object for each value of mode, uid, gid and device seen
+    tree = Tree(_node(root, root_stat, shared))
     links: dict[tuple[int, int], Node] = {}  # (st_dev, st_ino) -> Node, for inodes with several names
-    pending = [(root, b"")]  # directories still to list: (path on disk, path in the tree)
+    pending = [(root, tree.root)]  # directories still to list: (path on disk, node)
     while pending:
-        directory, tree_dir = pending.pop()
-        for name, st in _list_directory(directory):
-            path = os.path.join(directory, name)
-            tree_path = tree_dir + b"/" + name if tree_dir else name
-            key = (st.st_dev, st.st_ino)
-            node = links.get(key)
-            if node is None:
-                node = _node(path, st, {} if stat.S_ISDIR(st.st_mode) else None)
-                if st.st_nlink > 1 and not node.is_dir:
-                    links[key] = node
-            tree.add(tree_path, node)
-            if node.is_dir:
-                pending.append((path, tree_path))
+        directory, parent = pending.pop()
+        try:
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                        node = links.get((st.st_dev, st.st_ino))
+                        if node is None:
+                            node = links[st.st_dev, st.st_ino] = _node(entry.path, st, shared)
+                    else:
+                        node = _node(entry.path, st, shared)
+                        if node.children is not None:
+                            pending.append((entry.path, node))
+                    tree.add_child(parent, entry.name, node)
+        except OSError as exc:
+            raise _input_error(exc, exc.filename or directory) from None
     tree.finish()
     return tree
 
 
-def _list_directory(directory: bytes) -> list[tuple[bytes, os.stat_result]]:
-    try:
-        with os.scandir(directory) as it:
-            return [(entry.name, entry.stat(follow_symlinks=False)) for entry in it]
-    except OSError as exc:
-        raise _input_error(exc, exc.filename or directory) from None
-
-
-def _node(path: bytes, st: os.stat_result, children: dict | None) -> Node:
-    mode = st.st_mode
+def _node(path: bytes, st: os.stat_result, shared: dict[int, int]) -> Node:
+    mode = shared.setdefault(st.st_mode, st.st_mode)
     node = Node(
         mode=mode,
-        uid=st.st_uid,
-        gid=st.st_gid,
+        uid=shared.setdefault(st.st_uid, st.st_uid),
+        gid=shared.setdefault(st.st_gid, st.st_gid),
         mtime_ns=st.st_mtime_ns,
         xattrs=_xattrs(path),
-        children=children,
-        identity=(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
-        source=os.fsdecode(path),
+        identity=(shared.setdefault(st.st_dev, st.st_dev), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+        source=path.decode(_FS_ENCODING, _FS_ERRORS),  # os.fsdecode, without its checks: once per entry
     )
     if stat.S_ISREG(mode):
         node.size = st.st_size
-        node.reader = functools.partial(_read_file, path, node.identity)
+        node.reader = _FileReader(node.source, node.identity)
+    elif stat.S_ISDIR(mode):
+        node.children = {}
     elif stat.S_ISLNK(mode):
         try:
             node.target = os.readlink(path)
@@ -97,39 +111,63 @@ def _node(path: bytes, st: os.stat_result, children: dict | None) -> Node:
         node.size = len(node.target)
     elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         node.rdev = st.st_rdev
-    elif not (stat.S_ISDIR(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+    elif not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
         raise InputError(f"unknown file type {stat.S_IFMT(mode):#o}", where=node.source)
     return node
 
 
-def _xattrs(path: bytes) -> dict[bytes, bytes]:
-    """Every extended attribute of ``path`` itself, whatever its namespace; {} where xattrs are unsupported."""
+def _xattrs(path: bytes) -> Mapping[bytes, bytes]:
+    """Every extended attribute of ``path`` itself, whatever its namespace; none where xattrs are unsupported."""
     try:
         names = os.listxattr(path, follow_symlinks=False)
+        if not names:
+            return _NO_XATTRS
         return {os.fsencode(name): os.getxattr(path, name, follow_symlinks=False) for name in names}
     except OSError as exc:
         if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
-            return {}
+            return _NO_XATTRS
         raise _input_error(exc, path) from None
 
 
-def _read_file(path: bytes, identity: tuple, chunk_size: int) -> Iterator[bytes | None]:
-    """The ChunkReader of a walked file: its content in ``chunk_size`` pieces, None for pieces in a hole."""
-    where = os.fsdecode(path)
+class _FileReader:
+    """The ChunkReader of a walked file. It shares its node's path string and identity tuple instead of
+    holding copies (the path is encoded again only when the file is read)."""
+
+    __slots__ = ("_source", "_identity")
+
+    def __init__(self, source: str, identity: tuple):
+        self._source = source
+        self._identity = identity
+
+    def __call__(self, chunk_size: int) -> Iterator[bytes | None]:
+        return _read_file(self._source, self._identity, chunk_size)
+
+
+def _read_file(where: str, identity: tuple, chunk_size: int) -> Iterator[bytes | None]:
+    """The file's content in ``chunk_size`` pieces, None for pieces in a hole (see the module docstring)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.fsencode(where), _OPEN_FLAGS)
     except OSError as exc:
-        raise _input_error(exc, path) from None
+        raise _input_error(exc, where) from None
     try:
-        _check_unchanged(fd, identity, where, "since the directory was scanned")
         size = identity[2]
+        if size <= chunk_size:
+            try:
+                data = _pread_exact(fd, size, 0, where) if size else b""
+            finally:  # even when the read failed: a file replaced since the walk is reported as that
+                _check_unchanged(fd, identity, where, "since the directory was scanned")
+            if size:
+                yield data
+            return
+        st = _check_unchanged(fd, identity, where, "since the directory was scanned")
+        sparse = st.st_blocks * _SECTOR < size
         offset = 0
-        next_data = -1  # first data byte at or after offset, refreshed once offset passes it
+        next_data = -1  # sparse files: first data byte at or after offset, refreshed once offset passes it
         while offset < size:
             length = min(chunk_size, size - offset)
-            if next_data < offset:
+            if sparse and next_data < offset:
                 next_data = _seek_data(fd, offset, size, where)
-            if next_data >= offset + length:
+            if sparse and next_data >= offset + length:
                 yield None
             else:
                 yield _pread_exact(fd, length, offset, where)
@@ -164,13 +202,14 @@ def _pread_exact(fd: int, length: int, offset: int, where: str) -> bytes:
     return data
 
 
-def _check_unchanged(fd: int, identity: tuple, where: str, when: str) -> None:
+def _check_unchanged(fd: int, identity: tuple, where: str, when: str) -> os.stat_result:
     st = os.fstat(fd)
     now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if now != identity:
         raise InputError(
             f"file changed {when} (dev, inode, size, mtime ns, ctime ns: {identity} -> {now})", where=where
         )
+    return st
 
 
 def _input_error(exc: OSError, path: bytes | str) -> InputError:

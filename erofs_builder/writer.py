@@ -1,8 +1,9 @@
 """Write a layer's meta.erofs: the EROFS metadata image whose regular files point into the virtual blob.
 
-``write_image(tree, blobmap, chunk_size)`` returns the whole image. Every decision (nids, compact or
-extended inodes, inline tails, block numbers) is made by ``layout.plan_layout``; this module only turns
-that plan into bytes, then seals block 0 with the superblock checksum, which covers the first inodes too.
+``write_image(tree, blobmap, chunk_size)`` returns the whole image (a bytearray). Every decision (nids,
+compact or extended inodes, inline tails, block numbers) is made by ``layout.plan_layout``; this module
+only turns that plan into bytes, then seals block 0 with the superblock checksum, which covers the first
+inodes too.
 
 The image is old-style EROFS (no 48-bit or metabox features), so Linux 5.16 and later mount it. Its only
 extra device is the layer's virtual blob: chunk indexes say device 1, and the device slot carries the
@@ -16,8 +17,8 @@ import stat
 
 from dsec_fs.errors import InputError, NotFoundError
 
-from .layout import DEVT_OFFSET, DEVT_SLOTOFF, InodePlan, Layout, plan_layout
-from .ondisk import BLOCK_SIZE, chunk_index, dirent, xattr
+from .layout import DEVT_OFFSET, DEVT_SLOTOFF, NS_PER_S, InodePlan, Layout, plan_layout
+from .ondisk import BLOCK_SIZE, EROFS_NULL_ADDR, chunk_index, dirent, xattr
 from .ondisk.device_slot import DeviceSlot
 from .ondisk.inode import LAYOUT_CHUNK_BASED, LAYOUT_FLAT_INLINE, Inode, encode_rdev
 from .ondisk.superblock import (
@@ -29,29 +30,30 @@ _U64 = (1 << 64) - 1
 BLOB_ID_LENGTH = 64  # hex sha256: fills the 64-byte device tag exactly
 
 
-def write_image(tree: Tree, blobmap, chunk_size: int) -> bytes:
-    """The meta.erofs image of ``tree``, a whole number of 4 KiB blocks.
+def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = None) -> bytearray:
+    """The meta.erofs image of ``tree``, a whole number of 4 KiB blocks: the buffer it was written into
+    (a bytes copy would briefly double the memory an image of many inodes takes).
 
     Regular files need ``node.chunks`` (one sha256 per chunk of ``chunk_size``, None for an all-zero
     chunk); ``blobmap`` gives each digest's block on the virtual blob (``blkaddr_of``), the blob's size
-    in blocks (``blocks``) and its id (``blob_id``, 64 hex characters). Calls ``tree.finish()``.
+    in blocks (``blocks``) and its id (``blob_id``, 64 hex characters), unless the caller, who has
+    encoded the map already, passes ``blob_id``. Calls ``tree.finish()``.
     """
     layout = plan_layout(tree, chunk_size)
     image = bytearray(layout.blocks * BLOCK_SIZE)
-    for plan in layout.inodes:
+    for plan in layout.plans():
         _write_inode(image, layout, plan, blobmap)
-    _write_superblock(image, layout, blobmap)
+    _write_superblock(image, layout, blobmap, blobmap.blob_id if blob_id is None else blob_id)
     seal_block0(image, BLOCK_SIZE)
-    return bytes(image)
+    return image
 
 
-def _write_superblock(image: bytearray, layout: Layout, blobmap) -> None:
-    blob_id = blobmap.blob_id
+def _write_superblock(image: bytearray, layout: Layout, blobmap, blob_id: str) -> None:
     if len(blob_id) != BLOB_ID_LENGTH:
         raise InputError(f"blob id {blob_id!r} is not {BLOB_ID_LENGTH} hex characters", where="blob map")
     incompat = INCOMPAT_DEVICE_TABLE | (INCOMPAT_CHUNKED_FILE if layout.chunked else 0)
     superblock = Superblock(
-        root_nid=layout.root.nid, inos=len(layout.inodes), blocks=layout.blocks,
+        root_nid=layout.nids[0], inos=len(layout.nodes), blocks=layout.blocks,
         build_time=layout.build_time, build_time_nsec=layout.build_time_nsec,
         feature_compat=COMPAT_SB_CHKSUM, feature_incompat=incompat, extra_devices=1, devt_slotoff=DEVT_SLOTOFF,
     )
@@ -62,19 +64,18 @@ def _write_superblock(image: bytearray, layout: Layout, blobmap) -> None:
 
 def _write_inode(image: bytearray, layout: Layout, plan: InodePlan, blobmap) -> None:
     node = plan.node
-    header = Inode(
-        mode=node.mode, nlink=node.nlink, size=plan.size, i_u=_i_u(plan, layout), ino=plan.ino, uid=node.uid,
-        gid=node.gid, mtime=plan.mtime & _U64, mtime_nsec=plan.mtime_nsec, layout=plan.layout,
+    # A compact inode has no mtime of its own (it reads as build_time): only an extended one needs it.
+    mtime, mtime_nsec = divmod(node.mtime_ns, NS_PER_S) if plan.extended else (0, 0)
+    head = Inode(
+        mode=node.mode, nlink=node.nlink, size=plan.size, i_u=_i_u(plan, layout), ino=plan.position + 1,
+        uid=node.uid, gid=node.gid, mtime=mtime & _U64, mtime_nsec=mtime_nsec, layout=plan.layout,
         xattr_icount=xattr.icount_for(plan.xattr_body), extended=plan.extended,
-    ).pack()
-    start = plan.offset
-    _put(image, start, header + plan.xattr_body)
+    ).pack() + plan.xattr_body
+    _put(image, plan.offset, head)
     if plan.layout == LAYOUT_CHUNK_BASED:
-        _put(image, start + chunk_index.array_offset(plan.head_size), _chunk_indexes(plan, blobmap))
-    elif node.is_dir:
-        _write_flat(image, plan, _directory_data(plan, layout))
-    elif node.is_symlink:
-        _write_flat(image, plan, node.target)
+        _put(image, chunk_index.array_offset(plan.offset + len(head)), _chunk_indexes(plan, blobmap))
+    elif plan.flat is not None:
+        _write_flat(image, plan, _directory_data(plan, layout) if node.is_dir else node.target)
 
 
 def _i_u(plan: InodePlan, layout: Layout) -> int:
@@ -83,9 +84,9 @@ def _i_u(plan: InodePlan, layout: Layout) -> int:
         return layout.chunk_format
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return encode_rdev(os.major(plan.node.rdev), os.minor(plan.node.rdev))
-    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-        return 0
-    return plan.blkaddr
+    if plan.flat is None:  # FIFOs, sockets, empty files: no data
+        return 0 if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) else EROFS_NULL_ADDR
+    return plan.flat.blkaddr
 
 
 def _put(image: bytearray, offset: int, data: bytes) -> None:
@@ -102,26 +103,27 @@ def _chunk_indexes(plan: InodePlan, blobmap) -> bytes:
 
 def _directory_data(plan: InodePlan, layout: Layout) -> bytes:
     """The directory's blocks, each zero-padded but the last, which ends after its last name."""
-    children = plan.node.children
+    position = plan.flat.first_child
     blocks = []
-    for names in plan.dir_blocks:
+    for names in plan.flat.dir_blocks:
         entries = []
         for name in names:
             if name == b".":
-                target = plan
+                target = plan.position
             elif name == b"..":
                 target = plan.parent
             else:
-                target = layout.by_node[id(children[name])]
-            entries.append((name, target.nid, dirent.file_type(target.node.mode)))
+                target, position = layout.entry(plan, name, position)
+            entries.append((name, layout.nids[target], dirent.file_type(layout.nodes[target].mode)))
         blocks.append(dirent.pack_block(entries))
     return b"".join(block.ljust(BLOCK_SIZE, b"\0") for block in blocks[:-1]) + blocks[-1]
 
 
 def _write_flat(image: bytearray, plan: InodePlan, data: bytes) -> None:
     """FLAT_PLAIN: all of ``data`` in blocks from blkaddr; FLAT_INLINE: the tail after the xattrs."""
-    in_blocks = len(data) - plan.tail_size if plan.layout == LAYOUT_FLAT_INLINE else len(data)
+    tail_size = plan.flat.tail_size if plan.layout == LAYOUT_FLAT_INLINE else 0
+    in_blocks = len(data) - tail_size
     if in_blocks:
-        _put(image, plan.blkaddr * BLOCK_SIZE, data[:in_blocks])
-    if plan.layout == LAYOUT_FLAT_INLINE:
+        _put(image, plan.flat.blkaddr * BLOCK_SIZE, data[:in_blocks])
+    if tail_size:
         _put(image, plan.offset + plan.head_size, data[in_blocks:])
