@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from dsec_fs.errors import DsecError
+from dsec_fs.errors import DsecError, InputError
 from dsec_fs.store import open_store
 
 from . import daemon_cmds, diff_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
@@ -43,23 +43,45 @@ def main() -> None:
 @click.option("--parent", metavar="LAYER",
               help="an earlier build of SOURCE (ref or digest): files unchanged since (same inode, size, mtime "
                    "and ctime) are not read again")
+@click.option("--lenient", is_flag=True, help="skip hostile tar members (with a warning) instead of failing")
+@click.option("--platform", default="linux/amd64", show_default=True, help="which image of an OCI index")
+@click.option("--oci-layers", is_flag=True,
+              help="one layer per OCI image layer (refs NAME:TAG-l0, -l1, ...) with overlay whiteouts, "
+                   "instead of one flattened layer")
 @json_option
 def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, parent: str | None,
-          as_json: bool) -> None:
-    """Build SOURCE (a directory) into a layer in the store."""
-    from erofs_builder.build import build_layer
+          lenient: bool, platform: str, oci_layers: bool, as_json: bool) -> None:
+    """Build SOURCE into a layer in the store.
 
-    options = dict(name=ref, chunk_size=_parse_size(chunk_size), parent=parent)
+    SOURCE is a directory, a tar file (plain, gzip or zstd; - for standard input), an OCI image layout
+    directory, or an OCI or docker-archive tar."""
+    from erofs_builder.build import build_image_layers, build_layer
+
+    if oci_layers and parent:
+        raise InputError("--parent builds a directory; --oci-layers builds an image: not both")
+    options = dict(name=ref, chunk_size=_parse_size(chunk_size), lenient=lenient, platform=platform)
     with open_store(store_url) as store:
+        def run(**extra):
+            if oci_layers:
+                return build_image_layers(source, store, **options, **extra)
+            return [build_layer(source, store, parent=parent, **options, **extra)]
+
         if sys.stderr.isatty() and not as_json:
             with click.progressbar(length=1, label="building", file=sys.stderr, show_pos=False) as bar:
                 def progress(done: int, total: int) -> None:
                     bar.length = max(total, 1)
                     bar.update(done - bar.pos)
 
-                result = build_layer(source, store, progress=progress, **options)
+                results = run(progress=progress)
         else:
-            result = build_layer(source, store, **options)
+            results = run()
+    if oci_layers:
+        data = {"layers": [{"layer": r.digest, "ref": f"{ref}-l{k}" if ref else None, "stats": r.manifest.stats}
+                           for k, r in enumerate(results)], "store": store.url}
+        _emit(as_json, data, lambda: "\n".join(f"layer {k}  {r.digest}" + (f"  ({ref}-l{k})" if ref else "")
+                                               for k, r in enumerate(results)))
+        return
+    result = results[0]
     stats = result.manifest.stats
     data = {"layer": result.digest, "ref": ref, "parent": parent, "store": store.url, "stats": stats}
 

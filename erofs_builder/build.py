@@ -1,7 +1,9 @@
-"""Build a layer: from a source directory (or a Tree made by any walker) to a layer published on a store.
+"""Build a layer: from a directory, a tar stream or an OCI image to a layer published on a store.
 
 Steps, each finished before the next starts:
-1. walk the source into a Tree (metadata only; gives the total size for progress);
+1. walk the source into a Tree (metadata only; gives the total size for progress). A directory is
+   walked first and its files read afterwards; a tar or an OCI image is a stream, so its files are
+   chunked (step 3) as the walk passes them, inside the lease;
 2. take a build lease (dsec_fs.leases: gc keeps every pack this build may see until it ends) and sync the
    store's local index mirror (dsec_fs.index_mirror), so chunks the store already holds are neither
    compressed nor uploaded;
@@ -35,13 +37,15 @@ import contextlib
 import dataclasses
 import gc
 import os
+import sys
+import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
-from dsec_fs.errors import NotFoundError
+from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
 from dsec_fs.index_mirror import load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
@@ -50,10 +54,12 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .blobmap import BLOCK_SIZE, check_chunk_size
-from .chunker import DEFAULT_CHUNK_SIZE, ChunkStats, KnownChunks, Progress, blob_map_of, chunk_files, regular_files
+from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, blob_map_of, regular_files
 from .incremental import ParentLayer, encode_buildinfo
 from .tree import Node, Tree
 from .walk_dir import walk_directory
+from .walk_oci import oci_layer_streams, walk_oci
+from .walk_tar import OnFile, walk_tar
 from .writer import write_image
 
 
@@ -73,19 +79,99 @@ def build_layer(
     progress: Progress | None = None,
     workers: int | None = None,
     parent: str | None = None,
+    lenient: bool = False,
+    platform: str = "linux/amd64",
 ) -> BuildResult:
-    """Build and publish the layer of directory ``source``; with ``name`` ("name:tag"), point that ref at it.
+    """Build and publish the layer of ``source``; with ``name`` ("name:tag"), point that ref at it.
 
-    ``parent`` (a ref or digest) makes the build incremental: unchanged files are not read."""
+    ``source`` is a directory, a tar file (plain, gzip or zstd; "-" reads standard input), or an OCI image
+    (an image layout directory, or an OCI or docker-archive tar): ``source_kind`` tells which. An image's
+    layers for ``platform`` are flattened, whiteouts applied; ``build_image_layers`` keeps one layer per
+    image layer instead. Tar input is read as a stream, each file chunked as it goes past.
+
+    ``parent`` (a ref or digest, directories only) makes the build incremental: unchanged files are not
+    read. ``lenient`` skips hostile tar members with a warning instead of failing."""
     _check_options(name, chunk_size)
+    kind = source_kind(source)
     with _cycle_collector_paused():
-        base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
-        scanned_at_ns = time.time_ns()
-        tree = walk_directory(os.fspath(source))
-        return build_tree(
-            tree, store, name=name, chunk_size=chunk_size, progress=progress, workers=workers,
-            source=os.path.abspath(os.fsdecode(source)), parent=base, scanned_at_ns=scanned_at_ns,
-        )
+        if kind == "dir":
+            base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
+            scanned_at_ns = time.time_ns()
+            tree = walk_directory(os.fspath(source))
+            return build_tree(
+                tree, store, name=name, chunk_size=chunk_size, progress=progress, workers=workers,
+                source=os.path.abspath(os.fsdecode(source)), parent=base, scanned_at_ns=scanned_at_ns,
+            )
+        if parent is not None:
+            raise InputError("--parent needs a directory source (tar and OCI input have no inode identities)",
+                             where=os.fsdecode(source))
+        if kind == "tar":
+            def walk(on_file: OnFile) -> list[Tree]:
+                stream = sys.stdin.buffer if os.fsdecode(source) == "-" else source
+                return [walk_tar(stream, on_file=on_file, lenient=lenient)]
+        else:
+            def walk(on_file: OnFile) -> list[Tree]:
+                return [walk_oci(source, on_file=on_file, platform=platform, lenient=lenient)]
+        return _build_streamed(walk, store, [name], chunk_size, progress, workers, _describe(source))[0]
+
+
+def build_image_layers(
+    source: str | os.PathLike,
+    store: Store,
+    *,
+    name: str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    progress: Progress | None = None,
+    workers: int | None = None,
+    lenient: bool = False,
+    platform: str = "linux/amd64",
+) -> list[BuildResult]:
+    """One dsecfs layer per layer of the OCI image at ``source``, bottom first, with OCI whiteouts turned
+    into overlay whiteouts and opaque directories, so OverlayFS applies them when the layers are stacked.
+    With ``name`` "NAME:TAG", layer k is published as "NAME:TAG-lK"."""
+    if name is not None:
+        parse_ref(name)
+    check_chunk_size(chunk_size)
+    layers = oci_layer_streams(source, platform)
+    names = [None if name is None else f"{name}-l{k}" for k in range(len(layers))]
+    for layer_name in names:
+        if layer_name is not None:
+            parse_ref(layer_name)
+
+    def walk(on_file: OnFile) -> list[Tree]:
+        return walk_oci(source, on_file=on_file, platform=platform, flatten=False, lenient=lenient)
+
+    with _cycle_collector_paused():
+        return _build_streamed(walk, store, names, chunk_size, progress, workers, _describe(source))
+
+
+def source_kind(source: str | bytes | os.PathLike) -> str:
+    """"dir", "tar" or "oci" for a build source; InputError naming it when it is none of them.
+
+    A directory with an ``oci-layout`` file is an OCI image layout. A file is an OCI or docker-archive
+    tar when it is an uncompressed tar whose top level holds ``manifest.json`` or ``oci-layout`` (how
+    `docker save` and `skopeo copy` write them); any other file, and "-", is a tar of a root filesystem.
+    """
+    path = os.fsdecode(source)
+    if path == "-":
+        return "tar"
+    if os.path.isdir(path):
+        return "oci" if os.path.isfile(os.path.join(path, "oci-layout")) else "dir"
+    if not os.path.exists(path):
+        raise InputError("no such file or directory", where=path)
+    if not os.path.isfile(path):
+        raise InputError("not a directory, tar file or OCI image", where=path)
+    try:
+        with tarfile.open(path, "r:") as archive:  # uncompressed only: image archives are not compressed
+            top = {name.lstrip("./") for name in archive.getnames()}
+    except (tarfile.TarError, OSError):
+        return "tar"
+    return "oci" if top & {"manifest.json", "oci-layout"} else "tar"
+
+
+def _describe(source: str | bytes | os.PathLike) -> str:
+    path = os.fsdecode(source)
+    return "<stdin>" if path == "-" else os.path.abspath(path)
 
 
 def build_tree(
@@ -100,64 +186,92 @@ def build_tree(
     parent: ParentLayer | None = None,
     scanned_at_ns: int | None = None,
 ) -> BuildResult:
-    """Build and publish the layer of ``tree`` (from any walker); ``source`` is recorded in the manifest.
+    """Build and publish the layer of a finished ``tree`` whose files can still be read (a directory walk);
+    ``source`` is recorded in the manifest.
 
     For a walk_directory tree only: ``scanned_at_ns`` (wall clock when the walk started) gives the layer
     its build info, so that it can be a parent later; ``parent`` lends its chunk lists to unchanged files.
     """
     _check_options(name, chunk_size)
-    with _cycle_collector_paused():
-        return _build(tree, store, name, chunk_size, progress, workers, source, parent, scanned_at_ns)
-
-
-def _build(tree: Tree, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
-           workers: int | None, source: str, parent: ParentLayer | None, scanned_at_ns: int | None) -> BuildResult:
     known = parent.reusable_chunks(tree).get if parent is not None else None
-    # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
-    with Lease(store, purpose=f"build {name or source}") as lease:
-        files, stats, packs = _upload_chunks(tree, store, chunk_size, workers, progress, known)
-        blob_map = blob_map_of(files, chunk_size)
-        stats.distinct_chunks = len(blob_map)
-        blob_map_bytes = blob_map.encode()
-        blob_id = to_hex(sha256(blob_map_bytes))  # blob_map.blob_id, without encoding the map again
-        meta = write_image(tree, blob_map, chunk_size, blob_id=blob_id)
-        manifest = Manifest(
-            layer=to_hex(sha256(meta)),
-            blob_id=blob_id,
-            meta_size=len(meta),
-            blobmap_size=len(blob_map_bytes),
-            blobmap_sha256=blob_id,
-            chunk_size=chunk_size,
-            block_size=BLOCK_SIZE,
-            blob_blocks=blob_map.blocks,
-            packs=packs,
-            stats=dataclasses.asdict(stats),
-            source=source,
-        )
-        lease.check()
-        if scanned_at_ns is not None:
-            store.put(keys.layer_buildinfo(manifest.layer), encode_buildinfo(tree, manifest.layer, scanned_at_ns))
-        digest = publish_layer(store, meta, blob_map_bytes, manifest)
-        ensure_pack_indexes(store, manifest.packs)
-        if name is not None:  # under the lease too: gc keeps an unnamed layer while a build may name it
-            set_ref(store, name, digest)
-    return BuildResult(digest=digest, manifest=manifest, stats=stats)
-
-
-def _upload_chunks(tree: Tree, store: Store, chunk_size: int, workers: int | None, progress: Progress | None,
-                   known: KnownChunks | None) -> tuple[list[Node], ChunkStats, list[str]]:
-    """Steps 2 to 4: the tree's regular files (chunked), the statistics, and the sorted ids of the packs
-    that hold the layer's chunks, confirmed. The chunk index holds an object per chunk: it is dropped
-    when this returns, before the blob map and meta.erofs are made."""
     files = regular_files(tree)
-    with load_chunk_index(store) as index:
-        with ChunkUploader(store, index) as uploader:
-            stats = chunk_files(files, uploader, index, chunk_size=chunk_size, workers=workers,
-                                progress=progress, known=known)
-            uploader.flush()
-        packs = _packs_of(files, index)
-        index.confirm(store, _digests(files), packs)
-    return files, stats, packs
+
+    def feed(on_file: OnFile) -> list[Tree]:
+        for node in files:
+            on_file(node)
+        return [tree]
+
+    with _cycle_collector_paused():
+        return _build_streamed(feed, store, [name], chunk_size, progress, workers, source, known=known,
+                               total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns)[0]
+
+
+def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: list[str | None], chunk_size: int,
+                    progress: Progress | None, workers: int | None, source: str, *, known: KnownChunks | None = None,
+                    total_bytes: int = 0, scanned_at_ns: int | None = None) -> list[BuildResult]:
+    """Steps 2 to 6 for the trees ``walk`` makes, calling its ``on_file`` argument for each regular file
+    while the file's content is readable; ``names[k]`` names the layer of tree k."""
+    # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
+    with Lease(store, purpose=f"build {names[0] or source}") as lease:
+        with load_chunk_index(store) as index:
+            with ChunkUploader(store, index) as uploader:
+                with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
+                             known=known, total_bytes=total_bytes) as chunker:
+                    trees = walk(chunker.add_file)
+                    stats = chunker.finish()
+                uploader.flush()
+            layers = []
+            for tree in trees:
+                files = regular_files(tree)
+                packs = _packs_of(files, index)
+                index.confirm(store, _digests(files), packs)
+                layers.append((tree, files, packs))
+        # The chunk index holds an object per chunk: it is gone before blob maps and images are made.
+        return [_publish(store, lease, tree, files, packs, _layer_stats(stats, files, chunk_size, len(trees)),
+                         name, chunk_size, source, scanned_at_ns)
+                for (tree, files, packs), name in zip(layers, names)]
+
+
+def _layer_stats(build: ChunkStats, files: list[Node], chunk_size: int, trees: int) -> ChunkStats:
+    """A layer's statistics: the build's, or, when one build made several layers, the layer's own counts
+    of files, bytes, chunks and holes with the build's upload figures."""
+    if trees == 1:
+        return build
+    own = dataclasses.replace(build, files=len(files), bytes=sum(node.size for node in files))
+    own.chunks = sum(len(node.chunks) for node in files)
+    own.hole_chunks = sum(1 for node in files for digest in node.chunks if digest is None)
+    return own
+
+
+def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: list[str], stats: ChunkStats,
+             name: str | None, chunk_size: int, source: str, scanned_at_ns: int | None) -> BuildResult:
+    """Steps 5 and 6: blob map, meta.erofs, build info, manifest, ref."""
+    blob_map = blob_map_of(files, chunk_size)
+    stats = dataclasses.replace(stats, distinct_chunks=len(blob_map))
+    blob_map_bytes = blob_map.encode()
+    blob_id = to_hex(sha256(blob_map_bytes))  # blob_map.blob_id, without encoding the map again
+    meta = write_image(tree, blob_map, chunk_size, blob_id=blob_id)
+    manifest = Manifest(
+        layer=to_hex(sha256(meta)),
+        blob_id=blob_id,
+        meta_size=len(meta),
+        blobmap_size=len(blob_map_bytes),
+        blobmap_sha256=blob_id,
+        chunk_size=chunk_size,
+        block_size=BLOCK_SIZE,
+        blob_blocks=blob_map.blocks,
+        packs=packs,
+        stats=dataclasses.asdict(stats),
+        source=source,
+    )
+    lease.check()
+    if scanned_at_ns is not None:
+        store.put(keys.layer_buildinfo(manifest.layer), encode_buildinfo(tree, manifest.layer, scanned_at_ns))
+    digest = publish_layer(store, meta, blob_map_bytes, manifest)
+    ensure_pack_indexes(store, manifest.packs)
+    if name is not None:  # under the lease too: gc keeps an unnamed layer while a build may name it
+        set_ref(store, name, digest)
+    return BuildResult(digest=digest, manifest=manifest, stats=stats)
 
 
 def _digests(files: list[Node]) -> Iterator[bytes]:
