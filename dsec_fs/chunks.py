@@ -1,5 +1,5 @@
 """Chunks on a store: where each chunk lives (ChunkIndex), writing new ones (ChunkUploader), reading them
-back verified (read_chunk, read_chunks).
+back verified (read_chunk, read_chunks; or plan_runs and read_run, for callers that fetch runs in parallel).
 
 A chunk is named by the sha256 of its plain bytes and stored as one zstd frame inside a pack (pack.py).
 The store is not trusted: every chunk read is decompressed with its promised size and re-hashed before it
@@ -12,7 +12,7 @@ Threads:
   the statistics, the list of written packs and the first upload error. Uploads run on the uploader's own
   threads; ``_slots`` (a semaphore) bounds the packs sealed but not yet uploaded, and a thread that
   seals a pack waits for a slot, so memory stays near (upload_threads + 1) x pack_target.
-- read_chunk / read_chunks: plain functions, safe from any thread.
+- read_chunk, read_chunks, plan_runs, read_run: plain functions, safe from any thread.
 """
 
 from __future__ import annotations
@@ -217,38 +217,57 @@ def read_chunk(store: Store, digest: bytes, loc: ChunkLocation) -> bytes:
     return _decode_chunk(frame, digest, loc, key)
 
 
-def read_chunks(store: Store, wanted: Iterable[tuple[bytes, ChunkLocation]]) -> dict[bytes, bytes]:
-    """Fetch many chunks, one GET per run of frames in the same pack that lie within MERGE_GAP of each other."""
+@dataclass(frozen=True, slots=True)
+class ChunkRun:
+    """Chunks of one pack close enough together to be fetched with one ranged GET of [start, end)."""
+
+    pack_id: str
+    start: int
+    end: int
+    chunks: tuple[tuple[bytes, ChunkLocation], ...]  # (digest, location), by offset
+
+
+def plan_runs(wanted: Iterable[tuple[bytes, ChunkLocation]], *, max_bytes: int | None = None) -> list[ChunkRun]:
+    """Group chunks into runs: per pack, frames that lie within MERGE_GAP of each other, cut where a run
+    would span more than ``max_bytes`` (a single larger frame still makes a run of its own)."""
     by_pack: dict[str, dict[bytes, ChunkLocation]] = defaultdict(dict)
     for digest, loc in wanted:
         by_pack[loc.pack_id][digest] = loc
-    chunks: dict[bytes, bytes] = {}
+    runs: list[ChunkRun] = []
     for pack_id, locations in by_pack.items():
-        key = keys.pack(pack_id)
-        for run in _runs(sorted(locations.items(), key=lambda item: item[1].offset)):
-            start = run[0][1].offset
-            end = max(loc.offset + loc.clen for _, loc in run)
-            what = _chunk_name(run[0][0], key) + (f" and {len(run) - 1} more" if len(run) > 1 else "")
-            data = memoryview(_get_range(store, key, start, end - start, what=what))
-            for digest, loc in run:
-                frame = data[loc.offset - start : loc.offset - start + loc.clen]
-                chunks[digest] = _decode_chunk(frame, digest, loc, key)
-    return chunks
-
-
-def _runs(ordered: list[tuple[bytes, ChunkLocation]]) -> list[list[tuple[bytes, ChunkLocation]]]:
-    """Split chunks sorted by offset into runs whose gaps are at most MERGE_GAP."""
-    runs: list[list[tuple[bytes, ChunkLocation]]] = []
-    run_end = 0
-    for item in ordered:
-        start, end = item[1].offset, item[1].offset + item[1].clen
-        if runs and start - run_end <= MERGE_GAP:
-            runs[-1].append(item)
-            run_end = max(run_end, end)
-        else:
-            runs.append([item])
-            run_end = end
+        members: list[tuple[bytes, ChunkLocation]] = []
+        start = end = 0
+        for digest, loc in sorted(locations.items(), key=lambda item: item[1].offset):
+            loc_end = loc.offset + loc.clen
+            too_far = loc.offset - end > MERGE_GAP
+            too_long = max_bytes is not None and max(end, loc_end) - start > max_bytes
+            if members and (too_far or too_long):
+                runs.append(ChunkRun(pack_id, start, end, tuple(members)))
+                members = []
+            if not members:
+                start = end = loc.offset
+            members.append((digest, loc))
+            end = max(end, loc_end)
+        runs.append(ChunkRun(pack_id, start, end, tuple(members)))
     return runs
+
+
+def read_run(store: Store, run: ChunkRun) -> dict[bytes, bytes]:
+    """Fetch one run with one ranged GET; each chunk is decompressed and its sha256 checked."""
+    key = keys.pack(run.pack_id)
+    first = run.chunks[0][0]
+    what = _chunk_name(first, key) + (f" and {len(run.chunks) - 1} more" if len(run.chunks) > 1 else "")
+    data = memoryview(_get_range(store, key, run.start, run.end - run.start, what=what))
+    return {digest: _decode_chunk(data[loc.offset - run.start : loc.offset - run.start + loc.clen], digest, loc, key)
+            for digest, loc in run.chunks}
+
+
+def read_chunks(store: Store, wanted: Iterable[tuple[bytes, ChunkLocation]]) -> dict[bytes, bytes]:
+    """Fetch many chunks, one GET per run (plan_runs), one run after another."""
+    chunks: dict[bytes, bytes] = {}
+    for run in plan_runs(wanted):
+        chunks.update(read_run(store, run))
+    return chunks
 
 
 def _get_range(store: Store, key: str, offset: int, length: int, *, what: str) -> bytes:

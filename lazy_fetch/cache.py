@@ -14,7 +14,8 @@ files nobody indexes (temporary or complete), and the next open deletes them in 
 index entries whose file has gone (someone deleted it). Chunk files are not fsynced: every read checks the
 size and xxh3_64 the index recorded, so bytes a power cut lost (or a disk rotted) are found on read; such
 a rotten entry is dropped and reported as a miss, and the fetcher fetches the chunk again. The index itself
-commits durably.
+commits durably, which costs milliseconds a commit: ``put_many`` records a whole batch (the chunks of one
+store read) in one commit, after renaming all its files into place.
 
 ``max_bytes`` bounds the sum of the chunk sizes (not the disk blocks they occupy, nor the index). Hits
 move a chunk to the recent end of the LRU order; those moves are collected in memory and written in
@@ -26,7 +27,7 @@ The cache trusts the bytes it is given: callers put only chunks they verified ag
 
 Threads: every method blocks (disk I/O and index transactions); in the daemon they run in trio worker
 threads and any number may run at once. ``_lock`` serialises the changes that must agree between files
-and index: rename + record (put), eviction, dropping a rotten entry. Reads take no lock: a read that races
+and index: rename + record (put, put_many), eviction, dropping a rotten entry. Reads take no lock: a read that races
 an eviction sees a missing file and re-checks under ``_lock`` before calling anything rotten.
 ``_counters_lock`` guards the statistics counters and the pending LRU moves.
 """
@@ -39,6 +40,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import xxhash
@@ -164,31 +166,38 @@ class ChunkCache:
 
     def put(self, digest: bytes, data: bytes | memoryview) -> bool:
         """Cache a verified chunk; False when it is larger than the whole cache and so not kept."""
-        size = memoryview(data).nbytes
-        if size > self.max_bytes:
-            return False
-        if self._index.get(digest) is not None:
-            with self._counters_lock:
-                self._pending_touches[digest] = time.time_ns()
-            return True
-        path = self._path(digest)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = os.path.join(os.path.dirname(path), f"{TMP_PREFIX}{secrets.token_hex(8)}")
+        return self.put_many([(digest, data)]) == 1
+
+    def put_many(self, chunks: Iterable[tuple[bytes, bytes | memoryview]]) -> int:
+        """Cache verified chunks: write each new one to a temporary file, then rename them all into place
+        and record them in one index transaction. Returns how many are kept (a chunk larger than the whole
+        cache is not)."""
+        kept = 0
+        written: list[tuple[bytes, str, int, int]] = []  # digest, temporary path, size, checksum
         try:
-            with open(tmp, "xb") as f:
-                f.write(data)
-            with self._lock:
-                os.rename(tmp, path)
-                self._index.put(digest, size, checksum(data), time.time_ns())
-                if self._index.total_bytes > self.max_bytes:
-                    self._evict_locked(self.max_bytes)
+            for digest, data in chunks:
+                size = memoryview(data).nbytes
+                if size > self.max_bytes:
+                    continue
+                kept += 1
+                if self._index.get(digest) is not None:
+                    with self._counters_lock:
+                        self._pending_touches[digest] = time.time_ns()
+                    continue
+                written.append((digest, self._write_temporary(digest, data), size, checksum(data)))
+            if written:
+                with self._lock:
+                    for digest, tmp, _size, _checksum in written:
+                        os.rename(tmp, self._path(digest))
+                    now = time.time_ns()
+                    self._index.put_many((digest, size, xxh3, now) for digest, _tmp, size, xxh3 in written)
+                    if self._index.total_bytes > self.max_bytes:
+                        self._evict_locked(self.max_bytes)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            for _digest, tmp, _size, _checksum in written:  # those renamed already are gone: no harm
+                _unlink_if_present(tmp)
             raise
-        return True
+        return kept
 
     def evict_to(self, max_bytes: int) -> int:
         """Evict least recently used chunks until at most ``max_bytes`` are cached; returns how many."""
@@ -266,8 +275,25 @@ class ChunkCache:
         if touches:
             self._index.touch(touches)
 
-    def _unlink(self, digest: bytes) -> None:
+    def _write_temporary(self, digest: bytes, data: bytes | memoryview) -> str:
+        """Write ``data`` to a new temporary file beside the chunk's place; returns its path."""
+        directory = os.path.dirname(self._path(digest))
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
         try:
-            os.unlink(self._path(digest))
-        except FileNotFoundError:
-            pass
+            with open(tmp, "xb") as f:
+                f.write(data)
+        except BaseException:
+            _unlink_if_present(tmp)
+            raise
+        return tmp
+
+    def _unlink(self, digest: bytes) -> None:
+        _unlink_if_present(self._path(digest))
+
+
+def _unlink_if_present(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

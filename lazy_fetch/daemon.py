@@ -32,8 +32,9 @@ too (FLAG_PREFETCH).
 
 Prefetch. A mount may name a prefetch list (prefetch_list.py, learned from traces). It is checked against
 the layer's blob map before the mount is made, then fetched in the background in groups of
-PREFETCH_GROUP_BYTES at PREFETCH priority, so on-demand reads go first; it stops when the layer's last
-mount goes.
+PREFETCH_GROUP_BYTES at PREFETCH priority, PREFETCH_GROUPS_IN_FLIGHT groups at once (the fetcher reads
+their runs side by side, within its prefetch slots, so on-demand reads go first); it stops when the
+layer's last mount goes.
 
 Persisted state and crashes. ``state_dir/mounts.json`` lists the live mounts, rewritten (atomically) after
 each mount and unmount. A daemon killed with SIGKILL leaves its mounts behind, dead (their FUSE
@@ -72,7 +73,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 
@@ -108,7 +109,11 @@ MOUNT_TABLE = "mounts.json"
 TRACE_DIR = "traces"
 TRACE_SUFFIX = ".dtr"
 TRACE_FLUSH_SECONDS = 5.0  # so a live trace can be read while its mount lives
-PREFETCH_GROUP_BYTES = 4 << 20  # chunk bytes a prefetch asks for at once (and holds in memory)
+# A prefetch asks for its list in groups of this many chunk bytes (one fetch_many each, so neighbours in a
+# pack share GETs), with up to PREFETCH_GROUPS_IN_FLIGHT groups at once: enough store reads queued to keep
+# the fetcher's prefetch slots busy, while at most their product of chunk bytes is held in memory.
+PREFETCH_GROUP_BYTES = 16 << 20
+PREFETCH_GROUPS_IN_FLIGHT = 2
 FETCH_LOG_KEPT = 1 << 16  # store fetches StoreFetchLog remembers: far more than can happen during one read
 
 
@@ -224,14 +229,16 @@ class StoreFetchLog:
     def get(self, digest: bytes) -> bytes | None:
         return self.cache.get(digest)
 
-    def put(self, digest: bytes, data: bytes | memoryview) -> bool:
+    def put_many(self, chunks: Iterable[tuple[bytes, bytes | memoryview]]) -> int:
+        chunks = list(chunks)
         with self._lock:
-            self._count += 1
-            self._fetched[digest] = self._count
-            self._fetched.move_to_end(digest)
-            if len(self._fetched) > FETCH_LOG_KEPT:
-                self._fetched.popitem(last=False)
-        return self.cache.put(digest, data)
+            for digest, _data in chunks:
+                self._count += 1
+                self._fetched[digest] = self._count
+                self._fetched.move_to_end(digest)
+                if len(self._fetched) > FETCH_LOG_KEPT:
+                    self._fetched.popitem(last=False)
+        return self.cache.put_many(chunks)
 
     def mark(self) -> int:
         with self._lock:
@@ -380,6 +387,20 @@ class _Mount:
 def _served_key(mode: str, files: LayerFiles) -> tuple[str, str]:
     """layer_mount shares a kernel-mode blob by blob id and a fuse-mode tree by layer digest."""
     return (mode, files.manifest.blob_id if mode == "kernel" else files.digest)
+
+
+def _prefetch_groups(entries: Iterable[prefetch_list.PrefetchEntry]) -> Iterator[list[prefetch_list.PrefetchEntry]]:
+    """A prefetch list's entries, in order, in groups of at least PREFETCH_GROUP_BYTES (the last may be less)."""
+    group: list[prefetch_list.PrefetchEntry] = []
+    group_bytes = 0
+    for entry in entries:
+        group.append(entry)
+        group_bytes += entry.length
+        if group_bytes >= PREFETCH_GROUP_BYTES:
+            yield group
+            group, group_bytes = [], 0
+    if group:
+        yield group
 
 
 # ---- the daemon ----------------------------------------------------------------------------------------
@@ -694,14 +715,18 @@ class NodeDaemon:
         started = time.monotonic()
         with job.cancel_scope:
             try:
-                group: list[prefetch_list.PrefetchEntry] = []
-                for entry in plist.entries:
-                    group.append(entry)
-                    if sum(e.length for e in group) >= PREFETCH_GROUP_BYTES:
+                window = trio.Semaphore(PREFETCH_GROUPS_IN_FLIGHT)
+
+                async def fetch_group(group: list[prefetch_list.PrefetchEntry]) -> None:
+                    try:
                         await self._prefetch_group(layer, group, job, served)
-                        group = []
-                if group:
-                    await self._prefetch_group(layer, group, job, served)
+                    finally:
+                        window.release()
+
+                async with trio.open_nursery() as nursery:
+                    for group in _prefetch_groups(plist.entries):
+                        await window.acquire()
+                        nursery.start_soon(fetch_group, group)
                 job.state = "done"
             except Exception as exc:
                 job.state = "failed"

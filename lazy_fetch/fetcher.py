@@ -9,13 +9,15 @@ How a request is served:
 - **Single flight.** The first request for a chunk starts a *flight*; requests for the same chunk that
   arrive while it is in the air wait for it and get its result. A failure is delivered to every waiter and
   forgotten: the next request starts a new flight.
-- **Cache, then store.** A flight looks the chunk up in the ChunkCache (in a worker thread). Misses go to
-  the store with ``read_chunks``, which merges the chunks of one call that are neighbours in a pack into
-  one ranged GET, and decompresses and sha256-verifies each before anything else sees it. Verified chunks
-  are put into the cache by the same worker thread, so a fetch whose caller gave up still fills the cache.
-  When a merged read fails on one corrupt chunk, each chunk of it is read alone, so the good ones are
-  still served and only the bad one fails, with an error naming it.
-- **Bounded concurrency with priorities.** At most ``max_concurrent`` store reads run at once, and
+- **Cache, then store.** A flight looks the chunk up in the ChunkCache (in a worker thread). One call's
+  misses are planned into *runs* (``plan_runs``): chunks that are neighbours in a pack, fetched with one
+  ranged GET of at most MAX_READ_BYTES; each run is one *store read*, in a worker thread of its own, and
+  the runs of a call go to the store side by side. A store read decompresses and sha256-verifies each
+  chunk before anything else sees it, and puts the verified chunks into the cache in one batch
+  (``put_many``: one index commit) from the same worker thread, so a fetch whose caller gave up still
+  fills the cache. When a run fails on one corrupt chunk, each chunk of it is read alone, so the good
+  ones are still served and only the bad one fails, with an error naming it.
+- **Bounded concurrency with priorities.** At most ``max_concurrent`` store reads (GETs) run at once, and
   prefetch reads use at most ``prefetch_slots`` of them, so on-demand reads always find a slot soon. Queued
   on-demand reads go before queued prefetch reads; a queued prefetch that an on-demand request joins is
   promoted. A slot is held until the worker thread really ends, so threads stuck in a hung store cannot
@@ -23,8 +25,6 @@ How a request is served:
 - **Timeout.** Each store read (waiting for a slot included) must finish within ``timeout`` seconds, else
   its chunks fail with UnavailableError(transient=True); the worker thread is abandoned (its result, if it
   ever comes, is still cached).
-- **Batches.** One call's misses are split per pack and into batches of at most MAX_BATCH_BYTES of
-  compressed bytes; each batch is one worker-thread call holding one slot, and batches run in parallel.
 
 Metrics: a FetchStats per label (a layer, normally), exported by the daemon's prometheus adapter.
 
@@ -39,14 +39,14 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import trio
 
-from dsec_fs.chunks import ChunkLocation, read_chunk, read_chunks
+from dsec_fs.chunks import ChunkLocation, ChunkRun, plan_runs, read_chunk, read_run
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError
 from dsec_fs.store.base import Store
@@ -55,11 +55,13 @@ from .cache import ChunkCache
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_CONCURRENT = 8
+# Store reads at once. A store answers each GET after a round trip (tens of ms), so reads side by side are
+# what fills the link; by default a quarter of the slots are kept for on-demand reads.
+DEFAULT_MAX_CONCURRENT = 16
 DEFAULT_TIMEOUT = 30.0
 # Compressed bytes per store read: large enough to merge a run of neighbours, small enough that a big
 # request is spread over several slots and its first chunks are not held up by its last.
-MAX_BATCH_BYTES = 16 * 1024 * 1024
+MAX_READ_BYTES = 4 * 1024 * 1024
 # Upper bounds (seconds) of the latency histogram's buckets; the last catches everything.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, math.inf)
 RECENT_LATENCIES = 1024
@@ -86,7 +88,7 @@ class FetchStats:
     coalesced: int = 0  # requests that joined a flight already in the air
     chunks_fetched: int = 0  # chunks read from the store, verified and delivered
     bytes_fetched: int = 0  # their uncompressed bytes
-    store_reads: int = 0  # batches sent to the store (each one or a few ranged GETs)
+    store_reads: int = 0  # runs read from the store (each one ranged GET, unless a corrupt chunk splits it)
     errors: int = 0  # chunks whose fetch failed, for any reason
     corrupt: int = 0  # ... because the store returned bad bytes (CorruptError, IntegrityError)
     timeouts: int = 0  # ... because the store did not answer within the timeout
@@ -113,11 +115,11 @@ class _Flight:
         self.data: bytes | None = None
         self.error: BaseException | None = None
         self.priority = priority
-        self.ticket: _Ticket | None = None  # the store-slot claim of its batch, once it has one
+        self.ticket: _Ticket | None = None  # the store-slot claim of its run, once it has one
 
 
 class _Ticket:
-    """A batch's claim on a store slot."""
+    """A store read's claim on a store slot."""
 
     __slots__ = ("priority", "queued", "granted", "as_prefetch", "event")
 
@@ -224,7 +226,7 @@ class ChunkFetcher:
         prefetch_slots: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ):
-        prefetch_slots = max(1, max_concurrent // 2) if prefetch_slots is None else prefetch_slots
+        prefetch_slots = max(1, max_concurrent * 3 // 4) if prefetch_slots is None else prefetch_slots
         if max_concurrent < 1 or not 0 < prefetch_slots <= max_concurrent:
             raise InputError(f"need 0 < prefetch_slots ({prefetch_slots}) <= max_concurrent ({max_concurrent})",
                              where="chunk fetcher")
@@ -297,23 +299,26 @@ class ChunkFetcher:
         return chunks
 
     async def _fly(self, started: list[tuple[bytes, ChunkLocation, _Flight]], stats: FetchStats) -> None:
-        """Serve new flights: cache lookups, then the store for the misses, in batches run side by side."""
+        """Serve new flights: cache lookups, then the store for the misses, in runs read side by side."""
         try:
             cached = await trio.to_thread.run_sync(self._cache_get_all, [digest for digest, _, _ in started])
-            missed = []
+            missed: dict[bytes, tuple[ChunkLocation, _Flight]] = {}
             for digest, location, flight in started:
                 if digest in cached:
                     stats.hits += 1
                     self._land(digest, flight, data=cached[digest])
                 else:
                     stats.misses += 1
-                    missed.append((digest, location, flight))
+                    missed[digest] = (location, flight)
+            runs = plan_runs(((digest, location) for digest, (location, _) in missed.items()),
+                             max_bytes=MAX_READ_BYTES)
             async with trio.open_nursery() as nursery:
-                for batch in _batches(missed):
-                    ticket = _Ticket(min(flight.priority for _, _, flight in batch))
-                    for _, _, flight in batch:
+                for run in runs:
+                    flights = [missed[digest][1] for digest, _ in run.chunks]
+                    ticket = _Ticket(min(flight.priority for flight in flights))
+                    for flight in flights:
                         flight.ticket = ticket
-                    nursery.start_soon(self._read_batch, batch, ticket, stats)
+                    nursery.start_soon(self._read_run, run, flights, ticket, stats)
         finally:
             # Only when the fetcher shuts down (or on a bug) can a flight still be in the air here;
             # nobody may wait for it forever.
@@ -322,15 +327,15 @@ class ChunkFetcher:
                     self._land(digest, flight, error=UnavailableError(
                         "the chunk fetcher stopped before the chunk arrived", where=f"chunk {to_hex(digest)}"))
 
-    async def _read_batch(self, batch: list[tuple[bytes, ChunkLocation, _Flight]], ticket: _Ticket,
-                          stats: FetchStats) -> None:
-        items = [(digest, location) for digest, location, _ in batch]
+    async def _read_run(self, run: ChunkRun, flights: list[_Flight], ticket: _Ticket, stats: FetchStats) -> None:
+        """One store read: ``run``'s chunks (``flights`` are theirs, in the same order) land when it ends."""
+        items = list(run.chunks)
         started_at = trio.current_time()
         stats.store_reads += 1
         try:
             with trio.fail_after(self.timeout):
                 results = await trio.to_thread.run_sync(
-                    self._read_and_cache, items, abandon_on_cancel=True, limiter=_SlotLimiter(self._slots, ticket)
+                    self._read_and_cache, run, abandon_on_cancel=True, limiter=_SlotLimiter(self._slots, ticket)
                 )
         except trio.TooSlowError:
             stats.timeouts += len(items)
@@ -341,8 +346,8 @@ class ChunkFetcher:
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
-        logged: set[int] = set()  # a whole-batch error is logged once
-        for digest, _location, flight in batch:
+        logged: set[int] = set()  # a whole-run error is logged once
+        for (digest, _location), flight in zip(items, flights):
             result = results[digest]
             if isinstance(result, BaseException):
                 stats.errors += 1
@@ -379,50 +384,29 @@ class ChunkFetcher:
                 found[digest] = data
         return found
 
-    def _read_and_cache(self, items: list[tuple[bytes, ChunkLocation]]) -> dict[bytes, bytes | Exception]:
-        results = self._read(items)
-        for digest, result in results.items():
-            if isinstance(result, bytes):
-                try:
-                    self.cache.put(digest, result)
-                except (DsecError, OSError) as exc:
-                    log.warning("caching chunk %s failed: %s", to_hex(digest), exc)
+    def _read_and_cache(self, run: ChunkRun) -> dict[bytes, bytes | Exception]:
+        results = self._read(run)
+        verified = [(digest, result) for digest, result in results.items() if isinstance(result, bytes)]
+        try:
+            self.cache.put_many(verified)
+        except (DsecError, OSError) as exc:
+            log.warning("caching %d chunks of pack %s failed: %s", len(verified), run.pack_id, exc)
         return results
 
-    def _read(self, items: list[tuple[bytes, ChunkLocation]]) -> dict[bytes, bytes | Exception]:
+    def _read(self, run: ChunkRun) -> dict[bytes, bytes | Exception]:
         try:
-            return dict(read_chunks(self.store, items))
+            return dict(read_run(self.store, run))
         except CorruptError:
-            if len(items) == 1:
+            if len(run.chunks) == 1:
                 raise
         # One bad chunk fails a merged read as a whole: read each chunk alone so the good ones are served.
         results: dict[bytes, bytes | Exception] = {}
-        for digest, location in items:
+        for digest, location in run.chunks:
             try:
                 results[digest] = read_chunk(self.store, digest, location)
             except CorruptError as exc:
                 results[digest] = exc
         return results
-
-
-def _batches(missed: list[tuple[bytes, ChunkLocation, _Flight]]) -> list[list[tuple[bytes, ChunkLocation, _Flight]]]:
-    """Split chunks per pack, in pack order, into batches of at most MAX_BATCH_BYTES compressed bytes."""
-    by_pack: dict[str, list[tuple[bytes, ChunkLocation, _Flight]]] = defaultdict(list)
-    for item in missed:
-        by_pack[item[1].pack_id].append(item)
-    batches = []
-    for chunks in by_pack.values():
-        chunks.sort(key=lambda item: item[1].offset)
-        batch: list[tuple[bytes, ChunkLocation, _Flight]] = []
-        batch_bytes = 0
-        for item in chunks:
-            if batch and batch_bytes + item[1].clen > MAX_BATCH_BYTES:
-                batches.append(batch)
-                batch, batch_bytes = [], 0
-            batch.append(item)
-            batch_bytes += item[1].clen
-        batches.append(batch)
-    return batches
 
 
 def _chunks_name(items: list[tuple[bytes, ChunkLocation]]) -> str:
@@ -440,7 +424,8 @@ async def open_fetcher(
     timeout: float = DEFAULT_TIMEOUT,
 ) -> AsyncIterator[ChunkFetcher]:
     """A ChunkFetcher whose flights run in a nursery of its own; leaving the block cancels the flights
-    still in the air (their waiters get UnavailableError). ``prefetch_slots`` defaults to half the slots."""
+    still in the air (their waiters get UnavailableError). ``prefetch_slots`` defaults to three quarters
+    of the slots."""
     async with trio.open_nursery() as nursery:
         fetcher = ChunkFetcher(store, cache, nursery, max_concurrent=max_concurrent,
                                prefetch_slots=prefetch_slots, timeout=timeout)

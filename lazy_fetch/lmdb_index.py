@@ -118,12 +118,18 @@ class CacheIndex:
 
     def put(self, digest: bytes, size: int, checksum: int, atime: int) -> None:
         """Record a chunk whose file is in place, replacing any previous entry for it."""
+        self.put_many([(digest, size, checksum, atime)])
+
+    def put_many(self, entries: Iterable[tuple[bytes, int, int, int]]) -> None:
+        """Record chunks whose files are in place, each (digest, size, checksum, atime), in one transaction
+        (one commit for a whole batch); each replaces any previous entry for its digest."""
         with self._transaction(write=True) as txn:
-            total = self._total(txn) - self._remove(txn, digest)
-            entry = IndexEntry(size, atime, checksum)
-            txn.put(digest, pack_entry(entry), db=self._entries)
-            txn.put(LRU_KEY.pack(atime, digest), b"", db=self._lru)
-            self._set_total(txn, total + size)
+            total = self._total(txn)
+            for digest, size, checksum, atime in entries:
+                total += size - self._remove(txn, digest)
+                txn.put(digest, pack_entry(IndexEntry(size, atime, checksum)), db=self._entries)
+                txn.put(LRU_KEY.pack(atime, digest), b"", db=self._lru)
+            self._set_total(txn, total)
 
     def touch(self, accesses: Mapping[bytes, int]) -> None:
         """Move each digest's atime forward to the given time; digests no longer indexed are skipped."""

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from dsec_fs import compress
-from dsec_fs.chunks import MERGE_GAP, ChunkIndex, ChunkUploader, read_chunk, read_chunks
+from dsec_fs.chunks import MERGE_GAP, ChunkIndex, ChunkUploader, plan_runs, read_chunk, read_chunks, read_run
 from dsec_fs.digest import sha256
 from dsec_fs.errors import CorruptError, FormatError, IntegrityError, UnavailableError
 from dsec_fs.pack import index_from_pack
@@ -300,3 +300,22 @@ def test_a_corrupt_index_object_is_a_format_error_naming_its_key(store):
     with pytest.raises(FormatError) as info:
         ChunkIndex().load(store)
     assert key in str(info.value)
+
+
+def test_plan_runs_cuts_a_run_at_max_bytes_and_read_run_reads_each(store):
+    chunks = [chunk(n) for n in range(6)]  # neighbours: one run without a limit
+    _, index, _ = upload(store, chunks)
+    wanted = [(sha256(c), index.get(sha256(c))) for c in chunks]
+    assert len(plan_runs(wanted)) == 1
+    frame = max(location.clen for _, location in wanted)
+    runs = plan_runs(wanted, max_bytes=2 * frame)
+    assert [len(run.chunks) for run in runs] == [2, 2, 2]
+    assert all(run.end - run.start <= 2 * frame for run in runs)
+    store.gets.clear()
+    got = {}
+    for run in runs:
+        got.update(read_run(store, run))
+    assert got == {sha256(c): c for c in chunks}
+    assert store.gets["packs"] == 3
+    # A frame longer than the limit still makes a run of its own.
+    assert [len(run.chunks) for run in plan_runs(wanted, max_bytes=1)] == [1] * 6

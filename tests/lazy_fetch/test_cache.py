@@ -105,6 +105,20 @@ def test_rotten_entry_is_dropped_and_reported_as_miss(tmp_path, damage):
         assert cache.get(sha256(data)) == data
 
 
+def test_put_many_records_a_batch(tmp_path):
+    chunks = [chunk(n) for n in range(5)]
+    with ChunkCache(str(tmp_path), 8 * 4096) as cache:
+        cache.put(sha256(chunks[0]), chunks[0])
+        too_big = chunk(99, 9 * 4096)
+        batch = [(sha256(data), data) for data in chunks] + [(sha256(too_big), too_big)]
+        assert cache.put_many(batch) == 5  # the one larger than the cache is not kept
+        assert all(cache.get(sha256(data)) == data for data in chunks)
+        assert cache.get(sha256(too_big)) is None
+        assert (cache.stats().entries, cache.stats().bytes) == (5, 5 * 4096)
+        assert cache.put_many([]) == 0
+    assert_consistent(tmp_path, 8 * 4096)
+
+
 def test_lru_eviction_keeps_under_max_bytes(tmp_path):
     chunks = [chunk(n) for n in range(10)]
     max_bytes = 8 * 4096
@@ -218,7 +232,7 @@ import os, random, signal, sys
 from dsec_fs.digest import sha256
 from lazy_fetch.cache import ChunkCache
 
-directory, max_bytes, crash = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+directory, max_bytes, crash, api = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -244,17 +258,22 @@ rng = random.Random(7)
 for n in range(100000):
     data = random.Random(n % 300).randbytes(rng.randrange(1000, 20000))
     if cache.get(sha256(data)) is None:
-        cache.put(sha256(data), data)
+        if api == "put":
+            cache.put(sha256(data), data)
+        else:  # a batch: this chunk and two more, some perhaps cached already
+            more = [random.Random(n % 300 + k).randbytes(2000) for k in (1, 2)]
+            cache.put_many([(sha256(data), data)] + [(sha256(m), m) for m in more])
     print(n, flush=True)
 """
 
 CRASH_MAX_BYTES = 128 * 1024
 
 
-def run_writer(directory, crash, kill_after=None):
-    """Run WRITER; with ``kill_after``, SIGKILL it once it has done that many operations."""
+def run_writer(directory, crash, kill_after=None, api="put"):
+    """Run WRITER (caching with ``api``: put or put_many); with ``kill_after``, SIGKILL it once it has done
+    that many operations."""
     process = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(directory), str(CRASH_MAX_BYTES), crash],
+        [sys.executable, "-c", WRITER, str(directory), str(CRASH_MAX_BYTES), crash, api],
         stdout=subprocess.PIPE, cwd=PROJECT, env={**os.environ, "PYTHONPATH": PROJECT},
     )
     try:
@@ -271,9 +290,10 @@ def run_writer(directory, crash, kill_after=None):
     assert process.returncode == -signal.SIGKILL
 
 
+@pytest.mark.parametrize("api", ["put", "put_many"])
 @pytest.mark.parametrize("crash", ["before-rename", "after-rename", "mid-eviction"])
-def test_sigkill_at_each_step_leaves_a_consistent_cache(tmp_path, crash):
-    run_writer(tmp_path, crash)
+def test_sigkill_at_each_step_leaves_a_consistent_cache(tmp_path, crash, api):
+    run_writer(tmp_path, crash, api=api)
     stats = assert_consistent(tmp_path, CRASH_MAX_BYTES)
     assert stats.entries > 0
     if crash != "before-rename":  # the kill left an unindexed chunk file, which the reopen removed

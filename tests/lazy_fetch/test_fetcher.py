@@ -204,6 +204,25 @@ def test_error_goes_to_every_waiter_and_is_not_cached(backend, cache):
     assert flaky.calls["get"] == 2
 
 
+def test_runs_of_one_fetch_are_read_side_by_side(backend, cache):
+    # Wanted chunks with unwanted 128 KiB random ones between them: three runs, so three ranged GETs.
+    chunks = [chunk(n, size=4096 if n % 2 == 0 else 128 * 1024) for n in range(5)]
+    wanted = upload(backend, chunks)[::2]
+    gated = GatedStore(counting := CountingStore(backend))
+
+    async def main():
+        async with open_fetcher(gated, cache) as fetcher:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: fetcher.fetch_many(wanted, priority=PREFETCH, label="layer"))
+                await until(lambda: fetcher.store_reads_running == 3)  # all three wait at the gate together
+                gated.gate.set()
+            assert fetcher.stats("layer").store_reads == 3
+
+    trio.run(main)
+    assert counting.calls["get"] == 3
+    assert all(cache.get(digest) == chunks[2 * n] for n, (digest, _) in enumerate(wanted))
+
+
 def test_ondemand_goes_before_queued_prefetch(backend, cache):
     items = upload(backend, [chunk(n) for n in range(4)])
     gated = GatedStore(backend)
