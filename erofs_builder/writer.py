@@ -12,6 +12,8 @@ blob id and size. Images are reproducible: the same tree and blob map give the s
 
 from __future__ import annotations
 
+import hashlib
+
 import os
 import stat
 
@@ -28,6 +30,7 @@ from .tree import Tree
 
 _U64 = (1 << 64) - 1
 BLOB_ID_LENGTH = 64  # hex sha256: fills the 64-byte device tag exactly
+UUID_OFFSET = SB_OFFSET + 0x30  # the superblock's uuid field
 
 
 def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = None) -> bytearray:
@@ -44,6 +47,9 @@ def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = N
     for plan in layout.plans():
         _write_inode(image, layout, plan, blobmap)
     _write_superblock(image, layout, blobmap, blobmap.blob_id if blob_id is None else blob_id)
+    # OverlayFS turns xino off over a lower layer with a null uuid; a uuid derived from the image itself
+    # keeps it on, and keeps the same tree giving the same image.
+    image[UUID_OFFSET:UUID_OFFSET + 16] = hashlib.sha256(image).digest()[:16]
     seal_block0(image, BLOCK_SIZE)
     return image
 
