@@ -13,7 +13,7 @@ from dsec_fs.store import default_store_url
 CHUNK_SIZE_HELP = "chunk size in bytes: a power of two from 4 KiB to 16 MiB"
 
 
-def _human(n: float) -> str:
+def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -21,7 +21,7 @@ def _human(n: float) -> str:
     raise AssertionError
 
 
-def _parse_size(text: str) -> int:
+def parse_size(text: str) -> int:
     """Bytes from '4096', '64K', '1MiB', '2g' (binary units)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     spelled = text.strip().lower().removesuffix("ib").removesuffix("b")
@@ -40,5 +40,5 @@ store_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text")
 
 
-def _emit(as_json: bool, data: dict, text: Callable[[], str]) -> None:
+def emit(as_json: bool, data: dict, text: Callable[[], str]) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else text())

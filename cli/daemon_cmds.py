@@ -27,7 +27,7 @@ import click
 
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV, Node
 
-from .common import _emit, _human, _parse_size, json_option, store_option
+from .common import emit, human_size, parse_size, json_option, store_option
 
 # lazy_fetch.layer_mount's choices, spelled out so that every dsecfs command does not import trio and the
 # FUSE code just to build its help; the daemon checks them again.
@@ -78,8 +78,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
     logging.basicConfig(level=log_level.upper(), filename=log_file,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = DaemonOptions(
-        socket_path=socket_path, state_dir=state_dir, cache_dir=cache_dir, cache_bytes=_parse_size(cache_size),
-        memory_cache_bytes=_parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
+        socket_path=socket_path, state_dir=state_dir, cache_dir=cache_dir, cache_bytes=parse_size(cache_size),
+        memory_cache_bytes=parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
         latency=None if latency is None else latency / 1000, bandwidth=None if bandwidth is None else bandwidth * 1e6,
         fetch_timeout=fetch_timeout, trace=not no_trace)
     sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)
@@ -105,7 +105,7 @@ def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, stor
     node = Node.ensure_running(socket_path, store=store_url, fuse_binding=fuse_binding)
     info = node.mount(layer, directory, mode=mode, store=store_url, prefetch_list=prefetch_list,
                       fuse_binding=fuse_binding)
-    _emit(as_json, vars(info), lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
+    emit(as_json, vars(info), lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
                                        f"mode" + (f"; trace {info.trace}" if info.trace else ""))
 
 
@@ -131,8 +131,8 @@ def status(socket_path: str, as_json: bool) -> None:
         cache = st.cache
         lines = [f"daemon   pid {st.pid}, dsecfs {st.version}, since {st.started}, FUSE {st.fuse_binding}",
                  f"socket   {st.socket}", f"state    {st.state_dir}", f"store    {st.store}",
-                 f"cache    {_human(cache.bytes)} of {_human(cache.max_bytes)} in {cache.entries:,} chunks, "
-                 f"{cache.hits:,} hits, {cache.misses:,} misses (memory: {_human(cache.memory_bytes)}, "
+                 f"cache    {human_size(cache.bytes)} of {human_size(cache.max_bytes)} in {cache.entries:,} chunks, "
+                 f"{cache.hits:,} hits, {cache.misses:,} misses (memory: {human_size(cache.memory_bytes)}, "
                  f"{cache.memory_hits:,} hits)"]
         if st.cleaned:
             lines.append(f"cleaned  {', '.join(st.cleaned)} (left by a daemon that died)")
@@ -140,13 +140,13 @@ def status(socket_path: str, as_json: bool) -> None:
         lines += [f"{m.mountpoint:<40} {m.mode:<6} {m.layer[:12]:<12} {m.ref}" for m in st.mounts]
         lines.append(f"\n{'LAYER':<12} {'MOUNTS':>6} {'USED':>7} {'FETCHED':>10} {'CHUNKS':>7} {'ERRORS':>6}")
         lines += [f"{layer.layer[:12]:<12} {layer.mounts:>6} {layer.fetched_ratio * 100:>6.1f}% "
-                  f"{_human(layer.bytes_fetched):>10} {layer.chunks_fetched:>7,} {layer.fetch_errors:>6,}"
+                  f"{human_size(layer.bytes_fetched):>10} {layer.chunks_fetched:>7,} {layer.fetch_errors:>6,}"
                   for layer in st.layers]
         lines += [f"prefetch {p.layer[:12]} {p.state}: {p.done_chunks:,}/{p.chunks:,} chunks, "
-                  f"{_human(p.done_bytes)}, {p.failed_chunks} failed" for p in st.prefetches]
+                  f"{human_size(p.done_bytes)}, {p.failed_chunks} failed" for p in st.prefetches]
         return "\n".join(lines)
 
-    _emit(as_json, asdict(st), text)
+    emit(as_json, asdict(st), text)
 
 
 @click.group()
@@ -160,7 +160,7 @@ def cache() -> None:
 def cache_stats(socket_path: str, as_json: bool) -> None:
     """Size, entries, hits and misses of the chunk cache (disk and memory)."""
     info = Node(socket_path).cache_stats()
-    _emit(as_json, vars(info), lambda: _cache_text(info))
+    emit(as_json, vars(info), lambda: _cache_text(info))
 
 
 @cache.command("evict")
@@ -170,16 +170,16 @@ def cache_stats(socket_path: str, as_json: bool) -> None:
 @json_option
 def cache_evict(to_size: str, socket_path: str, as_json: bool) -> None:
     """Evict chunks from the cache (disk and memory)."""
-    info = Node(socket_path).cache_evict(_parse_size(to_size))
-    _emit(as_json, vars(info), lambda: f"evicted {info.evicted:,} chunks\n" + _cache_text(info))
+    info = Node(socket_path).cache_evict(parse_size(to_size))
+    emit(as_json, vars(info), lambda: f"evicted {info.evicted:,} chunks\n" + _cache_text(info))
 
 
 def _cache_text(info) -> str:
     return "\n".join([
         f"directory  {info.directory}",
-        f"size       {_human(info.bytes)} of {_human(info.max_bytes)}, {info.entries:,} chunks",
+        f"size       {human_size(info.bytes)} of {human_size(info.max_bytes)}, {info.entries:,} chunks",
         f"lookups    {info.hits:,} hits, {info.misses:,} misses, {info.evictions:,} evicted, {info.rotten:,} rotten",
-        f"memory     {_human(info.memory_bytes)} of {_human(info.memory_max_bytes)}, {info.memory_entries:,} chunks, "
+        f"memory     {human_size(info.memory_bytes)} of {human_size(info.memory_max_bytes)}, {info.memory_entries:,} chunks, "
         f"{info.memory_hits:,} hits, {info.memory_misses:,} misses",
     ])
 
@@ -192,5 +192,5 @@ def _cache_text(info) -> str:
 def prefetch_start(directory: str, prefetch_list: str, socket_path: str, as_json: bool) -> None:
     """Fetch LIST in the background for the layer the node daemon mounted at DIRECTORY."""
     info = Node(socket_path).prefetch(directory, prefetch_list)
-    _emit(as_json, vars(info), lambda: f"prefetching {info.chunks:,} chunks ({_human(info.bytes)}) of layer "
+    emit(as_json, vars(info), lambda: f"prefetching {info.chunks:,} chunks ({human_size(info.bytes)}) of layer "
                                        f"{info.layer[:12]}")

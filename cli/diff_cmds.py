@@ -6,7 +6,7 @@ import click
 
 from dsec_fs.store import open_store
 
-from .common import _emit, json_option, store_option
+from .common import emit, json_option, store_option
 
 
 @click.command()
@@ -21,4 +21,4 @@ def diff(a: str, b: str, store_url: str | None, as_json: bool) -> None:
 
     with open_store(store_url) as store:
         result = diff_layers(store, a, b)
-    _emit(as_json, result.to_dict(), result.text)
+    emit(as_json, result.to_dict(), result.text)

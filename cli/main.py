@@ -16,7 +16,7 @@ from dsec_fs.errors import DsecError, InputError
 from dsec_fs.store import open_store
 
 from . import daemon_cmds, diff_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
-from .common import CHUNK_SIZE_HELP, _emit, _human, _parse_size, json_option, store_option
+from .common import CHUNK_SIZE_HELP, emit, human_size, parse_size, json_option, store_option
 
 class DsecGroup(click.Group):
     """Turns DsecError into one clear line and the error class's exit code."""
@@ -59,7 +59,7 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
 
     if oci_layers and parent:
         raise InputError("--parent builds a directory; --oci-layers builds an image: not both")
-    options = dict(name=ref, chunk_size=_parse_size(chunk_size), lenient=lenient, platform=platform)
+    options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform)
     with open_store(store_url) as store:
         def run(**extra):
             if oci_layers:
@@ -78,7 +78,7 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
     if oci_layers:
         data = {"layers": [{"layer": r.digest, "ref": f"{ref}-l{k}" if ref else None, "stats": r.manifest.stats}
                            for k, r in enumerate(results)], "store": store.url}
-        _emit(as_json, data, lambda: "\n".join(f"layer {k}  {r.digest}" + (f"  ({ref}-l{k})" if ref else "")
+        emit(as_json, data, lambda: "\n".join(f"layer {k}  {r.digest}" + (f"  ({ref}-l{k})" if ref else "")
                                                for k, r in enumerate(results)))
         return
     result = results[0]
@@ -88,18 +88,18 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
     def text() -> str:
         return "\n".join([
             f"files        {stats['files']:>12,}",
-            f"bytes        {_human(stats['bytes']):>12}",
+            f"bytes        {human_size(stats['bytes']):>12}",
             f"chunks       {stats['chunks']:>12,}  ({stats.get('distinct_chunks', 0):,} distinct, "
             f"{stats.get('hole_chunks', 0):,} holes)",
-            f"new          {_human(stats['new_bytes']):>12}  in {stats['new_chunks']:,} chunks, "
-            f"stored as {_human(stats['stored_bytes'])}",
-            f"deduplicated {_human(stats['dedup_bytes']):>12}",
-            *([f"not read     {_human(stats['reused_bytes']):>12}  in {stats['reused_files']:,} files unchanged "
+            f"new          {human_size(stats['new_bytes']):>12}  in {stats['new_chunks']:,} chunks, "
+            f"stored as {human_size(stats['stored_bytes'])}",
+            f"deduplicated {human_size(stats['dedup_bytes']):>12}",
+            *([f"not read     {human_size(stats['reused_bytes']):>12}  in {stats['reused_files']:,} files unchanged "
                f"since the parent"] if parent else []),
             f"layer        {result.digest}" + (f"  ({ref})" if ref else ""),
         ])
 
-    _emit(as_json, data, text)
+    emit(as_json, data, text)
 
 
 @main.command()
@@ -124,13 +124,13 @@ def inspect(layer: str, store_url: str | None, as_json: bool) -> None:
 
     def text() -> str:
         lines = [f"layer       {files.digest}", f"created     {m.created}", f"source      {m.source}",
-                 f"inodes      {image.superblock.inos:,}", f"meta.erofs  {_human(m.meta_size)}",
-                 f"blob        {_human(m.blob_blocks * m.block_size)} (virtual, id {m.blob_id[:16]}...)",
-                 f"chunk size  {_human(m.chunk_size)}", f"packs       {len(m.packs)}"]
+                 f"inodes      {image.superblock.inos:,}", f"meta.erofs  {human_size(m.meta_size)}",
+                 f"blob        {human_size(m.blob_blocks * m.block_size)} (virtual, id {m.blob_id[:16]}...)",
+                 f"chunk size  {human_size(m.chunk_size)}", f"packs       {len(m.packs)}"]
         lines += [f"  {k:<16}{v:,}" if isinstance(v, int) else f"  {k:<16}{v}" for k, v in sorted(m.stats.items())]
         return "\n".join(lines)
 
-    _emit(as_json, data, text)
+    emit(as_json, data, text)
 
 
 @main.command()
@@ -145,7 +145,7 @@ def fsck(layer: str, store_url: str | None, metadata_only: bool, as_json: bool) 
     with open_store(store_url) as store:
         report = fsck_layer(store, layer, check_chunks=not metadata_only)
     data = report.to_dict()
-    _emit(as_json, data, report.summary)
+    emit(as_json, data, report.summary)
     if not report.ok:
         sys.exit(3)
 

@@ -20,7 +20,7 @@ from dsec_fs.client import Node
 from dsec_fs.errors import InputError
 from dsec_fs.sandbox_client import Sandbox
 
-from .common import _emit, _parse_size, json_option, store_option
+from .common import emit, parse_size, json_option, store_option
 from .daemon_cmds import RUNTIMES, socket_option
 
 
@@ -44,7 +44,7 @@ def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name:
     (not all); the stack is toolkits, workspace, base, top first."""
     node = Node.ensure_running(socket_path, store=store_url)
     info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url)
-    _emit(as_json, asdict(info), lambda: f"{info.id} {info.rootfs}")
+    emit(as_json, asdict(info), lambda: f"{info.id} {info.rootfs}")
 
 
 @sandbox.command("exec")
@@ -73,7 +73,7 @@ def exec_(key: str, command: tuple[str, ...], runtime: str | None, env: tuple[st
         variables[name] = value
     result = Sandbox(Node(socket_path), key).exec(
         list(command), env=variables, cwd=cwd, network=network,
-        memory_bytes=None if memory is None else _parse_size(memory), cpus=cpus, pids_limit=pids_limit,
+        memory_bytes=None if memory is None else parse_size(memory), cpus=cpus, pids_limit=pids_limit,
         timeout=timeout, runtime=runtime, stdin=click.get_binary_stream("stdin").read() if with_stdin else None)
     for stream, data in (("stdout", result.stdout), ("stderr", result.stderr)):
         out = click.get_binary_stream(stream)
@@ -106,7 +106,7 @@ def ls(socket_path: str, as_json: bool) -> None:
                   + " ".join(f"{layer.role}={layer.ref}" for layer in i.layers) for i in infos]
         return "\n".join(lines)
 
-    _emit(as_json, {"sandboxes": [asdict(info) for info in infos]}, text)
+    emit(as_json, {"sandboxes": [asdict(info) for info in infos]}, text)
 
 
 @sandbox.command("commit")
@@ -118,4 +118,4 @@ def ls(socket_path: str, as_json: bool) -> None:
 def commit(key: str, ref: str, store_url: str | None, socket_path: str, as_json: bool) -> None:
     """Publish SANDBOX's changes (its upper dir, whiteouts included) as a layer; prints its digest."""
     result = Sandbox(Node(socket_path), key).commit(ref, store=store_url)
-    _emit(as_json, asdict(result), lambda: result.layer)
+    emit(as_json, asdict(result), lambda: result.layer)

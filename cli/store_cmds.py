@@ -9,7 +9,7 @@ import click
 
 from dsec_fs.store import open_store
 
-from .common import _emit, _human, json_option, store_option
+from .common import emit, human_size, json_option, store_option
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?)([smhdw]?)")
@@ -66,7 +66,7 @@ def gc_command(store_url: str | None, grace_seconds: float, dry_run: bool, keep_
     with open_store(store_url) as store:
         report = gc(store, grace_seconds=grace_seconds, dry_run=dry_run, repack_threshold=repack_threshold,
                     keep_unreferenced_layers=keep_unreferenced_layers, blobmap_chunks=blobmap_chunks)
-    _emit(as_json, {"store": store.url, **report.to_dict()}, report.summary)
+    emit(as_json, {"store": store.url, **report.to_dict()}, report.summary)
 
 
 @click.group("store")
@@ -93,9 +93,9 @@ def stats_command(store_url: str | None, as_json: bool) -> None:
             f"layers         {stats['layers']:>12,}   refs {stats['refs']:,}",
             f"chunks         {stats['chunks']:>12,}",
             f"packs          {stats['packs']:>12,}   ({stats['trashed_packs']:,} trashed)",
-            f"logical bytes  {_human(stats['logical_bytes']):>12}",
-            f"unique bytes   {_human(stats['unique_bytes']):>12}   dedup {ratio(stats['dedup_ratio'])}",
-            f"stored bytes   {_human(stats['stored_bytes']):>12}   overall {ratio(stats['storage_ratio'])}",
+            f"logical bytes  {human_size(stats['logical_bytes']):>12}",
+            f"unique bytes   {human_size(stats['unique_bytes']):>12}   dedup {ratio(stats['dedup_ratio'])}",
+            f"stored bytes   {human_size(stats['stored_bytes']):>12}   overall {ratio(stats['storage_ratio'])}",
         ])
 
-    _emit(as_json, stats, text)
+    emit(as_json, stats, text)

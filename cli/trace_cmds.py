@@ -17,7 +17,7 @@ import click
 from dsec_fs.errors import DsecError, InputError
 from dsec_fs.store import open_store
 
-from .common import _human, json_option, store_option
+from .common import human_size, json_option, store_option
 
 TRACE_SUFFIX = ".dtr"
 FLAG_LETTERS = "MBEP"  # miss, blob (kernel mode), error, prefetch: FLAG_* bits 0..3 of a record
@@ -72,7 +72,7 @@ def report_cmd(traces: tuple[str, ...], out_dir: str, store_url: str | None, as_
         return
     for r in report.layers:
         click.echo(f"{r.name:<32} {r.traces:>5} traces  bytes read {r.byte_fraction.median * 100:5.1f}% "
-                   f"(median of {_human(r.layer_bytes)})  files {r.file_fraction.median * 100:5.1f}%  "
+                   f"(median of {human_size(r.layer_bytes)})  files {r.file_fraction.median * 100:5.1f}%  "
                    f"stalled {r.stalled_ms.median:,.1f} ms")
     for note in report.notes:
         click.echo(f"note: {note}")
@@ -108,7 +108,7 @@ def ls_cmd(paths: tuple[str, ...], as_json: bool) -> None:
                    f"{'WAIT MS':>9} {'DURATION':>10}")
         for row in rows:
             click.echo(f"{row['path']:<40} {row['layer'][:12]:<12} {row['role'] or '-':<9} {row['mode']:<6} "
-                       f"{row['records']:>7,} {_human(row['bytes_requested']):>10} {row['misses']:>6,} "
+                       f"{row['records']:>7,} {human_size(row['bytes_requested']):>10} {row['misses']:>6,} "
                        f"{row['wait_ms']:>9,.1f} {row['duration_ms']:>8,.0f}ms"
                        + ("  truncated" if row["truncated"] else ""))
     if failures:
@@ -197,5 +197,5 @@ def build_cmd(traces: tuple[str, ...], out_path: str, min_fraction: float, store
     if as_json:
         click.echo(json.dumps(data, indent=2))
     else:
-        click.echo(f"{len(plist.entries):,} chunks ({_human(plist.bytes)}) of layer {plist.layer[:12]}, learned from "
+        click.echo(f"{len(plist.entries):,} chunks ({human_size(plist.bytes)}) of layer {plist.layer[:12]}, learned from "
                    f"{plist.traces} traces, written to {out_path}")
