@@ -17,6 +17,10 @@ import zstandard
 from .errors import CorruptError
 
 DEFAULT_LEVEL = 3
+# The most a zstd frame can expand: its densest block is an RLE block, 4 bytes (3 of header, 1 of content)
+# standing for at most 128 KiB. A frame declaring more than this many bytes per byte of its own is lying.
+# zstandard allocates the declared size before decompressing, so this is checked first.
+MAX_EXPANSION = (128 << 10) // 4
 
 _local = threading.local()
 
@@ -55,6 +59,8 @@ def decompress(frame: bytes | memoryview, expected_size: int, *, what: str) -> b
         raise CorruptError(
             f"zstd frame declares {params.content_size} bytes, index says {expected_size}", where=what
         )
+    if expected_size > MAX_EXPANSION * len(frame):
+        raise CorruptError(f"a zstd frame of {len(frame)} bytes cannot hold {expected_size} bytes", where=what)
     try:
         out = _decompressor().decompress(frame, max_output_size=expected_size)
     except zstandard.ZstdError as exc:

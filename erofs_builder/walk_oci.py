@@ -185,10 +185,18 @@ class _Archive:
         self._members: dict[str, tuple[int, int]] = {}  # name -> (data offset, size)
         try:
             with tarfile.open(path, "r:") as archive:
+                previous = -1  # offset of the previous member's header
                 for member in archive:
+                    # A negative size field sends tarfile back to an earlier header: it would loop forever.
+                    if member.size < 0 or member.offset <= previous:
+                        raise InputError(f"member {member.name[:64]!r} at offset {member.offset} has a negative size",
+                                         where=path)
+                    previous = member.offset
                     if member.isreg() and not member.sparse:
                         self._members[_clean_name(member.name)] = (member.offset_data, member.size)
-        except (tarfile.TarError, OSError) as exc:
+        except (tarfile.TarError, OSError, ValueError, OverflowError) as exc:
+            # tarfile seeks past a member's data by its size field: a huge one is a ValueError or
+            # OverflowError from the seek, not a TarError.
             raise InputError(f"not a readable (uncompressed) tar archive: {exc}", where=path) from None
 
     def size(self, name: str) -> int | None:
@@ -223,6 +231,8 @@ class _Source:
     def existing_size(self, name: str, where: str) -> int:
         if ".." in name.split("/") or name.startswith("/"):
             raise InputError(f"file name {name!r} leaves the image", where=where)
+        if "\0" in name:
+            raise InputError(f"file name {name!r} contains NUL", where=where)
         size = self.size(name)
         if size is None:
             raise InputError("missing from the image", where=where)
@@ -258,7 +268,7 @@ class _Source:
                 data = blob.read()
         try:
             return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise InputError(f"not valid JSON: {exc}", where=where) from None
 
 

@@ -69,6 +69,9 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 1 << 16
 RESERVED_XATTR_PREFIXES = (b"trusted.overlay.", b"user.overlay.")
 _SKIP_PIECE = 1 << 20  # bytes per read when skipping data
+# PAX numbers are decimal text of any length; every field we read fits in 20 digits. Longer text is refused
+# before int() sees it (Python refuses over 4300 digits with ValueError, and converting is quadratic).
+MAX_DECIMAL_DIGITS = 40
 
 REGULAR_TYPES = (b"0", b"\0", b"7")  # '7' (contiguous file) is a regular file everywhere
 HEADER_ONLY_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # their size field must be 0 (see _read_member)
@@ -518,8 +521,9 @@ def _padding(size: int) -> int:
 
 
 def _pax_decimal(value: bytes, what: str, where: str, error: type[InputError] = MemberError) -> int:
-    if not value.isdigit():
-        raise error(f"PAX {what} is not a decimal number: {value[:40]!r}", where=where)
+    if not value.isdigit() or len(value) > MAX_DECIMAL_DIGITS:
+        raise error(f"PAX {what} is not a decimal number of at most {MAX_DECIMAL_DIGITS} digits: {value[:40]!r}",
+                    where=where)
     return int(value)
 
 
@@ -718,8 +722,9 @@ def _mtime_ns(member: _Member) -> int:
         ns = member.header.mtime * 1_000_000_000
     else:
         seconds, _, fraction = value.removeprefix(b"-").partition(b".")
-        if not seconds.isdigit() or (fraction and not fraction.isdigit()):
-            raise MemberError(f"PAX mtime is not a decimal number: {value[:40]!r}", where=member.where)
+        if not seconds.isdigit() or (fraction and not fraction.isdigit()) or len(seconds) > MAX_DECIMAL_DIGITS:
+            raise MemberError(f"PAX mtime is not a decimal number of at most {MAX_DECIMAL_DIGITS} digits: "
+                              f"{value[:40]!r}", where=member.where)
         ns = int(seconds) * 1_000_000_000 + int(fraction[:9].ljust(9, b"0"))
         ns = -ns if value.startswith(b"-") else ns
     if not -(1 << 63) <= ns // 1_000_000_000 < 1 << 63:  # EROFS stores 64-bit seconds

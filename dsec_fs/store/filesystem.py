@@ -50,9 +50,15 @@ class FilesystemStore(Store):
         path = self._path(key)
         try:
             with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
                 # An empty read past the end is a range past the end too (the same answer as S3's 416).
-                if not length and offset > os.fstat(f.fileno()).st_size:
+                if not length and offset > size:
                     raise CorruptError(f"offset {offset} is past the end", where=f"{self.url}/{key}")
+                # Refused before reading: the range may come from a corrupt pack index, and pread would
+                # allocate all of ``length`` (or overflow on an offset past 2**63) first.
+                if length and offset + length > size:
+                    raise CorruptError(f"range [{offset}, {offset + length}) runs past the end ({size})",
+                                       where=f"{self.url}/{key}")
                 if length is None:
                     f.seek(offset)
                     return f.read()
