@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import click
 
@@ -37,13 +36,6 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-def blobmap_chunks(data: bytes, source: str) -> Iterator[bytes]:
-    """The chunk digests a layer's blob map names: what dsec_fs.gc needs to know to repack."""
-    from erofs_builder.blobmap import BlobMap
-
-    return (digest for _blkaddr, digest, _length in BlobMap.decode(data, source=source).entries)
-
-
 @click.command("gc")
 @store_option
 @click.option("--grace", "grace_seconds", type=Duration(), default="24h", show_default=True,
@@ -65,7 +57,7 @@ def gc_command(store_url: str | None, grace_seconds: float, dry_run: bool, keep_
 
     with open_store(store_url) as store:
         report = gc(store, grace_seconds=grace_seconds, dry_run=dry_run, repack_threshold=repack_threshold,
-                    keep_unreferenced_layers=keep_unreferenced_layers, blobmap_chunks=blobmap_chunks)
+                    keep_unreferenced_layers=keep_unreferenced_layers)
     emit(as_json, {"store": store.url, **report.to_dict()}, report.summary)
 
 

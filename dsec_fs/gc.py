@@ -69,6 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import compress
+from .blobmap import BlobMap
 from .chunks import DEFAULT_PACK_TARGET, ChunkIndex, ChunkLocation, ChunkUploader, read_chunks
 from .digest import is_hex_digest, sha256, to_hex
 from .errors import CorruptError, DsecError, InputError, IntegrityError, NotFoundError, UnsupportedError
@@ -88,7 +89,6 @@ TEMP_FILE_MIN_AGE = 3600.0
 
 # Given the bytes of a layer's blob map and its key: the digests of the chunks it names (CorruptError if
 # malformed). The blob map format belongs to erofs_builder, which dsec_fs may not import.
-BlobmapChunks = Callable[[bytes, str], Iterable[bytes]]
 
 
 @dataclass
@@ -154,13 +154,11 @@ def gc(
     dry_run: bool = False,
     repack_threshold: float = 0.5,
     keep_unreferenced_layers: bool = False,
-    blobmap_chunks: BlobmapChunks | None = None,
     lease_max_age: float = DEFAULT_MAX_AGE,
     pack_target: int = DEFAULT_PACK_TARGET,
 ) -> GcReport:
-    """Collect garbage in ``store`` (see the module docstring). ``blobmap_chunks`` reads a layer's blob map;
-    without it, nothing is repacked. ConflictError if another gc is running; with ``dry_run`` nothing is
-    written, not even the gc lock."""
+    """Collect garbage in ``store`` (see the module docstring). ConflictError if another gc is running;
+    with ``dry_run`` nothing is written, not even the gc lock."""
     if grace_seconds < 0:
         raise InputError(f"grace period must not be negative, got {grace_seconds}", where="gc")
     if not 0 <= repack_threshold <= 1:
@@ -170,7 +168,7 @@ def gc(
     try:
         with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="gc-read") as pool:
             _Run(store, report, pool, grace=grace_seconds, repack_threshold=repack_threshold,
-                 keep_unreferenced_layers=keep_unreferenced_layers, blobmap_chunks=blobmap_chunks,
+                 keep_unreferenced_layers=keep_unreferenced_layers,
                  lease_max_age=lease_max_age, pack_target=pack_target).run()
     finally:
         if lock is not None:
@@ -235,15 +233,14 @@ class _Run:
     """One gc run: the listings, the mark, then the sweep. Used once, by the thread that called gc()."""
 
     def __init__(self, store: Store, report: GcReport, pool: ThreadPoolExecutor, *, grace: float,
-                 repack_threshold: float, keep_unreferenced_layers: bool, blobmap_chunks: BlobmapChunks | None,
+                 repack_threshold: float, keep_unreferenced_layers: bool,
                  lease_max_age: float, pack_target: int):
         self.store = store
         self.report = report
         self.pool = pool
         self.grace = grace
-        self.repack_threshold = repack_threshold if blobmap_chunks is not None else 0.0
+        self.repack_threshold = repack_threshold
         self.keep_unreferenced_layers = keep_unreferenced_layers
-        self.blobmap_chunks = blobmap_chunks
         self.lease_max_age = lease_max_age
         self.pack_target = pack_target
         self.dry_run = report.dry_run
@@ -392,7 +389,7 @@ class _Run:
     def _layer_chunks(self, layer: _Layer) -> set[bytes] | None:
         key = keys.layer_blobmap(layer.digest)
         try:
-            return set(self.blobmap_chunks(self.store.get(key), key))
+            return {digest for _blkaddr, digest, _length in BlobMap.decode(self.store.get(key), source=key).entries}
         except DsecError as exc:
             self.report.problems.append(f"{key}: {exc}; its packs are not repacked")
             return None

@@ -7,7 +7,6 @@ submodule (e.g. ``erofs_builder.tree``) does not pull in the whole builder.
     build_tree(tree, store, *, name=None, chunk_size=1 << 20, progress=None, workers=None, source="")
     walk_directory(root) -> Tree
     chunk_tree(tree, uploader, index, *, chunk_size=1 << 20, workers=None, progress=None) -> (BlobMap, ChunkStats)
-    BlobMap.decode(data, *, source) -> BlobMap
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ _EXPORTS = {
     "walk_directory": ".walk_dir",
     "chunk_tree": ".chunker",
     "ChunkStats": ".chunker",
-    "BlobMap": ".blobmap",
     "Node": ".tree",
     "Tree": ".tree",
 }

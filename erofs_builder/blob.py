@@ -28,7 +28,7 @@ from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from .blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 
 DEFAULT_CACHE_BYTES = 64 << 20  # a few chunks: enough that sequential small reads fetch each chunk once
 # Chunk bytes per read_chunks call for bulk readers (export, fsck): large enough that neighbouring frames

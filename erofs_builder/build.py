@@ -53,7 +53,7 @@ from dsec_fs.leases import Lease
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from .blobmap import BLOCK_SIZE, check_chunk_size
+from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
 from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, blob_map_of, regular_files
 from .incremental import ParentLayer, encode_buildinfo
 from .tree import Node, Tree

@@ -40,7 +40,7 @@ from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256
 from dsec_fs.errors import InputError
 
-from .blobmap import BlobMap, check_chunk_size
+from dsec_fs.blobmap import BlobMap, check_chunk_size
 from .tree import Node, Tree
 
 DEFAULT_CHUNK_SIZE = 1 << 20

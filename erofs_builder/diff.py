@@ -44,7 +44,7 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .blob import StoreBlob
-from .blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from .ondisk.chunk_index import BLOB_DEVICE_ID, HOLE
 from .ondisk.inode import LAYOUT_CHUNK_BASED
 from .reader import ErofsImage, Stat

@@ -35,7 +35,7 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .blob import BATCH_BYTES, Blob, chunk_batches
-from .blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from .ondisk.chunk_index import BLOB_DEVICE_ID, HOLE
 from .ondisk.inode import LAYOUT_CHUNK_BASED
 from .reader import ErofsImage

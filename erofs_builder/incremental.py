@@ -51,7 +51,7 @@ from dsec_fs.layer import open_layer
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from .blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from .ondisk import INODE_SLOT_SIZE, chunk_index, dirent, inode, xattr
 from .ondisk.superblock import Superblock
 from .reader import ErofsImage

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from dsec_fs.errors import InputError, UnsupportedError
 
-from . import blobmap
+from dsec_fs import blobmap
 from .ondisk import BLKSZBITS, BLOCK_SIZE, EROFS_NULL_ADDR, INODE_SLOT_SIZE, chunk_index, dirent, inode, xattr
 from .ondisk.device_slot import SLOT_SIZE
 from .ondisk.superblock import SB_OFFSET, SUPERBLOCK

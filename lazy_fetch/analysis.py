@@ -50,7 +50,7 @@ from dsec_fs.digest import is_hex_digest, to_hex
 from dsec_fs.errors import FormatError, InputError, NotFoundError
 from dsec_fs.layer import open_layer
 from dsec_fs.store.base import Store
-from erofs_builder.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from erofs_builder.ondisk.chunk_index import BLOB_DEVICE_ID, HOLE
 from erofs_builder.ondisk.inode import LAYOUT_CHUNK_BASED
 from erofs_builder.reader import ErofsImage

@@ -21,7 +21,7 @@ from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, FormatError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
-from erofs_builder.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 
 from .fetcher import ONDEMAND, ChunkFetcher, Priority
 

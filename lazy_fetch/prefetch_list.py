@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from dsec_fs.digest import from_hex, is_hex_digest, short, to_hex
 from dsec_fs.errors import FormatError, InputError, IntegrityError, UnsupportedError
 from dsec_fs.layer import utc_now
-from erofs_builder.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
+from dsec_fs.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
 
 FORMAT = "dsecfs-prefetch-list"
 VERSION = 1

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from click.testing import CliRunner
 
-from cli.store_cmds import blobmap_chunks, gc_command, parse_duration, store_group
+from cli.store_cmds import gc_command, parse_duration, store_group
 from dsec_fs.errors import ConflictError, CorruptError, InputError
 from dsec_fs.gc import gc
 from dsec_fs.layer import delete_ref, list_refs, open_layer, publish_layer, set_ref
@@ -51,7 +51,7 @@ def build(store, root, files: dict[str, bytes], name: str | None = None) -> str:
 
 def run_gc(store, **options):
     options.setdefault("grace_seconds", 0)
-    return gc(store, blobmap_chunks=blobmap_chunks, **options)
+    return gc(store, **options)
 
 
 def pack_ids(store, prefix: str) -> set[str]:
@@ -334,16 +334,6 @@ def test_repacking_a_sparse_pack_shrinks_the_store_and_keeps_layers_whole(any_st
     assert stored_after < stored_before - 6 * 4 * CHUNK
     assert_all_layers_ok(store)
     assert run_gc(store).repacked.packs == 0
-
-
-def test_nothing_is_repacked_without_a_blob_map_reader(store, tmp_path):
-    big = {f"big/{i}": random_bytes(200 + i, 4 * CHUNK) for i in range(8)}
-    build(store, tmp_path / "a", big, "t/a")
-    build(store, tmp_path / "b", {"big/0": big["big/0"]}, "t/b")
-    delete_ref(store, "t/a")
-    report = gc(store, grace_seconds=0)
-    assert report.repacked.packs == 0 and report.trashed.packs == 0
-    assert_all_layers_ok(store)
 
 
 def test_old_temporary_files_of_a_filesystem_store_are_removed(store, tmp_path):

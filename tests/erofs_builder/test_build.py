@@ -17,7 +17,7 @@ from dsec_fs.layer import open_layer, resolve
 from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer, build_tree, walk_directory
-from erofs_builder.blobmap import BLOCK_SIZE, BlobMap
+from dsec_fs.blobmap import BLOCK_SIZE, BlobMap
 
 CHUNK = 4096
 

@@ -16,7 +16,7 @@ from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
 from erofs_builder.blob import FileBlob
-from erofs_builder.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from erofs_builder.export import export_layer, extract_image, extract_layer
 from erofs_builder.reader import ErofsImage
 from test_reader import CHUNK, build, make_source, mkfs, needs_mkfs, rich, write  # noqa: F401 (rich: a fixture)

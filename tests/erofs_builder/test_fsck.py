@@ -18,7 +18,7 @@ from dsec_fs.errors import NotFoundError
 from dsec_fs.layer import open_layer, publish_layer
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder.blob import FileBlob
-from erofs_builder.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from erofs_builder.fsck import fsck_image, fsck_layer
 from erofs_builder.ondisk.superblock import SB_OFFSET, seal_block0
 from erofs_builder.reader import ErofsImage

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from dsec_fs.digest import sha256
 from dsec_fs.errors import CorruptError, UnavailableError
 from dsec_fs.mounts import is_mountpoint, mount_erofs, mounted_erofs, umount
-from erofs_builder.blobmap import BLOCK_SIZE, BlobMap
+from dsec_fs.blobmap import BLOCK_SIZE, BlobMap
 from erofs_builder.tree import Tree
 from erofs_builder.walk_dir import walk_directory
 from erofs_builder.writer import write_image

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from dsec_fs.digest import sha256
 from dsec_fs.errors import FormatError, InputError, UnsupportedError
-from erofs_builder.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from erofs_builder.layout import INODE_AREA_START, plan_layout
 from erofs_builder.ondisk import BLOCK_SIZE, EROFS_NULL_ADDR, chunk_index, dirent, xattr
 from erofs_builder.ondisk.device_slot import DeviceSlot

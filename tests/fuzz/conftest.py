@@ -21,7 +21,7 @@ import pytest
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from erofs_builder.blob import FileBlob
-from erofs_builder.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from erofs_builder.build import build_tree
 from erofs_builder.export import export_layer
 from erofs_builder.tree import Node, Tree, make_dir

@@ -46,7 +46,7 @@ from dsec_fs.pack import PACK_TRAILER, PackWriter, decode_index, encode_index, i
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.base import check_key
 from erofs_builder.blob import FileBlob, StoreBlob
-from erofs_builder.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from erofs_builder.fsck import fsck_image, fsck_layer
 from erofs_builder.incremental import _ENTRY as BUILDINFO_ENTRY
 from erofs_builder.incremental import _HEADER as BUILDINFO_HEADER

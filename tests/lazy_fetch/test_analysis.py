@@ -17,7 +17,7 @@ from dsec_fs.errors import FormatError, NotFoundError
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
-from erofs_builder.blobmap import BLOCK_SIZE, BlobMap
+from dsec_fs.blobmap import BLOCK_SIZE, BlobMap
 from erofs_builder.ondisk.chunk_index import HOLE
 from erofs_builder.reader import ErofsImage
 from lazy_fetch.analysis import CHUNK_SIZES, LayerIndex, analyze

@@ -33,7 +33,8 @@ from dsec_fs.layer import LayerFiles, open_layer
 from dsec_fs.mounts import umount
 from dsec_fs.pack import decode_index
 from dsec_fs.store import FilesystemStore, keys, open_store
-from erofs_builder import BlobMap, build_layer
+from dsec_fs.blobmap import BlobMap
+from erofs_builder import build_layer
 from erofs_builder.ondisk.chunk_index import HOLE
 from erofs_builder.reader import ErofsImage
 from lazy_fetch.trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, read_trace

@@ -20,7 +20,8 @@ from treecmp import assert_same_tree, snapshot
 
 from dsec_fs.layer import open_layer
 from dsec_fs.store import open_store
-from erofs_builder import BlobMap, build_layer
+from dsec_fs.blobmap import BlobMap
+from erofs_builder import build_layer
 from lazy_fetch import prefetch_list
 from lazy_fetch.prefetch_list import ChunkUse
 

@@ -10,7 +10,7 @@ from test_analysis import CHUNK, CHUNK_BYTES, WORKLOAD, Read, layers, write_trac
 
 from dsec_fs.digest import sha256
 from dsec_fs.errors import FormatError, InputError, IntegrityError, UnsupportedError
-from erofs_builder.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap
 from lazy_fetch.analysis import learn_prefetch_list
 from lazy_fetch.prefetch_list import ChunkUse, Wait, evaluate, learn, load, save
 

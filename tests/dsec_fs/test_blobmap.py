@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsec_fs.errors import FormatError, InputError, NotFoundError
-from erofs_builder.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
+from dsec_fs.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
 
 SOURCE = "layers/test/blobmap"
 

@@ -26,8 +26,8 @@ import bisect
 import hashlib
 import struct
 
-from dsec_fs.digest import DIGEST_SIZE, short
-from dsec_fs.errors import FormatError, InputError, NotFoundError, UnsupportedError
+from .digest import DIGEST_SIZE, short
+from .errors import FormatError, InputError, NotFoundError, UnsupportedError
 
 MAGIC = b"DSECBMAP"
 VERSION = 1
