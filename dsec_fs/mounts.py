@@ -26,6 +26,13 @@ from collections.abc import Iterator, Sequence
 from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError, UnsupportedError
 
 MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000  # attach an existing directory tree at a second place
+# Layers are mounted read-only, and an image's setuid bits and device nodes give nobody anything: not a
+# user of the host who can reach the mountpoint, not a sandbox (its overlay root is nosuid,nodev too).
+LAYER_FLAGS = MS_RDONLY | MS_NOSUID | MS_NODEV
 MNT_DETACH = 0x2  # umount2: detach now, finish when the last user goes away
 
 PathLike = str | bytes | os.PathLike
@@ -81,11 +88,12 @@ def erofs_options(blob_paths: Sequence[PathLike]) -> str:
 
 
 def mount_erofs(meta_path: PathLike, mountpoint: PathLike, blob_paths: Sequence[PathLike]) -> None:
-    """Mount the EROFS image file ``meta_path`` read-only, its extra devices backed by ``blob_paths``.
+    """Mount the EROFS image file ``meta_path`` read-only, nosuid, nodev, its extra devices backed by
+    ``blob_paths``.
 
     The number of blobs must equal the image's extra_devices (else the kernel says EINVAL).
     """
-    mount(os.path.abspath(os.fsdecode(meta_path)), mountpoint, "erofs", MS_RDONLY, erofs_options(blob_paths))
+    mount(os.path.abspath(os.fsdecode(meta_path)), mountpoint, "erofs", LAYER_FLAGS, erofs_options(blob_paths))
 
 
 def _unescape(field: bytes) -> bytes:
@@ -124,5 +132,5 @@ def mounted(source: PathLike, target: PathLike, fstype: str, flags: int = 0,
 def mounted_erofs(meta_path: PathLike, mountpoint: PathLike,
                   blob_paths: Sequence[PathLike]) -> contextlib.AbstractContextManager[str]:
     """``mount_erofs(...)`` for the duration of a with-block; yields the mountpoint; always unmounts."""
-    return mounted(os.path.abspath(os.fsdecode(meta_path)), mountpoint, "erofs", MS_RDONLY,
+    return mounted(os.path.abspath(os.fsdecode(meta_path)), mountpoint, "erofs", LAYER_FLAGS,
                    erofs_options(blob_paths))

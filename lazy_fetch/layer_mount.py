@@ -71,7 +71,6 @@ log = logging.getLogger(__name__)
 DEFAULT_STATE_DIR = "/run/dsecfs"
 MODES = ("kernel", "fuse")
 BINDINGS = ("pyfuse3", "fusepy")
-MS_BIND = 0x1000  # mount(2): attach an existing directory tree at a second place
 
 
 @dataclass(frozen=True)
@@ -84,11 +83,10 @@ class LayerMount:
 
 def fuse_options() -> list[str]:
     """libfuse mount options for the session: read-only, permission checks by the kernel, and visible to
-    every user (sandboxes run as other uids) when this process may allow that. As root, setuid bits and
-    device nodes work as they do on a kernel-mode mount (libfuse mounts nosuid,nodev unless told)."""
+    every user (sandboxes run as other uids) when this process may allow that. libfuse mounts nosuid,nodev,
+    as kernel-mode layers are (dsec_fs.mounts.LAYER_FLAGS): an image's setuid bits and device nodes give
+    no one on the host anything."""
     options = ["fsname=dsecfs", "subtype=dsecfs", "ro", "default_permissions"]
-    if os.geteuid() == 0:
-        options += ["suid", "dev"]
     if _allow_other_permitted():
         options.append("allow_other")
     return options
@@ -165,7 +163,7 @@ class LayerMounter:
                 tree = LayerTree(ErofsImage(layer.meta, source=keys.layer_meta(layer.digest)), blob)
                 await self._retain(("tree", layer.digest), undo, self.session.add_layer, layer.digest, tree)
                 await trio.to_thread.run_sync(mounts.mount, self.layer_path(layer.digest), mountpoint, "none",
-                                              MS_BIND)
+                                              mounts.MS_BIND)
             undo.pop_all()
         self._mounts[mountpoint] = mount
         return mount
@@ -254,7 +252,7 @@ async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "py
     """Own ``state_dir``, serve its FUSE session as a task of the calling trio loop, and yield a
     LayerMounter; on exit unmount every layer, then the session. One per process (one FUSE session)."""
     serve = _serve_function(binding)
-    os.makedirs(state_dir, mode=0o755, exist_ok=True)
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)  # layers and blobs below are the node's, not its users'
     lock_fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         try:
@@ -296,7 +294,7 @@ def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str) -> None
     files directly anyway), so a refused mount is tried again without it; a real problem fails again."""
     options = mounts.erofs_options([blob_path])
     try:
-        mounts.mount(meta_path, mountpoint, "erofs", mounts.MS_RDONLY, f"{options},directio")
+        mounts.mount(meta_path, mountpoint, "erofs", mounts.LAYER_FLAGS, f"{options},directio")
     except DsecError as exc:
         mounts.mount_erofs(meta_path, mountpoint, [blob_path])
         log.warning("mounted %s without directio, which the kernel refused: %s", mountpoint, exc)
@@ -307,6 +305,6 @@ def _reset_state(mounter: LayerMounter) -> None:
     Safe because the caller holds the state directory's lock."""
     if mounts.is_mountpoint(mounter.fuse_dir):
         mounts.umount(mounter.fuse_dir, lazy=True)
-    os.makedirs(mounter.fuse_dir, mode=0o755, exist_ok=True)
+    os.makedirs(mounter.fuse_dir, mode=0o700, exist_ok=True)
     shutil.rmtree(mounter.meta_dir, ignore_errors=True)
-    os.makedirs(mounter.meta_dir, mode=0o755)
+    os.makedirs(mounter.meta_dir, mode=0o700)

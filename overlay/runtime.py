@@ -389,7 +389,8 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 O_PATH = getattr(os, "O_PATH", 0o10000000)
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 0x2, 0x4, 0x8, 0x20, 0x1000, 0x4000
+MS_NOEXEC, MS_REC = 0x8, 0x4000
+MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = mounts.MS_NOSUID, mounts.MS_NODEV, mounts.MS_REMOUNT, mounts.MS_BIND
 DEVICE_NODES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
 DEVICE_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
                 "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx"}

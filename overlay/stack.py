@@ -28,6 +28,11 @@ Mount options (Linux 6.18), fixed because commit depends on them:
   cheaper; after a crash the upper dir may have lost writes, and OverlayFS refuses to mount the same work
   dir again (the sandbox is thrown away anyway).
 
+Mount flags ``nosuid,nodev``: a sandbox's root honours no setuid bit and no device node of an image (or
+of its upper dir). Commands run with no_new_privs anyway, and the runtime mounts its own /dev over the
+root; without nodev an image's device node opens wherever no devices cgroup stops it (the namespaces
+runtime). OverlayFS checks the flags of its own mount, not those of the layers under it.
+
 Paths: mount(2) data is split at ',' and lowerdir at ':'; OverlayFS accepts both (and '\\') escaped with
 a backslash, so any path works. The data must fit one page (4096 bytes with the terminating NUL); a stack
 that does not fit is refused with InputError (keep layer mountpoints short).
@@ -51,8 +56,7 @@ from dsec_fs.errors import InputError, NotFoundError, UnavailableError, Unsuppor
 from erofs_builder.tree import Tree
 from erofs_builder.walk_dir import walk_directory
 
-MS_REMOUNT = 0x20
-MS_BIND = 0x1000
+STACK_FLAGS = mounts.MS_NOSUID | mounts.MS_NODEV  # see the module docstring
 MAX_LOWERS = 500  # the kernel's OVL_MAX_STACK
 MOUNT_DATA_MAX = os.sysconf("SC_PAGE_SIZE") - 1  # mount(2) copies one page, NUL included
 
@@ -117,19 +121,20 @@ def mount_stack(lowers: Sequence[str | os.PathLike], upper_dir: str | os.PathLik
     target = _existing_dir(target, "stack target")
     if upper_dir is None:
         if len(lowers) == 1:
-            mounts.mount(lowers[0], target, "", MS_BIND)
+            mounts.mount(lowers[0], target, "", mounts.MS_BIND)
             try:
-                mounts.mount("none", target, "", MS_BIND | MS_REMOUNT | mounts.MS_RDONLY)
+                mounts.mount("none", target, "", mounts.MS_BIND | mounts.MS_REMOUNT | mounts.MS_RDONLY | STACK_FLAGS)
             except BaseException:
                 mounts.umount(target, lazy=True)
                 raise
             return
-        mounts.mount("overlay", target, "overlay", mounts.MS_RDONLY, stack_mount_data(lowers, None, None, options))
+        mounts.mount("overlay", target, "overlay", mounts.MS_RDONLY | STACK_FLAGS,
+                     stack_mount_data(lowers, None, None, options))
         return
     upper, work = _existing_dir(upper_dir, "upper dir"), _existing_dir(work_dir, "work dir")
     if os.stat(upper).st_dev != os.stat(work).st_dev:
         raise InputError("the upper and work dirs must be on one filesystem", where=f"{upper}, {work}")
-    mounts.mount("overlay", target, "overlay", 0, stack_mount_data(lowers, upper, work, options))
+    mounts.mount("overlay", target, "overlay", STACK_FLAGS, stack_mount_data(lowers, upper, work, options))
 
 
 def unmount_stack(target: str | os.PathLike) -> None:

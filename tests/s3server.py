@@ -55,10 +55,12 @@ class MotoServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> None:
-        """Start the server on a free port and return once it answers HTTP; retry if the port was taken."""
-        for _ in range(3):
-            self.port = free_port(self.host)
+    def start(self, port: int | None = None) -> None:
+        """Start the server and return once it answers HTTP: on ``port`` (to bring a stopped server back
+        where its clients expect it; the data is gone, moto keeps it in memory), else on a free port,
+        trying another if that one was taken meanwhile."""
+        for _ in range(1 if port else 3):
+            self.port = port or free_port(self.host)
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
                 stdin=subprocess.DEVNULL,

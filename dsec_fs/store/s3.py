@@ -18,7 +18,9 @@ What S3 says, and what we raise (see base.py for the contract):
   UnavailableError(transient=True);
 - a complete answer with fewer bytes than the range asked for, or an unsatisfiable range ->
   CorruptError (the object is shorter than the index that sent us there promised).
-Messages carry the error code, HTTP status and s3:// location, never credentials or signatures.
+Messages carry the error code, HTTP status and s3:// location, never credentials or signatures. botocore
+logs request headers (the session token, the signature) at DEBUG, so its logger is held at INFO or above
+whatever level the program logs at (``dsecfs daemon --log-level debug``).
 
 Threads: any thread may call any method at the same time. The boto3 client is thread-safe and shared;
 the only other shared state is ``_bucket_seen``, a flag written once (a race merely repeats HeadBucket).
@@ -26,6 +28,7 @@ the only other shared state is ``_bucket_seen``, a flag written once (a race mer
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -55,6 +58,9 @@ ENDPOINT_ENVS = ("DSECFS_S3_ENDPOINT", "AWS_ENDPOINT_URL")
 DEFAULT_REGION = "us-east-1"
 # S3 allows at most 10,000 parts per upload; larger objects get larger parts.
 MAX_PARTS = 10_000
+
+_botocore_log = logging.getLogger("botocore")  # see the module docstring: credentials stay out of logs
+_botocore_log.setLevel(max(_botocore_log.level, logging.INFO))
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _ACCESS_DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
