@@ -26,8 +26,9 @@ import logging
 import click
 
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV, Node
+from dsec_fs.units import human_size, parse_size
 
-from .common import emit, human_size, parse_size, json_option, store_option
+from .common import emit, json_option, store_option
 
 # lazy_fetch.layer_mount's choices, spelled out so that every dsecfs command does not import trio and the
 # FUSE code just to build its help; the daemon checks them again.

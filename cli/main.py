@@ -14,9 +14,10 @@ import click
 
 from dsec_fs.errors import DsecError, InputError
 from dsec_fs.store import open_store
+from dsec_fs.units import human_size, parse_size
 
 from . import daemon_cmds, diff_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
-from .common import CHUNK_SIZE_HELP, emit, human_size, parse_size, json_option, store_option
+from .common import CHUNK_SIZE_HELP, emit, json_option, store_option
 
 class DsecGroup(click.Group):
     """Turns DsecError into one clear line and the error class's exit code."""

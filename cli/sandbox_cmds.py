@@ -19,8 +19,9 @@ import click
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError
 from dsec_fs.sandbox_client import Sandbox
+from dsec_fs.units import parse_size
 
-from .common import emit, parse_size, json_option, store_option
+from .common import emit, json_option, store_option
 from .daemon_cmds import RUNTIMES, socket_option
 
 

@@ -7,8 +7,9 @@ import re
 import click
 
 from dsec_fs.store import open_store
+from dsec_fs.units import human_size
 
-from .common import emit, human_size, json_option, store_option
+from .common import emit, json_option, store_option
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?)([smhdw]?)")

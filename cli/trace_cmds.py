@@ -16,8 +16,9 @@ import click
 
 from dsec_fs.errors import DsecError, InputError
 from dsec_fs.store import open_store
+from dsec_fs.units import human_size
 
-from .common import human_size, json_option, store_option
+from .common import json_option, store_option
 
 TRACE_SUFFIX = ".dtr"
 FLAG_LETTERS = "MBEP"  # miss, blob (kernel mode), error, prefetch: FLAG_* bits 0..3 of a record

@@ -24,6 +24,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 from matplotlib.patches import Patch  # noqa: E402
 
+from dsec_fs.units import human_size  # noqa: E402
+
 from .analysis import PRODUCTION_BAND, LayerReport, Report  # noqa: E402
 
 ROLE_COLORS = {"base": "#4C72B0", "workspace": "#DD8452", "toolkit": "#55A868", "": "#8172B3"}
@@ -32,14 +34,6 @@ LABEL_CHARS = 48  # longer paths are shortened from the left in plot labels
 
 
 # ---- formatting --------------------------------------------------------------------------------------
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def _pct(fraction: float) -> str:
@@ -168,7 +162,7 @@ def _waits_and_sizes_plot(layer: LayerReport) -> str:
     left.set_title("what the cold start waits on" if waited else "no read waited for a fetch", fontsize=11)
     sizes = layer.read_sizes
     right.bar(range(len(sizes)), [count for _size, count in sizes], color="#4C72B0")
-    right.set_xticks(range(len(sizes)), [_bytes(size).replace(".0", "") for size, _count in sizes],
+    right.set_xticks(range(len(sizes)), [human_size(size).replace(".0", "") for size, _count in sizes],
                      rotation=45, fontsize=8)
     right.set_xlabel("read size (at least; under twice)")
     right.set_ylabel("reads")
@@ -188,7 +182,7 @@ def _chunk_plot(layer: LayerReport) -> str:
     if current:
         left.axvline(current[0].chunk_size, color="grey", ls=":", label="this layer's chunk size")
     left.set_xscale("log", base=2)
-    left.set_xticks(x, [_bytes(c).replace(".0", "") for c in x])
+    left.set_xticks(x, [human_size(c).replace(".0", "") for c in x])
     left.set_ylabel("MiB")
     twin = left.twinx()
     twin.plot(x, [e.mean_chunks for e in estimates], color="#DD8452", marker="^", label="fetches per trace")
@@ -250,7 +244,7 @@ def _table(columns: list[str], rows: list[list]) -> str:
 
 
 def _b(n: float) -> tuple[str, float]:
-    return _bytes(n), n
+    return human_size(n), n
 
 
 def _p(fraction: float) -> tuple[str, float]:
@@ -286,20 +280,20 @@ def _combinations_table(report: Report) -> str:
 def _layer_section(layer: LayerReport, open_: bool) -> str:
     facts = [
         ("digest", layer.layer), ("traces", f"{layer.traces:,}"),
-        ("file bytes / files", f"{_bytes(layer.layer_bytes)} / {layer.layer_files:,}"),
-        ("blob", f"{_bytes(layer.blob_bytes)}, chunk size {_bytes(layer.chunk_size)}"),
+        ("file bytes / files", f"{human_size(layer.layer_bytes)} / {layer.layer_files:,}"),
+        ("blob", f"{human_size(layer.blob_bytes)}, chunk size {human_size(layer.chunk_size)}"),
         ("bytes read per trace", f"median {_pct(layer.byte_fraction.median)} (p10 {_pct(layer.byte_fraction.p10)}, "
                                  f"p90 {_pct(layer.byte_fraction.p90)}, max {_pct(layer.byte_fraction.max)})"),
         ("files read per trace", f"median {_pct(layer.file_fraction.median)}"),
-        ("read by any trace", f"{_bytes(layer.union_bytes_read)} ({_pct(layer.union_byte_fraction)}) in "
+        ("read by any trace", f"{human_size(layer.union_bytes_read)} ({_pct(layer.union_byte_fraction)}) in "
                               f"{layer.union_files_read:,} files"),
-        ("chunk bytes fetched", f"{_bytes(layer.mean_chunk_bytes)} per trace; {_bytes(layer.union_chunk_bytes)} for "
-                                f"all; {_bytes(layer.core_chunk_bytes)} read by every trace"),
+        ("chunk bytes fetched", f"{human_size(layer.mean_chunk_bytes)} per trace; {human_size(layer.union_chunk_bytes)} for "
+                                f"all; {human_size(layer.core_chunk_bytes)} read by every trace"),
         ("stalled on fetches", f"median {_ms(layer.stalled_ms.median)}, p90 {_ms(layer.stalled_ms.p90)}; last wait "
                                f"median {_ms(layer.last_wait_ms.median)}"),
     ]
     if layer.ambiguous_bytes:
-        facts.append(("attributed by first holder", _bytes(layer.ambiguous_bytes)))
+        facts.append(("attributed by first holder", human_size(layer.ambiguous_bytes)))
     parts = ['<dl class="facts">' + "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in facts) + "</dl>"]
     parts.append('<div class="row">' + _cold_start_plot(layer) + _timeline_plot(layer) + "</div>")
     parts.append(_waits_and_sizes_plot(layer))
@@ -342,9 +336,9 @@ def _cross_layer_section(report: Report) -> str:
     if x.layers < 2:
         return "<p>The traces are of one layer: nothing is shared across layers.</p>"
     saved = x.read_bytes_per_layer - x.read_bytes_distinct
-    text = (f"<p>Chunk bytes read, counted per layer: {_bytes(x.read_bytes_per_layer)}; counted once per chunk (one "
-            f"node's cache): {_bytes(x.read_bytes_distinct)}, {_bytes(saved)} less. {x.shared_chunks:,} read chunks "
-            f"({_bytes(x.shared_bytes)}) are held by more than one of these {x.layers} layers.</p>")
+    text = (f"<p>Chunk bytes read, counted per layer: {human_size(x.read_bytes_per_layer)}; counted once per chunk (one "
+            f"node's cache): {human_size(x.read_bytes_distinct)}, {human_size(saved)} less. {x.shared_chunks:,} read chunks "
+            f"({human_size(x.shared_bytes)}) are held by more than one of these {x.layers} layers.</p>")
     if not x.top:
         return text
     return text + _table(["chunk", "bytes", "held by", "read in", "traces"],
