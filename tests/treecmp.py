@@ -1,4 +1,6 @@
-"""Compare two directory trees the way a layer must preserve them.
+"""Make and compare directory trees the way a layer must preserve them.
+
+``write_files(root, {"a/b": data})`` writes regular files (parents made as needed) and returns root.
 
 ``snapshot(root)`` records, for every path below ``root``: file type, mode (with setuid/setgid/sticky),
 uid, gid, mtime to the nanosecond, size, sha256 of the content, symlink target, rdev, xattrs, and which
@@ -110,3 +112,13 @@ def diff(a, b, *, limit: int = 20) -> list[str]:
 def assert_same_tree(a, b) -> None:
     problems = diff(a, b)
     assert not problems, "trees differ:\n  " + "\n  ".join(problems)
+
+
+def write_files(root, files: dict[str, bytes]) -> str:
+    """Write ``files`` (relative path -> content) below ``root``, making parent directories; returns root."""
+    for name, data in files.items():
+        path = os.path.join(root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return str(root)

@@ -18,11 +18,11 @@ from test_gc import (
     assert_all_layers_ok,
     backdate_layer,
     build,
-    make_tree,
     published_layers,
     random_bytes,
     run_gc,
 )
+from treecmp import write_files
 
 from dsec_fs.layer import delete_ref, list_refs
 from dsec_fs.store import FilesystemStore, keys
@@ -113,7 +113,7 @@ def test_concurrent_builds_and_gc_publish_only_whole_layers(tmp_path, index_root
     # Published an hour ago: no build lease protects it, so gc deletes it (and trashes its pack, which the
     # builds deduplicate against) while they run.
     backdate_layer(store, old)
-    sources = [make_tree(tmp_path / f"src{i}", tree_of(i)) for i in range(BUILDS)]
+    sources = [write_files(tmp_path / f"src{i}", tree_of(i)) for i in range(BUILDS)]
 
     running, finish = start_builds(store, sources, index_root)
     runs = 0

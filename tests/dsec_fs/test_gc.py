@@ -1,7 +1,7 @@
 """gc on real stores: soft then hard deletes, dry runs, grace, leases, repacking, restoring, and builds
 racing gc, with the interleavings chosen by pausing a store call (PausingStore), not by timing.
 
-Helpers here (make_tree, build, run_gc, PausingStore, assert_all_layers_ok) are shared with
+Helpers here ( build, run_gc, PausingStore, assert_all_layers_ok) are shared with
 test_index_mirror.py and test_concurrent_builds.py.
 """
 
@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from click.testing import CliRunner
+from treecmp import write_files
 
 from cli.store_cmds import gc_command, parse_duration, store_group
 from dsec_fs.errors import ConflictError, CorruptError, InputError
@@ -36,17 +37,8 @@ def random_bytes(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-def make_tree(root, files: dict[str, bytes]) -> str:
-    for name, data in files.items():
-        path = os.path.join(root, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-    return str(root)
-
-
 def build(store, root, files: dict[str, bytes], name: str | None = None) -> str:
-    return build_layer(make_tree(root, files), store, name=name, chunk_size=CHUNK).digest
+    return build_layer(write_files(root, files), store, name=name, chunk_size=CHUNK).digest
 
 
 def run_gc(store, **options):
@@ -365,7 +357,7 @@ def _old_layer_and_overlapping_tree(store, tmp_path) -> tuple[str, set[str], str
     old_packs = set(open_layer(store, old).manifest.packs)
     delete_ref(store, "t/old")
     backdate_layer(store, old)
-    src = make_tree(tmp_path / "new", {**SHARED, "new-only": random_bytes(400, 3 * CHUNK)})
+    src = write_files(tmp_path / "new", {**SHARED, "new-only": random_bytes(400, 3 * CHUNK)})
     return old, old_packs, src
 
 

@@ -8,7 +8,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_gc import CHUNK, PausingStore, assert_all_layers_ok, build, make_tree, random_bytes, run_gc
+from test_gc import CHUNK, PausingStore, assert_all_layers_ok, build, random_bytes, run_gc
+from treecmp import write_files
 
 from dsec_fs.digest import sha256
 from dsec_fs.errors import CorruptError
@@ -135,7 +136,7 @@ def test_an_answer_once_given_stays_for_the_build(store, tmp_path, index_root):
 
 
 def test_a_second_build_of_the_same_tree_uploads_nothing(store, tmp_path):
-    src = make_tree(tmp_path / "src", {"a": random_bytes(1, 6 * CHUNK), "b": random_bytes(2, 3 * CHUNK)})
+    src = write_files(tmp_path / "src", {"a": random_bytes(1, 6 * CHUNK), "b": random_bytes(2, 3 * CHUNK)})
     first = build_layer(src, store, chunk_size=CHUNK)
     packs = set(store.list(keys.PACKS))
     second = build_layer(src, store, chunk_size=CHUNK)
@@ -150,7 +151,7 @@ def test_a_lying_mirror_publishes_nothing_and_is_reset(store, tmp_path, index_ro
     with IndexMirror.for_store(store, index_root) as mirror:
         mirror.reset()
         mirror.add_pack(pack, [PackEntry(sha256(secret), 0, 10, CHUNK)])
-    src = make_tree(tmp_path / "src", {"secret": secret})
+    src = write_files(tmp_path / "src", {"secret": secret})
     with pytest.raises(CorruptError, match="index mirror"):
         build_layer(src, store, name="t/secret", chunk_size=CHUNK)
     assert not any(key.endswith("manifest.json") and "secret" in key for key in store.list(keys.LAYERS))

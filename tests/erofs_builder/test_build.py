@@ -9,7 +9,7 @@ import stat
 import subprocess
 
 import pytest
-from treecmp import assert_same_tree, snapshot
+from treecmp import assert_same_tree, snapshot, write_files
 
 from dsec_fs.chunks import ChunkIndex, read_chunk
 from dsec_fs.errors import InputError, UnavailableError
@@ -25,15 +25,6 @@ CHUNK = 4096
 @pytest.fixture
 def store(tmp_path):
     return FilesystemStore(str(tmp_path / "store"), fsync=False)
-
-
-def make_tree(root, files: dict[str, bytes]) -> str:
-    for name, data in files.items():
-        path = os.path.join(root, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-    return str(root)
 
 
 def materialize_blob(store, blob_map: BlobMap, path) -> None:
@@ -55,7 +46,7 @@ SHARED = os.urandom(3 * CHUNK)
 
 
 def test_build_publishes_a_layer_and_its_ref(tmp_path, store):
-    src = make_tree(tmp_path / "src", {"a": SHARED, "d/b": b"small", "zero": bytes(2 * CHUNK)})
+    src = write_files(tmp_path / "src", {"a": SHARED, "d/b": b"small", "zero": bytes(2 * CHUNK)})
     progress = []
     result = build_layer(src, store, name="test/layer:1", chunk_size=CHUNK,
                          progress=lambda done, total: progress.append((done, total)))
@@ -74,7 +65,7 @@ def test_build_publishes_a_layer_and_its_ref(tmp_path, store):
 
 
 def test_the_same_tree_twice_adds_nothing(tmp_path, store):
-    src = make_tree(tmp_path / "src", {"a": SHARED, "b": os.urandom(5000)})
+    src = write_files(tmp_path / "src", {"a": SHARED, "b": os.urandom(5000)})
     first = build_layer(src, store, chunk_size=CHUNK)
     before = keys(store, "packs/") | keys(store, "index/")
     second = build_layer(src, store, chunk_size=CHUNK)
@@ -85,8 +76,8 @@ def test_the_same_tree_twice_adds_nothing(tmp_path, store):
 
 
 def test_two_trees_sharing_a_file_share_its_chunks(tmp_path, store):
-    first = build_layer(make_tree(tmp_path / "one", {"shared": SHARED, "x": b"only in one"}), store, chunk_size=CHUNK)
-    second = build_layer(make_tree(tmp_path / "two", {"lib/shared": SHARED, "y": b"only in two"}), store,
+    first = build_layer(write_files(tmp_path / "one", {"shared": SHARED, "x": b"only in one"}), store, chunk_size=CHUNK)
+    second = build_layer(write_files(tmp_path / "two", {"lib/shared": SHARED, "y": b"only in two"}), store,
                          chunk_size=CHUNK)
     assert first.stats.new_chunks == 4 and second.stats.new_chunks == 1
     assert second.stats.dedup_bytes == len(SHARED)
@@ -95,7 +86,7 @@ def test_two_trees_sharing_a_file_share_its_chunks(tmp_path, store):
 
 
 def test_a_file_changed_mid_build_publishes_nothing(tmp_path, store):
-    src = make_tree(tmp_path / "src", {"a-first": os.urandom(20 * CHUNK), "z-later": b"before"})
+    src = write_files(tmp_path / "src", {"a-first": os.urandom(20 * CHUNK), "z-later": b"before"})
     tree = walk_directory(src)
     with open(os.path.join(src, "z-later"), "ab") as f:
         f.write(b" and after")
@@ -120,7 +111,7 @@ class FailingStore(FilesystemStore):
 def test_a_store_failure_publishes_nothing(tmp_path, fail_on):
     store = FailingStore(str(tmp_path / "store"), fsync=False)
     store.fail_on = fail_on
-    src = make_tree(tmp_path / "src", {"a": os.urandom(10 * CHUNK)})
+    src = write_files(tmp_path / "src", {"a": os.urandom(10 * CHUNK)})
     with pytest.raises(UnavailableError):
         build_layer(src, store, name="test/fails", chunk_size=CHUNK)
     assert not keys(store, "refs/")
@@ -128,7 +119,7 @@ def test_a_store_failure_publishes_nothing(tmp_path, fail_on):
 
 
 def test_a_bad_name_fails_before_any_work(tmp_path, store):
-    src = make_tree(tmp_path / "src", {"a": b"data"})
+    src = write_files(tmp_path / "src", {"a": b"data"})
     with pytest.raises(InputError):
         build_layer(src, store, name="../escape")
     assert not keys(store, "")
@@ -137,7 +128,7 @@ def test_a_bad_name_fails_before_any_work(tmp_path, store):
 @pytest.mark.skipif(shutil.which("fsck.erofs") is None, reason="needs erofs-utils")
 def test_meta_and_materialized_blob_pass_fsck(tmp_path, store):
     files = {"a": SHARED + b"tail", "d/b": b"small", "dup": SHARED}
-    src = make_tree(tmp_path / "src", {**files, "holes": bytes(2 * CHUNK) + b"data"})
+    src = write_files(tmp_path / "src", {**files, "holes": bytes(2 * CHUNK) + b"data"})
     os.symlink("a", os.path.join(src, "link"))
     result = build_layer(src, store, chunk_size=CHUNK)
     layer = open_layer(store, result.digest)
@@ -155,7 +146,7 @@ def test_meta_and_materialized_blob_pass_fsck(tmp_path, store):
 
 def make_rich_tree(root) -> str:
     """Every inode kind and the metadata a layer keeps, with holes, repeats and hard links in the data."""
-    src = make_tree(root, {
+    src = write_files(root, {
         "dup1": SHARED, "dir/dup2": SHARED + SHARED[:100], "zero": bytes(3 * CHUNK),
         "holes": bytes(2 * CHUNK) + b"data" + bytes(CHUNK), "empty": b"", "n" * 255: b"long name",
     })

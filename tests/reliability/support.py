@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from treecmp import write_files
 
 from dsec_fs.client import DaemonProcess, Node
 from dsec_fs.errors import UnavailableError
@@ -84,15 +85,6 @@ def publish(url: str, env: dict[str, str], source: str, **options):
     options.setdefault("chunk_size", CHUNK)
     with environment(env), open_store(url) as store:
         return build_layer(source, store, **options)
-
-
-def write_tree(root: str, files: dict[str, bytes]) -> str:
-    for name, data in files.items():
-        path = os.path.join(root, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-    return root
 
 
 # ---- reading and checking -------------------------------------------------------------------------------
@@ -336,7 +328,7 @@ def make_shell_tree(root: str, rootfs: str) -> str:
     for name in ("bin", "lib", "lib64"):
         os.symlink(f"usr/{name}", os.path.join(root, name))
     os.symlink("dash", os.path.join(root, "usr/bin/sh"))
-    write_tree(root, {
+    write_files(root, {
         "etc/os-release": b"ID=reliability\n",
         "etc/passwd": f"root:x:0:0:root:/root:/bin/sh\nuser:x:{USER_UID}:{USER_UID}::/tmp:/bin/sh\n"
                       "nobody:x:65534:65534::/nonexistent:/bin/sh\n".encode(),

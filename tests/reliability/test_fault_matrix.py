@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from treecmp import write_files
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsec_fs import mounts
@@ -45,7 +46,6 @@ from tests.reliability.support import (
     read_checked,
     read_until_correct,
     s3_environment,
-    write_tree,
 )
 from tests.s3server import MotoServer
 
@@ -80,7 +80,7 @@ class FaultLayer:
 def fault_layer(moto_server, tmp_path_factory) -> FaultLayer:
     env = s3_environment(moto_server)
     url = f"s3://dsecfs-test/rel-matrix-{secrets.token_hex(4)}"
-    source = write_tree(str(tmp_path_factory.mktemp("matrix") / "src"), FILES)
+    source = write_files(str(tmp_path_factory.mktemp("matrix") / "src"), FILES)
     built = publish(url, env, source)
     return FaultLayer(url, env, built.digest, len(built.manifest.packs), source)
 

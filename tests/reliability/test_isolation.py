@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from treecmp import write_files
 
 from overlay.sandbox import SandboxManager, SandboxSpec
 from tests.reliability.support import (
@@ -39,7 +40,6 @@ from tests.reliability.support import (
     mount_table,
     publish,
     s3_environment,
-    write_tree,
 )
 from tests.s3server import MotoServer
 
@@ -84,7 +84,7 @@ def images(moto_server, tmp_path_factory, shell_tree) -> Images:
     hostile = publish(url, env, make_hostile_tree(str(root / "hostile"), shell_tree), name="iso/hostile:1")
     for name in ("a", "b"):
         files = {f"ws/{name}.txt": f"workspace of {name}\n".encode(), "ws/shared.txt": b"shared\n"}
-        publish(url, env, write_tree(str(root / f"ws-{name}"), files), name=f"iso/ws-{name}:1")
+        publish(url, env, write_files(str(root / f"ws-{name}"), files), name=f"iso/ws-{name}:1")
     gets_to_mount = sum(4 + len(layer.manifest.packs) for layer in (base, hostile))  # ref, manifest, meta, ...
     return Images(url, env, "iso/base:1", "iso/hostile:1", shell_tree, hostile.digest, gets_to_mount)
 

@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+from treecmp import write_files
 
 from dsec_fs.errors import DsecError
 from overlay.sandbox import SandboxManager, SandboxSpec
@@ -50,7 +51,6 @@ from tests.reliability.support import (
     read_checked,
     read_until_correct,
     s3_environment,
-    write_tree,
 )
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root, pytest.mark.s3, pytest.mark.slow]
@@ -115,13 +115,13 @@ def publish_images(moto_server, tmp_path_factory, shell_tree: str, workspaces: i
     publish(url, env, shell_tree, name="soak/base:1")
     files = {"soak/base:1": _tree_files(shell_tree)}
     toolkit = _random_files(rng, "opt/tk", 10)
-    publish(url, env, write_tree(str(root / "toolkit"), toolkit), name="soak/tk:1")
+    publish(url, env, write_files(str(root / "toolkit"), toolkit), name="soak/tk:1")
     files["soak/tk:1"] = {"/" + path: data for path, data in toolkit.items()}
     refs = []
     for i in range(workspaces):
         ws = _random_files(rng, "ws", 6)
         ref = f"soak/ws-{i}:1"
-        publish(url, env, write_tree(str(root / f"ws-{i}"), ws), name=ref)
+        publish(url, env, write_files(str(root / f"ws-{i}"), ws), name=ref)
         files[ref] = {"/" + path: data for path, data in ws.items()}
         refs.append(ref)
     return SoakImages(url, env, "soak/base:1", "soak/tk:1", refs, files)
