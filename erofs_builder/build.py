@@ -129,9 +129,7 @@ def build_image_layers(
     """One dsecfs layer per layer of the OCI image at ``source``, bottom first, with OCI whiteouts turned
     into overlay whiteouts and opaque directories, so OverlayFS applies them when the layers are stacked.
     With ``name`` "NAME:TAG", layer k is published as "NAME:TAG-lK"."""
-    if name is not None:
-        parse_ref(name)
-    check_chunk_size(chunk_size)
+    _check_options(name, chunk_size)
     layers = oci_layer_streams(source, platform)
     names = [None if name is None else f"{name}-l{k}" for k in range(len(layers))]
     for layer_name in names:
