@@ -37,7 +37,8 @@ their runs side by side, within its prefetch slots, so on-demand reads go first)
 layer's last mount goes.
 
 Persisted state and crashes. ``state_dir/mounts.json`` lists the live mounts, rewritten (atomically) after
-each mount and unmount. A daemon killed with SIGKILL leaves its mounts behind, dead (their FUSE
+each mount and unmount, and before each mount with the mount being made (so a kill between mount(2) and
+the update cannot leave an unlisted mount). A daemon killed with SIGKILL leaves its mounts behind, dead (their FUSE
 connection is gone: readers get ENOTCONN or EIO). The next daemon on the same state directory detaches
 each listed mountpoint that still carries one of our mounts (an EROFS mount of our meta image, or a bind
 mount of our FUSE session), after layer_mount has detached the dead FUSE session itself; it does not
@@ -558,9 +559,13 @@ class NodeDaemon:
             if served is None:
                 trace_path, trace = self._open_trace(files, mode, ref, layer.blob)
                 served = _Served(TracedBlob(layer, self._fetch_log, trace), trace_path)
+            # Written ahead: a daemon killed between mount(2) and the table update below still leaves
+            # the mountpoint listed, so the next daemon detaches it.
+            self._save_mount_table(mounting=(mountpoint, mode, files.digest))
             try:
                 await self._mounter.mount_layer(files, served.blob, mountpoint, mode=mode)
             except BaseException:
+                self._save_mount_table()
                 if not served.mounts:
                     _close_trace(served, remove=True)
                 if not layer.mounts:
@@ -641,11 +646,15 @@ class NodeDaemon:
     def _mount_table_path(self) -> str:
         return os.path.join(self.state_dir, MOUNT_TABLE)
 
-    def _save_mount_table(self) -> None:
+    def _save_mount_table(self, mounting: tuple[str, str, str] | None = None) -> None:
+        """Write the live mounts, and ``mounting`` (mountpoint, mode, layer digest): the mount being made."""
         path = self._mount_table_path()
         tmp = f"{path}.tmp"
+        entries = [m.to_json() for m in self._mounts.values()]
+        if mounting is not None:
+            entries.append(dict(zip(("mountpoint", "mode", "layer"), mounting), mounting=True))
         with open(tmp, "w") as f:
-            json.dump({"pid": os.getpid(), "mounts": [m.to_json() for m in self._mounts.values()]}, f, indent=1)
+            json.dump({"pid": os.getpid(), "mounts": entries}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -11,6 +11,7 @@ touch its own chunks.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import shutil
@@ -285,6 +286,26 @@ def test_sigkill_mid_read_then_restart(layers, daemons, tmp_path, mounts_below):
     assert layer_metric(second, "dsecfs_fetch_chunks_total", layers.main.digest) == 0  # all from the cache
     with open(os.path.join(kernel, "large.bin"), "rb") as f:
         assert f.read() == FILES["large.bin"]
+
+
+def test_a_kill_between_mount_and_table_update_leaves_nothing_behind(layers, daemons, tmp_path, mounts_below):
+    """A daemon killed right after mount(2) has listed the mount only as the one being made; the next
+    daemon must detach it all the same."""
+    first = daemons.start(layers.store_dir)
+    kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
+    first.node.mount("test/main:1", kernel)
+    table_path = os.path.join(daemons.state_dir, "mounts.json")
+    with open(table_path) as f:
+        (being_made,) = json.load(f)["mounts"]
+    assert being_made["mountpoint"] == kernel and not being_made.get("mounting")
+    first.node.mount("test/main:1", fuse, mode="fuse")
+    first.kill()
+    with open(table_path, "w") as f:  # what a kill between mount(2) and the update leaves
+        json.dump({"pid": 0, "mounts": [{"mountpoint": path, "mode": mode, "layer": layers.main.digest,
+                                         "mounting": True} for path, mode in ((kernel, "kernel"), (fuse, "fuse"))]}, f)
+    status = daemons.start(layers.store_dir).node.status()
+    assert sorted(status.cleaned) == sorted([kernel, fuse]) and status.mounts == []
+    assert mounts_below(tmp_path) == [daemons.state_dir + "/fuse"]
 
 
 def _corrupt_chunk_in_store(store_dir: str, pack_id: str) -> bytes:
