@@ -55,6 +55,7 @@ from .digest import DIGEST_SIZE, is_hex_digest, to_hex
 from .errors import CorruptError, NotFoundError, UnavailableError
 from .gc import restore_pack_index
 from .pack import INDEX_ENTRY, PackEntry, decode_index
+from .paths import default_dir
 from .store import keys
 from .store.base import Store
 
@@ -90,13 +91,7 @@ _BROKEN = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.
 
 
 def default_index_root() -> str:
-    root = os.environ.get(INDEX_DIR_ENV)
-    if root:
-        return root
-    if os.geteuid() == 0:
-        return "/var/cache/dsecfs/index"
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return os.path.join(cache, "dsecfs", "index")
+    return default_dir(INDEX_DIR_ENV, "/var/cache/dsecfs/index", "XDG_CACHE_HOME", "~/.cache", "index")
 
 
 def mirror_path(store_id: str, root: str | None = None) -> str:

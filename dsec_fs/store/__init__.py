@@ -8,9 +8,9 @@ URLs:
 
 from __future__ import annotations
 
-import os
 
 from ..errors import InputError
+from ..paths import default_dir
 from .base import Store
 from .filesystem import FilesystemStore
 
@@ -19,13 +19,7 @@ DEFAULT_STORE_ENV = "DSECFS_STORE"
 
 def default_store_url() -> str:
     """$DSECFS_STORE, else a per-user data directory (/var/lib/dsecfs/store for root)."""
-    url = os.environ.get(DEFAULT_STORE_ENV)
-    if url:
-        return url
-    if os.geteuid() == 0:
-        return "/var/lib/dsecfs/store"
-    data_home = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
-    return os.path.join(data_home, "dsecfs", "store")
+    return default_dir(DEFAULT_STORE_ENV, "/var/lib/dsecfs/store", "XDG_DATA_HOME", "~/.local/share", "store")
 
 
 def open_store(url: str | None = None) -> Store:
