@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
+import operator
 import struct
 
 from .digest import DIGEST_SIZE, short
@@ -111,6 +113,26 @@ class BlobMap:
         self.blocks = blkaddr + _blocks_for(length)
         return blkaddr
 
+    def with_chunks_replaced(self, replacements: dict[bytes, tuple[bytes, int]]) -> BlobMap:
+        """A copy in which each chunk ``old`` of ``replacements`` gives its place to (digest, length): a chunk
+        not in the map that fills as many blocks, so no other chunk moves (an incremental rebuild's patch,
+        erofs_builder/patch.py). Copies the map's lists, not its entries one by one."""
+        copy = BlobMap(self.chunk_size)
+        copy.entries = list(self.entries)
+        copy.blocks = self.blocks
+        copy._starts = list(self._starts)
+        copy._by_digest = dict(self._by_digest)
+        for old, (digest, length) in replacements.items():
+            index = copy._by_digest.pop(old)
+            blkaddr, _old, old_length = copy.entries[index]
+            if (digest in copy._by_digest or not 1 <= length <= self.chunk_size
+                    or _blocks_for(length) != _blocks_for(old_length)):
+                raise InputError(f"chunk {short(digest)} of {length} bytes cannot take the place of chunk "
+                                 f"{short(old)} of {old_length}", where="blob map")
+            copy.entries[index] = (blkaddr, digest, length)
+            copy._by_digest[digest] = index
+        return copy
+
     def blkaddr_of(self, digest: bytes) -> int:
         index = self._by_digest.get(digest)
         if index is None:
@@ -122,6 +144,25 @@ class BlobMap:
         if not 0 <= blkaddr < self.blocks:
             raise InputError(f"block {blkaddr} is outside the blob ({self.blocks} blocks)", where="blob map")
         return bisect.bisect_right(self._starts, blkaddr) - 1
+
+    def _take_valid(self, entries: list[tuple[int, int, bytes]]) -> bool:
+        """Fill an empty map with decoded (blkaddr, length, digest) entries if they are all valid: checked
+        and taken at C speed, not an add() per entry (a layer's map has an entry per distinct chunk)."""
+        if not entries:
+            return True
+        blkaddrs, lengths, digests = zip(*entries)
+        # _blocks_for of each length, as map()s of C functions
+        blocks = map(operator.rshift, map(operator.add, lengths, itertools.repeat(BLOCK_SIZE - 1)),
+                     itertools.repeat(BLOCK_SIZE_BITS))
+        ends = list(itertools.accumulate(blocks))
+        if (min(lengths) < 1 or max(lengths) > self.chunk_size or ends[-1] > MAX_BLOCKS
+                or blkaddrs[0] != 0 or blkaddrs[1:] != tuple(ends[:-1]) or len(set(digests)) != len(digests)):
+            return False
+        self.entries = list(zip(blkaddrs, digests, lengths))
+        self._starts = list(blkaddrs)
+        self._by_digest = dict(zip(digests, range(len(digests))))
+        self.blocks = ends[-1]
+        return True
 
     def encode(self) -> bytes:
         header = _HEADER.pack(MAGIC, VERSION, BLOCK_SIZE_BITS, self.chunk_bits, 0, len(self.entries), self.blocks)
@@ -158,7 +199,10 @@ class BlobMap:
             raise fail("blob map header", 16, f"{count} entries need {expected_size} bytes, the map has {len(data)}")
 
         blob_map = cls(1 << chunkbits)
-        for i, (blkaddr, length, digest) in enumerate(_ENTRY.iter_unpack(data[_HEADER.size:])):
+        entries = list(_ENTRY.iter_unpack(data[_HEADER.size:]))
+        if blob_map._take_valid(entries):
+            entries = []  # all taken; else the loop below finds the first bad entry, or adds them one by one
+        for i, (blkaddr, length, digest) in enumerate(entries):
             offset = _HEADER.size + i * _ENTRY.size
             if blkaddr != blob_map.blocks:
                 raise fail(f"blob map entry {i}", offset, f"blkaddr {blkaddr}, expected {blob_map.blocks}")

@@ -20,8 +20,13 @@ Memory: for a tree of many small files each step needs tens of MB besides the Tr
 after another (the flush of step 3 could run beside step 5, but their peaks would add up), and what one
 step holds per chunk (the chunk index, the blob map) lives only as long as it is needed.
 
-Incremental builds: with ``parent`` (a layer built earlier from the same directory), files whose stat
-identity has not changed since take their chunk lists from the parent without being read (incremental.py).
+Incremental builds: with ``parent`` (a layer built earlier from the same directory), a scan of the source
+is compared with the parent's build info first (patch.py). If only regular files' contents changed, in
+ways that keep the image's layout, steps 1, 3 and 5 shrink to that scan, reading the changed files, and
+patching the parent's meta.erofs and blob map (``_build_patched``; step 4 confirms the packs of the
+new chunks, the parent's packs are only checked to exist, see patch.py); the layer is the one a full build
+gives. Otherwise the build takes the steps above, and files whose stat identity has not changed since
+the parent take their chunk lists from it without being read (incremental.py).
 
 On any error before step 6 nothing of the layer is published: the packs already uploaded are
 unreferenced and gc removes them. A ref name is checked before any work, so a bad name costs nothing.
@@ -36,11 +41,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import os
 import sys
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from dsec_fs.chunks import ChunkIndex, ChunkUploader
@@ -53,14 +59,17 @@ from dsec_fs.leases import Lease
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
+from dsec_fs.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
 from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, blob_map_of, regular_files
-from .incremental import ParentLayer, encode_buildinfo
+from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, shared_chunks
+from .patch import Patched, Rescan, missing_packs, scan_changes
 from .tree import Node, Tree
-from .walk_dir import walk_directory
+from .walk_dir import listing_order, walk_directory
 from .walk_oci import oci_layer_streams, walk_oci
 from .walk_tar import OnFile, walk_tar
 from .writer import write_image
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,12 +104,18 @@ def build_layer(
     kind = source_kind(source)
     with _cycle_collector_paused():
         if kind == "dir":
+            described = os.path.abspath(os.fsdecode(source))
             base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
+            if base is not None:
+                rescan = scan_changes(source, base, time.time_ns())
+                patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described)
+                if patched:
+                    return patched
             scanned_at_ns = time.time_ns()
             tree = walk_directory(os.fspath(source))
             return build_tree(
                 tree, store, name=name, chunk_size=chunk_size, progress=progress, workers=workers,
-                source=os.path.abspath(os.fsdecode(source)), parent=base, scanned_at_ns=scanned_at_ns,
+                source=described, parent=base, scanned_at_ns=scanned_at_ns,
             )
         if parent is not None:
             raise InputError("--parent needs a directory source (tar and OCI input have no inode identities)",
@@ -221,7 +236,7 @@ def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: l
             layers = []
             for tree in trees:
                 files = regular_files(tree)
-                packs = _packs_of(files, index)
+                packs = _packs_of(_digests(files), index)
                 index.confirm(store, _digests(files), packs)
                 layers.append((tree, files, packs))
         # The chunk index holds an object per chunk: it is gone before blob maps and images are made.
@@ -249,6 +264,21 @@ def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: l
     blob_map_bytes = blob_map.encode()
     blob_id = to_hex(sha256(blob_map_bytes))  # blob_map.blob_id, without encoding the map again
     meta = write_image(tree, blob_map, chunk_size, blob_id=blob_id)
+
+    def buildinfo(layer: str) -> bytes:
+        entries = ((path, node.identity) for path, node in listing_order(tree))
+        return encode_buildinfo(entries, shared_chunks(files, blob_map), layer, scanned_at_ns)
+
+    return _publish_layer(store, lease, meta, blob_map, blob_map_bytes, packs, stats, name, chunk_size, source,
+                          buildinfo if scanned_at_ns is not None else None)
+
+
+def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_map: BlobMap, blob_map_bytes: bytes,
+                   packs: list[str], stats: ChunkStats, name: str | None, chunk_size: int, source: str,
+                   buildinfo: Callable[[str], bytes] | None) -> BuildResult:
+    """Step 6 for a finished meta.erofs and blob map: build info (made by ``buildinfo`` for the layer
+    digest, directory builds only), manifest, ref."""
+    blob_id = to_hex(sha256(blob_map_bytes))
     manifest = Manifest(
         layer=to_hex(sha256(meta)),
         blob_id=blob_id,
@@ -263,13 +293,73 @@ def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: l
         source=source,
     )
     lease.check()
-    if scanned_at_ns is not None:
-        store.put(keys.layer_buildinfo(manifest.layer), encode_buildinfo(tree, manifest.layer, scanned_at_ns))
+    if buildinfo is not None:
+        store.put(keys.layer_buildinfo(manifest.layer), buildinfo(manifest.layer))
     digest = publish_layer(store, meta, blob_map_bytes, manifest)
     ensure_pack_indexes(store, manifest.packs)
     if name is not None:  # under the lease too: gc keeps an unnamed layer while a build may name it
         set_ref(store, name, digest)
     return BuildResult(digest=digest, manifest=manifest, stats=stats)
+
+
+def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
+                   workers: int | None, source: str) -> BuildResult | None:
+    """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
+    publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
+    change needs the full path after all."""
+    parent = rescan.parent
+    missing = missing_packs(store, parent)
+    if missing:
+        log.warning("the store lacks pack %s of the parent layer: rebuilding in full", missing[0])
+        return None
+    files = rescan.files
+    with Lease(store, purpose=f"build {name or source}") as lease:
+        with load_chunk_index(store) as index:
+            with ChunkUploader(store, index) as uploader:
+                with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
+                             total_bytes=sum(node.size for node in files)) as chunker:
+                    for node in files:
+                        chunker.add_file(node)
+                    read = chunker.finish()
+                uploader.flush()
+            patched = rescan.patch(chunk_size)
+            if patched is None:
+                return None
+            # Every other chunk of the layer is the parent's, in the parent's packs (see patch.py).
+            own_packs = _packs_of(patched.new_chunks, index)
+            index.confirm(store, patched.new_chunks, own_packs)
+        packs = sorted(set(parent.manifest.packs).union(own_packs))
+        stats = _patched_stats(parent, rescan, read, patched)
+
+        def buildinfo(layer: str) -> bytes:
+            return encode_rescanned(parent.info, rescan.identities, rescan.suspects, layer, rescan.scanned_at_ns)
+
+        result = _publish_layer(store, lease, patched.meta, patched.blob_map, patched.blob_map_bytes, packs, stats,
+                                name, chunk_size, source, buildinfo)
+    log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
+             stats.new_chunks)
+    return result
+
+
+def _patched_stats(parent: ParentLayer, rescan: Rescan, read: ChunkStats, patched: Patched) -> ChunkStats:
+    """A patched layer's statistics: the parent's counts, moved by what changed, and this build's uploads.
+    Every non-hole chunk slot is either new or deduplicated, in the parent too."""
+    was = parent.manifest.stats
+    grew = sum(change.node.size - change.old.size for change in rescan.changes)
+    # A replaced chunk and its replacement are each named once (patch.py).
+    data_bytes = int(was.get("dedup_bytes", 0) + was.get("new_bytes", 0)) + patched.data_grew
+    stats = dataclasses.replace(
+        read,
+        files=int(was.get("files", 0)),
+        bytes=int(was.get("bytes", 0)) + grew,
+        chunks=int(was.get("chunks", 0)),
+        hole_chunks=int(was.get("hole_chunks", 0)),
+        distinct_chunks=len(patched.blob_map),
+        dedup_bytes=data_bytes - read.new_bytes,
+    )
+    stats.reused_files = stats.files - read.files
+    stats.reused_bytes = stats.bytes - read.bytes
+    return stats
 
 
 def _digests(files: list[Node]) -> Iterator[bytes]:
@@ -303,10 +393,10 @@ def _check_options(name: str | None, chunk_size: int) -> None:
     check_chunk_size(chunk_size)
 
 
-def _packs_of(files: list[Node], index: ChunkIndex) -> list[str]:
-    """Sorted ids of the packs holding the files' chunks (all in the index once the uploader flushed)."""
+def _packs_of(digests: Iterable[bytes], index: ChunkIndex) -> list[str]:
+    """Sorted ids of the packs holding the chunks ``digests`` (all in the index once the uploader flushed)."""
     packs = set()
-    for digest in _digests(files):
+    for digest in digests:
         location = index.get(digest)
         if location is None:
             raise NotFoundError("chunk is in neither the store nor this build", where=f"chunk {to_hex(digest)}")

@@ -1,53 +1,75 @@
-"""Incremental builds: a layer's build-info side object, and taking a parent layer's chunk lists for the
-files that have not changed since the parent was built, so a rebuild reads only what changed.
+"""Incremental builds: a layer's build-info side object, and what a rebuild may take from a parent layer
+(a layer built earlier from the same directory), so that it reads only what changed.
 
-Whether a file changed is decided by its stat identity as walk_directory records it: (st_dev, st_ino,
-size, mtime_ns, ctime_ns). The ctime cannot be set from userspace and moves on every write, so a file
-rewritten in place with the same size and its mtime put back (``touch -d``) still shows a new identity.
-meta.erofs keeps only the mtime, so every layer built from a directory gets a side object,
-``layers/<digest>/buildinfo``, mapping each regular file's path to the identity it had when it was read.
-It is written before manifest.json (the manifest is published last), it is optional (a parent without
-one, or with one that fails validation, gives a warning and every file is read), and it only ever lets
-the builder skip a read: the chunk digests themselves come from the parent's meta.erofs and blob map,
-which open_layer checked against the manifest.
+Whether a source entry changed is decided by its stat identity (walk_dir.stat_identity): (st_dev,
+st_ino, size, mtime_ns, ctime_ns, mode). The ctime cannot be set from userspace and moves on every
+write, chmod, chown, xattr change and link count change, so a file rewritten in place with the same size
+and its mtime put back (``touch -d``) still shows a new identity; a directory's mtime and ctime move when
+a name is added to it, removed or renamed. meta.erofs keeps only the mtime, so every layer built from a
+directory gets a side object, ``layers/<digest>/buildinfo``: every name of the tree, in listing order
+(walk_dir.scan_directory: the root, then each directory's names in byte order, directories depth
+first), with the identity its entry had when the build scanned it. It is written before manifest.json
+(the manifest is published last), it is optional (a parent without one, or with one that fails
+validation, gives a warning and every file is read), and it only ever lets the builder skip work: what
+the new layer holds comes from the parent's meta.erofs and blob map, which open_layer checked against
+the manifest, or from the source itself.
 
-Reuse rule. A regular file of the new tree is not opened, and takes its chunk digests from the parent,
-when one of its names
-- is recorded in the parent's build info with exactly the identity the walk sees now, and
-- names a regular file in the parent's image with the same size and mtime whose chunk indexes point at
-  chunks of the parent's blob map (``_ChunkLists``: anything else there and the file is read),
-and the store still holds all those chunks (checked by the chunker). Every other file is read and
-chunked as usual, so its content hash decides; chunks the store holds are not uploaded again either way.
+A rebuild uses it in one of two ways (build.py):
+- the patch path (patch.py): a scan (walk_dir.scan_directory: one lstat per name) finds the same names
+  as the parent's build info, in the same order, and every name whose identity differs (or was not
+  trusted) turns out to be a regular file whose content, size or mtime changed in a way that keeps the
+  image's layout; the parent's meta.erofs and blob map are then patched for those files alone;
+- otherwise the full path: the tree is walked and laid out again, and a regular file is not opened, and
+  takes its chunk digests from the parent, when one of its names
+  - is recorded in the parent's build info, trusted, with exactly the identity the walk sees now, and
+  - names a regular file in the parent's image with the same size and mtime whose chunk indexes point
+    at chunks of the parent's blob map (``_ChunkLists``: anything else there and the file is read),
+  and the store still holds all those chunks (checked by the chunker). Every other file is read and
+  chunked as usual, so its content hash decides; chunks the store holds are not uploaded again either
+  way.
 
-Racily clean files. File times come from a coarse clock (a jiffy on local filesystems, a second or two on
-some others), so a write just after the parent read a file, within the same tick, could leave its
-identity unchanged. A file is therefore recorded only if its ctime is more than RACY_NS older than both
-the scan's start on the wall clock and the newest ctime the walk saw on the same device (that
-filesystem's own clock, so the rule holds even when it is skewed against ours): any write after the
-walk gets a later ctime than every recorded one, and so does a write during the walk unless the
-filesystem's clock lags ours by more than RACY_NS. A file changed just before a build is read again by
-the next one, which costs a read, never a wrong chunk list; so are the files written in the last RACY_NS
+Racily clean entries. File times come from a coarse clock (a jiffy on local filesystems, a second or two
+on some others), so a change just after the parent scanned an entry, within the same tick, could leave
+its identity unchanged. An identity is therefore trusted only if its ctime is more than RACY_NS older
+than both the scan's start on the wall clock and the newest ctime the scan saw on the same device (that
+filesystem's own clock, so the rule holds even when it is skewed against ours): any change after the
+scan gets a later ctime than every trusted one, and so does a change during the scan unless the
+filesystem's clock lags ours by more than RACY_NS. Other entries are recorded with the RACY flag; a
+rebuild treats them as changed: it compares them with the parent's image (the patch path) or reads them
+(the full path), which costs work, never a wrong layer. So are the entries changed in the last RACY_NS
 before a tree went quiet, until something newer in it shows that the filesystem's clock has moved on.
 
-Build-info format (integers little-endian): ``_HEADER``, then one zstd frame (dsec_fs.compress) holding
-the body: entries, each ``_ENTRY`` followed by its path (relative to the layer root, components joined
-by b"/", as Tree paths). A hard-linked file has an entry per name. ``decode_buildinfo`` validates
-everything and raises FormatError naming the field and its offset.
+Build-info format, version 2 (integers little-endian): ``_HEADER``, then one zstd frame
+(dsec_fs.compress) holding the body:
+- ``count`` records (``_RECORD``): each name's identity, in listing order (the root first);
+- ``count`` flag bytes, one per record: 0, or RACY (1): the identity is not to be trusted;
+- ``shared`` u32 (``_SHARED``), ascending: the indexes of the blob-map entries that the layer's chunk
+  indexes name more than once (a chunk two files share, or one file has twice): the patch path replaces
+  a chunk in place only where no other chunk index names it;
+- the ``count`` tree paths, in the records' order, each followed by a NUL: relative to the layer root,
+  components joined by b"/" (the root is the empty path). A hard-linked file has a record per name.
+``decode_buildinfo`` validates everything and raises FormatError naming the field and its offset.
+Version 1 (only regular files' identities, no flags, no shared chunks) is refused as unusable: the
+rebuild then reads every file, as for a missing build info.
 
 Threads: everything here runs in the build's calling thread.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import stat
 import struct
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from dsec_fs import compress
 from dsec_fs.digest import DIGEST_SIZE, from_hex, sha256, to_hex
 from dsec_fs.errors import CorruptError, FormatError, NotFoundError, UnsupportedError
-from dsec_fs.layer import open_layer
+from dsec_fs.layer import Manifest, open_layer
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
@@ -60,115 +82,195 @@ from .tree import Node, Tree
 log = logging.getLogger(__name__)
 
 MAGIC = b"DSECBINF"
-VERSION = 1
+VERSION = 2
 NS_PER_S = 1_000_000_000
 RACY_NS = 2_000_000_000  # covers filesystems with 1 s and 2 s timestamps, and a jiffy everywhere else
-MAX_BODY = 1 << 30  # a bound on what decode will decompress: ~10 million files
-MAX_PATH = 1 << 16  # a bound on one path; Tree paths are far shorter in practice
+RACY = 1  # flag: the record's identity is not trusted
+MAX_BODY = 1 << 30  # a bound on what decode will decompress: ~10 million names
 
 _HEADER = struct.Struct(
     "<"
-    "8s"  # magic: b"DSECBINF"
-    "I"  # version: VERSION
-    "I"  # count: number of entries in the body
-    "Q"  # body_size: bytes of the body once decompressed (at most MAX_BODY)
-    f"{DIGEST_SIZE}s"  # body_sha256: sha256 of the decompressed body
-    f"{DIGEST_SIZE}s"  # layer: the layer this describes (raw sha256 of its meta.erofs)
+    "8s"  # 0 magic: b"DSECBINF"
+    "I"  # 8 version: VERSION
+    "I"  # 12 count: names in the tree, the root included (at least 1)
+    "I"  # 16 shared: entries of the shared-chunk list
+    "I"  # 20 reserved: 0
+    "Q"  # 24 body_size: bytes of the body once decompressed (at most MAX_BODY)
+    f"{DIGEST_SIZE}s"  # 32 frame_sha256: sha256 of the zstd frame that follows (checked before decompressing)
+    f"{DIGEST_SIZE}s"  # 64 layer: the layer this describes (raw sha256 of its meta.erofs)
 )
 
-_ENTRY = struct.Struct(
+_RECORD = struct.Struct(
     "<"
-    "Q"  # st_dev of the source file
-    "Q"  # st_ino
-    "Q"  # size in bytes (never 0: empty files need no reading and are not recorded)
-    "q"  # mtime_ns
-    "q"  # ctime_ns
-    "I"  # path_length: bytes of the path that follows (1..MAX_PATH)
+    "Q"  # 0 st_dev of the source entry
+    "Q"  # 8 st_ino
+    "Q"  # 16 st_size
+    "q"  # 24 st_mtime_ns
+    "q"  # 32 st_ctime_ns
+    "I"  # 40 st_mode
 )
+_SHARED = struct.Struct("<I")  # index of a blob-map entry named by more than one chunk index
 
 _I_FORMAT = struct.Struct("<H")  # the first field of every inode: version bit | data layout << 1
 
-# (st_dev, st_ino, size, mtime_ns, ctime_ns): Node.identity as walk_directory sets it.
-Identity = tuple[int, int, int, int, int]
+# (st_dev, st_ino, size, mtime_ns, ctime_ns, mode): walk_dir.stat_identity, Node.identity of a walked node.
+Identity = tuple[int, int, int, int, int, int]
 
 
-def encode_buildinfo(tree: Tree, layer: str, scanned_at_ns: int) -> bytes:
-    """The build info of ``layer`` built from ``tree`` (a walk_directory tree whose walk started at
-    ``scanned_at_ns``, wall clock): every non-empty regular file that is not racily clean (see above)."""
-    newest: dict[int, int] = {}  # st_dev -> the newest ctime the walk saw on that device
-    for node in tree.nodes():
-        if node.identity is not None:
-            dev, ctime_ns = node.identity[0], node.identity[4]
-            newest[dev] = max(newest.get(dev, ctime_ns), ctime_ns)
-    body = bytearray()
-    count = 0
-    for path, node in tree.walk():
-        identity = node.identity
-        if (identity is not None and node.size and node.is_reg
-                and identity[4] < min(scanned_at_ns, newest[identity[0]]) - RACY_NS):
-            body += _ENTRY.pack(*identity, len(path))
-            body += path
-            count += 1
-    header = _HEADER.pack(MAGIC, VERSION, count, len(body), sha256(body), from_hex(layer, what="layer digest"))
-    return header + compress.compress(body)
+@dataclass(frozen=True)
+class BuildInfo:
+    """A decoded build info: every name of the tree its layer was built from, with its identity."""
+
+    paths: list[bytes]  # listing order (walk_dir.listing_order), the root (b"") first
+    identities: list[Identity]  # identities[k]: the identity of paths[k]'s entry when it was scanned
+    racy: bytes  # racy[k]: RACY when identities[k] is not to be trusted, else 0
+    shared: list[int]  # blob-map entries named by more than one chunk index, ascending
+    records: bytes  # the identities as encoded
+    paths_blob: bytes  # the paths as encoded
+
+    def trusted_files(self) -> dict[bytes, Identity]:
+        """Path -> identity of every non-empty regular file whose identity is trusted (the reuse rule)."""
+        return {path: identity for path, identity, flag in zip(self.paths, self.identities, self.racy)
+                if not flag and stat.S_ISREG(identity[5]) and identity[2]}
 
 
-def decode_buildinfo(data: bytes, *, layer: str, source: str) -> dict[bytes, Identity]:
-    """Path -> identity from a build-info object, which must describe ``layer``; FormatError otherwise."""
+def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int], layer: str,
+                     scanned_at_ns: int) -> bytes:
+    """The build info of ``layer``, built from a tree whose scan started at ``scanned_at_ns`` (wall clock):
+    ``entries`` is (path, identity) of every name, in listing order; ``shared`` as ``shared_chunks``."""
+    paths: list[bytes] = []
+    identities: list[Identity] = []
+    for path, identity in entries:
+        paths.append(path)
+        identities.append(identity)
+    records = b"".join(itertools.starmap(_RECORD.pack, identities))
+    return _encode(records, identities, shared, b"".join(path + b"\0" for path in paths), layer, scanned_at_ns)
+
+
+def encode_rescanned(parent: BuildInfo, identities: list[Identity], changed: list[int], layer: str,
+                     scanned_at_ns: int) -> bytes:
+    """The build info of ``layer``, built by patching ``parent``'s layer for a scan that found the same
+    names (so the same paths and, see patch.py, the same shared chunks) with ``identities``, which differ
+    from the parent's at most at the indexes ``changed``."""
+    records = bytearray(parent.records)
+    for number in changed:
+        _RECORD.pack_into(records, number * _RECORD.size, *identities[number])
+    return _encode(records, identities, parent.shared, parent.paths_blob, layer, scanned_at_ns)
+
+
+def _encode(records: bytes | bytearray, identities: list[Identity], shared: list[int], paths_blob: bytes,
+            layer: str, scanned_at_ns: int) -> bytes:
+    if len(set(map(operator.itemgetter(0), identities))) == 1:  # the usual case, at C speed: one clock
+        ctimes = list(map(operator.itemgetter(4), identities))
+        trusted_before = min(scanned_at_ns, max(ctimes)) - RACY_NS
+        racy = bytes(map(trusted_before.__le__, ctimes))  # True is RACY
+    else:
+        newest: dict[int, int] = {}  # st_dev -> the newest ctime the scan saw on that device
+        for identity in identities:
+            dev, ctime_ns = identity[0], identity[4]
+            if newest.get(dev, ctime_ns - 1) < ctime_ns:
+                newest[dev] = ctime_ns
+        bound = {dev: min(scanned_at_ns, ctime_ns) - RACY_NS for dev, ctime_ns in newest.items()}
+        racy = bytes([RACY if identity[4] >= bound[identity[0]] else 0 for identity in identities])
+    body = b"".join((
+        records,
+        racy,
+        b"".join(_SHARED.pack(index) for index in shared),
+        paths_blob,
+    ))
+    frame = compress.compress(body)
+    header = _HEADER.pack(MAGIC, VERSION, len(identities), len(shared), 0, len(body), sha256(frame),
+                          from_hex(layer, what="layer digest"))
+    return header + frame
+
+
+def shared_chunks(files: list[Node], blob_map: BlobMap) -> list[int]:
+    """The indexes of the blob-map entries that the chunk lists of ``files`` (each file once) name more
+    than once, ascending."""
+    uses = Counter(digest for node in files for digest in node.chunks if digest is not None)
+    return [index for index, (_blkaddr, digest, _length) in enumerate(blob_map.entries) if uses[digest] > 1]
+
+
+def decode_buildinfo(data: bytes, *, layer: str, source: str) -> BuildInfo:
+    """The build info in ``data``, which must describe ``layer``; FormatError otherwise."""
 
     def fail(structure: str, offset: int, message: str) -> FormatError:
         return FormatError(structure, offset, message, source=source)
 
     if len(data) < _HEADER.size:
         raise fail("build info header", 0, f"{len(data)} bytes, the header alone is {_HEADER.size}")
-    magic, version, count, body_size, body_sha256, described = _HEADER.unpack_from(data, 0)
+    magic, version, count, shared_count, reserved, body_size, frame_sha256, described = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise fail("build info header", 0, f"bad magic {magic!r}")
     if version != VERSION:
-        raise fail("build info header", 8, f"unknown version {version}")
+        raise fail("build info header", 8, f"unknown version {version}" + (
+            " (written by an older dsecfs, without what a rebuild needs)" if version == 1 else ""))
+    if count == 0:
+        raise fail("build info header", 12, "no names (the root is always one)")
+    if reserved:
+        raise fail("build info header", 20, f"reserved field is {reserved:#x}, expected 0")
     if body_size > MAX_BODY:
-        raise fail("build info header", 16, f"body of {body_size} bytes, more than {MAX_BODY}")
+        raise fail("build info header", 24, f"body of {body_size} bytes, more than {MAX_BODY}")
+    paths_at = count * (_RECORD.size + 1) + shared_count * _SHARED.size
+    if paths_at + count > body_size:
+        raise fail("build info header", 24, f"body of {body_size} bytes cannot hold {count} names and "
+                   f"{shared_count} shared chunks")
     if to_hex(described) != layer:
-        raise fail("build info header", 56, f"describes layer {to_hex(described)}, not {layer}")
+        raise fail("build info header", 64, f"describes layer {to_hex(described)}, not {layer}")
+    frame = memoryview(data)[_HEADER.size:]
+    if sha256(frame) != frame_sha256:  # every bit of it: zstd ignores some (padding, window size)
+        raise fail("build info header", 32, "sha256 of the compressed body does not match")
     try:
-        body = compress.decompress(memoryview(data)[_HEADER.size:], body_size, what=source)
+        body = compress.decompress(frame, body_size, what=source)
     except CorruptError as exc:
         raise fail("build info body", _HEADER.size, exc.message) from None
-    if sha256(body) != body_sha256:
-        raise fail("build info header", 24, "sha256 of the body does not match")
 
-    identities: dict[bytes, Identity] = {}
-    offset = 0  # in the decompressed body
-    for number in range(count):
-        if offset + _ENTRY.size > len(body):
-            raise fail(f"build info entry {number}", offset, "body ends inside the entry")
-        *identity, path_length = _ENTRY.unpack_from(body, offset)
-        path = body[offset + _ENTRY.size:offset + _ENTRY.size + path_length]
-        if not 0 < path_length <= MAX_PATH or len(path) != path_length:
-            raise fail(f"build info entry {number}", offset + 40, f"path of {path_length} bytes")
-        # A tree path: no empty component (a leading, trailing or doubled "/"), no NUL.
-        if path[:1] == b"/" or path[-1:] == b"/" or b"//" in path or b"\0" in path:
-            raise fail(f"build info entry {number}", offset + _ENTRY.size, f"path {path[:64]!r} is not a tree path")
-        if identity[2] == 0:
-            raise fail(f"build info entry {number}", offset + 16, "size 0")
-        if path in identities:
-            raise fail(f"build info entry {number}", offset + _ENTRY.size, f"path {path[:64]!r} recorded twice")
-        identities[path] = tuple(identity)
-        offset += _ENTRY.size + path_length
-    if offset != len(body):
-        raise fail("build info body", offset, f"{len(body) - offset} bytes after the last of {count} entries")
-    return identities
+    racy_at = count * _RECORD.size
+    racy = body[racy_at:racy_at + count]
+    if racy.translate(None, bytes([0, RACY])):
+        bad = next(k for k, flag in enumerate(racy) if flag not in (0, RACY))
+        raise fail(f"build info flags of name {bad}", racy_at + bad, f"unknown flags {racy[bad]:#x}")
+    shared_at = racy_at + count
+    shared = [index for (index,) in _SHARED.iter_unpack(body[shared_at:paths_at])]
+    if any(shared[k] >= shared[k + 1] for k in range(len(shared) - 1)):
+        raise fail("build info shared chunks", shared_at, "indexes are not strictly ascending")
+    paths_blob = body[paths_at:]
+    paths = _split_paths(paths_blob, count, fail, paths_at)
+    records = body[:racy_at]
+    return BuildInfo(paths=paths, identities=list(_RECORD.iter_unpack(records)), racy=racy, shared=shared,
+                     records=records, paths_blob=paths_blob)
+
+
+def _split_paths(blob: bytes, count: int, fail, offset: int) -> list[bytes]:
+    """The ``count`` tree paths of ``blob``: each NUL-terminated, the root (empty) first and only there; no
+    empty component (a leading, trailing or doubled "/"), no path twice. Checked on the whole blob at
+    once: in a path list that starts with the root's empty path, each of these shows as a byte pair."""
+    paths = blob.split(b"\0")
+    if len(paths) != count + 1 or paths[-1]:
+        raise fail("build info paths", offset, f"{len(paths) - 1} NUL-terminated paths, expected {count}")
+    if paths[0]:
+        raise fail("build info paths", offset, "the first path is not the root's (empty)")
+    for pair, what in ((b"\0\0", "an empty path after the root"), (b"\0/", "a path starting with '/'"),
+                       (b"/\0", "a path ending with '/'"), (b"//", "an empty path component")):
+        at = blob.find(pair)
+        if at >= 0:
+            raise fail("build info paths", offset + at, what)
+    del paths[-1]  # after the last NUL
+    if len(set(paths)) != count:
+        raise fail("build info paths", offset, "a path appears twice")
+    return paths
 
 
 class ParentLayer:
-    """A published layer whose chunk lists an incremental build may take for unchanged files."""
+    """A published layer that an incremental build may patch, or take chunk lists from for unchanged files."""
 
-    def __init__(self, digest: str, meta: bytes, blob_map: BlobMap, identities: dict[bytes, Identity]):
+    def __init__(self, digest: str, manifest: Manifest, meta: bytes, blob_map: BlobMap, info: BuildInfo | None):
         self.digest = digest
+        self.manifest = manifest
         self.meta = meta
         self.image = ErofsImage(meta, source=keys.layer_meta(digest))
         self.blob_map = blob_map
-        self.identities = identities  # empty: nothing can be reused (the build reads every file)
+        self.info = info  # None: nothing can be reused (the build reads every file)
 
     @classmethod
     def load(cls, store: Store, ref_or_digest: str, *, chunk_size: int) -> "ParentLayer":
@@ -177,31 +279,36 @@ class ParentLayer:
         logged and the build reads every file."""
         files = open_layer(store, ref_or_digest)
         blob_map = BlobMap.decode(files.blobmap, source=keys.layer_blobmap(files.digest))
-        identities: dict[bytes, Identity] = {}
+        info = None
         key = keys.layer_buildinfo(files.digest)
         if blob_map.chunk_size != chunk_size:
             log.warning("parent layer %s has chunk size %d, this build %d: every file is read",
                         files.digest, blob_map.chunk_size, chunk_size)
         else:
             try:
-                identities = decode_buildinfo(store.get(key), layer=files.digest, source=key)
+                info = decode_buildinfo(store.get(key), layer=files.digest, source=key)
             except NotFoundError:
                 log.warning("parent layer %s has no build info (not built from a directory?): every file is read",
                             files.digest)
             except CorruptError as exc:
                 log.warning("parent layer's build info is unusable, every file is read: %s", exc)
-        return cls(files.digest, files.meta, blob_map, identities)
+        return cls(files.digest, files.manifest, files.meta, blob_map, info)
+
+    def chunk_lists(self) -> "_ChunkLists":
+        """The chunk digests of the parent's regular files, read from its image on demand."""
+        return _ChunkLists(self.meta, self.image.superblock, self.blob_map)
 
     def reusable_chunks(self, tree: Tree) -> dict[Node, list[bytes | None]]:
         """Chunk digests for each regular file of ``tree`` (a walk_directory tree) that the reuse rule lets
         the build take from the parent without reading it."""
-        if not self.identities:
+        identities = self.info.trusted_files() if self.info is not None else {}
+        if not identities:
             return {}
-        chunks = _ChunkLists(self.meta, self.image.superblock, self.blob_map)
+        chunks = self.chunk_lists()
         found: dict[Node, list[bytes | None]] = {}
         try:
             for path, node, nid in self._files_in_both(tree):
-                if node not in found and self.identities.get(path) == node.identity:
+                if node not in found and identities.get(path) == node.identity:
                     digests = chunks.of(nid, node.size, node.mtime_ns)
                     if digests is not None:
                         found[node] = digests
@@ -244,7 +351,8 @@ class _ChunkLists:
         self._build_time_ns = superblock.build_time * NS_PER_S + superblock.build_time_nsec
         self._chunk_size = blob_map.chunk_size
         self._chunk_format = chunk_index.chunk_format(blob_map.chunk_bits, superblock.blkszbits)
-        self._chunk_at = {blkaddr: (digest, length) for blkaddr, digest, length in blob_map.entries}
+        # blkaddr -> the blob-map entry (blkaddr, digest, length) starting there; built at C speed
+        self._chunk_at = dict(zip(map(operator.itemgetter(0), blob_map.entries), blob_map.entries))
 
     def of(self, nid: int, size: int, mtime_ns: int) -> list[bytes | None] | None:
         """The digests of regular file ``nid``, if it has ``size`` bytes, mtime ``mtime_ns`` and sound
@@ -281,7 +389,7 @@ class _ChunkLists:
                 continue
             chunk = self._chunk_at.get(blkaddr)
             if (device != chunk_index.BLOB_DEVICE_ID or chunk is None
-                    or chunk[1] != min(self._chunk_size, size - number * self._chunk_size)):
+                    or chunk[2] != min(self._chunk_size, size - number * self._chunk_size)):
                 return None
-            digests.append(chunk[0])
+            digests.append(chunk[1])
         return digests

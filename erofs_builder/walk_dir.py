@@ -2,9 +2,11 @@
 
 The walk itself reads metadata only (one lstat and one listxattr per entry, a getxattr per name found;
 readlink for symlinks); file contents are read later, once, by the chunker through each regular file's
-``Node.reader``. Nothing ever follows a symlink below the source: entries are lstat'ed, xattrs read with
-follow_symlinks=False and files opened with O_NOFOLLOW. The source itself may be given through a symlink.
-The root directory's own metadata becomes the layer root's.
+``Node.reader``. ``scan_directory`` is the listing part alone (one lstat per entry, in listing order):
+the walk is built on it, and an incremental rebuild compares it with its parent's build info (patch.py)
+before deciding whether to walk at all. Nothing ever follows a symlink below the source: entries are
+lstat'ed, xattrs read with follow_symlinks=False and files opened with O_NOFOLLOW. The source itself may
+be given through a symlink. The root directory's own metadata becomes the layer root's.
 
 Hard links: non-directories with st_nlink > 1 that share (st_dev, st_ino) become one Node placed at
 every path. Links to the same inode from outside the source do not matter; a link count above the names
@@ -27,13 +29,14 @@ counts blocks its own way) reads as zeros, which the chunker stores as a hole al
 Errors: InputError naming the path for anything about the input (missing or non-directory source,
 unreadable entries, names over 255 bytes, files changed or removed during the build).
 
-Threads: walk_directory and the readers it creates are called from one thread at a time (the chunker
-reads in its main thread); they share no state.
+Threads: walk_directory, scan_directory and the readers they create are called from one thread at a
+time (the chunker reads in its main thread); they share no state.
 """
 
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import stat
 import sys
@@ -54,6 +57,37 @@ _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodee
 
 def walk_directory(root: str | bytes | os.PathLike) -> Tree:
     """Return the Tree of everything under ``root`` (a directory); Tree.finish() has been called."""
+    shared: dict[int, int] = {}  # one int object for each value of mode, uid, gid and device seen
+    links: dict[tuple[int, int], Node] = {}  # (st_dev, st_ino) -> Node, for inodes with several names
+    directories: dict[bytes, Node] = {}  # tree path -> node of every directory listed so far
+    tree: Tree | None = None
+    for directory, names in scan_directory(root):
+        for path, source, st in names:
+            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                node = links.get((st.st_dev, st.st_ino))
+                if node is None:
+                    node = links[st.st_dev, st.st_ino] = node_of(source, st, shared)
+            else:
+                node = node_of(source, st, shared)
+                if node.children is not None:
+                    directories[path] = node
+            if directory is None:
+                tree = Tree(node)
+            else:
+                tree.add_child(directories[directory], path.rpartition(b"/")[2], node)
+    tree.finish()
+    return tree
+
+
+Listing = Iterator[tuple["bytes | None", list[tuple[bytes, bytes, os.stat_result]]]]
+
+
+def scan_directory(root: str | bytes | os.PathLike) -> Listing:
+    """Every name under the directory ``root`` with its lstat, a directory at a time: metadata only, one
+    lstat per name. Yields (tree path of the directory listed, [(tree path, path on disk, lstat) of each
+    of its names, in byte order]): first (None, [the root itself: b"", ``root``, its stat (following a
+    symlink)]), then the root's names, then those of each directory in turn, depth first (a directory's
+    subdirectories right after it, in byte order). That order of names is ``listing_order``'s."""
     root = os.fsencode(root)
     try:
         root_stat = os.stat(root)
@@ -61,33 +95,43 @@ def walk_directory(root: str | bytes | os.PathLike) -> Tree:
         raise _input_error(exc, root) from None
     if not stat.S_ISDIR(root_stat.st_mode):
         raise InputError("the source is not a directory", where=os.fsdecode(root))
-
-    shared: dict[int, int] = {}  # one int object for each value of mode, uid, gid and device seen
-    tree = Tree(_node(root, root_stat, shared))
-    links: dict[tuple[int, int], Node] = {}  # (st_dev, st_ino) -> Node, for inodes with several names
-    pending = [(root, tree.root)]  # directories still to list: (path on disk, node)
+    yield None, [(b"", root, root_stat)]
+    pending = [(b"", root)]  # directories still to list, the next one last
     while pending:
-        directory, parent = pending.pop()
+        path, directory = pending.pop()
+        prefix = path + b"/" if path else b""
         try:
             with os.scandir(directory) as entries:
-                for entry in entries:
-                    st = entry.stat(follow_symlinks=False)
-                    if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
-                        node = links.get((st.st_dev, st.st_ino))
-                        if node is None:
-                            node = links[st.st_dev, st.st_ino] = _node(entry.path, st, shared)
-                    else:
-                        node = _node(entry.path, st, shared)
-                        if node.children is not None:
-                            pending.append((entry.path, node))
-                    tree.add_child(parent, entry.name, node)
+                names = [(prefix + entry.name, entry.path, entry.stat(follow_symlinks=False)) for entry in entries]
         except OSError as exc:
             raise _input_error(exc, exc.filename or directory) from None
-    tree.finish()
-    return tree
+        names.sort()  # tree paths are unique: the stat results are never compared
+        yield path, names
+        pending += [(name, source) for name, source, st in reversed(names) if stat.S_ISDIR(st.st_mode)]
 
 
-def _node(path: bytes, st: os.stat_result, shared: dict[int, int]) -> Node:
+def listing_order(tree: Tree) -> Iterator[tuple[bytes, Node]]:
+    """(path, node) of every name of ``tree`` in the order ``scan_directory`` lists them (a hard-linked
+    node once per name)."""
+    yield b"", tree.root
+    pending = [(b"", tree.root)]
+    while pending:
+        path, directory = pending.pop()
+        prefix = path + b"/" if path else b""
+        names = [(prefix + name, directory.children[name]) for name in sorted(directory.children)]
+        yield from names
+        pending += [(name, node) for name, node in reversed(names) if node.is_dir]
+
+
+# What identifies a source entry's inode and content, as a tuple (st_dev, st_ino, size, mtime_ns,
+# ctime_ns, mode) of an lstat result: ``Node.identity`` of a walked node, and what incremental.py records.
+# Any write, chmod, chown or xattr change moves the ctime. An attrgetter: built at C speed, once per name.
+stat_identity = operator.attrgetter("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns", "st_mode")
+
+
+def node_of(path: bytes, st: os.stat_result, shared: dict[int, int]) -> Node:
+    """The Node of the entry at ``path`` whose lstat is ``st``: reads its xattrs, and a symlink's target.
+    ``shared`` maps each int value seen to one object (see Memory above); pass {} for a lone node."""
     mode = shared.setdefault(st.st_mode, st.st_mode)
     node = Node(
         mode=mode,
@@ -95,7 +139,8 @@ def _node(path: bytes, st: os.stat_result, shared: dict[int, int]) -> Node:
         gid=shared.setdefault(st.st_gid, st.st_gid),
         mtime_ns=st.st_mtime_ns,
         xattrs=_xattrs(path),
-        identity=(shared.setdefault(st.st_dev, st.st_dev), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+        identity=(shared.setdefault(st.st_dev, st.st_dev), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                  mode),  # stat_identity(st), with the shared objects
         source=path.decode(_FS_ENCODING, _FS_ERRORS),  # os.fsdecode, without its checks: once per entry
     )
     if stat.S_ISREG(mode):
@@ -204,10 +249,10 @@ def _pread_exact(fd: int, length: int, offset: int, where: str) -> bytes:
 
 def _check_unchanged(fd: int, identity: tuple, where: str, when: str) -> os.stat_result:
     st = os.fstat(fd)
-    now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    now = stat_identity(st)
     if now != identity:
         raise InputError(
-            f"file changed {when} (dev, inode, size, mtime ns, ctime ns: {identity} -> {now})", where=where
+            f"file changed {when} (dev, inode, size, mtime ns, ctime ns, mode: {identity} -> {now})", where=where
         )
     return st
 

@@ -31,6 +31,7 @@ from .tree import Tree
 _U64 = (1 << 64) - 1
 BLOB_ID_LENGTH = 64  # hex sha256: fills the 64-byte device tag exactly
 UUID_OFFSET = SB_OFFSET + 0x30  # the superblock's uuid field
+CHECKSUM_OFFSET = SB_OFFSET + 0x04  # the superblock's checksum field
 
 
 def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = None) -> bytearray:
@@ -47,11 +48,21 @@ def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = N
     for plan in layout.plans():
         _write_inode(image, layout, plan, blobmap)
     _write_superblock(image, layout, blobmap, blobmap.blob_id if blob_id is None else blob_id)
-    # OverlayFS turns xino off over a lower layer with a null uuid; a uuid derived from the image itself
-    # keeps it on, and keeps the same tree giving the same image.
+    seal_image(image)
+    return image
+
+
+def seal_image(image: bytearray) -> None:
+    """Give a finished image, or one patched since (patch.py), its uuid and superblock checksum: the last
+    step, as both cover bytes everything else writes.
+
+    OverlayFS turns xino off over a lower layer with a null uuid; a uuid derived from the image itself
+    (sha256 of the image with the uuid and checksum fields zero) keeps it on, and keeps the same tree
+    giving the same image."""
+    image[UUID_OFFSET:UUID_OFFSET + 16] = bytes(16)
+    image[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 4] = bytes(4)
     image[UUID_OFFSET:UUID_OFFSET + 16] = hashlib.sha256(image).digest()[:16]
     seal_block0(image, BLOCK_SIZE)
-    return image
 
 
 def _write_superblock(image: bytearray, layout: Layout, blobmap, blob_id: str) -> None:

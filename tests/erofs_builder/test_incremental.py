@@ -1,6 +1,7 @@
 """Incremental builds (build_layer(parent=...)): only changed files are read, the result is the layer a full
 build gives, changes that keep size and mtime are still caught, and a parent without usable build info
-means reading everything, never a wrong chunk list.
+means reading everything, never a wrong chunk list. Which rebuilds patch the parent (patch.py) and which
+take the full path is tested in test_patch.py.
 
 File reads are counted with a Python audit hook on "open" (os.open raises it), so nothing in the build
 is replaced. Trees are made once per module and left to age past RACY_NS, because the builder refuses
@@ -23,11 +24,11 @@ from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from erofs_builder.export import export_layer, extract_layer
-from erofs_builder.incremental import RACY_NS, decode_buildinfo
+from erofs_builder.incremental import RACY, RACY_NS, decode_buildinfo
 
 CHUNK = 4096
-TREES = ("reads-one", "same-size-mtime", "replaced", "corrupt", "missing", "chunk-size", "other-store", "untouched",
-         "kernel")
+TREES = ("reads-one", "same-size-mtime", "replaced", "corrupt", "missing", "version-1", "chunk-size", "other-store",
+         "untouched", "kernel")
 
 _opened: list[str] | None = None  # paths os.open was called with while counting
 
@@ -71,6 +72,16 @@ def make_source(root: str) -> None:
     open(f"{root}/empty", "wb").close()
 
 
+def distinct_mtimes(root: str) -> None:
+    """Give every name below ``root`` an mtime of its own. Files made in one clock tick share an mtime,
+    which may then be the most common one, the image's build time (layout.py), so that their inodes are
+    compact: an edit would then change their form, and a rebuild could not patch its parent (patch.py).
+    With distinct mtimes the build time is the root's."""
+    names = [os.path.join(top, entry) for top, dirs, files in os.walk(root) for entry in dirs + files]
+    for number, path in enumerate(names):
+        os.utime(path, ns=(0, 1_400_000_000_000_000_000 + number), follow_symlinks=False)
+
+
 @pytest.fixture(scope="module")
 def aged(tmp_path_factory) -> dict[str, str]:
     """A source tree per test, old enough for its files to be recorded in build info. The roots (but the
@@ -79,6 +90,7 @@ def aged(tmp_path_factory) -> dict[str, str]:
     roots = {name: str(base / name) for name in TREES}
     for root in roots.values():
         make_source(root)
+        distinct_mtimes(root)
     time.sleep(RACY_NS / 1e9 + 0.2)
     for name, root in roots.items():
         if name != "untouched":
@@ -117,15 +129,16 @@ def assert_layer_is(store, digest: str, root: str, tmp_path) -> None:
 def test_a_rebuild_reads_only_the_changed_file(aged, store, tmp_path):
     root = aged["reads-one"]
     parent = build_layer(root, store, chunk_size=CHUNK)
-    assert len(decode_buildinfo(store.get(keys.layer_buildinfo(parent.digest)), layer=parent.digest,
-                                source="buildinfo")) == 9  # every non-empty regular file, once per name
+    info = decode_buildinfo(store.get(keys.layer_buildinfo(parent.digest)), layer=parent.digest, source="buildinfo")
+    assert len(info.paths) == 14  # every name: 3 directories (the root too), 10 regular files, 1 symlink
+    assert len(info.trusted_files()) == 9  # every non-empty regular file, once per name
     packs_before = store_bytes(store, "packs/")
     edit(f"{root}/lib/sub/big", 5 * CHUNK + 10, b"changed bytes")
 
     with counting_opens() as opened:
         child = build_layer(root, store, chunk_size=CHUNK, parent=parent.digest)
     assert files_read(opened, root) == {"lib/sub/big"}
-    assert (child.stats.files, child.stats.reused_files) == (9, 7)  # the empty file needs no reading
+    assert (child.stats.files, child.stats.reused_files) == (9, 8)  # one of 9 inodes read (patch path)
     assert child.stats.new_chunks == 1 and child.stats.new_bytes == CHUNK
     new_packs = {k: v for k, v in store_bytes(store, "packs/").items() if k not in packs_before}
     assert len(new_packs) == 1 and sum(new_packs.values()) < CHUNK + 512  # one random chunk, compressed
@@ -177,8 +190,9 @@ def test_a_replaced_file_with_the_old_size_and_mtime_is_read(aged, store, tmp_pa
 def test_files_changed_just_before_the_build_are_read_next_time(tmp_path, store):
     root = str(tmp_path / "fresh")
     make_source(root)
-    parent = build_layer(root, store, chunk_size=CHUNK)  # every file is younger than RACY_NS: none recorded
-    assert decode_buildinfo(store.get(keys.layer_buildinfo(parent.digest)), layer=parent.digest, source="x") == {}
+    parent = build_layer(root, store, chunk_size=CHUNK)  # every file is younger than RACY_NS: none trusted
+    info = decode_buildinfo(store.get(keys.layer_buildinfo(parent.digest)), layer=parent.digest, source="x")
+    assert set(info.racy) == {RACY} and not info.trusted_files()
     with counting_opens() as opened:
         child = build_layer(root, store, chunk_size=CHUNK, parent=parent.digest)
     assert len(files_read(opened, root)) == 8 and child.stats.reused_files == 0
@@ -190,20 +204,24 @@ def test_the_filesystem_clock_decides_too(aged, store):
     moved past them (it may lag ours), so they are not recorded."""
     root = aged["untouched"]
     parent = build_layer(root, store, chunk_size=CHUNK)
-    assert decode_buildinfo(store.get(keys.layer_buildinfo(parent.digest)), layer=parent.digest, source="x") == {}
+    info = decode_buildinfo(store.get(keys.layer_buildinfo(parent.digest)), layer=parent.digest, source="x")
+    assert set(info.racy) == {RACY}
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+@pytest.mark.parametrize("damage", ["corrupt", "missing", "version-1"])
 def test_a_parent_without_usable_build_info_means_reading_everything(aged, store, tmp_path, caplog, damage):
     root = aged[damage]
     parent = build_layer(root, store, chunk_size=CHUNK)
     key = keys.layer_buildinfo(parent.digest)
-    if damage == "corrupt":
-        data = bytearray(store.get(key))
-        data[-5] ^= 0x40
-        store.put(key, bytes(data))
-    else:
+    if damage == "missing":
         store.delete(key)
+    else:
+        data = bytearray(store.get(key))
+        if damage == "corrupt":
+            data[-5] ^= 0x40
+        else:  # what an older dsecfs wrote: only regular files, without what the patch path needs
+            data[8:12] = (1).to_bytes(4, "little")
+        store.put(key, bytes(data))
     edit(f"{root}/lib/file1", 0, b"X")
     with caplog.at_level(logging.WARNING, logger="erofs_builder.incremental"), counting_opens() as opened:
         child = build_layer(root, store, chunk_size=CHUNK, parent=parent.digest)
@@ -241,7 +259,7 @@ def test_build_info_rejects_every_damaged_byte(aged, store):
     parent = build_layer(aged["reads-one"], store, chunk_size=CHUNK)
     data = store.get(keys.layer_buildinfo(parent.digest))
     good = decode_buildinfo(data, layer=parent.digest, source="buildinfo")
-    assert good
+    assert good.paths
     for offset in range(len(data)):
         damaged = bytearray(data)
         damaged[offset] ^= 0x01

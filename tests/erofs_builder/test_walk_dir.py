@@ -139,7 +139,7 @@ def test_walk_keeps_everything_a_layer_must(everything):
         assert b"system.posix_acl_default" in tree.lookup(b"tmp").xattrs
 
     st = os.lstat(os.path.join(everything, b"dir", b"data"))
-    assert data.identity == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    assert data.identity == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
     names = (b"dir/data", b"hardlink1", b"tmp/hardlink2")
     assert data.source in [os.fsdecode(os.path.join(everything, name)) for name in names]
 

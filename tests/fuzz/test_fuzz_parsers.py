@@ -48,8 +48,9 @@ from dsec_fs.store.base import check_key
 from erofs_builder.blob import FileBlob, StoreBlob
 from dsec_fs.blobmap import BlobMap
 from erofs_builder.fsck import fsck_image, fsck_layer
-from erofs_builder.incremental import _ENTRY as BUILDINFO_ENTRY
 from erofs_builder.incremental import _HEADER as BUILDINFO_HEADER
+from erofs_builder.incremental import _RECORD as BUILDINFO_RECORD
+from erofs_builder.incremental import _SHARED as BUILDINFO_SHARED
 from erofs_builder.incremental import decode_buildinfo, encode_buildinfo
 from erofs_builder.ondisk import chunk_index, dirent, xattr
 from erofs_builder.ondisk.device_slot import DeviceSlot
@@ -558,13 +559,18 @@ LAYER = "5e" * 32
 def buildinfo_seeds() -> list[bytes]:
     tree = Tree()
     for i, path in enumerate([b"a", b"d/b", b"d/e/" + b"f" * 200, b"\xff\xfe", b"z"]):
-        tree.add(path, Node(mode=stat.S_IFREG | 0o644, size=i + 1, identity=(7, 100 + i, i + 1, 5 * i, 10 + i)))
-    return [encode_buildinfo(tree, LAYER, 10**19), encode_buildinfo(Tree(), LAYER, 10**19)]
+        mode = stat.S_IFREG | 0o644
+        tree.add(path, Node(mode=mode, size=i + 1, identity=(7, 100 + i, i + 1, 5 * i, 10 * i, mode)))
+    entries = [(path, node.identity or (7, 200, 0, 0, 45, node.mode)) for path, node in tree.walk()]
+    root = [(b"", (7, 99, 0, 0, 5, stat.S_IFDIR | 0o755))]
+    return [encode_buildinfo(entries, [0, 3], LAYER, 10**19), encode_buildinfo(entries, [], LAYER, 40),
+            encode_buildinfo(root, [], LAYER, 10**19)]
 
 
-def wrap_buildinfo(body: bytes, count: int, layer: bytes) -> bytes:
+def wrap_buildinfo(body: bytes, count: int, shared: int, layer: bytes) -> bytes:
     """A build-info object around ``body``, header fields all consistent with it."""
-    return BUILDINFO_HEADER.pack(b"DSECBINF", 1, count, len(body), sha256(body), layer) + compress.compress(body)
+    frame = compress.compress(body)
+    return BUILDINFO_HEADER.pack(b"DSECBINF", 2, count, shared, 0, len(body), sha256(frame), layer) + frame
 
 
 @st.composite
@@ -572,22 +578,26 @@ def buildinfos(draw) -> bytes:
     seeds = buildinfo_seeds()
     if draw(st.booleans(), label="mutate the body, rewrap"):
         seed = draw(st.sampled_from(seeds), label="seed")
-        count = struct.unpack_from("<I", seed, 12)[0]
-        body = compress.decompress(seed[BUILDINFO_HEADER.size:], struct.unpack_from("<Q", seed, 16)[0], what="seed")
+        count, shared = struct.unpack_from("<II", seed, 12)
+        body = compress.decompress(seed[BUILDINFO_HEADER.size:], struct.unpack_from("<Q", seed, 24)[0], what="seed")
         body = draw(mutations([body, body + body])) if body else draw(st.binary(max_size=200))
         count = draw(st.sampled_from([count, count + 1, max(count - 1, 0), 2 * count, 0xFFFFFFFF]), label="count")
-        return wrap_buildinfo(body, count, bytes.fromhex(LAYER))
+        shared = draw(st.sampled_from([shared, shared + 1, max(shared - 1, 0), 0xFFFFFFFF]), label="shared")
+        return wrap_buildinfo(body, count, shared, bytes.fromhex(LAYER))
     return draw(inputs(seeds, max_random=512))
 
 
 def check_buildinfo(data: bytes) -> None:
-    layer = data[56:88].hex() if len(data) >= 88 else LAYER
+    layer = data[64:96].hex() if len(data) >= 96 else LAYER
     outcome = bounded(lambda: decode_buildinfo(data, layer=layer, source="buildinfo"), allowed=FormatError,
                       input_size=len(data))
     note(outcome)
     if not isinstance(outcome, FormatError):
-        body = b"".join(BUILDINFO_ENTRY.pack(*identity, len(path)) + path for path, identity in outcome.items())
-        assert sha256(body) == data[24:56], "build info that decodes must be exactly its entries' encoding"
+        body = b"".join([*(BUILDINFO_RECORD.pack(*identity) for identity in outcome.identities), outcome.racy,
+                         *(BUILDINFO_SHARED.pack(index) for index in outcome.shared),
+                         *(path + b"\0" for path in outcome.paths)])
+        assert body == compress.decompress(data[BUILDINFO_HEADER.size:], len(body), what="buildinfo"), \
+            "build info that decodes must be exactly its entries' encoding"
 
 
 @fuzz_settings(300)

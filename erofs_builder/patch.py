@@ -1,0 +1,284 @@
+"""Rebuild a layer by patching its parent's meta.erofs and blob map, when all that changed in the source
+since the parent was built is the content, size or mtime of regular files, in ways that keep the image's
+layout. The result is byte for byte the layer a full build of the same tree gives (the same meta.erofs,
+so the same digest, and the same blob map), for the cost of one lstat per name plus reading the changed
+files.
+
+Steps (build.py calls them in this order; any ``None`` sends the build down the full path):
+1. ``scan_changes``: scan the source (walk_dir.scan_directory) and compare it, name by name, with the
+   parent's build info (incremental.py). The same paths must come in the same order, so the tree has the
+   same shape. A name whose identity is trusted and equal is unchanged; any other name must still be the
+   same inode (st_dev, st_ino) and, but for a regular file's size, mtime and content, have the metadata
+   the parent's image holds for it (mode, uid, gid, xattrs; mtime, symlink target, device number): then
+   every other inode is as the parent has it and the layout (nids, inode forms, blocks) stays the same
+   provided each changed file keeps its chunk count and inode form (compact or extended), and the most
+   common mtime (the superblock's build_time, layout.py) stays the most common one.
+2. the build reads the regular files ``Rescan.files`` lists with the chunker (uploading new chunks);
+3. ``Rescan.patch``: checks the blob map and, if it can be kept in place, patches copies of the parent's
+   meta.erofs and blob map.
+
+The blob map: a full build lists each distinct chunk once, in tree order, then file order. A chunk
+position k of a changed file, whose old chunk o and new chunk n differ, keeps the blob map's layout when
+both are data (a hole is no entry), both fill the same number of blocks, o is named by no other chunk
+index of the parent (the build info's shared list) and n by no other of the new layer (it is not in the
+parent's blob map, nor twice among the changes): a full build then puts n exactly where o was, and every
+chunk index keeps its block address. Anything else (a hole filled or made, a chunk that grows by a block,
+content equal to a chunk used elsewhere) takes the full path. A patched layer therefore never lists a
+chunk nothing uses.
+
+What is patched: each changed inode's i_size and (extended inodes) i_mtime, i_mtime_nsec; the blob map
+entries of the replaced chunks; the device slot's tag (the new blob id); then the uuid and the
+superblock checksum (writer.seal_image). The manifest lists the parent's packs plus those holding the new
+chunks: a full build lists the packs the index names for each chunk, which may leave out a pack that
+held only a replaced chunk. Listing it keeps it live for gc, never breaks a read or fsck.
+
+The parent's chunks: the parent is published, so gc keeps the packs its manifest lists (or rewrites that
+list when it repacks), and this build's lease keeps them until the new manifest is published;
+``missing_packs`` checks that they exist, which is all a layer copied without its packs (another store)
+lacks.
+
+Threads: everything here runs in the build's calling thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import operator
+import os
+import stat
+from collections import Counter
+from dataclasses import dataclass
+
+from dsec_fs.blobmap import BLOCK_SIZE, BlobMap
+from dsec_fs.digest import sha256, to_hex
+from dsec_fs.errors import CorruptError, NotFoundError, UnsupportedError
+from dsec_fs.store import keys
+from dsec_fs.store.base import Store
+
+from .incremental import Identity, ParentLayer
+from .layout import NS_PER_S
+from .ondisk import INODE_SLOT_SIZE, inode
+from .ondisk.device_slot import SLOT_SIZE, DeviceSlot
+from .tree import Node
+from .walk_dir import node_of, scan_directory, stat_identity
+from .writer import seal_image
+
+log = logging.getLogger(__name__)
+
+_U64 = (1 << 64) - 1
+_PATH, _STAT = operator.itemgetter(0), operator.itemgetter(2)  # of scan_directory's (path, source, lstat)
+
+
+@dataclass(slots=True)
+class _Change:
+    """A regular file whose content, size or mtime may have changed: its new node and its parent's inode."""
+
+    node: Node  # from the source: read by the chunker, which fills node.chunks
+    nid: int
+    old: inode.Inode  # as the parent's image holds it
+
+
+@dataclass(frozen=True)
+class Patched:
+    """A patched layer's meta.erofs and blob map."""
+
+    meta: bytearray
+    blob_map: BlobMap
+    blob_map_bytes: bytes  # blob_map encoded
+    data_grew: int  # bytes the replaced chunks add up to beyond the chunks they replace (may be negative)
+    new_chunks: list[bytes]  # the chunks that replaced others: the only ones not in the parent's blob map
+
+
+@dataclass
+class Rescan:
+    """What a scan found against the parent: the names' identities now, and the regular files to read."""
+
+    parent: ParentLayer
+    scanned_at_ns: int  # wall clock when the scan started
+    identities: list[Identity]  # every name's, in the order of the parent's build info
+    suspects: list[int]  # the indexes of the names whose identity differs from the parent's or is not trusted
+    changes: list[_Change]  # each regular file among them (each inode once): to read
+
+    @property
+    def files(self) -> list[Node]:
+        """The regular files the build must read (each once)."""
+        return [change.node for change in self.changes]
+
+    def patch(self, chunk_size: int) -> Patched | None:
+        """The new meta.erofs and blob map once every file of ``files`` is chunked; None if the blob map
+        cannot be kept in place (see the module docstring)."""
+        parent = self.parent
+        blob_map = parent.blob_map
+        shared = set(parent.info.shared)
+        chunk_lists = parent.chunk_lists()
+        superblock = parent.image.superblock
+        replaced: dict[bytes, tuple[bytes, int]] = {}  # old chunk -> (new chunk, its length)
+        added: set[bytes] = set()  # the new chunks
+        data_grew = 0
+        for change in self.changes:
+            old = change.old
+            old_chunks = (chunk_lists.of(change.nid, old.size, parent.image.stat(change.nid).mtime_ns)
+                          if old.size else [])
+            if old_chunks is None:
+                return _full(f"the parent's chunk list of {_named(change)} is not as the builder makes it")
+            size = change.node.size
+            for number, (o, n) in enumerate(zip(old_chunks, change.node.chunks)):
+                if o == n:
+                    continue
+                if o is None or n is None:
+                    return _full(f"{_named(change)} has a hole where it had data, or data in a hole")
+                if n in blob_map or n in added or o in replaced:
+                    return _full(f"{_named(change)} now holds a chunk the layer holds elsewhere too")
+                index = blob_map.locate(blob_map.blkaddr_of(o))
+                old_length = blob_map.entries[index][2]
+                length = min(chunk_size, size - number * chunk_size)
+                if index in shared:
+                    return _full(f"{_named(change)} had a chunk the layer holds elsewhere too")
+                if -(-length // BLOCK_SIZE) != -(-old_length // BLOCK_SIZE):
+                    return _full(f"the last chunk of {_named(change)} changed its number of blocks")
+                replaced[o] = (n, length)
+                added.add(n)
+                data_grew += length - old_length
+        new_map = blob_map.with_chunks_replaced(replaced)
+        new_map_bytes = new_map.encode()
+
+        image = bytearray(parent.meta)
+        for change in self.changes:
+            node = change.node
+            new = dataclasses.replace(change.old, size=node.size)  # the reader's cached inode stays as it is
+            if new.extended:  # a compact inode's mtime is build_time, which stays (_build_time_stays)
+                seconds, new.mtime_nsec = divmod(node.mtime_ns, NS_PER_S)
+                new.mtime = seconds & _U64
+            offset = superblock.meta_blkaddr * superblock.block_size + change.nid * INODE_SLOT_SIZE
+            image[offset:offset + new.header_size] = new.pack()
+        slot_at = superblock.devt_slotoff * SLOT_SIZE
+        slot = DeviceSlot.unpack(image, slot_at, source=parent.image.source)
+        slot.tag = to_hex(sha256(new_map_bytes)).encode("ascii")  # the blob id
+        image[slot_at:slot_at + SLOT_SIZE] = slot.pack()
+        seal_image(image)
+        return Patched(meta=image, blob_map=new_map, blob_map_bytes=new_map_bytes, data_grew=data_grew,
+                       new_chunks=list(added))
+
+
+def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_at_ns: int) -> Rescan | None:
+    """Step 1 (see the module docstring): the changes since ``parent`` if the patch path can take them,
+    else None. Reads the metadata of the names whose identity is not trusted and equal, never contents."""
+    info = parent.info
+    if info is None:
+        return _full("the parent has no usable build info")
+    root = os.fsencode(root)
+    paths, identities = [], []
+    for _directory, names in scan_directory(root):
+        paths += map(_PATH, names)
+        identities += map(stat_identity, map(_STAT, names))
+    if paths != info.paths:
+        return _full("names were added, removed or renamed")
+    # Names whose identity differs from the recorded one or was not trusted, found at C speed.
+    differs = bytes(map(operator.or_, map(operator.ne, identities, info.identities), info.racy))
+    numbers, suspects = [], []
+    number = differs.find(1)
+    while number >= 0:
+        identity = identities[number]
+        if identity[:2] != info.identities[number][:2]:  # another inode under this name: links may differ
+            return _full(f"/{_printable(paths[number])} is another inode now")
+        source = root + b"/" + paths[number] if number else root
+        st = os.lstat(source) if number else os.stat(root)  # the root may be a symlink, as for the scan
+        if stat_identity(st) != identity:  # changed since the scan: the full path reports or takes it
+            return _full(f"/{_printable(paths[number])} changed during the scan")
+        numbers.append(number)
+        suspects.append((paths[number], source, st))
+        number = differs.find(1, number + 1)
+    try:
+        changes = _compare(suspects, parent)
+    except (CorruptError, UnsupportedError, NotFoundError) as exc:
+        log.warning("cannot compare the source with the parent layer's image, rebuilding in full: %s", exc)
+        return None
+    if changes is None:
+        return None
+    if not _build_time_stays(changes, identities, parent):
+        return _full("the image's most common mtime (its build time) would change")
+    return Rescan(parent=parent, scanned_at_ns=scanned_at_ns, identities=identities, suspects=numbers,
+                  changes=changes)
+
+
+def _compare(suspects: list[tuple[bytes, bytes, os.stat_result]], parent: ParentLayer) -> list[_Change] | None:
+    """The regular files among ``suspects`` that the patch path must read, or None if any suspect differs
+    from the parent's image in a way the patch cannot express."""
+    image = parent.image
+    superblock = image.superblock
+    chunk_size = parent.blob_map.chunk_size
+    changes: dict[tuple[int, int], _Change] = {}  # (st_dev, st_ino) -> change: a hard link's names share it
+    for path, source, st in suspects:
+        nid = image.resolve(path)
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in changes:
+            if changes[st.st_dev, st.st_ino].nid != nid:
+                return _full(f"/{_printable(path)} is another inode now")
+            continue
+        node = node_of(source, st, {})
+        was = image.stat(nid)
+        if ((was.mode, was.uid, was.gid) != (node.mode, node.uid, node.gid)
+                or image.xattrs(nid) != dict(node.xattrs)):
+            return _full(f"/{_printable(path)} has another mode, owner or xattrs")
+        if not node.is_reg:
+            if (was.mtime_ns != node.mtime_ns
+                    or node.is_symlink and image.readlink(nid) != node.target
+                    or was.rdev != (os.major(node.rdev), os.minor(node.rdev))):
+                return _full(f"/{_printable(path)} changed (not a regular file)")
+            continue
+        old = image.inode(nid)
+        seconds, nsec = divmod(node.mtime_ns, NS_PER_S)
+        if (-(-node.size // chunk_size) != -(-old.size // chunk_size)
+                or old.extended != inode.needs_extended(node.size, node.uid, node.gid, was.nlink, seconds, nsec,
+                                                        superblock.build_time, superblock.build_time_nsec)):
+            return _full(f"/{_printable(path)} changed its chunk count or inode form")
+        changes[st.st_dev, st.st_ino] = _Change(node=node, nid=nid, old=old)
+    return list(changes.values())
+
+
+def _build_time_stays(changes: list[_Change], identities: list[Identity], parent: ParentLayer) -> bool:
+    """Whether the most common mtime of the new tree is still the parent's build_time, so that no inode
+    changes form: no changed file had or gets that mtime, and each new mtime has fewer inodes than it, or
+    as many when the root has the build time (layout.py breaks a tie for the mtime met first, and the root
+    is the first inode). Inodes are counted as layout.py counts them: a directory per name, any other
+    inode once however many names it has (walk_dir merges those by st_dev, st_ino)."""
+    image = parent.image
+    build_time_ns = image.superblock.build_time * NS_PER_S + image.superblock.build_time_nsec
+    moved = {change.node.mtime_ns for change in changes if change.node.mtime_ns != image.stat(change.nid).mtime_ns}
+    if not moved:
+        return True
+    if build_time_ns in moved or any(image.stat(change.nid).mtime_ns == build_time_ns
+                                     for change in changes if change.node.mtime_ns in moved):
+        return False
+    wanted = moved | {build_time_ns}
+    mtimes = map(operator.itemgetter(3), identities)
+    directories: Counter[int] = Counter()
+    others: dict[int, set[tuple[int, int]]] = {mtime: set() for mtime in wanted}
+    for dev, ino, _size, mtime_ns, _ctime_ns, mode in itertools.compress(identities, map(wanted.__contains__, mtimes)):
+        if stat.S_ISDIR(mode):
+            directories[mtime_ns] += 1
+        else:
+            others[mtime_ns].add((dev, ino))
+    inodes = {mtime: directories[mtime] + len(others[mtime]) for mtime in wanted}
+    most = inodes[build_time_ns] - (identities[0][3] != build_time_ns)  # identities[0]: the root's
+    return all(inodes[mtime] <= most for mtime in moved if mtime >= 0)
+
+
+def _full(reason: str) -> None:
+    """Why the build takes the full path (logged at INFO); None, for the caller to return."""
+    log.info("rebuilding in full: %s", reason)
+    return None
+
+
+def _printable(path: bytes) -> str:
+    return path.decode(errors="backslashreplace")
+
+
+def _named(change: _Change) -> str:
+    return change.node.source
+
+
+def missing_packs(store: Store, parent: ParentLayer) -> list[str]:
+    """The packs the parent's manifest lists that the store does not hold."""
+    return [pack_id for pack_id in parent.manifest.packs if not store.exists(keys.pack(pack_id))]

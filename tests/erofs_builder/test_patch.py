@@ -1,0 +1,245 @@
+"""The patch path of incremental rebuilds (erofs_builder/patch.py): which changes patch the parent's
+meta.erofs and blob map, which take the full path, and that either way the rebuilt layer is the one a full
+build of the tree gives, byte for byte (the same digest, so the same meta.erofs and blob map), that
+`dsecfs fsck`, fsck.erofs and the kernel accept it and that it holds the source tree.
+
+Which path a rebuild took is read from the builder's INFO log. The source trees come from
+test_incremental.make_source and are left to age past RACY_NS once per module, like there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+from treecmp import assert_same_tree, snapshot
+
+from dsec_fs.mounts import mounted_erofs
+from dsec_fs.store import FilesystemStore, keys
+from erofs_builder import build_layer
+from erofs_builder.export import export_layer
+from erofs_builder.fsck import fsck_layer
+from erofs_builder.incremental import RACY_NS, decode_buildinfo
+from tests.erofs_builder.test_incremental import (
+    CHUNK, assert_layer_is, counting_opens, distinct_mtimes, edit, files_read, make_source,
+)
+
+STRUCTURAL = ("chmod", "xattr", "rename", "add", "remove", "symlink", "mkdir", "touch-dir")
+TREES = ("content", "grow", "boundary", "blocks", "racy", "hole", "shared", "same-chunk", "compact",
+         "tie", "hardlink", "chain", "kernel", *STRUCTURAL)
+ENTRIES = 14  # names make_source makes, the root included
+
+
+@pytest.fixture(scope="module")
+def aged(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("patch-sources")
+    roots = {name: str(base / name) for name in TREES}
+    for root in roots.values():
+        make_source(root)
+    with open(f"{roots['shared']}/lib/twin", "wb") as f:  # the same chunks as lib/file0
+        f.write(open(f"{roots['shared']}/lib/file0", "rb").read())
+    for name, root in roots.items():
+        distinct_mtimes(root)
+        if name in ("compact", "tie", "kernel"):  # three files share the build time: compact inodes
+            for file in ("file1", "file2", "file3"):
+                os.utime(f"{root}/lib/{file}", ns=(0, 1_500_000_000_000_000_000))
+    time.sleep(RACY_NS / 1e9 + 0.2)
+    for root in roots.values():
+        os.chmod(root, 0o755)  # something newer than every file: see test_incremental
+    return roots
+
+
+@pytest.fixture
+def store(tmp_path):
+    return FilesystemStore(str(tmp_path / "store"), fsync=False)
+
+
+def rebuild(root: str, store, parent, caplog, chunk_size: int = CHUNK):
+    """Rebuild ``root`` on ``parent``; check it gives the layer a full build gives. Returns the result and
+    whether the parent was patched."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="erofs_builder"):
+        child = build_layer(root, store, chunk_size=chunk_size, parent=parent.digest)
+    patched = "patched parent layer" in caplog.text
+    assert patched != ("rebuilding in full" in caplog.text), caplog.text
+    assert child.digest == build_layer(root, store, chunk_size=chunk_size).digest
+    return child, patched
+
+
+def check_layer(store, digest: str, root: str, tmp_path) -> None:
+    """fsck (every chunk fetched and hashed), fsck.erofs on the export, and the tree extracted is the source."""
+    report = fsck_layer(store, digest)
+    assert report.ok, report.problems
+    assert_layer_is(store, digest, root, tmp_path)
+    if shutil.which("fsck.erofs"):
+        exported = export_layer(store, digest, tmp_path / f"export-{digest[:8]}")
+        proc = subprocess.run(["fsck.erofs", f"--device={exported.blob_path}", exported.meta_path],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_content_change_is_patched(aged, store, tmp_path, caplog):
+    root = aged["content"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    edit(f"{root}/lib/file1", 3 * CHUNK + 7, b"patched in place")
+    with counting_opens() as opened:
+        child, patched = rebuild(root, store, parent, caplog)
+    assert patched
+    assert files_read(opened, root) >= {"lib/file1"}  # the full build after it reads everything
+    assert child.stats.new_chunks == 1 and child.stats.reused_files == child.stats.files - 1 == 8
+    check_layer(store, child.digest, root, tmp_path)
+    info = decode_buildinfo(store.get(keys.layer_buildinfo(child.digest)), layer=child.digest, source="x")
+    assert len(info.paths) == ENTRIES and info.identities[info.paths.index(b"lib/file1")][4] == os.stat(
+        f"{root}/lib/file1").st_ctime_ns
+
+
+def test_a_patched_rebuild_reads_only_the_changed_file(aged, store, caplog):
+    root = aged["chain"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    for round_ in range(2):  # a patched layer is a parent like any other
+        edit(f"{root}/lib/sub/big", round_ * CHUNK, b"round %d" % round_)
+        with counting_opens() as opened, caplog.at_level(logging.INFO, logger="erofs_builder"):
+            caplog.clear()
+            child = build_layer(root, store, chunk_size=CHUNK, parent=parent.digest)
+        assert "patched parent layer" in caplog.text
+        assert files_read(opened, root) == {"lib/sub/big"}
+        assert child.digest == build_layer(root, store, chunk_size=CHUNK).digest
+        parent = child
+
+
+@pytest.mark.parametrize("new_size", [8 * CHUNK + 250, 8 * CHUNK + 1])
+def test_a_file_that_keeps_its_chunk_count_is_patched(aged, store, tmp_path, caplog, new_size):
+    root = aged["grow"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    os.truncate(f"{root}/lib/file2", new_size)  # 8 chunks + 200 bytes: grows, or shrinks into chunk 8
+    child, patched = rebuild(root, store, parent, caplog)
+    assert patched
+    check_layer(store, child.digest, root, tmp_path)
+
+
+def append(path: str, size: int) -> None:
+    with open(path, "ab") as f:
+        f.write(os.urandom(size))
+
+
+def copy_a_chunk(root: str) -> None:
+    with open(f"{root}/lib/file0", "rb") as f:
+        edit(f"{root}/lib/file5", 0, f.read(CHUNK))
+
+
+def give_three_files_one_mtime(root: str) -> None:
+    for file in ("file0", "file4", "file5"):  # three inodes: as many as have the build time (fixture)
+        edit(f"{root}/lib/{file}", 1, b"tie")
+        os.utime(f"{root}/lib/{file}", ns=(0, 1_600_000_000_000_000_000))
+
+
+# tree -> (chunk size, the change, what the log gives as the reason). Each keeps every name as it was.
+FULL_PATH = {
+    "boundary": (CHUNK, lambda root: append(f"{root}/lib/file4", CHUNK), "chunk count"),
+    # 8 chunks of 16 KiB + 100 bytes: the last chunk grows to 2 blocks, which would move later chunks
+    "blocks": (4 * CHUNK, lambda root: append(f"{root}/lib/file1", CHUNK), "number of blocks"),
+    "hole": (CHUNK, lambda root: edit(f"{root}/sparse", 3 * CHUNK, b"data in the first hole"), "hole"),
+    # lib/twin's old chunk is lib/file0's too
+    "shared": (CHUNK, lambda root: edit(f"{root}/lib/twin", CHUNK, b"one of two copies"), "elsewhere too"),
+    "same-chunk": (CHUNK, copy_a_chunk, "holds elsewhere"),
+    "tie": (CHUNK, give_three_files_one_mtime, "build time"),
+}
+
+
+@pytest.mark.parametrize("tree", FULL_PATH)
+def test_a_change_the_patch_cannot_express_takes_the_full_path(aged, store, tmp_path, caplog, tree):
+    root = aged[tree]
+    chunk_size, change, reason = FULL_PATH[tree]
+    parent = build_layer(root, store, chunk_size=chunk_size)
+    change(root)
+    child, patched = rebuild(root, store, parent, caplog, chunk_size=chunk_size)
+    assert not patched and reason in caplog.text
+    check_layer(store, child.digest, root, tmp_path)
+
+
+@pytest.mark.parametrize("change", STRUCTURAL)
+def test_a_structural_change_takes_the_full_path(aged, store, tmp_path, caplog, change):
+    root = aged[change]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    edit(f"{root}/lib/file3", 0, b"and a content change")
+    if change == "chmod":
+        os.chmod(f"{root}/lib/file5", 0o600)
+    elif change == "xattr":
+        os.setxattr(f"{root}/lib/file5", "user.note", b"new")
+    elif change == "rename":
+        os.rename(f"{root}/lib/file5", f"{root}/lib/file6")
+    elif change == "add":
+        with open(f"{root}/lib/sub/new", "wb") as f:
+            f.write(b"new file")
+    elif change == "remove":
+        os.unlink(f"{root}/lib/file5")
+    elif change == "symlink":
+        os.unlink(f"{root}/symlink")
+        os.symlink("lib/file2", f"{root}/symlink")
+    elif change == "mkdir":
+        os.mkdir(f"{root}/lib/sub/dir")
+    elif change == "touch-dir":
+        os.utime(f"{root}/lib", ns=(0, 10**18))
+    child, patched = rebuild(root, store, parent, caplog)
+    assert not patched
+    check_layer(store, child.digest, root, tmp_path)
+
+
+def test_a_same_size_change_in_the_racy_window_is_read(aged, store, tmp_path, caplog):
+    """lib/file3 changes just before the parent is built, then again with its size and mtime kept: its
+    identity may well look unchanged, but the parent did not trust it, so the rebuild reads it."""
+    root = aged["racy"]
+    edit(f"{root}/lib/file3", 0, b"first")
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    edit(f"{root}/lib/file3", 0, b"again", keep_mtime=True)
+    with counting_opens() as opened, caplog.at_level(logging.INFO, logger="erofs_builder"):
+        child = build_layer(root, store, chunk_size=CHUNK, parent=parent.digest)
+    assert "patched parent layer" in caplog.text
+    assert files_read(opened, root) == {"lib/file3"}
+    assert child.digest == build_layer(root, store, chunk_size=CHUNK).digest
+    check_layer(store, child.digest, root, tmp_path)
+
+
+def test_a_compact_inode_is_patched_only_while_its_mtime_stays(aged, store, tmp_path, caplog):
+    """lib/file1-3 share the most common mtime, so their inodes are compact (no mtime of their own)."""
+    root = aged["compact"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    edit(f"{root}/lib/file1", 5, b"same size, same mtime", keep_mtime=True)
+    child, patched = rebuild(root, store, parent, caplog)
+    assert patched
+    check_layer(store, child.digest, root, tmp_path)
+    edit(f"{root}/lib/file2", 5, b"a new mtime")  # compact -> extended: the layout changes
+    child, patched = rebuild(root, store, child, caplog)
+    assert not patched and "inode form" in caplog.text
+    check_layer(store, child.digest, root, tmp_path)
+
+
+def test_a_hard_linked_file_is_patched_once(aged, store, tmp_path, caplog):
+    root = aged["hardlink"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    edit(f"{root}/hardlink", 2 * CHUNK, b"through the other name")
+    with counting_opens() as opened, caplog.at_level(logging.INFO, logger="erofs_builder"):
+        child = build_layer(root, store, chunk_size=CHUNK, parent=parent.digest)
+    assert "patched parent layer" in caplog.text
+    assert len(files_read(opened, root)) == 1 and child.stats.new_chunks == 1
+    assert child.digest == build_layer(root, store, chunk_size=CHUNK).digest
+    check_layer(store, child.digest, root, tmp_path)
+
+
+@pytest.mark.root
+def test_the_kernel_mounts_a_patched_layer_as_the_source(aged, store, tmp_path, caplog):
+    root = aged["kernel"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    # Two files, which may get one new mtime: fewer inodes than the build time has (three).
+    edit(f"{root}/lib/file4", 4 * CHUNK - 3, b"across a chunk edge")
+    os.truncate(f"{root}/lib/sub/big", 15 * CHUNK + 9)
+    child, patched = rebuild(root, store, parent, caplog)
+    assert patched
+    exported = export_layer(store, child.digest, tmp_path / "export")
+    (tmp_path / "mnt").mkdir()
+    with mounted_erofs(exported.meta_path, tmp_path / "mnt", [exported.blob_path]) as mnt:
+        assert_same_tree(snapshot(root), snapshot(mnt))
