@@ -2,7 +2,7 @@
 plus warm read throughput and a metadata walk against the same tree on local disk.
 
     .venv/bin/python bench/bench_coldstart.py [--rounds 3] [--warm-rounds 5] [--cache DIR] [--work DIR]
-                                              [--skip-cold] [--skip-warm]
+                                              [--miss-readahead SIZE] [--skip-cold] [--skip-warm]
 
 The image: Debian bookworm minbase with python3 (mmdebstrap) plus a toolkit of real PyPI packages (numpy,
 scipy, pandas, matplotlib, scikit-learn with pip --target, byte-compiled) under /opt/toolkit, built as ONE
@@ -24,7 +24,9 @@ Cold start, per round, each configuration in turn (the order rotates between rou
 - ``kernel`` / ``fuse``: a fresh daemon (empty chunk cache and state directory), drop_caches, then
   ``Node.mount`` and the workload in a chroot of the mountpoint. Timed from the mount call to the
   workload's end (the daemon is already running: a node runs one). Bytes fetched come from the daemon's
-  status (uncompressed chunk bytes, against the layer's chunk bytes).
+  status (uncompressed chunk bytes, against the layer's chunk bytes); with ``--miss-readahead SIZE`` they
+  include what readahead brought along with the misses (up to SIZE of the chunks stored after each,
+  lazy_fetch/blob_reader.py; off by default, as in the daemon).
 - ``kernel+prefetch`` / ``fuse+prefetch``: the same, mounted with a prefetch list that ``dsecfs prefetch
   build`` learned from the trace of that mode's first cold run (round 0 of ``kernel`` / ``fuse``). The
   prefetch runs in the background; bytes are read when the workload ends and again once the prefetch
@@ -239,9 +241,10 @@ class Daemons:
     """Fresh daemons, each with its own empty state and cache directories under ``work``; ``stop_all``
     stops every one this object started (and so unmounts what they mounted)."""
 
-    def __init__(self, work: str, store: str):
+    def __init__(self, work: str, store: str, miss_readahead: str):
         self.work = work
         self.store = store
+        self.miss_readahead = miss_readahead
         self.started = []
         self.count = 0
 
@@ -252,7 +255,8 @@ class Daemons:
         daemon = Node.start_daemon(
             os.path.join(home, "api.sock"), state_dir=os.path.join(home, "state"),
             cache_dir=os.path.join(home, "cache"), store=self.store, latency_ms=LATENCY_MS,
-            bandwidth_mbps=BANDWIDTH_MBPS, fetch_timeout=120, log_file=os.path.join(home, "daemon.log"))
+            bandwidth_mbps=BANDWIDTH_MBPS, fetch_timeout=120, log_file=os.path.join(home, "daemon.log"),
+            extra_args=["--miss-readahead", self.miss_readahead])
         self.started.append(daemon)
         return daemon
 
@@ -578,6 +582,8 @@ def main() -> None:
     parser.add_argument("--warm-rounds", type=int, default=5, help="rounds of the warm read and walk")
     parser.add_argument("--cache", default="/var/cache/dsecfs-test", help="where the image and store are kept")
     parser.add_argument("--work", default="/var/tmp", help="scratch directory (extracted trees, daemons)")
+    parser.add_argument("--miss-readahead", default="0", metavar="SIZE",
+                        help="the daemons' --miss-readahead (e.g. 256KiB; default 0: fetch only what is read)")
     parser.add_argument("--skip-cold", action="store_true")
     parser.add_argument("--skip-warm", action="store_true")
     args = parser.parse_args()
@@ -589,7 +595,7 @@ def main() -> None:
         f"(toolkit {info['toolkit_bytes'] / 1e6:.0f} MB); tar.zst {info['tarball_bytes'] / 1e6:.0f} MB")
     cold = warm = None
     with tempfile.TemporaryDirectory(prefix="dsecfs-cold-", dir=args.work) as work:
-        daemons = Daemons(work, info["store"])
+        daemons = Daemons(work, info["store"], args.miss_readahead)
         try:
             if not args.skip_cold:
                 cold = bench_cold(info, args.rounds, work, daemons)

@@ -56,6 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from dsec_fs.client import Node  # noqa: E402
+from dsec_fs.mounts import mounts_below  # noqa: E402
 from dsec_fs.sandbox_client import Sandbox  # noqa: E402
 from dsec_fs.store import FilesystemStore  # noqa: E402
 from erofs_builder import build_layer  # noqa: E402
@@ -331,13 +332,6 @@ def summarize(runs: dict) -> tuple[dict, list[str]]:
         lines.append(f"{key:<26}{row['p50_s']:>8.3f}{row['p99_s']:>8.3f}{row['mean_s']:>8.3f}{row['first_s']:>9.3f}"
                      f"{row['prepare_p50_s']:>13.3f}{row['command_p50_s']:>13.3f}{row['teardown_p50_s']:>14.3f}")
     return summary, lines
-
-
-def mounts_below(path: str) -> list[str]:
-    prefix = os.path.realpath(path) + "/"
-    with open("/proc/self/mounts") as f:
-        targets = [line.split()[1].encode().decode("unicode_escape") for line in f]
-    return [target for target in targets if target.startswith(prefix)]
 
 
 def main() -> None:

@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import click
 
+from dsec_fs.errors import InputError
 from dsec_fs.store import default_store_url
+from dsec_fs.units import parse_duration
 
 CHUNK_SIZE_HELP = "chunk size in bytes: a power of two from 4 KiB to 16 MiB"
 
@@ -18,6 +20,20 @@ store_option = click.option(
          f"{default_store_url()})",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text")
+
+
+class Duration(click.ParamType):
+    """A duration option (dsec_fs.units.parse_duration), as seconds."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return parse_duration(value)
+        except InputError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def emit(as_json: bool, data: dict, text: Callable[[], str]) -> None:

@@ -28,11 +28,11 @@ import click
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV, Node
 from dsec_fs.units import human_size, parse_size
 
-from .common import emit, json_option, store_option
+from .common import Duration, emit, json_option, store_option
 
 # lazy_fetch.layer_mount's choices, spelled out so that every dsecfs command does not import trio and the
 # FUSE code just to build its help; the daemon checks them again.
-BINDINGS = ("pyfuse3", "fusepy")
+BINDINGS = ("pyfuse3", "fusepy", "raw")  # raw: mounts survive a daemon restart (docs/architecture.md)
 MODES = ("kernel", "fuse")
 RUNTIMES = ("runc", "namespaces")  # overlay.runtime's
 
@@ -49,14 +49,22 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
 @click.option("--memory-cache", default="64MiB", show_default=True, metavar="SIZE",
               help="in-memory cache of recently read chunks")
 @store_option
-@click.option("--fuse-binding", type=click.Choice(BINDINGS), default="pyfuse3", show_default=True)
+@click.option("--fuse-binding", type=click.Choice(BINDINGS), default="pyfuse3", show_default=True,
+              help="raw: the daemon speaks /dev/fuse itself (root only), and its mounts survive its restarts")
 @click.option("--latency", type=float, default=None, metavar="MS",
               help="emulate a remote store: add MS milliseconds to every store request")
 @click.option("--bandwidth", type=float, default=None, metavar="MBPS",
               help="emulate a remote store: a shared link of MBPS megabytes (10^6) per second")
 @click.option("--fetch-timeout", type=float, default=30.0, show_default=True, metavar="SECONDS",
               help="a store read that takes longer fails (the reader gets EIO)")
+@click.option("--miss-readahead", default="0", show_default=True, metavar="SIZE",
+              help="a read that misses the cache also fetches up to SIZE of the chunks stored after it, in the "
+                   "same request (e.g. 256KiB; 0: fetch only what is read)")
 @click.option("--no-trace", is_flag=True, help="do not write access traces")
+@click.option("--trace-keep-size", default="1GiB", show_default=True, metavar="SIZE",
+              help="closed traces beyond this size in all are removed, oldest first")
+@click.option("--trace-keep-age", type=Duration(), default="7d", show_default=True, metavar="DURATION",
+              help="closed traces older than this are removed")
 @click.option("--log-file", default=None, metavar="PATH", help="log here instead of stderr")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
@@ -66,7 +74,7 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
               help="what runs sandbox commands unless `sandbox exec --runtime` says otherwise")
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
            store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: float | None,
-           fetch_timeout: float, no_trace: bool, log_file: str | None, log_level: str, sandbox_layer_mode: str,
+           fetch_timeout: float, miss_readahead: str, no_trace: bool, trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
            sandbox_runtime: str) -> None:
     """Run the node daemon: mounts layers, fetches and caches chunks, runs sandboxes, serves the API on the
     socket.
@@ -82,7 +90,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
         socket_path=socket_path, state_dir=state_dir, cache_dir=cache_dir, cache_bytes=parse_size(cache_size),
         memory_cache_bytes=parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
         latency=None if latency is None else latency / 1000, bandwidth=None if bandwidth is None else bandwidth * 1e6,
-        fetch_timeout=fetch_timeout, trace=not no_trace)
+        fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead), trace=not no_trace, trace_keep_bytes=parse_size(trace_keep_size),
+        trace_keep_seconds=trace_keep_age)
     sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)
     run_daemon(options, extensions=[sandboxes])
 

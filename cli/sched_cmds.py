@@ -5,6 +5,7 @@ Registered on the main group in cli/main.py with ``main.add_command(sched)``.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import click
@@ -62,11 +63,7 @@ def serve(listen: str, store_url: str | None) -> None:
             from dsec_fs.layer import resolve as resolve_ref
             from dsec_fs.store import open_store
 
-            store = stack.enter_context(open_store(store_url))
-
-            def resolve(ref_or_digest: str) -> str:
-                return resolve_ref(store, ref_or_digest)
-
+            resolve = functools.partial(resolve_ref, stack.enter_context(open_store(store_url)))
         service = SchedService(host=host, port=int(port), resolve=resolve)
         click.echo(f"dsecfs scheduler listening on {service.url} (extender at {service.url}/extender)")
         try:

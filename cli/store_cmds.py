@@ -2,40 +2,12 @@
 
 from __future__ import annotations
 
-import re
-
 import click
 
 from dsec_fs.store import open_store
 from dsec_fs.units import human_size
 
-from .common import emit, json_option, store_option
-
-_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?)([smhdw]?)")
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``text``: ``90``, ``0s``, ``30m``, ``1h``, ``2d``, ``1w`` or sums such as ``1h30m``.
-    ValueError when it is none of those."""
-    text = text.strip().lower()
-    parts = list(_DURATION_PART.finditer(text))
-    if not text or "".join(m.group(0) for m in parts) != text:
-        raise ValueError(f"not a duration: {text!r} (use e.g. 0s, 30m, 1h, 2d or 1h30m)")
-    return sum(float(m.group(1)) * _DURATION_UNITS[m.group(2)] for m in parts)
-
-
-class Duration(click.ParamType):
-    name = "duration"
-
-    def convert(self, value, param, ctx) -> float:
-        if isinstance(value, (int, float)):
-            return float(value)
-        try:
-            return parse_duration(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
+from .common import Duration, emit, json_option, store_option
 
 @click.command("gc")
 @store_option

@@ -1,4 +1,4 @@
-"""``dsecfs trace report|ls|show`` and ``dsecfs prefetch build``: access traces from the terminal.
+"""``dsecfs trace report|ls|show|prune`` and ``dsecfs prefetch build``: access traces from the terminal.
 
 cli/main.py registers the two groups (``main.add_command(trace_cmds.trace)``, ``...prefetch``); its group
 turns a DsecError into one line and the error class's exit code (a corrupt trace: 3, naming the file
@@ -16,11 +16,11 @@ import click
 
 from dsec_fs.errors import DsecError, InputError
 from dsec_fs.store import open_store
-from dsec_fs.units import human_size
+from dsec_fs.units import human_size, parse_size
+from lazy_fetch.trace import TRACE_SUFFIX
 
-from .common import json_option, store_option
+from .common import Duration, emit, json_option, store_option
 
-TRACE_SUFFIX = ".dtr"
 FLAG_LETTERS = "MBEP"  # miss, blob (kernel mode), error, prefetch: FLAG_* bits 0..3 of a record
 
 
@@ -114,6 +114,32 @@ def ls_cmd(paths: tuple[str, ...], as_json: bool) -> None:
                        + ("  truncated" if row["truncated"] else ""))
     if failures:
         sys.exit(max(exc.exit_code for exc in failures))
+
+
+@trace.command("prune")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--max-size", default=None, metavar="SIZE", help="remove the oldest traces until the rest fit")
+@click.option("--max-age", type=Duration(), default=None, metavar="DURATION",
+              help="remove traces last written longer ago than this (e.g. 7d)")
+@click.option("--dry-run", is_flag=True, help="list what would be removed, remove nothing")
+@json_option
+def prune_cmd(directory: str, max_size: str | None, max_age: float | None, dry_run: bool, as_json: bool) -> None:
+    """Remove old *.dtr traces directly in DIRECTORY, by age and by total size.
+
+    A node daemon prunes its own trace directory (see `dsecfs daemon --trace-keep-size/--trace-keep-age`)
+    and keeps the traces it is writing; this command is for directories of collected traces."""
+    from lazy_fetch.trace import prune_traces
+
+    if max_size is None and max_age is None:
+        raise InputError("say --max-size, --max-age or both", where="trace prune")
+    result = prune_traces(directory, max_bytes=None if max_size is None else parse_size(max_size), max_age=max_age,
+                          dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    emit(as_json, {"removed": result.removed, "removed_bytes": result.removed_bytes, "kept": result.kept,
+                   "kept_bytes": result.kept_bytes, "dry_run": dry_run},
+         lambda: "\n".join([*(f"{verb} {path}" for path in result.removed),
+                             f"{verb} {len(result.removed)} traces ({human_size(result.removed_bytes)}); "
+                             f"{result.kept} kept ({human_size(result.kept_bytes)})"]))
 
 
 @trace.command("show")

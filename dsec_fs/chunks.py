@@ -33,8 +33,10 @@ from .store.base import Store
 DEFAULT_PACK_TARGET = 16 * 1024 * 1024
 # Ranges in one pack closer than this are fetched with one GET: a request costs more than 64 KiB of transfer.
 MERGE_GAP = 64 * 1024
-# Index objects are small; reading several at once hides the store's per-request latency.
-INDEX_LOAD_THREADS = 8
+# Index objects are small; reading several at once hides the store's per-request latency. A layer of a
+# few hundred MB has tens of packs, and loading their indexes is on the path of its first mount: 16 at
+# once (the daemon's store concurrency) makes that two or three round trips.
+INDEX_LOAD_THREADS = 16
 
 
 @dataclass(frozen=True, slots=True)

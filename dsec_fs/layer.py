@@ -7,13 +7,22 @@ this by chunks.ChunkUploader. A crash at any point therefore leaves no manifest 
 data. A reader goes the other way: ref, manifest, then meta.erofs and the blob map, each checked against
 the manifest before use.
 
-Functions here are plain blocking calls on a Store and may be called from any thread.
+Opening a layer is on the path of every mount, and each store request is a round trip (tens of ms on
+a remote store), so ``open_layer`` makes only the round trips that depend on each other one after
+another: the ref, then the manifest, then meta.erofs and the blob map side by side (two threads), while
+the caller's ``on_manifest`` does work that needs only the manifest (the daemon loads the layer's pack
+indexes there), so that work's round trips overlap too.
+
+Functions here are plain blocking calls on a Store and may be called from any thread; ``open_layer``
+reads meta.erofs and the blob map in two threads of its own and waits for both before it returns.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -181,8 +190,11 @@ def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest)
     return digest
 
 
-def open_layer(store: Store, ref_or_digest: str) -> LayerFiles:
-    """Read a published layer: manifest first, then meta.erofs and the blob map, each verified."""
+def open_layer(store: Store, ref_or_digest: str, *,
+               on_manifest: Callable[[Manifest], object] | None = None) -> LayerFiles:
+    """Read a published layer: manifest first, then meta.erofs and the blob map side by side, each verified.
+    ``on_manifest(manifest)`` runs in the calling thread once the manifest is verified, while the two
+    are read; what it raises is raised here (after both reads have ended)."""
     digest = resolve(store, ref_or_digest)
     manifest_key = keys.layer_manifest(digest)
     try:
@@ -193,9 +205,12 @@ def open_layer(store: Store, ref_or_digest: str) -> LayerFiles:
     if manifest.layer != digest:
         raise IntegrityError(f"manifest describes layer {manifest.layer}", where=manifest_key)
     meta_key, blobmap_key = keys.layer_meta(digest), keys.layer_blobmap(digest)
-    meta = store.get(meta_key)
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="open-layer") as pool:
+        meta_read, blobmap_read = pool.submit(store.get, meta_key), pool.submit(store.get, blobmap_key)
+        if on_manifest is not None:
+            on_manifest(manifest)
+        meta, blobmap = meta_read.result(), blobmap_read.result()
     _check_bytes(meta, digest, manifest.meta_size, what=meta_key)
-    blobmap = store.get(blobmap_key)
     _check_bytes(blobmap, manifest.blobmap_sha256, manifest.blobmap_size, what=blobmap_key)
     return LayerFiles(digest=digest, manifest=manifest, meta=meta, blobmap=blobmap)
 

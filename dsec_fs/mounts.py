@@ -108,6 +108,30 @@ def is_mountpoint(path: PathLike) -> bool:
         return any(_unescape(line.split(b" ")[4]) == wanted for line in f)
 
 
+def mount_device(path: PathLike) -> str | None:
+    """"major:minor" of the topmost mount exactly at ``path``, or None, per /proc/self/mountinfo. Only
+    the parent directory is resolved (symlinks), never ``path`` itself, so this sends no request to the
+    filesystem mounted there (a FUSE session nobody serves would hang a stat)."""
+    path = os.fsencode(path)
+    wanted = os.path.join(os.path.realpath(os.path.dirname(path) or b"."), os.path.basename(path))
+    found = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ")
+            if _unescape(fields[4]) == wanted:
+                found = fields[2].decode()
+    return found
+
+
+def mounts_below(path: PathLike) -> list[str]:
+    """The mount points strictly below ``path`` (symlinks resolved), in /proc/self/mountinfo order (the
+    order they were mounted in). For checks that a test or a benchmark left nothing mounted."""
+    prefix = os.path.realpath(os.fsencode(path)) + b"/"
+    with open("/proc/self/mountinfo", "rb") as f:
+        targets = [_unescape(line.split(b" ")[4]) for line in f]
+    return [os.fsdecode(target) for target in targets if target.startswith(prefix)]
+
+
 def _umount_surely(target: PathLike) -> None:
     """Unmount; if something still holds the mount (EBUSY), detach it lazily instead of leaving it."""
     try:

@@ -6,6 +6,19 @@ chunks a range covers in the blob map, fetches them all with one ``fetch_many`` 
 travel in one ranged GET), and cuts the range out, zero padding included. This is what the kernel-mode
 FUSE blob file and the fuse-mode file reads call.
 
+Readahead (off unless ``readahead_bytes`` is set; the daemon's ``--miss-readahead``). An on-demand read
+also names the chunks that follow its range in the blob, up to ``readahead_bytes`` of chunk data, as the
+fetcher's ``readahead``: the blob
+holds a file's chunks in order and the files of a directory side by side, so these are the rest of the
+file and the files stored after it, which a reader walking a directory or importing a package reads
+next. The fetcher fetches them only when the read missed the cache, and only within the GETs it makes
+for the miss (fetcher.py), so readahead costs bytes on the link, never a round trip. The bound is in
+uncompressed chunk bytes, the unit of "bytes fetched", and small: most of a cold start's reads are of
+small files, and what readahead brings that nobody reads is pure waste. 256 KiB did best on the
+cold-start bench without a prefetch list (docs/benchmarks.md). It is off by default because it breaks
+the rule that a node fetches only chunks that are read: with a prefetch list learned from traces, the
+way cold starts are meant to run, it brings nothing.
+
 Threads: a LayerBlob is used from the trio thread (its fetcher lives there). The blob map and the chunk
 index it reads are safe to share.
 """
@@ -38,11 +51,13 @@ class BlobChunk(NamedTuple):
 class LayerBlob:
     """The virtual blob of one layer; ``chunk_index`` must locate every chunk of ``blob_map``."""
 
-    def __init__(self, blob_map: BlobMap, chunk_index: ChunkIndex, fetcher: ChunkFetcher, *, label: str = ""):
+    def __init__(self, blob_map: BlobMap, chunk_index: ChunkIndex, fetcher: ChunkFetcher, *, label: str = "",
+                 readahead_bytes: int = 0):
         self.blob_map = blob_map
         self.chunk_index = chunk_index
         self.fetcher = fetcher
         self.label = label
+        self.readahead_bytes = readahead_bytes
         self.size = blob_map.blocks * blob_map.block_size
 
     def chunks_for_range(self, offset: int, length: int) -> list[BlobChunk]:
@@ -71,8 +86,10 @@ class LayerBlob:
         end = min(offset + length, self.size)
         if offset >= end:
             return b""
+        ahead = self._readahead(chunks[-1].entry) if chunks and priority == ONDEMAND else []
         fetched = await self.fetcher.fetch_many(
-            [(chunk.digest, self._location(chunk)) for chunk in chunks], priority=priority, label=self.label
+            [(chunk.digest, self._location(chunk.entry, chunk.digest)) for chunk in chunks], priority=priority,
+            label=self.label, readahead=ahead,
         )
         out = bytearray(end - offset)  # what no chunk covers is padding: zeros
         for chunk in chunks:
@@ -84,20 +101,32 @@ class LayerBlob:
             out[low - offset:high - offset] = data[low - chunk.start:high - chunk.start]
         return bytes(out)
 
-    def _location(self, chunk: BlobChunk) -> ChunkLocation:
-        location = self.chunk_index.get(chunk.digest)
+    def _readahead(self, last: int) -> list[tuple[bytes, ChunkLocation]]:
+        """The chunks after blob-map entry ``last``, while their data fits in ``readahead_bytes``."""
+        ahead, budget = [], self.readahead_bytes
+        entries = self.blob_map.entries
+        for number in range(last + 1, len(entries)):
+            _blkaddr, digest, length = entries[number]
+            budget -= length
+            if budget < 0:
+                break
+            ahead.append((digest, self._location(number, digest)))
+        return ahead
+
+    def _location(self, entry: int, digest: bytes) -> ChunkLocation:
+        location = self.chunk_index.get(digest)
         if location is None:
             raise NotFoundError("the chunk index does not locate this chunk of the blob",
-                                where=f"chunk {to_hex(chunk.digest)} (blob entry {chunk.entry})")
+                                where=f"chunk {to_hex(digest)} (blob entry {entry})")
         return location
 
 
 async def open_layer_blob(layer: LayerFiles, fetcher: ChunkFetcher, *, chunk_index: ChunkIndex | None = None,
-                          label: str | None = None) -> LayerBlob:
+                          label: str | None = None, readahead_bytes: int = 0) -> LayerBlob:
     """The blob of an opened layer (dsec_fs.layer.open_layer). Reads the index objects of the layer's packs
     into ``chunk_index`` (a new one by default; pass the daemon's shared one) unless it already locates
     every chunk, and checks that each chunk is located with the length the blob map gives it.
-    ``label`` (the FetchStats label) defaults to the layer digest."""
+    ``label`` (the FetchStats label) defaults to the layer digest; ``readahead_bytes``: see the module."""
     source = keys.layer_blobmap(layer.digest)
     blob_map = BlobMap.decode(layer.blobmap, source=source)
     manifest = layer.manifest
@@ -123,7 +152,8 @@ async def open_layer_blob(layer: LayerFiles, fetcher: ChunkFetcher, *, chunk_ind
             raise FormatError(f"blob map entry {number}", None,
                               f"chunk {to_hex(digest)} is {length} bytes here, {location.ulen} in its pack",
                               source=source)
-    return LayerBlob(blob_map, chunk_index, fetcher, label=layer.digest if label is None else label)
+    return LayerBlob(blob_map, chunk_index, fetcher, label=layer.digest if label is None else label,
+                     readahead_bytes=readahead_bytes)
 
 
 def _check_range(offset: int, length: int) -> None:

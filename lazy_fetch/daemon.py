@@ -18,7 +18,9 @@ readahead window) while chunks are 1 MiB: without it, each piece went to a worke
 re-checked (xxh3) the whole chunk from the disk cache, eight times the disk and hashing work per chunk.
 ``MemoryFrontedFetcher`` answers chunks it holds right in the trio thread and hands the rest to the
 ChunkFetcher (disk cache, then store), keeping what comes back; it is bounded (64 MiB by default, least
-recently used out). Prefetch bypasses it: prefetched chunks go to the disk cache, not to memory.
+recently used out). Prefetched chunks go to the disk cache, and to memory only while it has free room
+(a prefetch never evicts what readers use): at a cold start, when memory is empty, the workload's first
+reads of prefetched chunks are then answered without a worker thread, a disk read and a hash each.
 
 Traces. Each mount gets a trace file under ``state_dir/traces/`` (trace.py). In kernel mode the daemon
 only sees reads of the virtual blob, so records name blob ranges (FLAG_BLOB); in fuse mode LayerTree says
@@ -28,21 +30,28 @@ fetchers see it) numbers every chunk the fetchers put into the cache, which they
 from the store before anyone is answered, so a read that finds one of its chunks numbered after it started
 waited for the store. Mounts of one layer in one mode share the blob layer_mount serves them from, so
 they share the trace of the first of them, which closes with the last. Prefetch reads are recorded
-too (FLAG_PREFETCH).
+too (FLAG_PREFETCH). Closed traces past ``trace_keep_seconds`` or beyond ``trace_keep_bytes`` in all are
+removed, oldest first, at start and every TRACE_PRUNE_SECONDS (trace.prune_traces).
 
 Prefetch. A mount may name a prefetch list (prefetch_list.py, learned from traces). It is checked against
-the layer's blob map before the mount is made, then fetched in the background in groups of
-PREFETCH_GROUP_BYTES at PREFETCH priority, PREFETCH_GROUPS_IN_FLIGHT groups at once (the fetcher reads
-their runs side by side, within its prefetch slots, so on-demand reads go first); it stops when the
-layer's last mount goes.
+the layer's blob map, then fetched in the background at PREFETCH priority, starting just before mount(2)
+so that its first store reads overlap the mount: a small first group, then large ones
+(PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES), PREFETCH_GROUPS_IN_FLIGHT at once, each one
+``fetcher.warm`` (the fetcher reads their runs side by side, queued in list order so the first-needed
+chunks arrive first, within its prefetch slots so on-demand reads go first). It stops when the layer's
+last mount goes, or when the mount it was started with fails. The mount path itself makes its store
+round trips side by side where it can (``_open_layer``). With ``miss_readahead_bytes`` set, each
+on-demand miss also brings along the chunks stored after it (blob_reader.py, readahead; off by default).
 
 Persisted state and crashes. ``state_dir/mounts.json`` lists the live mounts, rewritten (atomically) after
 each mount and unmount, and before each mount with the mount being made (so a kill between mount(2) and
-the update cannot leave an unlisted mount). A daemon killed with SIGKILL leaves its mounts behind, dead (their FUSE
-connection is gone: readers get ENOTCONN or EIO). The next daemon on the same state directory detaches
-each listed mountpoint that still carries one of our mounts (an EROFS mount of our meta image, or a bind
-mount of our FUSE session), after layer_mount has detached the dead FUSE session itself; it does not
-remount them. The chunk cache repairs itself on open (cache.py).
+the update cannot leave an unlisted mount). With the raw FUSE binding a daemon that dies (SIGKILL, a
+crash) leaves its mounts alive: a holder process keeps the FUSE connection, and the next daemon takes it
+over and adopts every complete mount the table lists (``_adopt_mounts``; "Daemon restarts" in
+docs/architecture.md). Otherwise its mounts are left behind dead (their FUSE connection is gone: readers
+get ENOTCONN or EIO). The next daemon on the same state directory detaches each listed mountpoint it did
+not adopt that still carries one of our mounts (an EROFS mount of our meta image, or a bind mount of our
+FUSE session), after layer_mount has detached the dead FUSE session itself; it does not remount them. The chunk cache repairs itself on open (cache.py).
 
 Shutdown. ``shutdown()`` (SIGTERM, SIGINT) runs the stop hooks, stops the API and the prefetches, unmounts
 every layer (lazily where busy), ends the FUSE session, cancels the fetches still in the air, then flushes
@@ -66,6 +75,7 @@ a layer is opened from its store before taking it, so a slow store holds up no o
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -84,7 +94,7 @@ from dsec_fs.chunks import ChunkIndex, ChunkLocation
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
-from dsec_fs.layer import LayerFiles, open_layer, utc_now
+from dsec_fs.layer import LayerFiles, Manifest, open_layer, utc_now
 from dsec_fs.mounts import umount
 from dsec_fs.store import default_store_url, open_store
 from dsec_fs.store.base import Store
@@ -98,7 +108,8 @@ from .fs_core import FILE_READ
 from .http_api import HttpApi, Request, Response
 from .layer_mount import BINDINGS, MODES, LayerMounter, open_mounter
 from .metrics import LayerFigures, MemoryFigures, MetricsPage, NodeFigures
-from .trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, NO_CHUNK, TraceHeader, TraceWriter
+from .trace import (FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, NO_CHUNK, TRACE_SUFFIX, TraceHeader, TraceWriter,
+                    prune_traces)
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +119,19 @@ DEFAULT_STORE_CONCURRENCY = 16  # store calls at once (fetches, index loads, lay
 FAULTS_ENV = "DSECFS_FAULTS"  # FaultStore rules for every store the daemon opens (tests)
 MOUNT_TABLE = "mounts.json"
 TRACE_DIR = "traces"
-TRACE_SUFFIX = ".dtr"
 TRACE_FLUSH_SECONDS = 5.0  # so a live trace can be read while its mount lives
-# A prefetch asks for its list in groups of this many chunk bytes (one fetch_many each, so neighbours in a
-# pack share GETs), with up to PREFETCH_GROUPS_IN_FLIGHT groups at once: enough store reads queued to keep
-# the fetcher's prefetch slots busy, while at most their product of chunk bytes is held in memory.
-PREFETCH_GROUP_BYTES = 16 << 20
+TRACE_PRUNE_SECONDS = 600.0  # how often old traces are pruned (and once at start)
+DEFAULT_TRACE_KEEP_BYTES = 1 << 30
+DEFAULT_TRACE_KEEP_SECONDS = 7 * 86400.0
+# A prefetch asks for its list in groups of chunk bytes, PREFETCH_GROUPS_IN_FLIGHT at once, each one
+# fetcher.warm (planned in one go, so the chunks of a group that lie side by side in a pack share a GET
+# however far apart the list names them; no bytes held). The first group is small, so the chunks a workload
+# needs first do not share the link (and the CPU that verifies them) with the rest of the list; the others
+# are large, because every group boundary splits runs of neighbours into more GETs (with 16 MiB groups,
+# the bench's 84 MB list took 223 GETs; in one group, 101). The group size bounds the flights and queued
+# store reads a prefetch makes at once.
+PREFETCH_FIRST_GROUP_BYTES = 2 << 20
+PREFETCH_GROUP_BYTES = 256 << 20
 PREFETCH_GROUPS_IN_FLIGHT = 2
 FETCH_LOG_KEPT = 1 << 16  # store fetches StoreFetchLog remembers: far more than can happen during one read
 
@@ -133,7 +151,10 @@ class DaemonOptions:
     fetch_concurrency: int = DEFAULT_MAX_CONCURRENT
     store_concurrency: int = DEFAULT_STORE_CONCURRENCY
     memory_cache_bytes: int = DEFAULT_MEMORY_CACHE_BYTES
+    miss_readahead_bytes: int = 0  # chunk bytes a missed read brings along after it (blob_reader.py); 0: off
     trace: bool = True
+    trace_keep_bytes: int | None = DEFAULT_TRACE_KEEP_BYTES  # closed traces beyond this go, oldest first
+    trace_keep_seconds: float | None = DEFAULT_TRACE_KEEP_SECONDS  # closed traces older than this go
 
     def check(self) -> None:
         if self.fuse_binding not in BINDINGS:
@@ -142,6 +163,12 @@ class DaemonOptions:
         for name in ("cache_bytes", "fetch_timeout", "fetch_concurrency", "store_concurrency"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)}", where="daemon options")
+        if self.miss_readahead_bytes < 0:
+            raise InputError(f"miss_readahead_bytes must not be negative, got {self.miss_readahead_bytes}",
+                             where="daemon options")
+        for name in ("trace_keep_bytes", "trace_keep_seconds"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise InputError(f"{name} must not be negative, got {getattr(self, name)}", where="daemon options")
         if self.memory_cache_bytes < 0:
             raise InputError("memory_cache_bytes must not be negative", where="daemon options")
 
@@ -157,6 +184,9 @@ class MemoryChunkCache:
         self.bytes = 0
         self.hits = self.misses = 0
         self._chunks: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._chunks
 
     def get(self, digest: bytes) -> bytes | None:
         data = self._chunks.get(digest)
@@ -196,7 +226,7 @@ class MemoryFrontedFetcher:
         self.timeout = fetcher.timeout
 
     async def fetch_many(self, items: Iterable[tuple[bytes, ChunkLocation]], *, priority: Priority = ONDEMAND,
-                         label: str = "") -> dict[bytes, bytes]:
+                         label: str = "", readahead: Iterable[tuple[bytes, ChunkLocation]] = ()) -> dict[bytes, bytes]:
         found: dict[bytes, bytes] = {}
         missing: dict[bytes, ChunkLocation] = {}
         for digest, location in items:
@@ -208,7 +238,8 @@ class MemoryFrontedFetcher:
             else:
                 found[digest] = data
         if missing:
-            fetched = await self.fetcher.fetch_many(missing.items(), priority=priority, label=label)
+            ahead = [(digest, location) for digest, location in readahead if digest not in self.memory]
+            fetched = await self.fetcher.fetch_many(missing.items(), priority=priority, label=label, readahead=ahead)
             for digest, data in fetched.items():
                 self.memory.put(digest, data)
             found.update(fetched)
@@ -260,6 +291,7 @@ class _StoreContext:
     chunk_index: ChunkIndex
     fetcher: ChunkFetcher
     reader: MemoryFrontedFetcher
+    indexed_layers: set[str] = field(default_factory=set)  # layers whose pack indexes chunk_index holds
 
 
 class _LayerUsage:
@@ -391,15 +423,16 @@ def _served_key(mode: str, files: LayerFiles) -> tuple[str, str]:
 
 
 def _prefetch_groups(entries: Iterable[prefetch_list.PrefetchEntry]) -> Iterator[list[prefetch_list.PrefetchEntry]]:
-    """A prefetch list's entries, in order, in groups of at least PREFETCH_GROUP_BYTES (the last may be less)."""
+    """A prefetch list's entries, in order: a first group of at least PREFETCH_FIRST_GROUP_BYTES, then
+    groups of at least PREFETCH_GROUP_BYTES (the last may be less)."""
     group: list[prefetch_list.PrefetchEntry] = []
-    group_bytes = 0
+    group_bytes, target = 0, PREFETCH_FIRST_GROUP_BYTES
     for entry in entries:
         group.append(entry)
         group_bytes += entry.length
-        if group_bytes >= PREFETCH_GROUP_BYTES:
+        if group_bytes >= target:
             yield group
-            group, group_bytes = [], 0
+            group, group_bytes, target = [], 0, PREFETCH_GROUP_BYTES
     if group:
         yield group
 
@@ -452,9 +485,11 @@ class NodeDaemon:
             stack.callback(self._close_stores)
             stack.callback(self._close_traces)
             self._flights = await stack.enter_async_context(_nursery_cancelled_on_exit())
-            self._mounter = await stack.enter_async_context(open_mounter(self.state_dir, binding=options.fuse_binding))
+            self._mounter = await stack.enter_async_context(open_mounter(self.state_dir, binding=options.fuse_binding,
+                                                                         adopt=self._adopt_mounts))
             stack.push_async_callback(self._unmount_all)
             await self._clean_stale_mounts()
+            await self._prune_traces()
             async with _nursery_cancelled_on_exit() as nursery:
                 self._nursery = nursery
                 for hook in self.on_start:
@@ -505,10 +540,23 @@ class NodeDaemon:
         return context
 
     async def _open_layer(self, store: _StoreContext, ref: str) -> LayerFiles:
+        """open_layer, loading the pack indexes of a layer this store context has not indexed yet while
+        meta.erofs and the blob map are read (their round trips overlap; open_layer_blob then finds
+        every chunk located and loads nothing)."""
         timeout = self.options.fetch_timeout
+        indexed = frozenset(store.indexed_layers)
+
+        def load_pack_indexes(manifest: Manifest) -> None:
+            if manifest.layer not in indexed:
+                store.chunk_index.load_packs(store.store, manifest.packs)
+
         try:
             with trio.fail_after(timeout):
-                return await trio.to_thread.run_sync(open_layer, store.store, ref, abandon_on_cancel=True)
+                files = await trio.to_thread.run_sync(
+                    functools.partial(open_layer, store.store, ref, on_manifest=load_pack_indexes),
+                    abandon_on_cancel=True)
+            store.indexed_layers.add(files.digest)
+            return files
         except trio.TooSlowError:
             raise UnavailableError(f"the store did not answer within {timeout:g} s",
                                    where=f"layer {ref} in {store.url}", transient=True) from None
@@ -554,39 +602,29 @@ class NodeDaemon:
                 plist.verify((layer.blob if layer else blob).blob_map, layer=files.digest)
             if layer is None:
                 layer = self._add_layer(files, store, blob)
-            key = _served_key(mode, files)
-            served = self._served.get(key)
-            if served is None:
-                trace_path, trace = self._open_trace(files, mode, ref, layer.blob)
-                served = _Served(TracedBlob(layer, self._fetch_log, trace), trace_path)
+            key, served = self._served_for(layer, mode, ref)
+            # The prefetch starts before mount(2), so its first store reads overlap the mount.
+            job = None if plist is None else self._start_prefetch(layer, plist, prefetch, served)
             # Written ahead: a daemon killed between mount(2) and the table update below still leaves
             # the mountpoint listed, so the next daemon detaches it.
             self._save_mount_table(mounting=(mountpoint, mode, files.digest))
             try:
                 await self._mounter.mount_layer(files, served.blob, mountpoint, mode=mode)
             except BaseException:
+                if job is not None:
+                    job.cancel_scope.cancel()
                 self._save_mount_table()
-                if not served.mounts:
-                    _close_trace(served, remove=True)
-                if not layer.mounts:
-                    del self._layers[layer.digest]
+                self._drop_unused(layer, served)
                 raise
-            self._served[key] = served
-            served.mounts += 1
-            layer.mounts += 1
-            mount = _Mount(mountpoint=mountpoint, mode=mode, layer=files.digest, ref=ref, store=store.url,
-                           blob_id=files.manifest.blob_id, trace=served.trace_path, prefetch=prefetch or "",
-                           created=utc_now(), chunks=len(layer.blob.blob_map.entries),
-                           data_bytes=layer.usage.data_bytes)
-            self._mounts[mountpoint] = mount
+            mount = self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch=prefetch or "",
+                                       created=utc_now())
             self._save_mount_table()
             log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
-            if plist is not None:
-                self._start_prefetch(layer, plist, prefetch, served)
         return mount.to_json()
 
     async def _open_blob(self, files: LayerFiles, store: _StoreContext) -> LayerBlob:
-        return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
+        return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest,
+                                     readahead_bytes=self.options.miss_readahead_bytes)
 
     def _add_layer(self, files: LayerFiles, store: _StoreContext, blob: LayerBlob) -> _Layer:
         usage = self._usage.get(files.digest) or self._usage.setdefault(files.digest, _LayerUsage(blob))
@@ -659,19 +697,94 @@ class NodeDaemon:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    async def _clean_stale_mounts(self) -> None:
-        """Detach the mounts a dead daemon listed and left behind (see the module docstring)."""
+    def _read_mount_table(self) -> list[dict]:
+        """The entries of the mount table a daemon before us left (each with mountpoint, mode and layer)."""
         path = self._mount_table_path()
         try:
             with open(path) as f:
-                table = json.load(f)
-            entries = [(m["mountpoint"], m["mode"], m["layer"]) for m in table["mounts"]]
+                entries = json.load(f)["mounts"]
+            if not all({"mountpoint", "mode", "layer"} <= entry.keys() for entry in entries):
+                raise ValueError("an entry lacks its mountpoint, mode or layer")
         except FileNotFoundError:
-            entries = []
+            return []
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring the unreadable mount table %s: %s", path, exc)
-            entries = []
-        for mountpoint, mode, layer in entries:
+            return []
+        return entries
+
+    def _served_for(self, layer: _Layer, mode: str, ref: str) -> tuple[tuple[str, str], _Served]:
+        """The key and the _Served of ``layer`` in ``mode``: the one its mounts in that mode share, or a new
+        one with a new trace (which the caller adds to ``_served`` once its mount is made)."""
+        key = _served_key(mode, layer.files)
+        served = self._served.get(key)
+        if served is None:
+            trace_path, trace = self._open_trace(layer.files, mode, ref, layer.blob)
+            served = _Served(TracedBlob(layer, self._fetch_log, trace), trace_path)
+        return key, served
+
+    def _record_mount(self, mountpoint: str, mode: str, ref: str, layer: _Layer, key: tuple[str, str],
+                      served: _Served, *, prefetch: str, created: str) -> _Mount:
+        """A mount just made (or adopted) at ``mountpoint``: into the tables, counted as a user of
+        ``served`` (now in ``_served``) and ``layer``."""
+        self._served[key] = served
+        served.mounts += 1
+        layer.mounts += 1
+        files = layer.files
+        mount = self._mounts[mountpoint] = _Mount(
+            mountpoint=mountpoint, mode=mode, layer=files.digest, ref=ref, store=layer.store.url,
+            blob_id=files.manifest.blob_id, trace=served.trace_path, prefetch=prefetch, created=created,
+            chunks=len(layer.blob.blob_map.entries), data_bytes=layer.usage.data_bytes)
+        return mount
+
+    def _drop_unused(self, layer: _Layer, served: _Served) -> None:
+        """After a failed mount: drop the trace and the layer made for it, unless other mounts use them."""
+        if not served.mounts:
+            _close_trace(served, remove=True)
+        if not layer.mounts:
+            del self._layers[layer.digest]
+
+    async def _adopt_mounts(self, mounter: LayerMounter) -> None:
+        """raw binding, when open_mounter took over the FUSE session of a daemon that died (see "Daemon
+        restarts" in docs/architecture.md): serve again each complete mount its table lists that is still
+        ours at its mountpoint, as it was (layer, store, mode; a new trace, no prefetch). Runs before the
+        session is served: nothing here may stat a mountpoint, which would wait for FUSE forever. A mount
+        that cannot be adopted (its store fails) is left to _clean_stale_mounts, which detaches it."""
+        self._mounter = mounter
+        for entry in self._read_mount_table():
+            mountpoint, mode, digest = entry["mountpoint"], entry["mode"], entry["layer"]
+            if entry.get("mounting"):
+                continue
+            top = await trio.to_thread.run_sync(_top_mount, mountpoint)
+            if top is None or not _is_ours(top, mode, mounter.meta_path(digest), digest):
+                continue
+            try:
+                await self._adopt(entry)
+            except (DsecError, KeyError, TypeError) as exc:
+                log.error("cannot adopt the mount at %s (layer %s, %s mode): %s", mountpoint, digest[:12], mode, exc)
+            else:
+                log.info("adopted the mount at %s (layer %s, %s mode)", mountpoint, digest[:12], mode)
+
+    async def _adopt(self, entry: dict) -> None:
+        mountpoint, mode = entry["mountpoint"], entry["mode"]
+        store = await self._store_context(entry["store"])
+        files = await self._open_layer(store, entry["layer"])
+        layer = self._layers.get(files.digest) or self._add_layer(files, store, await self._open_blob(files, store))
+        key, served = self._served_for(layer, mode, entry.get("ref", files.digest))
+        try:
+            await self._mounter.adopt_layer(files, served.blob, mountpoint, mode=mode)
+        except BaseException:
+            self._drop_unused(layer, served)
+            raise
+        self._record_mount(mountpoint, mode, entry.get("ref", files.digest), layer, key, served, prefetch="",
+                           created=entry.get("created", utc_now()))
+
+    async def _clean_stale_mounts(self) -> None:
+        """Detach the mounts a dead daemon listed and left behind, but for those adopted (see the module
+        docstring)."""
+        for entry in self._read_mount_table():
+            mountpoint, mode, layer = entry["mountpoint"], entry["mode"], entry["layer"]
+            if mountpoint in self._mounts:
+                continue
             detached = await trio.to_thread.run_sync(self._detach_stale, mountpoint, mode, layer)
             if detached:
                 self.cleaned.append(mountpoint)
@@ -748,42 +861,61 @@ class NodeDaemon:
 
     async def _prefetch_group(self, layer: _Layer, group: list[prefetch_list.PrefetchEntry], job: _Prefetch,
                               served: _Served) -> None:
-        """Fetch one group; when a chunk fails, fetch its members one by one to count which."""
+        """Fetch one group into the cache (fetcher.warm: planned in one go, no bytes held); count and
+        trace each chunk as it lands."""
         store, fetch_log = layer.store, self._fetch_log
-        items = [(entry.digest, store.chunk_index.get(entry.digest)) for entry in group]
+        entries = {entry.digest: entry for entry in group}
         mark, started = fetch_log.mark(), time.monotonic_ns()
-        failed: set[bytes] = set()
-        try:
-            await store.fetcher.fetch_many(items, priority=PREFETCH, label=layer.digest)
-        except DsecError:
-            for digest, location in items:
-                try:
-                    await store.fetcher.fetch_many([(digest, location)], priority=PREFETCH, label=layer.digest)
-                except DsecError as exc:
-                    failed.add(digest)
-                    log.warning("prefetch of layer %s: %s", layer.digest[:12], exc)
-        latency_us = (time.monotonic_ns() - started) // 1000
-        trace = served.blob.trace
-        for entry in group:
-            bad = entry.digest in failed
+
+        def landed(digest: bytes, data: bytes | None, error: BaseException | None) -> None:
+            if error is not None and not isinstance(error, DsecError):
+                raise error  # a bug, not a chunk the store failed to give: the job fails
+            entry, bad = entries[digest], error is not None
+            if bad:
+                log.warning("prefetch of layer %s: %s", layer.digest[:12], error)
             job.failed_chunks += bad
             job.done_chunks += not bad
+            if data is not None and self.memory.bytes + len(data) <= self.memory.max_bytes:
+                self.memory.put(digest, data)
             job.done_bytes += 0 if bad else entry.length
+            # A cancelled job's mount may have failed, its trace closed: it records nothing more.
+            trace = None if job.cancel_scope.cancel_called else served.blob.trace
             if trace is not None:
                 flags = FLAG_PREFETCH | FLAG_BLOB | (FLAG_ERROR if bad else 0)
-                if fetch_log.fetched_since(mark, [entry.digest]):
+                if fetch_log.fetched_since(mark, [digest]):
                     flags |= FLAG_MISS
                 trace.record(nid=0, offset=entry.offset, length=entry.length, chunk=entry.chunk,
-                             latency_us=latency_us, flags=flags)
+                             latency_us=(time.monotonic_ns() - started) // 1000, flags=flags)
+
+        await store.fetcher.warm([(digest, store.chunk_index.get(digest)) for digest in entries],
+                                 priority=PREFETCH, label=layer.digest, landed=landed)
 
     # -- traces
 
     async def _flush_traces_now_and_then(self) -> None:
+        next_prune = time.monotonic() + TRACE_PRUNE_SECONDS
         while True:
             await trio.sleep(TRACE_FLUSH_SECONDS)
             for served in self._served.values():
                 if served.blob.trace is not None:
                     served.blob.trace.flush()
+            if time.monotonic() >= next_prune:
+                await self._prune_traces()
+                next_prune = time.monotonic() + TRACE_PRUNE_SECONDS
+
+    async def _prune_traces(self) -> None:
+        """Remove old closed traces (trace.prune_traces) past the options' age and size limits."""
+        open_traces = frozenset(served.trace_path for served in self._served.values())
+        try:
+            result = await trio.to_thread.run_sync(functools.partial(
+                prune_traces, self.trace_dir, max_bytes=self.options.trace_keep_bytes,
+                max_age=self.options.trace_keep_seconds, keep=open_traces))
+        except OSError as exc:
+            log.error("cannot prune the traces in %s: %s", self.trace_dir, exc)
+            return
+        if result.removed:
+            log.info("pruned %d old traces (%d bytes); %d kept (%d bytes)", len(result.removed),
+                     result.removed_bytes, result.kept, result.kept_bytes)
 
     def _close_traces(self) -> None:
         for served in self._served.values():

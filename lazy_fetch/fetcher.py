@@ -3,6 +3,7 @@
     async with open_fetcher(store, cache) as fetcher:
         data = await fetcher.fetch(digest, location, priority=ONDEMAND, label="base/debian:12")
         chunks = await fetcher.fetch_many([(digest, location), ...], priority=PREFETCH, label=...)
+        chunks = await fetcher.fetch_many(wanted, readahead=[(digest, location), ...], label=...)
 
 How a request is served:
 
@@ -12,11 +13,21 @@ How a request is served:
 - **Cache, then store.** A flight looks the chunk up in the ChunkCache (in a worker thread). One call's
   misses are planned into *runs* (``plan_runs``): chunks that are neighbours in a pack, fetched with one
   ranged GET of at most MAX_READ_BYTES; each run is one *store read*, in a worker thread of its own, and
-  the runs of a call go to the store side by side. A store read decompresses and sha256-verifies each
-  chunk before anything else sees it, and puts the verified chunks into the cache in one batch
-  (``put_many``: one index commit) from the same worker thread, so a fetch whose caller gave up still
-  fills the cache. When a run fails on one corrupt chunk, each chunk of it is read alone, so the good
-  ones are still served and only the bad one fails, with an error naming it.
+  the runs of a call go to the store side by side, queued for store slots in the order of their first
+  chunk in the call (a prefetch list names the first-needed chunks first). A store read decompresses and
+  sha256-verifies each chunk before anything else sees it, and puts the verified chunks into the cache in
+  one batch (``put_many``: one index commit) from the same worker thread, so a fetch whose caller gave up
+  still fills the cache. When a run fails on one corrupt chunk, each chunk of it is read alone, so the
+  good ones are still served and only the bad one fails, with an error naming it.
+- **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
+  the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
+  it). They are looked at only when one of the wanted chunks missed the cache, and only those that
+  ``plan_runs`` merges into a run carrying a wanted chunk are fetched: they ride along in a GET that is
+  made anyway, so readahead costs link bytes but never a request or a store slot, and nobody waits for
+  it but the run it rides in (a few ms of transfer on top of a round trip). Without it a reader that
+  walks files one by one (an import, a dpkg database scan) pays one round trip per file; with it, files
+  stored side by side arrive together. Readahead chunks get flights at PREFETCH priority, so a reader
+  that needs one meanwhile joins it.
 - **Bounded concurrency with priorities.** At most ``max_concurrent`` store reads (GETs) run at once, and
   prefetch reads use at most ``prefetch_slots`` of them, so on-demand reads always find a slot soon. Queued
   on-demand reads go before queued prefetch reads; a queued prefetch that an on-demand request joins is
@@ -36,11 +47,12 @@ caller: a caller that is cancelled stops waiting, and the fetch goes on for the 
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -89,6 +101,7 @@ class FetchStats:
     chunks_fetched: int = 0  # chunks read from the store, verified and delivered
     bytes_fetched: int = 0  # their uncompressed bytes
     store_reads: int = 0  # runs read from the store (each one ranged GET, unless a corrupt chunk splits it)
+    readahead: int = 0  # chunks fetched as readahead (riding in the GET of a miss), not asked for
     errors: int = 0  # chunks whose fetch failed, for any reason
     corrupt: int = 0  # ... because the store returned bad bytes (CorruptError, IntegrityError)
     timeouts: int = 0  # ... because the store did not answer within the timeout
@@ -121,10 +134,11 @@ class _Flight:
 class _Ticket:
     """A store read's claim on a store slot."""
 
-    __slots__ = ("priority", "queued", "granted", "as_prefetch", "event")
+    __slots__ = ("priority", "order", "queued", "granted", "as_prefetch", "event")
 
-    def __init__(self, priority: Priority):
+    def __init__(self, priority: Priority, order: int):
         self.priority = priority
+        self.order = order  # queues are kept in this order: the fetcher numbers store reads as it plans them
         self.queued = False
         self.granted = False
         self.as_prefetch = False  # it was granted as a prefetch and counts against the prefetch limit
@@ -133,14 +147,15 @@ class _Ticket:
 
 class _StoreSlots:
     """At most ``total`` store reads at once, at most ``prefetch_limit`` of them prefetch; queued
-    on-demand reads are granted before queued prefetch reads, each queue first come, first served."""
+    on-demand reads are granted before queued prefetch reads, each queue in ticket ``order`` (the order
+    the reads were planned in, not the order trio happens to start their tasks in)."""
 
     def __init__(self, total: int, prefetch_limit: int):
         self.total = total
         self.prefetch_limit = prefetch_limit
         self.in_use = 0
         self.prefetch_in_use = 0
-        self._queues: dict[Priority, deque[_Ticket]] = {ONDEMAND: deque(), PREFETCH: deque()}
+        self._queues: dict[Priority, list[_Ticket]] = {ONDEMAND: [], PREFETCH: []}
 
     def waiting(self, priority: Priority) -> int:
         return len(self._queues[priority])
@@ -152,8 +167,7 @@ class _StoreSlots:
             self._grant(ticket)
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        ticket.queued = True
-        self._queues[ticket.priority].append(ticket)
+        self._enqueue(ticket)
         try:
             await ticket.event.wait()
         except BaseException:  # cancelled (a timeout): give back what we hold, or leave the queue
@@ -171,14 +185,20 @@ class _StoreSlots:
         self._grant_queued()
 
     def promote(self, ticket: _Ticket) -> None:
-        """Make a prefetch ticket on-demand; a queued one moves to the end of the on-demand queue."""
+        """Make a prefetch ticket on-demand; a queued one moves to the on-demand queue."""
         if ticket.priority == ONDEMAND:
             return
-        if ticket.queued:
+        queued = ticket.queued
+        if queued:
             self._queues[PREFETCH].remove(ticket)
-            self._queues[ONDEMAND].append(ticket)
         ticket.priority = ONDEMAND
+        if queued:
+            self._enqueue(ticket)
         self._grant_queued()
+
+    def _enqueue(self, ticket: _Ticket) -> None:
+        ticket.queued = True
+        bisect.insort(self._queues[ticket.priority], ticket, key=lambda t: t.order)
 
     def _may_start(self, priority: Priority) -> bool:
         return self.in_use < self.total and (priority == ONDEMAND or self.prefetch_in_use < self.prefetch_limit)
@@ -195,7 +215,7 @@ class _StoreSlots:
         for priority in (ONDEMAND, PREFETCH):
             queue = self._queues[priority]
             while queue and self._may_start(priority):
-                self._grant(queue.popleft())
+                self._grant(queue.pop(0))
 
 
 class _SlotLimiter:
@@ -237,6 +257,7 @@ class ChunkFetcher:
         self._slots = _StoreSlots(max_concurrent, prefetch_slots)
         self._flights: dict[bytes, _Flight] = {}
         self._stats: dict[str, FetchStats] = {}
+        self._reads_planned = 0  # numbers the store reads' tickets (see _StoreSlots)
 
     def stats(self, label: str = "") -> FetchStats:
         """The counters of ``label`` (created on first use)."""
@@ -268,9 +289,36 @@ class ChunkFetcher:
         return (await self.fetch_many([(digest, location)], priority=priority, label=label))[digest]
 
     async def fetch_many(self, items: Iterable[tuple[bytes, ChunkLocation]], *, priority: Priority = ONDEMAND,
-                         label: str = "") -> dict[bytes, bytes]:
+                         label: str = "", readahead: Iterable[tuple[bytes, ChunkLocation]] = ()) -> dict[bytes, bytes]:
         """digest -> verified bytes for every item. Raises the error of the first failed chunk (in the order
-        given) after that chunk's flight ends; the other chunks' flights go on and fill the cache."""
+        given) after that chunk's flight ends; the other chunks' flights go on and fill the cache.
+        ``readahead``: chunks to fetch along, if a GET for a missed item is made anyway (module docstring);
+        they are not waited for nor returned."""
+        chunks: dict[bytes, bytes] = {}
+        for digest, flight in self._join(items, priority, label, readahead).items():
+            await flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            chunks[digest] = flight.data
+        return chunks
+
+    async def warm(self, items: Iterable[tuple[bytes, ChunkLocation]], *, priority: Priority = PREFETCH,
+                   label: str = "", landed: Callable[[bytes, bytes | None, BaseException | None], object]) -> None:
+        """Fetch ``items`` into the cache as fetch_many does, without gathering their bytes: a prefetch of
+        a long list plans it in one go (so neighbours in a pack share GETs however far apart the list
+        names them) and holds in memory only what landed ahead of the first chunk still in the air.
+        ``landed(digest, data, error)`` is called for each item in the order given once its flight has
+        ended: its bytes and None once it is cached, else None and the error."""
+        waits = self._join(items, priority, label, ())
+        while waits:
+            digest = next(iter(waits))
+            flight = waits.pop(digest)
+            await flight.done.wait()
+            landed(digest, flight.data, flight.error)
+
+    def _join(self, items: Iterable[tuple[bytes, ChunkLocation]], priority: Priority, label: str,
+              readahead: Iterable[tuple[bytes, ChunkLocation]]) -> dict[bytes, _Flight]:
+        """The flight of each item: one in the air, or a new one (started with ``readahead``)."""
         stats = self.stats(label)
         waits: dict[bytes, _Flight] = {}
         started: list[tuple[bytes, ChunkLocation, _Flight]] = []
@@ -289,19 +337,16 @@ class ChunkFetcher:
                         self._slots.promote(flight.ticket)
             waits[digest] = flight
         if started:
-            self._nursery.start_soon(self._fly, started, stats)
-        chunks: dict[bytes, bytes] = {}
-        for digest, flight in waits.items():
-            await flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            chunks[digest] = flight.data
-        return chunks
+            self._nursery.start_soon(self._fly, started, stats, list(readahead))
+        return waits
 
-    async def _fly(self, started: list[tuple[bytes, ChunkLocation, _Flight]], stats: FetchStats) -> None:
+    async def _fly(self, started: list[tuple[bytes, ChunkLocation, _Flight]], stats: FetchStats,
+                   readahead: list[tuple[bytes, ChunkLocation]]) -> None:
         """Serve new flights: cache lookups, then the store for the misses, in runs read side by side."""
         try:
-            cached = await trio.to_thread.run_sync(self._cache_get_all, [digest for digest, _, _ in started])
+            readahead = [(digest, location) for digest, location in readahead if digest not in self._flights]
+            cached, ahead_cached = await trio.to_thread.run_sync(
+                self._cache_lookup, [digest for digest, _, _ in started], [digest for digest, _ in readahead])
             missed: dict[bytes, tuple[ChunkLocation, _Flight]] = {}
             for digest, location, flight in started:
                 if digest in cached:
@@ -310,12 +355,30 @@ class ChunkFetcher:
                 else:
                     stats.misses += 1
                     missed[digest] = (location, flight)
-            runs = plan_runs(((digest, location) for digest, (location, _) in missed.items()),
+            ahead = {digest: location for digest, location in readahead
+                     if digest not in ahead_cached and digest not in self._flights}
+            runs = plan_runs([*((digest, location) for digest, (location, _) in missed.items()), *ahead.items()],
                              max_bytes=MAX_READ_BYTES)
+            first = {digest: n for n, digest in enumerate(missed)}
+            planned = []
+            for run in runs:
+                position = min(first.get(digest, len(first)) for digest, _ in run.chunks)
+                if position < len(first):  # a run of readahead chunks alone is not worth a GET
+                    planned.append((position, run))
+            planned.sort(key=lambda item: item[0])
             async with trio.open_nursery() as nursery:
-                for run in runs:
-                    flights = [missed[digest][1] for digest, _ in run.chunks]
-                    ticket = _Ticket(min(flight.priority for flight in flights))
+                for _position, run in planned:
+                    flights = []
+                    for digest, location in run.chunks:
+                        if digest in missed:
+                            flights.append(missed[digest][1])
+                        else:
+                            flight = self._flights[digest] = _Flight(PREFETCH)
+                            started.append((digest, location, flight))  # so the finally below lands it
+                            flights.append(flight)
+                            stats.readahead += 1
+                    self._reads_planned += 1
+                    ticket = _Ticket(min(flight.priority for flight in flights), self._reads_planned)
                     for flight in flights:
                         flight.ticket = ticket
                     nursery.start_soon(self._read_run, run, flights, ticket, stats)
@@ -370,9 +433,16 @@ class ChunkFetcher:
 
     # -- worker threads
 
+    def _cache_lookup(self, digests: list[bytes], ahead: list[bytes]) -> tuple[dict[bytes, bytes], set[bytes]]:
+        """The cached chunks among ``digests``; and, if any of them missed, which of ``ahead`` (readahead
+        candidates) are cached already (read to tell, like any lookup: only on a miss, so rarely when the
+        cache is warm). A cache that fails is logged and bypassed: the store has every chunk."""
+        found = self._cache_get_all(digests)
+        if len(found) == len(set(digests)):
+            return found, set()
+        return found, set(self._cache_get_all(ahead))
+
     def _cache_get_all(self, digests: list[bytes]) -> dict[bytes, bytes]:
-        """The cached chunks among ``digests``. A cache that fails is logged and bypassed: the store has
-        every chunk."""
         found = {}
         for digest in digests:
             try:

@@ -1,8 +1,8 @@
 """The filesystem core behind the FUSE adapters: what a mounted layer (or blob directory) looks like.
 
-Nothing here knows FUSE. The adapters (fuse_pyfuse3.py, fuse_fusepy.py) translate requests into calls on
-one of three filesystems, all with the same methods (``Filesystem`` below), and map ``FsError`` to an
-errno:
+Nothing here knows FUSE. The adapters (fuse_pyfuse3.py, fuse_fusepy.py, fuse_raw.py) translate requests
+into calls on one of three filesystems, all with the same methods (``Filesystem`` below), and map
+``FsError`` to an errno:
 
 - ``LayerTree``: fuse mode. The whole tree of one layer, read from its meta.erofs by the userspace reader
   (erofs_builder.reader); file data comes from the layer's virtual blob, fetched lazily. The inode number
@@ -298,13 +298,17 @@ class BlobDirectory:
 
     A name keeps its inode number for the life of the directory, even across remove and add: names are
     blob ids, which name content, so a name that comes back is the same bytes and pages the kernel
-    still caches for that inode stay right. A new name never reuses an old number.
+    still caches for that inode stay right. A new name never reuses an old number. ``inos`` (from
+    ``inos()`` of the directory a daemon that died served on the same FUSE connection) carries the numbers
+    over, so the kernel's inodes and open files keep meaning the same blobs.
     """
 
-    def __init__(self, blobs: Mapping[str, Blob] | None = None):
+    def __init__(self, blobs: Mapping[str, Blob] | None = None, *, inos: Mapping[str, int] | None = None):
         self._lock = threading.Lock()
         self._blobs: dict[int, tuple[bytes, Blob]] = {}  # ino -> (name, blob), present now
-        self._ino_of: dict[bytes, int] = {}  # every name ever added -> its ino
+        # every name ever added -> its ino
+        self._ino_of: dict[bytes, int] = {name.encode(): ino for name, ino in (inos or {}).items()}
+        self._next_ino = max(self._ino_of.values(), default=ROOT_INO) + 1
         self._created_ns = time.time_ns()  # the mtime of every blob file: their content never changes
         self._mtime_ns = self._created_ns  # of the directory: last add or remove
         for name in sorted(blobs or {}):
@@ -313,7 +317,8 @@ class BlobDirectory:
     def add(self, name: str, blob: Blob) -> None:
         key = name.encode()
         with self._lock:
-            ino = self._ino_of.setdefault(key, len(self._ino_of) + ROOT_INO + 1)
+            ino = self._ino_of.setdefault(key, self._next_ino)
+            self._next_ino = max(self._next_ino, ino + 1)
             if ino in self._blobs:
                 raise ConflictError("a blob of this name is already served", where=f"blob {name}")
             self._blobs[ino] = (key, blob)
@@ -329,6 +334,11 @@ class BlobDirectory:
     def __contains__(self, name: str) -> bool:
         with self._lock:
             return self._ino_of.get(name.encode()) in self._blobs
+
+    def inos(self) -> dict[str, int]:
+        """Every name ever added -> its inode number (to give a directory that takes over)."""
+        with self._lock:
+            return {name.decode(): ino for name, ino in self._ino_of.items()}
 
     def _blob(self, ino: int) -> tuple[bytes, Blob]:
         with self._lock:
@@ -403,23 +413,34 @@ class SessionTree:
 
     A layer digest gets a slot the first time it is added and keeps it for the session, so its inode
     numbers do not change across remove and add (the digest names the content, so cached pages stay
-    right), and two different layers never share an inode number.
+    right), and two different layers never share an inode number. ``numbers`` (``numbers()`` of the tree
+    a daemon that died served on the same FUSE connection) carries the blob numbers and layer slots over.
     """
 
     BLOBS = b"blobs"
     LAYERS = b"layers"
 
-    def __init__(self):
-        self.blobs = BlobDirectory()
+    def __init__(self, numbers: Mapping[str, Mapping[str, int]] | None = None):
+        numbers = numbers or {}
+        self.blobs = BlobDirectory(inos=numbers.get("blobs"))
         self._lock = threading.Lock()
         self._trees: dict[int, tuple[bytes, LayerTree]] = {}  # slot -> (digest, tree), present now
-        self._slot_of: dict[bytes, int] = {}  # every digest ever added -> its slot
+        # every digest ever added -> its slot
+        self._slot_of: dict[bytes, int] = {digest.encode(): slot for digest, slot in numbers.get("layers", {}).items()}
+        self._next_slot = max(self._slot_of.values(), default=_FIRST_LAYER_SLOT - 1) + 1
         self._mtime_ns = time.time_ns()  # of layers/: last add or remove
+
+    def numbers(self) -> dict[str, dict[str, int]]:
+        """{"blobs": blob id -> inode number, "layers": digest -> slot}, for every one ever added."""
+        with self._lock:
+            layers = {digest.decode(): slot for digest, slot in self._slot_of.items()}
+        return {"blobs": self.blobs.inos(), "layers": layers}
 
     def add_layer(self, digest: str, tree: LayerTree) -> None:
         key = digest.encode()
         with self._lock:
-            slot = self._slot_of.setdefault(key, len(self._slot_of) + _FIRST_LAYER_SLOT)
+            slot = self._slot_of.setdefault(key, self._next_slot)
+            self._next_slot = max(self._next_slot, slot + 1)
             if slot in self._trees:
                 raise ConflictError("this layer is already served", where=f"layer {digest}")
             if slot >> (64 - SLOT_SHIFT):

@@ -30,6 +30,14 @@ State directory::
     state_dir/lock                  flock()ed while a LayerMounter owns the directory
     state_dir/fuse/                 the FUSE session (blobs/, layers/)
     state_dir/meta/<digest>.erofs   meta images of kernel-mode mounts
+    state_dir/fuse-session.json     raw binding: the session's device, INIT parameters and inode numbers
+    state_dir/fuse-holder.sock      raw binding: the FUSE fd holder (fuse_holder.py) listens here
+
+Restarts (raw binding; "Daemon restarts" in docs/architecture.md): the session is mounted by fuse_raw and
+a holder process keeps a copy of its fd, so it outlives a daemon that dies; ``open_mounter`` of the next
+daemon takes it over (``_take_session``), rebuilds the SessionTree with the inode numbers saved in
+fuse-session.json (saved whenever a blob or tree is added, before mount(2) shows it to the kernel), has
+the daemon adopt its mounts (``adopt_layer``: served again, not mounted again), and only then serves.
 
 Order: mounting adds the blob (or the tree) first, then calls mount(2); unmounting calls umount2 first,
 then drops the blob (or tree); closing unmounts every layer, then the FUSE session. Blobs, trees and meta
@@ -48,12 +56,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import secrets
 import shutil
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -64,13 +73,16 @@ from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
 from erofs_builder.reader import ErofsImage
 
+from . import fuse_holder, fuse_raw
 from .fs_core import Blob, LayerTree, SessionTree
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = "/run/dsecfs"
 MODES = ("kernel", "fuse")
-BINDINGS = ("pyfuse3", "fusepy")
+BINDINGS = ("pyfuse3", "fusepy", "raw")
+SESSION_FILE = "fuse-session.json"  # raw: what a daemon needs to take the FUSE session over
+HOLDER_SOCKET = "fuse-holder.sock"  # raw: where the FUSE fd holder listens
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,8 @@ def _serve_function(binding: str):
         from . import fuse_pyfuse3 as adapter
     elif binding == "fusepy":
         from . import fuse_fusepy as adapter
+    elif binding == "raw":
+        adapter = fuse_raw
     else:
         raise InputError(f"unknown FUSE binding {binding!r} (one of {', '.join(BINDINGS)})", where="fuse binding")
     return adapter.serve
@@ -125,6 +139,12 @@ class LayerMounter:
         self._detached: list[LayerMount] = []  # lazily detached mounts, whose resources stay until close
         self._users: Counter[tuple[str, str]] = Counter()  # ("blob"|"meta"|"tree", id) -> mounts using it
         self._lock = trio.Lock()
+        # raw binding: the session survives this process (fuse_holder) and ``session_state`` (the FUSE
+        # session's device, the INIT parameters, the inode numbers) is saved for the daemon that takes it
+        # over; ``resumed``: this mounter took over such a session, and may adopt its mounts.
+        self.session_state: dict | None = None
+        self.resumed = False
+        self.holder_path = os.path.join(state_dir, HOLDER_SOCKET)
 
     def mounts(self) -> list[LayerMount]:
         return list(self._mounts.values())
@@ -145,7 +165,18 @@ class LayerMounter:
         async with self._lock:
             return await self._mount(layer, blob, os.path.abspath(mountpoint), mode)
 
-    async def _mount(self, layer: LayerFiles, blob: Blob, mountpoint: str, mode: str) -> LayerMount:
+    async def adopt_layer(self, layer: LayerFiles, blob: Blob, mountpoint: str, *, mode: str) -> LayerMount:
+        """List a mount that the daemon which died before us made through the session we took over (it is
+        still there, and the kernel reads through it): serve what it needs, under the inode numbers it
+        had, without mounting anything. Call it before the session is served (``open_mounter``'s
+        ``adopt``); nothing may stat the mountpoint meanwhile, as nobody answers its FUSE requests yet."""
+        if not self.resumed:
+            raise ConflictError("only a FUSE session taken over has mounts to adopt", where=mountpoint)
+        async with self._lock:
+            return await self._mount(layer, blob, os.path.abspath(mountpoint), mode, adopt=True)
+
+    async def _mount(self, layer: LayerFiles, blob: Blob, mountpoint: str, mode: str, *,
+                     adopt: bool = False) -> LayerMount:
         if mountpoint in self._mounts:
             raise ConflictError("a layer is already mounted here", where=mountpoint)
         expected = layer.manifest.blob_blocks * layer.manifest.block_size
@@ -157,13 +188,15 @@ class LayerMounter:
             if mode == "kernel":
                 await self._retain(("blob", mount.blob_id), undo, self.session.blobs.add, mount.blob_id, blob)
                 await self._retain(("meta", layer.digest), undo, self._write_meta, layer)
-                await trio.to_thread.run_sync(_mount_erofs_direct, self.meta_path(layer.digest), mountpoint,
-                                              self.blob_path(mount.blob_id))
+                if not adopt:
+                    await trio.to_thread.run_sync(_mount_erofs_direct, self.meta_path(layer.digest), mountpoint,
+                                                  self.blob_path(mount.blob_id))
             else:
                 tree = LayerTree(ErofsImage(layer.meta, source=keys.layer_meta(layer.digest)), blob)
                 await self._retain(("tree", layer.digest), undo, self.session.add_layer, layer.digest, tree)
-                await trio.to_thread.run_sync(mounts.mount, self.layer_path(layer.digest), mountpoint, "none",
-                                              mounts.MS_BIND)
+                if not adopt:
+                    await trio.to_thread.run_sync(mounts.mount, self.layer_path(layer.digest), mountpoint,
+                                                  "none", mounts.MS_BIND)
             undo.pop_all()
         self._mounts[mountpoint] = mount
         return mount
@@ -206,6 +239,7 @@ class LayerMounter:
                 await trio.to_thread.run_sync(create, *args)
             else:
                 create(*args)
+                self.save_session_state()  # its inode numbers, before the kernel learns them
         self._users[key] += 1
         undo.push_async_callback(self._release, key)
 
@@ -225,11 +259,17 @@ class LayerMounter:
 
     def _write_meta(self, layer: LayerFiles) -> None:
         """meta.erofs as a file for mount(2), written whole under a temporary name, then renamed."""
-        path = self.meta_path(layer.digest)
-        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-        with open(tmp, "wb") as f:
-            f.write(layer.meta)
-        os.rename(tmp, path)
+        _write_atomically(self.meta_path(layer.digest), layer.meta, sync=False)
+
+    def save_session_state(self, **changes) -> None:
+        """raw binding: update ``session_state`` with ``changes`` and the session's inode numbers, and
+        write it to SESSION_FILE (atomically, synced: a daemon that dies right after must leave it whole).
+        Small, and written once per new blob or layer, so it is written in the trio thread."""
+        if self.session_state is None:
+            return
+        self.session_state.update(changes, numbers=self.session.numbers())
+        _write_atomically(os.path.join(self.state_dir, SESSION_FILE),
+                          json.dumps(self.session_state, indent=1).encode(), sync=True)
 
     async def close(self) -> None:
         """Unmount every layer (lazily where busy), newest first; the FUSE session is the caller's to end.
@@ -248,9 +288,16 @@ class LayerMounter:
 
 
 @contextlib.asynccontextmanager
-async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "pyfuse3") -> AsyncIterator[LayerMounter]:
+async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "pyfuse3",
+                       adopt: Callable[[LayerMounter], Awaitable[None]] | None = None) -> AsyncIterator[LayerMounter]:
     """Own ``state_dir``, serve its FUSE session as a task of the calling trio loop, and yield a
-    LayerMounter; on exit unmount every layer, then the session. One per process (one FUSE session)."""
+    LayerMounter; on exit unmount every layer, then the session. One per process (one FUSE session).
+
+    With the raw binding the session outlives a daemon that dies (see "Daemon restarts" in
+    docs/architecture.md): if the last one left it, this mounter takes it over, calls ``adopt(mounter)``
+    to re-add what its mounts need (``adopt_layer``) before anything is served, then has the requests the
+    dead daemon had taken sent again. Otherwise (and with the other bindings) what a dead daemon left is
+    detached and a new session mounted."""
     serve = _serve_function(binding)
     os.makedirs(state_dir, mode=0o700, exist_ok=True)  # layers and blobs below are the node's, not its users'
     lock_fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -260,10 +307,13 @@ async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "py
         except BlockingIOError:
             raise ConflictError("another daemon uses this state directory", where=state_dir) from None
         mounter = LayerMounter(state_dir, SessionTree())
-        await trio.to_thread.run_sync(_reset_state, mounter)
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(_serve_session, serve, mounter)
+                if binding == "raw":
+                    await nursery.start(_serve_raw_session, serve, mounter, adopt)
+                else:
+                    await trio.to_thread.run_sync(_reset_state, mounter)
+                    await nursery.start(_serve_session, serve, mounter)
                 try:
                     yield mounter
                 finally:
@@ -286,6 +336,92 @@ async def _serve_session(serve, mounter: LayerMounter, *, task_status=trio.TASK_
     raise UnavailableError("the FUSE session was unmounted from outside", where=mounter.fuse_dir, transient=False)
 
 
+async def _serve_raw_session(serve, mounter: LayerMounter, adopt, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """raw binding: take over the session a daemon that died left with its holder, or mount a new one and
+    start a holder for it; serve it until cancelled. Leaving (a normal stop, or an error; a killed daemon
+    runs none of this) unmounts the session and stops the holder, which ends the connection."""
+    taken = await trio.to_thread.run_sync(_take_session, mounter)
+    holder = None
+    if taken is None:
+        await trio.to_thread.run_sync(_reset_state, mounter)
+        fd = await trio.to_thread.run_sync(fuse_raw.mount, mounter.fuse_dir, fuse_options())
+        params = None
+    else:
+        fd, params, state = taken
+    try:
+        if taken is None:
+            holder = await trio.to_thread.run_sync(fuse_holder.spawn, mounter.holder_path, fd)
+            mounter.session_state = {"device": mounts.mount_device(mounter.fuse_dir), "params": None}
+            mounter.save_session_state()
+        else:
+            mounter.session = SessionTree(state["numbers"])
+            mounter.session_state = state
+            mounter.resumed = True
+            log.info("took over the FUSE session at %s from a daemon that died", mounter.fuse_dir)
+            if adopt is not None:
+                await adopt(mounter)
+        await serve(mounter.session, fd, params=params,
+                    on_init=lambda negotiated: mounter.save_session_state(params=negotiated.to_json()),
+                    task_status=task_status)
+    finally:
+        with trio.CancelScope(shield=True):
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)
+            await trio.to_thread.run_sync(_end_raw_session, mounter, holder)
+    raise UnavailableError("the FUSE session was unmounted from outside", where=mounter.fuse_dir, transient=False)
+
+
+def _take_session(mounter: LayerMounter) -> tuple[int, fuse_raw.SessionParams, dict] | None:
+    """(fd, SessionParams, saved session state) of the session a daemon that died left to its holder, if
+    there is one and it is still mounted and alive; else None (the holder, if any, is stopped later by
+    _reset_state). Touches nothing inside the session: nobody serves it yet."""
+    fd = fuse_holder.take(mounter.holder_path)
+    if fd is None:
+        return None
+    try:
+        with open(os.path.join(mounter.state_dir, SESSION_FILE)) as f:
+            state = json.load(f)
+        params = fuse_raw.SessionParams.from_json(state["params"])
+        if not isinstance(state["numbers"], dict):
+            raise TypeError("no inode numbers")
+        device = mounts.mount_device(mounter.fuse_dir)
+        if device is None or device != state["device"]:
+            raise ValueError(f"the session is no longer mounted at {mounter.fuse_dir}")
+        if not fuse_raw.connection_alive(fd):
+            raise ValueError("the kernel aborted the connection")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("cannot take over the FUSE session at %s (%s): starting a new one", mounter.fuse_dir, exc)
+        os.close(fd)
+        return None
+    return fd, params, state
+
+
+def _end_raw_session(mounter: LayerMounter, holder) -> None:
+    """Unmount the session (lazily: layers detached while busy may still hold it) and stop its holder,
+    reaping it if it is our child; the kernel ends the connection once neither holds the fd."""
+    fuse_holder.stop(mounter.holder_path)
+    if holder is not None:
+        holder.wait()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(mounter.state_dir, SESSION_FILE))
+    if mounts.mount_device(mounter.fuse_dir) is not None:
+        try:
+            mounts.umount(mounter.fuse_dir, lazy=True)
+        except DsecError as exc:
+            log.warning("unmounting the FUSE session: %s", exc)
+
+
+def _write_atomically(path: str, data: bytes, *, sync: bool) -> None:
+    """Write ``path`` whole under a temporary name, then rename it into place."""
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
 def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str) -> None:
     """mount_erofs with ``directio``: the kernel reads the blob file straight from the daemon, only the
     ranges EROFS asks for, instead of through the blob file's own page cache. File data is then cached
@@ -301,9 +437,16 @@ def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str) -> None
 
 
 def _reset_state(mounter: LayerMounter) -> None:
-    """Clear what a daemon that died may have left: its FUSE session mount (dead: ENOTCONN) and meta images.
-    Safe because the caller holds the state directory's lock."""
-    if mounts.is_mountpoint(mounter.fuse_dir):
+    """Clear what a daemon that died may have left: the holder of its session (raw binding), its FUSE
+    session mount (dead, once no holder keeps it: ENOTCONN) and meta images. Safe because the caller holds
+    the state directory's lock."""
+    if fuse_holder.stop(mounter.holder_path):
+        log.warning("stopped the FUSE fd holder a daemon that died left: its mounts are dead now")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(mounter.holder_path)  # a holder that was killed leaves its socket
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(mounter.state_dir, SESSION_FILE))
+    if mounts.mount_device(mounter.fuse_dir) is not None:
         mounts.umount(mounter.fuse_dir, lazy=True)
     os.makedirs(mounter.fuse_dir, mode=0o700, exist_ok=True)
     shutil.rmtree(mounter.meta_dir, ignore_errors=True)

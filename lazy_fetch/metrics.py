@@ -9,6 +9,7 @@ turns it into metric families:
     dsecfs_fetch_chunks_total{layer}           chunks fetched from the store (each verified)
     dsecfs_fetch_store_reads_total{layer}      store reads (batches of neighbouring chunks)
     dsecfs_fetch_coalesced_total{layer}        requests that joined a fetch already in the air
+    dsecfs_fetch_readahead_chunks_total{layer} chunks of those fetched as miss readahead, not asked for
     dsecfs_fetch_errors_total{layer,kind}      chunks whose fetch failed: kind corrupt | timeout | other
     dsecfs_fetch_latency_seconds{layer}        histogram of store read latency (queueing included)
     dsecfs_layer_fetched_ratio{layer}          share of the layer's chunk bytes this node has served
@@ -111,6 +112,8 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
     fetch_chunks = _counter("dsecfs_fetch_chunks", "Chunks fetched from the store and verified.", by_layer)
     store_reads = _counter("dsecfs_fetch_store_reads", "Store reads (batches of neighbouring chunks).", by_layer)
     coalesced = _counter("dsecfs_fetch_coalesced", "Chunk requests that joined a fetch in the air.", by_layer)
+    readahead = _counter("dsecfs_fetch_readahead_chunks", "Chunks fetched as miss readahead, not asked for.",
+                         by_layer)
     errors = _counter("dsecfs_fetch_errors", "Chunks whose fetch failed, by kind.", ["layer", "kind"])
     latency = HistogramMetricFamily("dsecfs_fetch_latency_seconds",
                                     "Store read latency, waiting for a fetcher slot included.", labels=by_layer)
@@ -127,6 +130,7 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
         fetch_chunks.add_metric(label, stats.chunks_fetched)
         store_reads.add_metric(label, stats.store_reads)
         coalesced.add_metric(label, stats.coalesced)
+        readahead.add_metric(label, stats.readahead)
         other = stats.errors - stats.corrupt - stats.timeouts
         for kind, count in (("corrupt", stats.corrupt), ("timeout", stats.timeouts), ("other", other)):
             errors.add_metric([figures.layer, kind], count)
@@ -136,7 +140,7 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
         read_errors.add_metric(label, figures.read_errors)
         hits.add_metric(label, stats.hits)
         misses.add_metric(label, stats.misses)
-    yield from (fetch_bytes, fetch_chunks, store_reads, coalesced, errors, latency, ratio, reads, read_errors,
+    yield from (fetch_bytes, fetch_chunks, store_reads, coalesced, readahead, errors, latency, ratio, reads, read_errors,
                 hits, misses)
 
 

@@ -13,13 +13,19 @@ file read (``nid``, offset within the file); in kernel mode the daemon only sees
 blob, so ``nid`` is 0 and ``offset`` is a blob offset; reports map blob ranges back to files through the
 layer's image. ``chunk`` is the blob-map index of the first chunk the read touched (NO_CHUNK for a hole).
 
+Retention. Trace files are named ``*.dtr`` (TRACE_SUFFIX) and pile up on a node as mounts come and go;
+``prune_traces`` removes the oldest closed ones by age and by total size (the daemon runs it at start and
+now and then, keeping its open traces; ``dsecfs trace prune`` runs it by hand).
+
 Threads: a TraceWriter is used by one trio task (the mount's); writes go to a buffered file and are
-flushed every FLUSH_RECORDS records and at close, so tracing adds no syscall per read.
+flushed every FLUSH_RECORDS records and at close, so tracing adds no syscall per read. ``prune_traces``
+touches only files and may run in any thread.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from collections.abc import Iterator
@@ -48,6 +54,7 @@ FLAG_BLOB = 0x2  # a kernel-mode read of the virtual blob (nid is 0)
 FLAG_ERROR = 0x4  # the read failed (EIO)
 FLAG_PREFETCH = 0x8  # issued by the prefetcher, not by a reader
 MAX_HEADER = 1 << 20
+TRACE_SUFFIX = ".dtr"
 FLUSH_RECORDS = 256
 VERSION = 1
 
@@ -189,3 +196,45 @@ def read_trace(path: str, *, strict: bool = False) -> Trace:
                 raise
             return Trace(path, header, records, truncated=True)
     return Trace(path, header, records)
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    removed: list[str]  # paths, oldest first
+    removed_bytes: int
+    kept: int  # trace files left
+    kept_bytes: int
+
+
+def prune_traces(directory: str, *, max_bytes: int | None, max_age: float | None, keep: frozenset[str] = frozenset(),
+                 now: float | None = None, dry_run: bool = False) -> PruneResult:
+    """Remove the ``*.dtr`` files directly in ``directory`` that are older than ``max_age`` seconds (by
+    mtime: when they were last written), then the oldest others until the rest fit in ``max_bytes``.
+    Paths in ``keep`` (traces still being written) stay whatever their age. None means no such limit."""
+    now = time.time() if now is None else now
+    traces = []  # (mtime, path, size)
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.endswith(TRACE_SUFFIX) and entry.is_file(follow_symlinks=False):
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # removed meanwhile
+                    continue
+                traces.append((info.st_mtime, entry.path, info.st_size))
+    traces.sort()
+    total = sum(size for _mtime, _path, size in traces)
+    removed, removed_bytes = [], 0
+    for mtime, path, size in traces:
+        too_old = max_age is not None and now - mtime > max_age
+        too_big = max_bytes is not None and total > max_bytes
+        if path in keep or not (too_old or too_big):
+            continue
+        if not dry_run:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        removed.append(path)
+        removed_bytes += size
+        total -= size
+    return PruneResult(removed, removed_bytes, len(traces) - len(removed), total)

@@ -115,7 +115,9 @@ def assert_same_tree(a, b) -> None:
 
 
 def write_files(root, files: dict[str, bytes]) -> str:
-    """Write ``files`` (relative path -> content) below ``root``, making parent directories; returns root."""
+    """Write ``files`` (relative path -> content) below ``root``, making root and parent directories (so
+    ``{}`` makes an empty directory); returns root."""
+    os.makedirs(root, exist_ok=True)
     for name, data in files.items():
         path = os.path.join(root, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)

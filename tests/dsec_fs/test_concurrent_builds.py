@@ -13,7 +13,12 @@ import threading
 import time
 
 import pytest
-from test_gc import (
+from treecmp import write_files
+
+from dsec_fs.layer import delete_ref, list_refs
+from dsec_fs.store import FilesystemStore, keys
+from erofs_builder.build import build_layer
+from tests.dsec_fs.gc_support import (
     CHUNK,
     assert_all_layers_ok,
     backdate_layer,
@@ -22,11 +27,6 @@ from test_gc import (
     random_bytes,
     run_gc,
 )
-from treecmp import write_files
-
-from dsec_fs.layer import delete_ref, list_refs
-from dsec_fs.store import FilesystemStore, keys
-from erofs_builder.build import build_layer
 
 BUILDS = 4
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,7 +1,7 @@
 """gc on real stores: soft then hard deletes, dry runs, grace, leases, repacking, restoring, and builds
 racing gc, with the interleavings chosen by pausing a store call (PausingStore), not by timing.
 
-Helpers here ( build, run_gc, PausingStore, assert_all_layers_ok) are shared with
+The helpers (build, run_gc, PausingStore, assert_all_layers_ok, ...) are in gc_support.py, shared with
 test_index_mirror.py and test_concurrent_builds.py.
 """
 
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,94 +16,25 @@ import pytest
 from click.testing import CliRunner
 from treecmp import write_files
 
-from cli.store_cmds import gc_command, parse_duration, store_group
+from cli.store_cmds import gc_command, store_group
 from dsec_fs.errors import ConflictError, CorruptError, InputError
-from dsec_fs.gc import gc
-from dsec_fs.layer import delete_ref, list_refs, open_layer, publish_layer, set_ref
+from dsec_fs.layer import delete_ref, open_layer, publish_layer, set_ref
 from dsec_fs.leases import Lease, exclusive_lease, list_leases
 from dsec_fs.store import FilesystemStore, keys, open_store
 from dsec_fs.store.filesystem import TMP_PREFIX
-from dsec_fs.store.wrappers import StoreWrapper
 from dsec_fs.store_stats import store_stats
 from erofs_builder.build import build_layer
 from erofs_builder.fsck import fsck_layer
-
-CHUNK = 4096
-
-
-def random_bytes(seed: int, size: int) -> bytes:
-    return random.Random(seed).randbytes(size)
-
-
-def build(store, root, files: dict[str, bytes], name: str | None = None) -> str:
-    return build_layer(write_files(root, files), store, name=name, chunk_size=CHUNK).digest
-
-
-def run_gc(store, **options):
-    options.setdefault("grace_seconds", 0)
-    return gc(store, **options)
-
+from tests.dsec_fs.gc_support import (
+    CHUNK, PausingStore, assert_all_layers_ok, backdate_layer, build, published_layers, random_bytes, run_gc,
+)
 
 def pack_ids(store, prefix: str) -> set[str]:
     return {keys.id_from_key(key) for key in store.list(prefix)}
 
 
-def published_layers(store) -> set[str]:
-    return {key.split("/")[1] for key in store.list(keys.LAYERS) if key.endswith("/manifest.json")}
-
-
-def assert_all_layers_ok(store) -> None:
-    """Every published layer, and every ref's layer, passes fsck with every chunk fetched and hashed."""
-    layers = published_layers(store)
-    assert set(list_refs(store).values()) <= layers
-    for digest in layers:
-        report = fsck_layer(store, digest, check_chunks=True)
-        assert report.ok, [str(p) for p in report.problems]
-
-
-def backdate_layer(store, digest: str, seconds: float = 3600) -> None:
-    """Make a layer's objects look written ``seconds`` ago (a filesystem store), so that no build lease
-    that begins now is old enough to protect it (gc allows leases.CLOCK_SKEW of clock disagreement)."""
-    then = time.time() - seconds
-    for key in store.list(f"{keys.LAYERS}{digest}/"):
-        os.utime(os.path.join(store.root, key), (then, then))
-
-
 def snapshot(store) -> dict[str, bytes]:
     return {key: store.get(key) for key in store.list("")}
-
-
-class PausingStore(StoreWrapper):
-    """Stops the first ``op`` on a key ``matches`` accepts until ``proceed`` is set: lets a test run
-    something at exactly that point of another thread's work. A fault a real store cannot make on cue.
-    Used as a context manager, it lets the paused call go on exit, so a failing test does not hang."""
-
-    def __init__(self, inner, op: str, matches):
-        super().__init__(inner)
-        self.op = op
-        self.matches = matches
-        self.reached = threading.Event()
-        self.proceed = threading.Event()
-        self._lock = threading.Lock()
-
-    def _call(self, op, key, fn, sent=0):
-        if op == self.op and self.matches(key):
-            with self._lock:
-                first = not self.reached.is_set()
-                self.reached.set()
-            if first and not self.proceed.wait(60):
-                raise AssertionError(f"nobody let {op} {key} proceed")
-        return fn()
-
-    def put(self, key, data):
-        self._call("put", key, lambda: None)
-        self.inner.put(key, data)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.proceed.set()
 
 
 @pytest.fixture(autouse=True)
@@ -456,18 +385,6 @@ def test_store_stats_counts_layers_chunks_and_dedup(store, tmp_path):
     after = store_stats(store)
     assert (after["layers"], after["refs"], after["packs"], after["trashed_packs"]) == (2, 2, 3, 1)
     assert after["chunks"] == stats["chunks"] - 9
-
-
-@pytest.mark.parametrize("text, seconds", [("0s", 0), ("90", 90), ("30m", 1800), ("1h", 3600),
-                                           ("1h30m", 5400), ("2d", 172800), ("1.5h", 5400)])
-def test_durations(text, seconds):
-    assert parse_duration(text) == seconds
-
-
-@pytest.mark.parametrize("text", ["", "h", "1x", "-1h", "1h 30m", "1hh"])
-def test_bad_durations(text):
-    with pytest.raises(ValueError):
-        parse_duration(text)
 
 
 def test_the_gc_and_stats_commands(store, tmp_path):

@@ -8,7 +8,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_gc import CHUNK, PausingStore, assert_all_layers_ok, build, random_bytes, run_gc
 from treecmp import write_files
 
 from dsec_fs.digest import sha256
@@ -19,6 +18,7 @@ from dsec_fs.pack import PackEntry, decode_index, index_from_pack
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import CountingStore
 from erofs_builder.build import build_layer
+from tests.dsec_fs.gc_support import CHUNK, PausingStore, assert_all_layers_ok, build, random_bytes, run_gc
 
 
 @pytest.fixture

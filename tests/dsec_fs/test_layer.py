@@ -1,5 +1,6 @@
 import json
 import os
+import threading
 
 import pytest
 
@@ -16,6 +17,7 @@ from dsec_fs.layer import (
     set_ref,
 )
 from dsec_fs.store import FilesystemStore, keys
+from dsec_fs.store.wrappers import StoreWrapper
 
 META = b"\xe2\xe1\xf5\xe0 pretend EROFS image" + bytes(4000)
 BLOBMAP = b"pretend blob map " * 10
@@ -130,6 +132,37 @@ def test_publish_then_open(store):
     layer = open_layer(store, LAYER)
     assert (layer.digest, layer.meta, layer.blobmap) == (LAYER, META, BLOBMAP)
     assert layer.manifest == manifest
+
+
+class MeetingStore(StoreWrapper):
+    """Each get of meta.erofs or the blob map waits for the other to start: open_layer passes only if it
+    reads the two side by side (read one after the other, the first get times out)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.barrier = threading.Barrier(2, timeout=5)
+
+    def _call(self, op, key, fn, sent=0):
+        if op == "get" and key in (keys.layer_meta(LAYER), keys.layer_blobmap(LAYER)):
+            self.barrier.wait()
+        return fn()
+
+
+def test_open_layer_reads_meta_and_blob_map_side_by_side_while_on_manifest_runs(store):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    seen = []
+    layer = open_layer(MeetingStore(store), LAYER, on_manifest=seen.append)
+    assert seen == [layer.manifest] and (layer.meta, layer.blobmap) == (META, BLOBMAP)
+
+
+def test_an_error_of_on_manifest_is_raised_by_open_layer(store):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+
+    def fail(manifest):
+        raise NotFoundError("no index", where=f"packs of {manifest.layer}")
+
+    with pytest.raises(NotFoundError, match="no index"):
+        open_layer(store, LAYER, on_manifest=fail)
 
 
 def test_publish_writes_the_manifest_last(store):

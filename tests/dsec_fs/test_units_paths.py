@@ -1,12 +1,14 @@
-"""The default-directory rule shared by the store and the index mirror."""
+"""Sizes, durations (dsec_fs.units) and the default-directory rule (dsec_fs.paths)."""
 
 import os
 
 import pytest
 
+from dsec_fs.errors import InputError
 from dsec_fs.index_mirror import default_index_root
 from dsec_fs.paths import default_dir
 from dsec_fs.store import default_store_url
+from dsec_fs.units import human_size, parse_duration, parse_size
 
 
 def test_the_environment_variable_wins(monkeypatch):
@@ -38,3 +40,27 @@ def test_other_users_get_their_xdg_directories(monkeypatch, tmp_path, xdg):
     assert default_store_url() == expected
     assert default_dir("UNSET_FOR_TEST", "/var/x", "XDG_CACHE_HOME_UNSET", "~/.cache", "x") == \
         os.path.join(str(tmp_path), ".cache/dsecfs/x")
+
+
+@pytest.mark.parametrize("text, seconds", [("0s", 0), ("90", 90), ("30m", 1800), ("1h", 3600),
+                                           ("1h30m", 5400), ("2d", 172800), ("1.5h", 5400), ("1W", 604800)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "h", "1x", "-1h", "1h 30m", "1hh"])
+def test_bad_durations_name_the_text(text):
+    with pytest.raises(InputError, match="not a duration"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize("text, size", [("4096", 4096), ("64K", 65536), ("1MiB", 1 << 20), ("2g", 2 << 30)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+    assert human_size(size) in ("4.0 KiB", "64.0 KiB", "1.0 MiB", "2.0 GiB")
+
+
+@pytest.mark.parametrize("text", ["", "K", "1.5M", "twelve"])
+def test_bad_sizes_name_the_text(text):
+    with pytest.raises(InputError, match="not a size"):
+        parse_size(text)

@@ -19,7 +19,7 @@ from erofs_builder.blob import FileBlob
 from dsec_fs.blobmap import BlobMap
 from erofs_builder.export import export_layer, extract_image, extract_layer
 from erofs_builder.reader import ErofsImage
-from test_reader import CHUNK, build, make_source, mkfs, needs_mkfs, rich, write  # noqa: F401 (rich: a fixture)
+from tests.erofs_builder.reader_support import CHUNK, build, make_source, mkfs, needs_mkfs, write
 from treecmp import assert_same_tree, snapshot
 
 

@@ -22,7 +22,9 @@ from dsec_fs.blobmap import BlobMap
 from erofs_builder.fsck import fsck_image, fsck_layer
 from erofs_builder.ondisk.superblock import SB_OFFSET, seal_block0
 from erofs_builder.reader import ErofsImage
-from test_reader import BLOCK, CHUNK, assert_reports_format_error, build, make_source, mkfs, needs_mkfs, write
+from tests.erofs_builder.reader_support import (
+    BLOCK, CHUNK, assert_reports_format_error, build, make_source, mkfs, needs_mkfs, write,
+)
 
 
 @pytest.fixture

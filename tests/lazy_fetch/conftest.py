@@ -8,6 +8,12 @@ the data path: several chunks and a partial last one, holes (sparse and written 
 repeated inside one file (so its chunks are not back to back in the blob). ``victim.bin`` is built into
 a layer of its own first, so its only chunk sits in a pack no other file uses: a store fault on that pack
 fails that file and nothing else.
+
+``layers`` (per module) is the two layers of the trace-analysis tests (analysis_support.py); test_daemon.py
+has a ``layers`` fixture of its own, which overrides it there.
+
+``daemons`` starts real ``dsecfs daemon`` processes (daemon_support.Daemons) for test_daemon*.py and, at the
+end, stops them and checks that nothing is left mounted below the test's tmp_path.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import pytest
 import trio
 
 from dsec_fs.layer import LayerFiles, open_layer
+from dsec_fs.mounts import umount
 from dsec_fs.store import FilesystemStore
 from dsec_fs.store.base import Store
 from erofs_builder import build_layer
@@ -29,6 +36,8 @@ from lazy_fetch.blob_reader import open_layer_blob
 from lazy_fetch.cache import ChunkCache
 from lazy_fetch.fetcher import open_fetcher
 from lazy_fetch.layer_mount import open_mounter
+from tests.lazy_fetch.analysis_support import Layers, build_layers
+from tests.lazy_fetch.daemon_support import Daemons
 
 LAYER_CHUNK = 8192
 BLOCK_SIZE = 4096
@@ -206,7 +215,8 @@ def mounted_below(path) -> list[str]:
     return [t for t in targets if t == path or t.startswith(path + "/")]
 
 
-MODES_AND_BINDINGS = [("kernel", "pyfuse3"), ("fuse", "pyfuse3"), ("kernel", "fusepy"), ("fuse", "fusepy")]
+MODES_AND_BINDINGS = [("kernel", "pyfuse3"), ("fuse", "pyfuse3"), ("kernel", "fusepy"), ("fuse", "fusepy"),
+                      ("kernel", "raw"), ("fuse", "raw")]
 
 
 @pytest.fixture(params=MODES_AND_BINDINGS, ids=["-".join(p) for p in MODES_AND_BINDINGS])
@@ -254,3 +264,23 @@ def mounted_layer(built_layer, tmp_path, mode_and_binding, start_daemon) -> Moun
 def mounts_below():
     """``mounted_below`` for tests (a function, handed out as a fixture so tests need not import conftest)."""
     return mounted_below
+
+
+@pytest.fixture
+def daemons(tmp_path, mounts_below):
+    """Start ``dsecfs daemon`` processes with ``daemons.start``; at the end they are stopped, and nothing may
+    be left mounted below tmp_path."""
+    started = Daemons(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+        left = mounts_below(tmp_path)
+        for target in sorted(left, key=len, reverse=True):  # so the next test is unharmed
+            umount(target, lazy=True)
+        assert left == []
+
+
+@pytest.fixture(scope="module")
+def layers(tmp_path_factory) -> Layers:
+    return build_layers(tmp_path_factory.mktemp("layers"))

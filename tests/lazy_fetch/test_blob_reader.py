@@ -11,7 +11,7 @@ from erofs_builder.build import build_layer
 from erofs_builder.export import export_layer
 from lazy_fetch.blob_reader import open_layer_blob
 from lazy_fetch.cache import ChunkCache
-from lazy_fetch.fetcher import open_fetcher
+from lazy_fetch.fetcher import PREFETCH, open_fetcher
 
 CHUNK_SIZE = 16384
 
@@ -125,3 +125,29 @@ def test_shared_chunk_index_is_loaded_once(layer, tmp_path):
                 assert (first.label, second.label) == (digest, "again")
 
     trio.run(main)
+
+
+def test_a_miss_brings_the_chunks_after_it_in_the_same_get(layer, tmp_path):
+    materialised = layer[2]
+
+    async def body(blob, counting):
+        stats = blob.fetcher.stats("test")
+        blob.readahead_bytes = 2 * CHUNK_SIZE  # "big" is four chunks: the two after the first fit
+        assert await blob.read(0, 10) == materialised[:10]
+        assert (counting.calls["get"], stats.readahead) == (1, 2)
+        block = blob.blob_map.block_size
+        (second, _, _), (third, _, _), (fourth, _, _) = blob.blob_map.entries[1:4]
+        assert await blob.read(second * block, CHUNK_SIZE) == materialised[second * block:][:CHUNK_SIZE]
+        assert counting.calls["get"] == 1  # the readahead answered it; a hit reads nothing ahead
+        await blob.read(third * block, 10)
+        assert (counting.calls["get"], stats.readahead) == (1, 2)
+        await blob.read(fourth * block, 10, priority=PREFETCH)  # prefetch reads bring nothing along
+        assert (counting.calls["get"], stats.readahead) == (2, 2)
+        blob.readahead_bytes = 0
+        last = blob.blob_map.entries[-1][0] * block  # "odd": "small" lies between it and "big"
+        await blob.read(last, 1)
+        assert (counting.calls["get"], stats.readahead) == (3, 2)
+        assert await blob.read(0, blob.size) == materialised
+        assert (counting.calls["get"], stats.readahead) == (4, 2)
+
+    run_with_blob(layer, tmp_path, body)

@@ -1,6 +1,7 @@
 """The node daemon for real: ``dsecfs daemon`` runs as a subprocess on a test's own directories and the tests
-talk to it through dsec_fs.client, as users do. Every test stops its daemons (``daemons`` fixture) and
-then checks that nothing is left mounted below its tmp_path.
+talk to it through dsec_fs.client, as users do. Every test stops its daemons (``daemons`` fixture, in
+conftest.py; the helpers are in daemon_support.py) and then checks that nothing is left mounted below its
+tmp_path.
 
 The layer (``CHUNK`` = 64 KiB chunks) holds a large file for reads that take a while, a few small ones,
 and ``victim.bin``, built into a layer of its own first, so that its chunk sits in a pack no other file
@@ -15,36 +16,30 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from treecmp import assert_same_tree, snapshot
 
-from dsec_fs.client import DaemonProcess, Node
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import ConflictError, NotFoundError, UnavailableError
 from dsec_fs.layer import LayerFiles, open_layer
-from dsec_fs.mounts import umount
 from dsec_fs.pack import decode_index
 from dsec_fs.store import FilesystemStore, keys, open_store
-from dsec_fs.blobmap import BlobMap
 from erofs_builder import build_layer
-from erofs_builder.ondisk.chunk_index import HOLE
 from erofs_builder.reader import ErofsImage
+from lazy_fetch.daemon import PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES, _prefetch_groups
+from lazy_fetch.prefetch_list import PrefetchEntry
 from lazy_fetch.trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, read_trace
+from tests.lazy_fetch.daemon_support import DSECFS, drop_caches, file_chunks, layer_metric, mount_dirs
 from tests.s3server import MotoServer
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
 CHUNK = 64 * 1024
-DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
 rng = random.Random(7)
 VICTIM = rng.randbytes(CHUNK - 5)
 FILES = {
@@ -89,83 +84,6 @@ def layers(tmp_path_factory) -> Layers:
     solo = build_layer(str(base / "solo-src"), store, name="test/solo:1", chunk_size=CHUNK)
     return Layers(str(base / "store"), str(source), open_layer(store, main.digest), open_layer(store, solo.digest),
                   victim_pack)
-
-
-class Daemons:
-    """Real daemon processes working in one test's directories (state, cache, log under tmp_path; the
-    socket in a short directory of its own, since a unix socket path holds at most 107 bytes)."""
-
-    def __init__(self, tmp_path):
-        self.tmp_path = tmp_path
-        self.socket_dir = tempfile.mkdtemp(prefix="dsd-", dir="/tmp")
-        self.socket = os.path.join(self.socket_dir, "daemon.sock")
-        self.state_dir = str(tmp_path / "state")
-        self.cache_dir = str(tmp_path / "cache")
-        self.log_file = str(tmp_path / "daemon.log")
-        self.started: list[DaemonProcess] = []
-
-    def start(self, store: str, *, binding: str = "pyfuse3", **options) -> DaemonProcess:
-        """Start one (the previous one must have stopped: they share the directories)."""
-        options.setdefault("fetch_timeout", 10)
-        options.setdefault("cache_dir", self.cache_dir)
-        daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, store=store, fuse_binding=binding,
-                                   log_file=self.log_file, command=[DSECFS], **options)
-        self.started.append(daemon)
-        return daemon
-
-    def log(self) -> str:
-        with open(self.log_file, errors="replace") as f:
-            return f.read()
-
-    def stop_all(self) -> None:
-        for daemon in self.started:
-            assert daemon.stop() in (0, -signal.SIGKILL), f"the daemon failed; its log:\n{self.log()[-3000:]}"
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
-
-
-@pytest.fixture
-def daemons(tmp_path, mounts_below):
-    started = Daemons(tmp_path)
-    try:
-        yield started
-    finally:
-        started.stop_all()
-        left = mounts_below(tmp_path)
-        for target in sorted(left, key=len, reverse=True):  # so the next test is unharmed
-            umount(target, lazy=True)
-        assert left == []
-
-
-def metrics(node: Node) -> dict[tuple[str, frozenset], float]:
-    """(sample name, labels) -> value, from the daemon's /metrics."""
-    return {(sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(node.metrics_text()) for sample in family.samples}
-
-
-def layer_metric(node: Node, name: str, layer: str, **labels) -> float:
-    return metrics(node).get((name, frozenset({"layer": layer, **labels}.items())), 0.0)
-
-
-def file_chunks(layer: LayerFiles, path: str) -> set[bytes]:
-    """The distinct chunks (digests) holding a file's data, from the layer's image and blob map."""
-    image = ErofsImage(layer.meta, source="meta.erofs")
-    blob_map = BlobMap.decode(layer.blobmap, source="blobmap")
-    digest_at = {blkaddr: digest for blkaddr, digest, _length in blob_map.entries}
-    return {digest_at[blkaddr] for _device, blkaddr in image.chunk_map(image.resolve(path.encode()))
-            if blkaddr != HOLE}
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
-def mount_dirs(tmp_path, *names) -> list[str]:
-    paths = [str(tmp_path / name) for name in names]
-    for path in paths:
-        os.makedirs(path)
-    return paths
 
 
 @pytest.mark.parametrize("binding", ["pyfuse3", "fusepy"])
@@ -308,6 +226,23 @@ def test_a_kill_between_mount_and_table_update_leaves_nothing_behind(layers, dae
     assert mounts_below(tmp_path) == [daemons.state_dir + "/fuse"]
 
 
+@pytest.mark.parametrize("readahead", [None, "128KiB"])
+def test_miss_readahead_is_off_unless_asked_for_and_counted_apart(layers, daemons, tmp_path, readahead):
+    extra = [] if readahead is None else ["--miss-readahead", readahead]
+    node = daemons.start(layers.store_dir, extra_args=extra).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    node.mount("test/main:1", mnt, mode="fuse")
+    # One small file: a single read of one chunk, so no other read of the file can be in the air and
+    # take the chunks after it (the kernel reads a bigger file in several requests at once).
+    with open(os.path.join(mnt, "dir/small.txt"), "rb") as f:
+        assert f.read() == FILES["dir/small.txt"]
+    digest = layers.main.digest
+    ahead = layer_metric(node, "dsecfs_fetch_readahead_chunks_total", digest)
+    assert (ahead > 0) == (readahead is not None)
+    assert layer_metric(node, "dsecfs_fetch_chunks_total", digest) == len(file_chunks(layers.main, "dir/small.txt")) + ahead
+    assert layer_metric(node, "dsecfs_fetch_bytes_total", digest) <= len(FILES["dir/small.txt"]) + 128 * 1024
+
+
 def _corrupt_chunk_in_store(store_dir: str, pack_id: str) -> bytes:
     """Flip a byte inside the (only) chunk frame of a pack on disk; returns the chunk's digest."""
     entry, = decode_index(FilesystemStore(store_dir).get(keys.index(pack_id)), source=pack_id)
@@ -420,6 +355,16 @@ def test_a_prefetch_list_learned_from_a_trace_is_fetched_in_the_background(layer
     assert len(prefetched) == len(wanted) and not any(r.flags & FLAG_ERROR for r in prefetched)
 
 
+def test_a_prefetch_asks_for_a_small_first_group_then_large_ones():
+    mib = 1 << 20
+    entries = [PrefetchEntry(chunk=n, digest=bytes(32), offset=n * mib, length=mib, first_read_us=n, traces=1)
+               for n in range(PREFETCH_GROUP_BYTES // mib + 10)]
+    groups = list(_prefetch_groups(entries))
+    first = PREFETCH_FIRST_GROUP_BYTES // mib
+    assert [len(group) for group in groups] == [first, PREFETCH_GROUP_BYTES // mib, 10 - first]
+    assert [entry for group in groups for entry in group] == entries  # in list order
+
+
 def test_sigterm_unmounts_everything_and_removes_the_socket(layers, daemons, tmp_path, mounts_below):
     daemon = daemons.start(layers.store_dir)
     kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
@@ -446,7 +391,6 @@ def test_the_cli_talks_to_the_daemon(layers, daemons, tmp_path):
         assert f.read() == FILES["dir/small.txt"]
     status = dsecfs("status")
     assert mnt in status.stdout and layers.main.digest[:12] in status.stdout
-    assert "1 chunks" in dsecfs("cache", "stats").stdout
     assert "evicted 1 chunks" in dsecfs("cache", "evict", "--to", "0").stdout
     missing = dsecfs("umount", str(tmp_path))
     assert missing.returncode == NotFoundError.exit_code and "not-found error" in missing.stderr

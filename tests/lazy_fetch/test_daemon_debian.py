@@ -15,7 +15,6 @@ import os
 import time
 
 import pytest
-from test_daemon import daemons, drop_caches, file_chunks, layer_metric, mount_dirs  # noqa: F401 (fixture)
 from treecmp import assert_same_tree, snapshot
 
 from dsec_fs.layer import open_layer
@@ -24,6 +23,7 @@ from dsec_fs.blobmap import BlobMap
 from erofs_builder import build_layer
 from lazy_fetch import prefetch_list
 from lazy_fetch.prefetch_list import ChunkUse
+from tests.lazy_fetch.daemon_support import drop_caches, file_chunks, layer_metric, mount_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.fuse, pytest.mark.s3]
 
@@ -36,7 +36,7 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def test_debian_from_s3_in_both_modes(debian_rootfs, s3_url, daemons, tmp_path):  # noqa: F811
+def test_debian_from_s3_in_both_modes(debian_rootfs, s3_url, daemons, tmp_path):
     with open_store(s3_url) as store:
         layer = open_layer(store, build_layer(debian_rootfs, store, name="base/debian:12").digest)
     node = daemons.start(s3_url, fetch_timeout=120).node  # a loaded machine's disk may crawl

@@ -55,6 +55,15 @@ def upload(store, chunks) -> list[tuple[bytes, object]]:
     return [(sha256(data), index.get(sha256(data))) for data in chunks]
 
 
+def flip_a_bit(backend, location) -> None:
+    """Corrupt the stored frame of the chunk at ``location`` in the middle."""
+    with open(os.path.join(backend.root, keys.pack(location.pack_id)), "r+b") as f:
+        f.seek(location.offset + location.clen // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 async def until(condition):
     for _ in range(2000):
         if condition():
@@ -150,11 +159,7 @@ def test_corrupt_chunk_in_store_fails_alone(backend, cache, caplog):
     chunks = [os.urandom(64 * 1024) for _ in range(3)]  # incompressible: zstd stores the bytes raw
     items = upload(backend, chunks)
     bad_digest, bad = items[1]
-    with open(os.path.join(backend.root, keys.pack(bad.pack_id)), "r+b") as f:
-        f.seek(bad.offset + bad.clen // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_a_bit(backend, bad)
     counting = CountingStore(backend)
 
     async def main():
@@ -317,3 +322,81 @@ def test_cancelled_caller_does_not_stop_the_fetch(backend, cache):
 
     trio.run(main)
     assert cache.get(digest) == data
+
+
+class GetLog(StoreWrapper):
+    """Records the (offset, length) of each get, in the order the store is called."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gets = []
+
+    def get(self, key, offset=0, length=None):
+        self.gets.append((offset, length))
+        return super().get(key, offset, length)
+
+
+def test_readahead_rides_in_the_get_of_a_miss_only(backend, cache):
+    # a, b, c side by side in the pack, then 128 KiB of random bytes (beyond MERGE_GAP), then d.
+    chunks = [chunk(0), chunk(1), chunk(2), chunk(3, size=128 * 1024), chunk(4)]
+    a, b, c, _far, d = upload(backend, chunks)
+    counting = CountingStore(backend)
+
+    async def main():
+        async with open_fetcher(counting, cache) as fetcher:
+            got = await fetcher.fetch_many([a], readahead=[b, d], label="layer")
+            assert got == {a[0]: chunks[0]}  # readahead chunks are not returned
+            assert counting.calls["get"] == 1  # d would need a GET of its own: left out
+            assert fetcher.stats("layer").readahead == 1
+            await fetcher.fetch_many([a], readahead=[c], label="layer")  # a hit: no readahead
+            assert counting.calls["get"] == 1
+            await fetcher.fetch_many([c], readahead=[b, d], label="layer")  # b is cached: not fetched again
+            assert counting.calls["get"] == 2 and fetcher.stats("layer").readahead == 1
+
+    trio.run(main)
+    assert [cache.get(digest) for digest, _ in (a, b, c)] == chunks[:3]
+    assert cache.get(d[0]) is None
+
+
+def test_queued_runs_are_read_in_the_order_of_their_first_chunk(backend, cache):
+    # Five chunks in one pack with 128 KiB random ones between them: each wanted chunk is a run of its own.
+    chunks = [chunk(n, size=4096 if n % 2 == 0 else 128 * 1024) for n in range(9)]
+    located = upload(backend, chunks)
+    first, *wanted = located[::2]
+    log = GetLog(backend)
+    gated = GatedStore(log)
+
+    async def main():
+        async with open_fetcher(gated, cache, max_concurrent=1, prefetch_slots=1) as fetcher:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: fetcher.fetch(*first, priority=PREFETCH))  # holds the only slot
+                await until(lambda: fetcher.store_reads_running == 1)
+                order = [wanted[2], wanted[0], wanted[3], wanted[1]]
+                nursery.start_soon(lambda: fetcher.fetch_many(order, priority=PREFETCH))
+                await until(lambda: fetcher.waiting(PREFETCH) == 4)
+                gated.gate.set()
+            return order
+
+    order = trio.run(main)
+    assert log.gets == [(first[1].offset, first[1].clen)] + [(loc.offset, loc.clen) for _, loc in order]
+
+
+def test_warm_reports_each_chunk_in_order_and_a_bad_one_without_raising(backend, cache):
+    # Three neighbours in one pack, the middle one corrupted in the store; a second pack far away.
+    chunks = [os.urandom(64 * 1024) for _ in range(3)]
+    items = upload(backend, chunks)
+    other = upload(backend, [chunk(9)])
+    bad_digest, bad = items[1]
+    flip_a_bit(backend, bad)
+    order = [other[0], items[2], items[1], items[0]]
+    landed = []
+
+    async def main():
+        async with open_fetcher(backend, cache) as fetcher:
+            await fetcher.warm(order, label="layer", landed=lambda *args: landed.append(args))
+
+    trio.run(main)
+    assert [digest for digest, _, _ in landed] == [digest for digest, _ in order]
+    assert [data for _, data, _ in landed] == [chunk(9), chunks[2], None, chunks[0]]
+    assert [type(error) for _, _, error in landed] == [type(None), type(None), IntegrityError, type(None)]
+    assert cache.get(bad_digest) is None and cache.get(items[0][0]) == chunks[0]

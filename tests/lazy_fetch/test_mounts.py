@@ -92,7 +92,7 @@ def test_a_store_error_is_eio_for_that_file_only(built_layer, tmp_path, mode_and
     assert (mnt / "dir/sub/deep.txt").read_bytes() == built_layer.files["dir/sub/deep.txt"]
 
 
-@pytest.mark.parametrize("binding", ["pyfuse3", "fusepy"])
+@pytest.mark.parametrize("binding", ["pyfuse3", "fusepy", "raw"])
 def test_both_modes_and_shared_layers_in_one_daemon(built_layer, tmp_path, start_daemon, mounts_below, binding):
     daemon = start_daemon(built_layer.store, binding=binding)
     mountpoints = [tmp_path / name for name in ("kernel-1", "kernel-2", "fuse-1", "fuse-2")]
@@ -148,7 +148,7 @@ def test_one_pyfuse3_session_and_one_owner_per_state_directory(built_layer, tmp_
         trio.run(open_second, str(tmp_path / "other-state"))
 
 
-@pytest.mark.parametrize("binding", ["pyfuse3", "fusepy"])
+@pytest.mark.parametrize("binding", ["pyfuse3", "fusepy", "raw"])
 def test_unmounts_from_outside_are_noticed(built_layer, tmp_path, start_daemon, mounts_below, binding):
     daemon = start_daemon(built_layer.store, binding=binding)
     mnt = tmp_path / "mnt"

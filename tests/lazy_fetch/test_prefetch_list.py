@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_analysis import CHUNK, CHUNK_BYTES, WORKLOAD, Read, layers, write_trace  # noqa: F401 (a fixture)
 
 from dsec_fs.digest import sha256
 from dsec_fs.errors import FormatError, InputError, IntegrityError, UnsupportedError
 from dsec_fs.blobmap import BlobMap
 from lazy_fetch.analysis import learn_prefetch_list
 from lazy_fetch.prefetch_list import ChunkUse, Wait, evaluate, learn, load, save
+from tests.lazy_fetch.analysis_support import CHUNK, CHUNK_BYTES, WORKLOAD, Read, write_trace
 
 LENGTHS = [5000, 8192, 100, 65536, 777]
 

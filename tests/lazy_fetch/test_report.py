@@ -19,13 +19,11 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from test_analysis import (  # noqa: F401 (layers is a fixture)
-    BASE_FILES, FUSE_BYTES, KERNEL_BYTES, WORKLOAD, Read, layers, write_trace,
-)
 
 from cli.main import main as dsecfs
 from lazy_fetch.prefetch_list import load
 from lazy_fetch.trace import RECORD
+from tests.lazy_fetch.analysis_support import BASE_FILES, FUSE_BYTES, KERNEL_BYTES, WORKLOAD, Read, write_trace
 
 PLOTS_PER_LAYER = 5  # cold start, timeline, waits + read sizes, chunk sizes + sharing, prefetch
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
+from treecmp import write_files
 
 from dsec_fs import mounts
 from dsec_fs.client import DaemonProcess, Node
@@ -34,7 +35,6 @@ from dsec_fs.sandbox_client import ExecResult, Sandbox
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder.build import build_layer
 from erofs_builder.reader import ErofsImage
-from test_stack import write_files
 
 pytestmark = [pytest.mark.root, pytest.mark.fuse]
 

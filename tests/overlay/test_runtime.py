@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 
 import pytest
+from treecmp import write_files
 
 from dsec_fs.errors import InputError, NotFoundError, UnavailableError, UnsupportedError
+from dsec_fs.mounts import mounts_below
 from overlay.runtime import DEFAULT_CAPABILITIES, NAMESPACES_WITHHELD, run_in_rootfs
 from overlay.stack import mount_stack, unmount_stack
-from test_stack import mounts_below, nothing_left_mounted, write_files  # noqa: F401 (an autouse fixture)
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("nothing_left_mounted")]
 
 BOTH = pytest.mark.parametrize("runtime", ["runc", "namespaces"])
 

@@ -16,16 +16,16 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from treecmp import write_files
 
 from dsec_fs import mounts
 from dsec_fs.errors import ConflictError, InputError, NotFoundError, UnavailableError
 from erofs_builder.build import build_layer
 from overlay.sandbox import SandboxManager, SandboxSpec
 from overlay.stack import StackOptions
-# Fixtures (layers, store, nothing_left_mounted) and helpers shared with the stack tests.
-from test_stack import build, layers, mounts_below, nothing_left_mounted, store, write_files  # noqa: F401, F811
+from tests.overlay.support import build
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("nothing_left_mounted")]
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # In-image path -> path in the Debian rootfs (x86_64): enough for /bin/sh.
@@ -115,7 +115,7 @@ def test_twenty_sandboxes_share_their_base_and_toolkit(manager, layers, store, t
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(manager.down, names))
-    assert mounts_below(tmp_path) == []
+    assert mounts.mounts_below(tmp_path) == []
     assert manager.list() == [] and sandbox_files(manager) == []
     assert layers.held() == {} and os.listdir(layers.cache_dir) == []
 
@@ -139,7 +139,7 @@ def test_down_keep_leaves_the_upper_for_commit(manager, layers, store, tmp_path,
     manager.down("kept", keep=True)
     stopped = manager.get("kept")
     assert stopped.status == "stopped"
-    assert mounts_below(tmp_path) == [] and layers.held() == {}
+    assert mounts.mounts_below(tmp_path) == [] and layers.held() == {}
     with pytest.raises(UnavailableError, match="stopped"):
         manager.exec("kept", ["/bin/sh", "-c", "true"])
     tree = manager.commit("kept")
@@ -150,12 +150,12 @@ def test_down_keep_leaves_the_upper_for_commit(manager, layers, store, tmp_path,
 
 def test_a_taken_name_is_a_conflict(manager, layers, store, tmp_path, shell_base):
     first = manager.up(SandboxSpec(base=shell_base, name="same"))
-    mounted = mounts_below(tmp_path)
+    mounted = mounts.mounts_below(tmp_path)
     with pytest.raises(ConflictError):
         manager.up(SandboxSpec(base=shell_base, workspace=workspace(store, tmp_path, "x"), name="same"))
     with pytest.raises(ConflictError):
         manager.up(SandboxSpec(base=shell_base, name=first.id))
-    assert mounts_below(tmp_path) == mounted and layers.held() == {first.layers[0].digest: 1}
+    assert mounts.mounts_below(tmp_path) == mounted and layers.held() == {first.layers[0].digest: 1}
     assert [state.id for state in manager.list()] == [first.id]
     with pytest.raises(ConflictError, match="another sandbox manager"):
         SandboxManager(manager.state_dir, layers)
@@ -176,7 +176,7 @@ def test_failed_ups_leave_nothing(manager, layers, store, tmp_path, shell_base):
     with bad, pytest.raises(InputError, match="xino"):
         bad.up(SandboxSpec(base=shell_base, toolkits=["tk/tool:1"]))
     assert sandbox_files(bad) == [] and bad.list() == []
-    assert mounts_below(tmp_path) == [] and layers.held() == {}
+    assert mounts.mounts_below(tmp_path) == [] and layers.held() == {}
     assert manager.list() == [] and sandbox_files(manager) == []
 
 
@@ -212,13 +212,13 @@ def test_recover_after_a_crash_keeps_whole_sandboxes_and_removes_dead_ones(layer
         assert sorted(recovery.removed) == sorted([before["b"].id, before["c"].id])
         a = before["a"]
         assert layers.held() == {layer.digest: 1 for layer in a.layers}
-        assert sorted(mounts_below(tmp_path)) == sorted([a.rootfs] + [layer.mountpoint for layer in a.layers])
+        assert sorted(mounts.mounts_below(tmp_path)) == sorted([a.rootfs] + [layer.mountpoint for layer in a.layers])
         assert sandbox_files(manager) == [a.id, a.id + ".json"]
         result = manager.exec("a", ["/bin/sh", "-c", "read id < /workspace/id.txt; echo $id"])
         assert result.stdout == b"a\n"
 
         manager.down("a")
-        assert mounts_below(tmp_path) == [] and sandbox_files(manager) == []
+        assert mounts.mounts_below(tmp_path) == [] and sandbox_files(manager) == []
         assert layers.held() == {} and os.listdir(layers.cache_dir) == []
 
 

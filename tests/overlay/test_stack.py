@@ -4,7 +4,7 @@ reproduces the sandbox's view when stacked over the layers it was made on.
 
 Layers are built with erofs_builder into a FilesystemStore, exported and mounted with kernel EROFS
 (overlay.sandbox.ExportedLayers). Every mount is undone in a fixture's finally, and each test checks that
-nothing is left mounted below its tmp_path.
+nothing is left mounted below its tmp_path (the fixtures are in conftest.py, the helpers in support.py).
 """
 
 from __future__ import annotations
@@ -15,69 +15,20 @@ import stat
 from types import SimpleNamespace
 
 import pytest
+from treecmp import assert_same_tree, snapshot, write_files
 
 from dsec_fs import mounts
 from dsec_fs.errors import InputError, NotFoundError, UnsupportedError
-from dsec_fs.store.filesystem import FilesystemStore
-from erofs_builder.build import build_layer, build_tree
-from overlay.sandbox import ExportedLayers
+from erofs_builder.build import build_tree
 from overlay.stack import OPAQUE_XATTR, mount_stack, stack_mount_data, unmount_stack, upper_to_tree
-from treecmp import assert_same_tree, snapshot
+from tests.overlay.support import build
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("nothing_left_mounted")]
 
 BASE = {"etc/os-release": b"base os\n", "shared": b"base\n", "only-base": b"base only\n", "dir/a": b"a\n",
         "dir/b": b"b\n", "dir/sub/deep": b"deep\n"}
 WORKSPACE = {"shared": b"workspace\n", "ws/main.py": b"print(1)\n", "dir/c": b"c\n"}
 TOOLKIT = {"shared": b"toolkit\n", "opt/tool": b"#!/bin/sh\n"}
-
-
-def write_files(root, files: dict[str, bytes]) -> str:
-    """Create ``files`` (relative path -> content) below the new directory ``root``."""
-    root = str(root)
-    os.makedirs(root)
-    for path, content in files.items():
-        full = os.path.join(root, path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(full, "wb") as f:
-            f.write(content)
-    return root
-
-
-def build(store, tmp_path, ref: str, files: dict[str, bytes]) -> str:
-    """Publish ``files`` as a layer named ``ref``; returns its digest."""
-    source = write_files(tmp_path / "src" / ref.replace("/", "_").replace(":", "_"), files)
-    return build_layer(source, store, name=ref).digest
-
-
-def mounts_below(path) -> list[str]:
-    prefix = str(path) + "/"
-    with open("/proc/self/mounts") as f:
-        targets = [line.split()[1].encode().decode("unicode_escape") for line in f]
-    return [target for target in targets if target.startswith(prefix)]
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_mounted(tmp_path):
-    yield
-    left = mounts_below(tmp_path)
-    for target in sorted(left, key=len, reverse=True):
-        mounts.umount(target, lazy=True)
-    assert not left, f"left mounted: {left}"
-
-
-@pytest.fixture
-def store(tmp_path):
-    return FilesystemStore(str(tmp_path / "store"), fsync=False)
-
-
-@pytest.fixture
-def layers(store, tmp_path):
-    provider = ExportedLayers(store, tmp_path / "layers")
-    try:
-        yield provider
-    finally:
-        provider.close()
 
 
 @pytest.fixture
@@ -235,7 +186,7 @@ def test_bad_stacks_are_refused_and_nothing_is_mounted(tmp_path):
         mount_stack(long_names, upper, work, target)
     with pytest.raises(NotFoundError):
         unmount_stack(target)
-    assert mounts_below(tmp_path) == []
+    assert mounts.mounts_below(tmp_path) == []
 
 
 def test_upper_to_tree_refuses_entries_that_depend_on_lower_layers(tmp_path):

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from dsec_fs.mounts import umount
-from tests.reliability.support import Daemons, find_secrets, make_shell_tree, mounts_below
+from dsec_fs.mounts import mounts_below, umount
+from tests.reliability.support import Daemons, find_secrets, make_shell_tree
 
 
 @pytest.fixture

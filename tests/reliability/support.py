@@ -183,11 +183,6 @@ def mount_table() -> list[MountEntry]:
     return entries
 
 
-def mounts_below(path) -> list[str]:
-    prefix = os.path.realpath(str(path)) + "/"
-    return [entry.target for entry in mount_table() if entry.target.startswith(prefix)]
-
-
 # ---- daemons ------------------------------------------------------------------------------------------------
 
 

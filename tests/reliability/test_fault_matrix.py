@@ -36,12 +36,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dsec_fs import mounts
 from dsec_fs.errors import DsecError
+from dsec_fs.mounts import mounts_below
 from dsec_fs.store import open_store
 from tests.reliability.support import (
     CHUNK,
     DATA,
     environment,
-    mounts_below,
     publish,
     read_checked,
     read_until_correct,
@@ -345,3 +345,40 @@ def test_sigkill_at_random_points(fault_layer, daemons, tmp_path):
         for name, data in FILES.items():
             assert read_checked(os.path.join(mnt, name), data) == DATA
     assert node.cache_stats().rotten == 0
+
+
+def test_sigkill_at_random_points_with_the_raw_binding_keeps_the_mounts(fault_layer, daemons, tmp_path):
+    """The same kills with ``--fuse-binding raw`` (docs/architecture.md, "Daemon restarts"): the mounts
+    outlive each daemon, the next one adopts them, and every read the readers make returns the right
+    bytes: reads in flight at a kill are sent again to the next daemon, and reads made in between wait
+    for it. No mount churn here: a daemon killed while one of its own threads waits in mount(2) for its
+    own FUSE answer cannot exit until a next daemon serves, and DaemonProcess.kill waits for the exit."""
+    seed = secrets.randbits(32)
+    print(f"random kill points from seed {seed}")
+    delays = random.Random(seed)
+    kernel, fuse = (mountpoint(tmp_path, name) for name in ("kernel", "fuse"))
+    daemon = daemons.start(fault_layer.url, fault_layer.env, latency_ms=30, fuse_binding="raw")
+    daemon.node.mount(fault_layer.digest, kernel)
+    daemon.node.mount(fault_layer.digest, fuse, mode="fuse")
+    inodes = {mnt: os.stat(os.path.join(mnt, "victim.bin")).st_ino for mnt in (kernel, fuse)}
+    for _round in range(KILL_ROUNDS):
+        daemon.node.cache_evict(0)
+        stop, outcomes = threading.Event(), []
+        threads = [threading.Thread(target=_read_until, args=(stop, mnt, outcomes)) for mnt in (kernel, fuse)]
+        for thread in threads:
+            thread.start()
+        time.sleep(delays.uniform(0.0, 1.0))
+        daemon.kill()
+        daemon = daemons.start(fault_layer.url, fault_layer.env, latency_ms=30, fuse_binding="raw")
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in threads), f"seed {seed}: a reader hangs"
+        assert set(outcomes) == {DATA}, f"seed {seed}: {sorted(set(outcomes))}"
+        status = daemon.node.status()
+        assert sorted(m.mountpoint for m in status.mounts) == sorted([kernel, fuse]) and status.cleaned == []
+        assert {mnt: os.stat(os.path.join(mnt, "victim.bin")).st_ino for mnt in (kernel, fuse)} == inodes
+    assert daemon.node.cache_stats().rotten == 0
+    assert daemon.stop() == 0  # a normal stop still unmounts everything, and stops the holder
+    assert mounts_below(tmp_path) == [], f"seed {seed}"
+    assert not os.path.exists(os.path.join(daemons.state_dir, "fuse-holder.sock"))

@@ -171,7 +171,7 @@ def test_a_sandbox_cannot_reach_another_sandbox(sandboxes):
             ("the daemon state dir", f"ls {sandboxes.daemons.state_dir}"),
             ("the daemon cache dir", f"ls {sandboxes.daemons.cache_dir}"),
             ("a layer mountpoint", f"ls {sandboxes.layers.mountpoints()[0]}"),
-        ]) + f"; for p in /proc/[0-9]*; do cat $p/root/tmp/b-secret 2>/dev/null; echo pid ${{p#/proc/}}; done"
+        ]) + "; for p in /proc/[0-9]*; do cat $p/root/tmp/b-secret 2>/dev/null; echo pid ${p#/proc/}; done"
         result = sandboxes.sh(a, script)
         lines = result.stdout.decode().splitlines()
         assert result.exit_code == 0, result

@@ -40,12 +40,12 @@ import pytest
 from treecmp import write_files
 
 from dsec_fs.errors import DsecError
+from dsec_fs.mounts import mounts_below
 from overlay.sandbox import SandboxManager, SandboxSpec
 from tests.reliability.support import (
     DATA,
     DaemonLayers,
     find_secrets,
-    mounts_below,
     proc_figures,
     publish,
     read_checked,

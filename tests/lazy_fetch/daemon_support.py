@@ -1,0 +1,93 @@
+"""Helpers of the tests that run the node daemon for real (test_daemon*.py); the ``daemons`` fixture that
+uses ``Daemons`` is in conftest.py.
+
+- ``Daemons``: ``dsecfs daemon`` subprocesses on one test's directories, driven through dsec_fs.client.
+- ``metrics``/``layer_metric``: samples of a daemon's /metrics.
+- ``file_chunks``: the chunks holding a file's data, from a layer's image and blob map.
+- ``drop_caches``/``mount_dirs``: a cold page cache, fresh mount points.
+
+Import it as ``tests.lazy_fetch.daemon_support`` (not through conftest: pytest loads every directory's
+conftest under the one name "conftest").
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsec_fs.blobmap import BlobMap
+from dsec_fs.client import DaemonProcess, Node
+from dsec_fs.layer import LayerFiles
+from erofs_builder.ondisk.chunk_index import HOLE
+from erofs_builder.reader import ErofsImage
+
+DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
+
+
+class Daemons:
+    """Real daemon processes working in one test's directories (state, cache, log under tmp_path; the
+    socket in a short directory of its own, since a unix socket path holds at most 107 bytes)."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.socket_dir = tempfile.mkdtemp(prefix="dsd-", dir="/tmp")
+        self.socket = os.path.join(self.socket_dir, "daemon.sock")
+        self.state_dir = str(tmp_path / "state")
+        self.cache_dir = str(tmp_path / "cache")
+        self.log_file = str(tmp_path / "daemon.log")
+        self.started: list[DaemonProcess] = []
+
+    def start(self, store: str, *, binding: str = "pyfuse3", **options) -> DaemonProcess:
+        """Start one (the previous one must have stopped: they share the directories)."""
+        options.setdefault("fetch_timeout", 10)
+        options.setdefault("cache_dir", self.cache_dir)
+        daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, store=store, fuse_binding=binding,
+                                   log_file=self.log_file, command=[DSECFS], **options)
+        self.started.append(daemon)
+        return daemon
+
+    def log(self) -> str:
+        with open(self.log_file, errors="replace") as f:
+            return f.read()
+
+    def stop_all(self) -> None:
+        for daemon in self.started:
+            assert daemon.stop() in (0, -signal.SIGKILL), f"the daemon failed; its log:\n{self.log()[-3000:]}"
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def metrics(node: Node) -> dict[tuple[str, frozenset], float]:
+    """(sample name, labels) -> value, from the daemon's /metrics."""
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(node.metrics_text()) for sample in family.samples}
+
+
+def layer_metric(node: Node, name: str, layer: str, **labels) -> float:
+    return metrics(node).get((name, frozenset({"layer": layer, **labels}.items())), 0.0)
+
+
+def file_chunks(layer: LayerFiles, path: str) -> set[bytes]:
+    """The distinct chunks (digests) holding a file's data, from the layer's image and blob map."""
+    image = ErofsImage(layer.meta, source="meta.erofs")
+    blob_map = BlobMap.decode(layer.blobmap, source="blobmap")
+    digest_at = {blkaddr: digest for blkaddr, digest, _length in blob_map.entries}
+    return {digest_at[blkaddr] for _device, blkaddr in image.chunk_map(image.resolve(path.encode()))
+            if blkaddr != HOLE}
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def mount_dirs(tmp_path, *names) -> list[str]:
+    paths = [str(tmp_path / name) for name in names]
+    for path in paths:
+        os.makedirs(path)
+    return paths
