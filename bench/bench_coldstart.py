@@ -2,7 +2,8 @@
 plus warm read throughput and a metadata walk against the same tree on local disk.
 
     .venv/bin/python bench/bench_coldstart.py [--rounds 3] [--warm-rounds 5] [--cache DIR] [--work DIR]
-                                              [--miss-readahead SIZE] [--skip-cold] [--skip-warm]
+                                              [--miss-readahead SIZE] [--fuse-binding B] [--skip-cold]
+                                              [--skip-warm]
 
 The image: Debian bookworm minbase with python3 (mmdebstrap) plus a toolkit of real PyPI packages (numpy,
 scipy, pandas, matplotlib, scikit-learn with pip --target, byte-compiled) under /opt/toolkit, built as ONE
@@ -76,6 +77,7 @@ from dsec_fs.client import Node  # noqa: E402
 from dsec_fs.store import FilesystemStore  # noqa: E402
 from dsec_fs.store.wrappers import LatencyStore  # noqa: E402
 from erofs_builder import build_layer  # noqa: E402
+from lazy_fetch.layer_mount import BINDINGS  # noqa: E402
 from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace  # noqa: E402
 
 DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
@@ -241,10 +243,11 @@ class Daemons:
     """Fresh daemons, each with its own empty state and cache directories under ``work``; ``stop_all``
     stops every one this object started (and so unmounts what they mounted)."""
 
-    def __init__(self, work: str, store: str, miss_readahead: str):
+    def __init__(self, work: str, store: str, miss_readahead: str, binding: str):
         self.work = work
         self.store = store
         self.miss_readahead = miss_readahead
+        self.binding = binding
         self.started = []
         self.count = 0
 
@@ -256,6 +259,7 @@ class Daemons:
             os.path.join(home, "api.sock"), state_dir=os.path.join(home, "state"),
             cache_dir=os.path.join(home, "cache"), store=self.store, latency_ms=LATENCY_MS,
             bandwidth_mbps=BANDWIDTH_MBPS, fetch_timeout=120, log_file=os.path.join(home, "daemon.log"),
+            fuse_binding=self.binding,
             extra_args=["--miss-readahead", self.miss_readahead])
         self.started.append(daemon)
         return daemon
@@ -584,6 +588,7 @@ def main() -> None:
     parser.add_argument("--work", default="/var/tmp", help="scratch directory (extracted trees, daemons)")
     parser.add_argument("--miss-readahead", default="0", metavar="SIZE",
                         help="the daemons' --miss-readahead (e.g. 256KiB; default 0: fetch only what is read)")
+    parser.add_argument("--fuse-binding", default="raw", choices=BINDINGS, help="the daemons' FUSE binding")
     parser.add_argument("--skip-cold", action="store_true")
     parser.add_argument("--skip-warm", action="store_true")
     args = parser.parse_args()
@@ -595,7 +600,7 @@ def main() -> None:
         f"(toolkit {info['toolkit_bytes'] / 1e6:.0f} MB); tar.zst {info['tarball_bytes'] / 1e6:.0f} MB")
     cold = warm = None
     with tempfile.TemporaryDirectory(prefix="dsecfs-cold-", dir=args.work) as work:
-        daemons = Daemons(work, info["store"], args.miss_readahead)
+        daemons = Daemons(work, info["store"], args.miss_readahead, args.fuse_binding)
         try:
             if not args.skip_cold:
                 cold = bench_cold(info, args.rounds, work, daemons)

@@ -49,8 +49,9 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
 @click.option("--memory-cache", default="64MiB", show_default=True, metavar="SIZE",
               help="in-memory cache of recently read chunks")
 @store_option
-@click.option("--fuse-binding", type=click.Choice(BINDINGS), default="pyfuse3", show_default=True,
-              help="raw: the daemon speaks /dev/fuse itself (root only), and its mounts survive its restarts")
+@click.option("--fuse-binding", type=click.Choice(BINDINGS), default="raw", show_default=True,
+              help="raw: the daemon speaks /dev/fuse itself, and its mounts survive its restarts; pyfuse3 or "
+                   "fusepy: through libfuse, and its mounts die with it")
 @click.option("--latency", type=float, default=None, metavar="MS",
               help="emulate a remote store: add MS milliseconds to every store request")
 @click.option("--bandwidth", type=float, default=None, metavar="MBPS",

@@ -143,7 +143,7 @@ class DaemonOptions:
     cache_dir: str = DEFAULT_CACHE_DIR
     cache_bytes: int = DEFAULT_CACHE_BYTES
     store_url: str | None = None  # store of mounts that name none; None: $DSECFS_STORE, else the default
-    fuse_binding: str = "pyfuse3"
+    fuse_binding: str = "raw"
     latency: float | None = None  # seconds added to every store request (benchmarks)
     bandwidth: float | None = None  # bytes per second of the emulated link to the store (benchmarks)
     faults: str | None = None  # FaultStore rules; None: $DSECFS_FAULTS

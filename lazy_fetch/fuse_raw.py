@@ -18,10 +18,12 @@ terminated); every reply is one write(2), a ``fuse_out_header`` (error = -errno,
 struct). FORGET, BATCH_FORGET and INTERRUPT get no reply. One ``struct.Struct`` per message below, a
 comment per field. Ops not listed in ``_HANDLERS`` get ENOSYS, which the kernel remembers for some.
 
-Caching is pyfuse3's (fuse_pyfuse3.py): entries and attributes the core marks immutable are cached
-CACHE_SECONDS, names missing from an immutable directory are negative entries for as long, pages are kept
-across opens (FOPEN_KEEP_CACHE); the synthetic directories get no caching. Requests are up to MAX_PAGES
-pages (1 MiB; FUSE_MAX_PAGES), so a big direct read of a blob file is one Python callback, not eight.
+Caching is pyfuse3's (fuse_pyfuse3.py) and one more: entries and attributes the core marks immutable are
+cached CACHE_SECONDS, names missing from an immutable directory are negative entries for as long, pages
+are kept across opens (FOPEN_KEEP_CACHE), and so are the listings of immutable directories
+(FOPEN_CACHE_DIR, which pyfuse3 cannot ask for: a warm walk then never reaches the daemon for readdir);
+the synthetic directories get no caching. Requests are up to MAX_PAGES pages (1 MiB; FUSE_MAX_PAGES), so
+a big direct read of a blob file is one Python callback, not eight.
 
 Threads: everything runs in the trio loop that called ``serve``. The fd is nonblocking; the loop waits
 for it with trio.lowlevel.wait_readable, answers metadata requests inline (the core's metadata calls are
@@ -72,6 +74,7 @@ FUSE_INIT_EXT = 1 << 30  # fuse_init_in/out carry flags2
 WANTED_FLAGS = (FUSE_ASYNC_READ | FUSE_AUTO_INVAL_DATA | FUSE_DO_READDIRPLUS | FUSE_READDIRPLUS_AUTO
                 | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES)
 FOPEN_KEEP_CACHE = 1 << 1  # fuse_open_out.open_flags: keep the file's pages across opens
+FOPEN_CACHE_DIR = 1 << 3  # ... cache the directory's listing in the kernel (with KEEP_CACHE: across opens)
 FOPEN_NOFLUSH = 1 << 5  # ... and send no FLUSH when a descriptor of it is closed (see _Session.flush)
 
 # Opcodes (enum fuse_opcode).
@@ -320,7 +323,8 @@ class _Session:
     def opendir(self, nodeid: int, body: bytes):
         if not stat.S_ISDIR(self.fs.getattr(nodeid).mode):
             raise FsError(errno.ENOTDIR, "not a directory", where=f"inode {nodeid}")
-        return [OPEN_OUT.pack(nodeid, 0, 0)]
+        flags = FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE if self.fs.names_immutable(nodeid) else 0
+        return [OPEN_OUT.pack(nodeid, flags, 0)]
 
     def readdir(self, nodeid: int, body: bytes, *, plus: bool = False):
         fh, offset, size, *_rest = READ_IN.unpack_from(body)

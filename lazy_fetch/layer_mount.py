@@ -288,7 +288,7 @@ class LayerMounter:
 
 
 @contextlib.asynccontextmanager
-async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "pyfuse3",
+async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "raw",
                        adopt: Callable[[LayerMounter], Awaitable[None]] | None = None) -> AsyncIterator[LayerMounter]:
     """Own ``state_dir``, serve its FUSE session as a task of the calling trio loop, and yield a
     LayerMounter; on exit unmount every layer, then the session. One per process (one FUSE session).

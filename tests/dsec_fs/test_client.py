@@ -225,7 +225,7 @@ def test_a_started_daemon_answers_with_typed_results(daemon_dirs, tmp_path):
         node = Node.ensure_running(socket_path)  # answers already: nothing new is started
         status = node.status()
         assert isinstance(status, NodeStatus) and status.pid == daemon.pid
-        assert status.mounts == [] and status.cleaned == [] and status.fuse_binding == "pyfuse3"
+        assert status.mounts == [] and status.cleaned == [] and status.fuse_binding == "raw"
         assert isinstance(status.cache, CacheInfo) and status.cache.directory == dirs["cache_dir"]
         assert node.mounts() == [] and node.prefetches() == []
         assert "dsecfs_cache_hits_total 0.0" in node.metrics_text()
@@ -239,7 +239,7 @@ def test_a_started_daemon_answers_with_typed_results(daemon_dirs, tmp_path):
             node.mount("no/such:layer", str(tmp_path / "absent"))
         with pytest.raises(InputError, match="unknown mount mode"):
             node.mount("no/such:layer", str(mnt), mode="magic")
-        with pytest.raises(ConflictError, match="serves FUSE with pyfuse3"):
+        with pytest.raises(ConflictError, match="serves FUSE with raw"):
             node.mount("no/such:layer", str(mnt), fuse_binding="fusepy")
         with pytest.raises(NotFoundError, match="no layer is mounted here"):
             node.umount(str(mnt))

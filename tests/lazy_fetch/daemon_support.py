@@ -42,8 +42,9 @@ class Daemons:
         self.log_file = str(tmp_path / "daemon.log")
         self.started: list[DaemonProcess] = []
 
-    def start(self, store: str, *, binding: str = "pyfuse3", **options) -> DaemonProcess:
-        """Start one (the previous one must have stopped: they share the directories)."""
+    def start(self, store: str, *, binding: str | None = None, **options) -> DaemonProcess:
+        """Start one (the previous one must have stopped: they share the directories); ``binding`` None:
+        the daemon's default."""
         options.setdefault("fetch_timeout", 10)
         options.setdefault("cache_dir", self.cache_dir)
         daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, store=store, fuse_binding=binding,

@@ -86,7 +86,7 @@ def layers(tmp_path_factory) -> Layers:
                   victim_pack)
 
 
-@pytest.mark.parametrize("binding", ["pyfuse3", "fusepy"])
+@pytest.mark.parametrize("binding", ["raw", "pyfuse3", "fusepy"])
 def test_both_modes_serve_the_tree_and_trace_their_reads(layers, daemons, tmp_path, binding):
     node = daemons.start(layers.store_dir, binding=binding).node
     kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
@@ -172,7 +172,8 @@ def test_concurrent_readers_of_a_cold_file_fetch_each_chunk_once(layers, daemons
 
 
 def test_sigkill_mid_read_then_restart(layers, daemons, tmp_path, mounts_below):
-    first = daemons.start(layers.store_dir, latency_ms=150)
+    # With libfuse the mounts die with the daemon (test_daemon_restart.py: with raw they live on).
+    first = daemons.start(layers.store_dir, binding="pyfuse3", latency_ms=150)
     kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
     first.node.mount("test/main:1", kernel)
     first.node.mount("test/main:1", fuse, mode="fuse")
@@ -208,8 +209,8 @@ def test_sigkill_mid_read_then_restart(layers, daemons, tmp_path, mounts_below):
 
 def test_a_kill_between_mount_and_table_update_leaves_nothing_behind(layers, daemons, tmp_path, mounts_below):
     """A daemon killed right after mount(2) has listed the mount only as the one being made; the next
-    daemon must detach it all the same."""
-    first = daemons.start(layers.store_dir)
+    daemon must detach it all the same (with libfuse: the mounts die with the daemon)."""
+    first = daemons.start(layers.store_dir, binding="pyfuse3")
     kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
     first.node.mount("test/main:1", kernel)
     table_path = os.path.join(daemons.state_dir, "mounts.json")

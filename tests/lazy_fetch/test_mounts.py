@@ -203,7 +203,7 @@ def test_a_new_daemon_clears_the_session_a_killed_one_left(built_layer, tmp_path
         "import trio\n"
         "from lazy_fetch.layer_mount import open_mounter\n"
         "async def main():\n"
-        f"    async with open_mounter({str(state_dir)!r}):\n"
+        f"    async with open_mounter({str(state_dir)!r}, binding='pyfuse3'):\n"
         "        print('ready', flush=True)\n"
         "        await trio.sleep_forever()\n"
         "trio.run(main)\n"

@@ -260,7 +260,8 @@ def test_commit_publishes_the_changes_as_a_layer_to_stack(daemons, tmp_path, lay
 
 
 def test_a_restarted_daemon_cleans_up_after_one_that_was_killed(daemons, tmp_path, layers):
-    first = daemons.start()
+    # With libfuse the layer mounts die with the daemon, and so do the sandboxes running on them.
+    first = daemons.start("--fuse-binding", "pyfuse3")
     running = first.node.sandbox_up(BASE, workspace_ref("task02"), TOOLKIT, name="running")
     kept = first.node.sandbox_up(BASE, workspace_ref("task03"), name="kept")
     assert Sandbox(first.node, "kept").exec(["/bin/sh", "-c", "echo saved > /workspace/saved"]).exit_code == 0
@@ -319,6 +320,29 @@ def test_a_stopped_daemon_keeps_its_sandboxes_changes(daemons, tmp_path):
         Sandbox(node, "stays").exec(["true"])
     Sandbox(node, "stays").down()
     assert node.sandboxes() == [] and sandbox_entries(daemons) == []
+
+
+@pytest.mark.parametrize("layer_mode", ["kernel", "fuse"])
+def test_running_sandboxes_outlive_a_killed_daemon(daemons, tmp_path, layers, layer_mode):
+    """With the raw binding (the default) the layer mounts survive the daemon: the next one adopts them,
+    and the sandboxes on them keep running, their files and their writes intact."""
+    first = daemons.start("--sandbox-layer-mode", layer_mode)
+    info = first.node.sandbox_up(BASE, workspace_ref("task06"), TOOLKIT, name="survivor")
+    sandbox = Sandbox(first.node, "survivor")
+    assert sandbox.exec(["/bin/sh", "-c", "echo before > /workspace/note"]).exit_code == 0
+    first.kill()
+
+    node = daemons.start("--sandbox-layer-mode", layer_mode).node
+    listing = node.request("GET", "/v1/sandboxes")
+    assert [(s["id"], s["status"]) for s in listing["sandboxes"]] == [(info.id, "running")]
+    assert listing["removed_at_start"] == [] and len(listing["layers"]) == 3
+    assert {m.mountpoint for m in node.mounts()} == {layer["mountpoint"] for layer in listing["layers"]}
+    again = Sandbox(node, "survivor")
+    shown = again.exec(["cat", "/etc/os-release", "/workspace/id.txt", "/workspace/note", "/opt/tool/VERSION"])
+    assert shown.stdout == layers.os_release + b"task06\nbefore\ntool 1\n"
+    again.down()
+    assert node.sandboxes() == [] and layer_dirs(daemons) == []
+    assert only_the_fuse_session_is_mounted(daemons, tmp_path)
 
 
 def test_layers_can_be_mounted_in_fuse_mode(daemons, tmp_path, layers):

@@ -316,7 +316,7 @@ def test_sigkill_at_random_points(fault_layer, daemons, tmp_path):
     kernel, fuse, churn = (mountpoint(tmp_path, name) for name in ("kernel", "fuse", "churn"))
     for _round in range(KILL_ROUNDS):
         # Each store read takes 30 ms, and the cache starts cold: kills land in fetches, cache writes, mounts.
-        daemon = daemons.start(fault_layer.url, fault_layer.env, latency_ms=30)
+        daemon = daemons.start(fault_layer.url, fault_layer.env, latency_ms=30, fuse_binding="pyfuse3")
         node = daemon.node
         node.cache_evict(0)
         node.mount(fault_layer.digest, kernel)
