@@ -7,8 +7,9 @@ objects.
 
 Every mount a test makes is undone by that test (a fixture's finally); the sweep is the second line of
 defence so one failed run cannot poison the next: at the end of a session it detaches every erofs, fuse
-and overlay mount below the session's temporary directory, and at the start those below the directories
-of earlier sessions whose pytest process is gone.
+and overlay mount below the session's temporary directory and stops the FUSE fd holders (of raw-binding
+daemons) listening there, and at the start does the same below the directories of earlier sessions
+whose pytest process is gone.
 """
 
 from __future__ import annotations
@@ -41,9 +42,22 @@ def _mounts_below(base: str) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
+def _stop_holders(base: str) -> None:
+    """SIGTERM every FUSE fd holder (lazy_fetch/fuse_holder.py) whose socket is below ``base``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if b"lazy_fetch.fuse_holder" in argv and any(arg.startswith(os.fsencode(base) + b"/") for arg in argv):
+                os.kill(int(pid), 15)
+        except OSError:  # gone meanwhile
+            pass
+
+
 def _detach(base: str) -> None:
     from dsec_fs.mounts import umount
 
+    _stop_holders(base)
     for target in _mounts_below(base):
         try:
             umount(target, lazy=True)
