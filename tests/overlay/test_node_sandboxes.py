@@ -14,11 +14,8 @@ import glob
 import json
 import os
 import random
-import shutil
 import stat
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,17 +25,17 @@ import pytest
 from treecmp import write_files
 
 from dsec_fs import mounts
-from dsec_fs.client import DaemonProcess, Node
+from dsec_fs.client import DaemonProcess
 from dsec_fs.errors import ConflictError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import open_layer
 from dsec_fs.sandbox_client import ExecResult, Sandbox
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder.build import build_layer
 from erofs_builder.reader import ErofsImage
+from tests.lazy_fetch import daemon_support
 
 pytestmark = [pytest.mark.root, pytest.mark.fuse]
 
-DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
 BASE, TOOLKIT = "base/debian:12", "tk/tool:1"
 WORKSPACES = [f"task{i:02d}" for i in range(20)]
 
@@ -86,34 +83,25 @@ def loop_devices_below(path) -> list[str]:
     return found
 
 
-class Daemons:
-    """Real ``dsecfs daemon`` processes on one test's directories (one at a time: they share them). The
-    socket lives in a short directory of its own: a unix socket path holds at most 107 bytes."""
+class Daemons(daemon_support.Daemons):
+    """The node daemons of one test (daemon_support.Daemons) over the test layers' store, with the sandbox
+    side: its state directory, its CLI, its runc containers."""
 
     def __init__(self, tmp_path, store_dir: str):
+        super().__init__(tmp_path)
         self.store_dir = store_dir
-        self.socket_dir = tempfile.mkdtemp(prefix="dsb-", dir="/tmp")
-        self.socket = os.path.join(self.socket_dir, "daemon.sock")
-        self.state_dir = str(tmp_path / "state")
-        self.cache_dir = str(tmp_path / "cache")
-        self.log_file = str(tmp_path / "daemon.log")
-        self.started: list[DaemonProcess] = []
 
     @property
     def sandbox_dir(self) -> str:
         return os.path.join(self.state_dir, "sandbox")
 
     def start(self, *extra_args: str) -> DaemonProcess:
-        daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, cache_dir=self.cache_dir,
-                                   store=self.store_dir, log_file=self.log_file, fetch_timeout=10,
-                                   extra_args=extra_args, command=[DSECFS])
-        self.started.append(daemon)
-        return daemon
+        return super().start(self.store_dir, extra_args=extra_args)
 
     def cli(self, *args: str, check: bool = True, stdin: bytes = b"") -> subprocess.CompletedProcess:
         """``dsecfs sandbox ARGS... --socket S``, output captured as bytes."""
         command, rest = args[0], args[1:]
-        done = subprocess.run([DSECFS, "sandbox", command, "--socket", self.socket, *rest], capture_output=True,
+        done = subprocess.run([daemon_support.DSECFS, "sandbox", command, "--socket", self.socket, *rest], capture_output=True,
                               input=stdin)
         if check:
             assert done.returncode == 0, done.stderr.decode(errors="replace")
@@ -123,18 +111,6 @@ class Daemons:
         listed = subprocess.run(["runc", "--root", os.path.join(self.sandbox_dir, "runc"), "list", "--format",
                                  "json"], capture_output=True, check=True)
         return json.loads(listed.stdout or b"null") or []
-
-    def log(self) -> str:
-        with open(self.log_file, errors="replace") as f:
-            return f.read()
-
-    def stop_all(self) -> None:
-        try:
-            for daemon in self.started:
-                status = daemon.stop()
-                assert status in (0, -9), f"the daemon failed ({status}); its log:\n{self.log()[-3000:]}"
-        finally:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 @pytest.fixture
