@@ -20,9 +20,10 @@ comment per field. Ops not listed in ``_HANDLERS`` get ENOSYS, which the kernel 
 
 Caching is pyfuse3's (fuse_pyfuse3.py) and one more: entries and attributes the core marks immutable are
 cached CACHE_SECONDS, names missing from an immutable directory are negative entries for as long, pages
-are kept across opens (FOPEN_KEEP_CACHE), and so are the listings of immutable directories
-(FOPEN_CACHE_DIR, which pyfuse3 cannot ask for: a warm walk then never reaches the daemon for readdir);
-the synthetic directories get no caching. Requests are up to MAX_PAGES pages (1 MiB; FUSE_MAX_PAGES), so
+are kept across opens (FOPEN_KEEP_CACHE), and so are directory listings (OPENDIR is answered ENOSYS, so
+the kernel opens directories itself and caches their listings: a warm walk never reaches the daemon; see
+``_Session.opendir``; pyfuse3 cannot do this); attributes and entries of the synthetic directories are
+not cached. Requests are up to MAX_PAGES pages (1 MiB; FUSE_MAX_PAGES), so
 a big direct read of a blob file is one Python callback, not eight.
 
 Threads: everything runs in the trio loop that called ``serve``. The fd is nonblocking; the loop waits
@@ -74,7 +75,6 @@ FUSE_INIT_EXT = 1 << 30  # fuse_init_in/out carry flags2
 WANTED_FLAGS = (FUSE_ASYNC_READ | FUSE_AUTO_INVAL_DATA | FUSE_DO_READDIRPLUS | FUSE_READDIRPLUS_AUTO
                 | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES)
 FOPEN_KEEP_CACHE = 1 << 1  # fuse_open_out.open_flags: keep the file's pages across opens
-FOPEN_CACHE_DIR = 1 << 3  # ... cache the directory's listing in the kernel (with KEEP_CACHE: across opens)
 FOPEN_NOFLUSH = 1 << 5  # ... and send no FLUSH when a descriptor of it is closed (see _Session.flush)
 
 # Opcodes (enum fuse_opcode).
@@ -256,8 +256,8 @@ class _Session:
     def dispatch(self, header: tuple, body: bytes, nursery: trio.Nursery) -> None:
         _length, opcode, unique, nodeid, _uid, _gid, _pid, _extlen, _pad = header
         if opcode == READ:
-            fh, offset, size, *_rest = READ_IN.unpack_from(body)
-            nursery.start_soon(self._read, unique, fh, offset, size)
+            _fh, offset, size, *_rest = READ_IN.unpack_from(body)
+            nursery.start_soon(self._read, unique, nodeid, offset, size)
             return
         handler = _HANDLERS.get(opcode)
         if handler is None:
@@ -272,11 +272,11 @@ class _Session:
         if reply is not None:
             self.reply(unique, *reply)
 
-    async def _read(self, unique: int, fh: int, offset: int, size: int) -> None:
+    async def _read(self, unique: int, ino: int, offset: int, size: int) -> None:
         try:
-            data = await self.fs.read(fh, offset, size)
+            data = await self.fs.read(ino, offset, size)
         except Exception as exc:
-            self.reply_error(unique, errno_for(exc, f"FUSE read of inode {fh}"))
+            self.reply_error(unique, errno_for(exc, f"FUSE read of inode {ino}"))
         else:
             self.reply(unique, data)
 
@@ -321,16 +321,19 @@ class _Session:
         return [OPEN_OUT.pack(nodeid, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)]
 
     def opendir(self, nodeid: int, body: bytes):
-        if not stat.S_ISDIR(self.fs.getattr(nodeid).mode):
-            raise FsError(errno.ENOTDIR, "not a directory", where=f"inode {nodeid}")
-        flags = FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE if self.fs.names_immutable(nodeid) else 0
-        return [OPEN_OUT.pack(nodeid, flags, 0)]
+        """ENOSYS, once: the kernel then opens directories itself (fc->no_opendir), sends neither OPENDIR
+        nor RELEASEDIR again (two round trips per directory a walk saved), and caches every directory's
+        listing (FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE). That is right for layer directories, which never
+        change; the synthetic ones change, but their mtime moves with every change and is never cached, so
+        the kernel (FUSE_AUTO_INVAL_DATA) drops a listing it cached before the change when a listing
+        starts again. READDIR requests then carry fh 0: directories are known by nodeid."""
+        raise FsError(errno.ENOSYS, "the kernel opens directories itself", where=f"inode {nodeid}")
 
     def readdir(self, nodeid: int, body: bytes, *, plus: bool = False):
-        fh, offset, size, *_rest = READ_IN.unpack_from(body)
-        names_cached = self.fs.names_immutable(fh)
+        _fh, offset, size, *_rest = READ_IN.unpack_from(body)
+        names_cached = self.fs.names_immutable(nodeid)
         records, used = [], 0
-        for entry in self.fs.readdir(fh, offset):
+        for entry in self.fs.readdir(nodeid, offset):
             attrs = self.fs.getattr(entry.ino)
             record = dirent_bytes(entry.name, entry.ino, entry.next, attrs.mode)
             if plus:
