@@ -79,6 +79,7 @@ from dsec_fs.store.wrappers import LatencyStore  # noqa: E402
 from erofs_builder import build_layer  # noqa: E402
 from lazy_fetch.layer_mount import BINDINGS  # noqa: E402
 from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace  # noqa: E402
+from benchlib import drop_caches, log  # noqa: E402
 
 DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
 LATENCY_MS = 20.0
@@ -110,16 +111,6 @@ GOAL_FETCHED_FRACTION = 0.15  # bytes fetched / layer
 GOAL_KERNEL_READ = 0.90  # kernel-mode warm read throughput / local disk
 GOAL_KERNEL_WALK = 1.2  # kernel-mode metadata walk / local disk
 GOAL_FUSE_WALK = 3.0  # fuse-mode metadata walk / local disk
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:

@@ -61,6 +61,7 @@ from dsec_fs.sandbox_client import Sandbox  # noqa: E402
 from dsec_fs.store import FilesystemStore  # noqa: E402
 from erofs_builder import build_layer  # noqa: E402
 from overlay.runtime import run_in_rootfs  # noqa: E402
+from benchlib import drop_caches, log  # noqa: E402
 
 DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
 DEBIAN_ROOTFS = "/var/cache/dsecfs-test/debian-minbase"
@@ -71,16 +72,6 @@ BANDWIDTH_MBPS = 100.0  # 10^6 bytes per second
 TOOLKIT_DATA_FILES = 16
 TOOLKIT_DATA_BYTES = 128 << 10  # each
 SHARED_WORKSPACE_BYTES = 256 << 10  # the same file in every workspace (deduplicated in the store)
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def write_files(root: str, files: dict[str, bytes]) -> str:
