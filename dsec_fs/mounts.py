@@ -132,7 +132,7 @@ def mounts_below(path: PathLike) -> list[str]:
     return [os.fsdecode(target) for target in targets if target.startswith(prefix)]
 
 
-def _umount_surely(target: PathLike) -> None:
+def umount_or_detach(target: PathLike) -> None:
     """Unmount; if something still holds the mount (EBUSY), detach it lazily instead of leaving it."""
     try:
         umount(target)
@@ -150,7 +150,7 @@ def mounted(source: PathLike, target: PathLike, fstype: str, flags: int = 0,
     try:
         yield os.fsdecode(target)
     finally:
-        _umount_surely(target)
+        umount_or_detach(target)
 
 
 def mounted_erofs(meta_path: PathLike, mountpoint: PathLike,

@@ -474,10 +474,5 @@ class ExportedLayers:
         mountpoint = self._mountpoints.pop(digest)
         del self._users[digest]
         if mounts.is_mountpoint(mountpoint):
-            try:
-                mounts.umount(mountpoint)
-            except UnavailableError as exc:
-                if not exc.transient:
-                    raise
-                mounts.umount(mountpoint, lazy=True)
+            mounts.umount_or_detach(mountpoint)
         shutil.rmtree(os.path.dirname(mountpoint), ignore_errors=True)

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsec_fs import mounts
-from dsec_fs.errors import InputError, NotFoundError, UnavailableError, UnsupportedError
+from dsec_fs.errors import InputError, NotFoundError, UnsupportedError
 from erofs_builder.tree import Tree
 from erofs_builder.walk_dir import walk_directory
 
@@ -144,12 +144,7 @@ def unmount_stack(target: str | os.PathLike) -> None:
     """
     if not mounts.is_mountpoint(target):
         raise NotFoundError("nothing is mounted here", where=os.fsdecode(target))
-    try:
-        mounts.umount(target)
-    except UnavailableError as exc:
-        if not exc.transient:
-            raise
-        mounts.umount(target, lazy=True)
+    mounts.umount_or_detach(target)
 
 
 def upper_to_tree(upper_dir: str | os.PathLike) -> Tree:
