@@ -23,7 +23,9 @@ What one run does with each pack P (the sweep):
                                                          before it (leases.py); right before the delete, check
                                                          again that the index is still absent and that P was
                                                          not written again after the marker
-    there is no P, only its index or marker              drop them (a problem is reported if a layer names P)
+    there is no P, only its index or marker              drop them (a problem is reported if a layer names P),
+                                                         unless P exists when checked again (uploaded since
+                                                         the listing)
 
 Why a build running meanwhile loses nothing:
 1. A build takes its lease (leases.py) before it lists the pack indexes. A pack it may deduplicate
@@ -463,6 +465,10 @@ class _Run:
     def _drop_remains(self, pack_id: str, marker: _Marker | None) -> None:
         if pack_id in self.live_packs:
             self.report.problems.append(f"{keys.pack(pack_id)}: missing, and a live layer names it")
+            return
+        # Packs are listed before indexes, and an upload puts the pack before its index: a pack uploaded
+        # between the two listings looks like an index without its pack. Look again; the next run sees it.
+        if self.store.exists(keys.pack(pack_id)):
             return
         if pack_id in self.indexed:
             self.report.problems.append(f"{keys.index(pack_id)}: indexes a pack that does not exist; removed")

@@ -22,6 +22,7 @@ from dsec_fs.layer import delete_ref, open_layer, publish_layer, set_ref
 from dsec_fs.leases import Lease, exclusive_lease, list_leases
 from dsec_fs.store import FilesystemStore, keys, open_store
 from dsec_fs.store.filesystem import TMP_PREFIX
+from dsec_fs.store.wrappers import StoreWrapper
 from dsec_fs.store_stats import store_stats
 from erofs_builder.build import build_layer
 from erofs_builder.fsck import fsck_layer
@@ -332,6 +333,34 @@ def test_a_build_that_listed_indexes_before_a_soft_delete_restores_them_before_p
     run_gc(store)
     run_gc(store)
     assert_all_layers_ok(store)
+
+
+class _UploadBetweenListings(StoreWrapper):
+    """Puts ``objects`` (key -> bytes, a pack then its index, as an upload does) into the store right
+    before gc lists the indexes: the pack is missing from gc's listing of packs, its index is not. A
+    timing a real store cannot make on cue."""
+
+    def __init__(self, inner, objects: dict[str, bytes]):
+        super().__init__(inner)
+        self.objects = objects
+
+    def _call(self, op, key, fn, sent=0):
+        if op == "list" and key == keys.INDEX:
+            for name, data in self.objects.items():
+                self.inner.put(name, data)
+            self.objects = {}
+        return fn()
+
+
+def test_gc_leaves_alone_a_pack_uploaded_between_its_listings(store, tmp_path):
+    build(store, tmp_path / "kept", {"a": random_bytes(1, 3 * CHUNK)}, "t/kept")
+    elsewhere = FilesystemStore(str(tmp_path / "elsewhere"), fsync=False)
+    (pack_id,) = open_layer(elsewhere, build(elsewhere, tmp_path / "new", {"b": random_bytes(2, 3 * CHUNK)})).manifest.packs
+    upload = {key: elsewhere.get(key) for key in (keys.pack(pack_id), keys.index(pack_id))}
+    report = run_gc(_UploadBetweenListings(store, upload))
+    assert not report.problems
+    assert store.exists(keys.pack(pack_id)) and store.exists(keys.index(pack_id))  # a build may name it yet
+    assert run_gc(store).trashed.packs == 1  # the next run sees it whole: unreferenced, so trashed
 
 
 def test_gc_restores_a_pack_a_layer_published_during_its_sweep_names(store, tmp_path):
