@@ -104,19 +104,7 @@ def build_layer(
     kind = source_kind(source)
     with _cycle_collector_paused():
         if kind == "dir":
-            described = os.path.abspath(os.fsdecode(source))
-            base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
-            if base is not None:
-                rescan = scan_changes(source, base, time.time_ns())
-                patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described)
-                if patched:
-                    return patched
-            scanned_at_ns = time.time_ns()
-            tree = walk_directory(os.fspath(source))
-            return build_tree(
-                tree, store, name=name, chunk_size=chunk_size, progress=progress, workers=workers,
-                source=described, parent=base, scanned_at_ns=scanned_at_ns,
-            )
+            return _build_directory(source, store, name, chunk_size, progress, workers, parent)
         if parent is not None:
             raise InputError("--parent needs a directory source (tar and OCI input have no inode identities)",
                              where=os.fsdecode(source))
@@ -128,6 +116,27 @@ def build_layer(
             def walk(on_file: OnFile) -> list[Tree]:
                 return [walk_oci(source, on_file=on_file, platform=platform, lenient=lenient)]
         return _build_streamed(walk, store, [name], chunk_size, progress, workers, _describe(source))[0]
+
+
+def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str | None, chunk_size: int,
+                     progress: Progress | None, workers: int | None, parent: str | None) -> BuildResult:
+    """build_layer for a directory, incremental with ``parent``: patched (patch.py) if the changes allow,
+    else in full. Called with the cycle collector paused; what the build holds (the tree, the parent's
+    image and build info) is freed when this returns, before the collector is back, so that its first
+    run does not have to look at every object of it first."""
+    described = os.path.abspath(os.fsdecode(source))
+    base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
+    if base is not None:
+        rescan = scan_changes(source, base, time.time_ns())
+        patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described)
+        if patched:
+            return patched
+    scanned_at_ns = time.time_ns()
+    tree = walk_directory(os.fspath(source))
+    return build_tree(
+        tree, store, name=name, chunk_size=chunk_size, progress=progress, workers=workers,
+        source=described, parent=base, scanned_at_ns=scanned_at_ns,
+    )
 
 
 def build_image_layers(

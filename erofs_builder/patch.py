@@ -5,14 +5,23 @@ so the same digest, and the same blob map), for the cost of one lstat per name p
 files.
 
 Steps (build.py calls them in this order; any ``None`` sends the build down the full path):
-1. ``scan_changes``: scan the source (walk_dir.scan_directory) and compare it, name by name, with the
-   parent's build info (incremental.py). The same paths must come in the same order, so the tree has the
-   same shape. A name whose identity is trusted and equal is unchanged; any other name must still be the
-   same inode (st_dev, st_ino) and, but for a regular file's size, mtime and content, have the metadata
-   the parent's image holds for it (mode, uid, gid, xattrs; mtime, symlink target, device number): then
-   every other inode is as the parent has it and the layout (nids, inode forms, blocks) stays the same
-   provided each changed file keeps its chunk count and inode form (compact or extended), and the most
-   common mtime (the superblock's build_time, layout.py) stays the most common one.
+1. ``scan_changes``: lstat every name of the parent's build info (incremental.py) in the source and
+   compare its identity with the recorded one; no directory is listed. Every recorded name must still be
+   there. A name whose identity is trusted and equal is unchanged, and for a directory that includes its
+   names: adding, removing or renaming a name moves the directory's ctime (and mtime), and the racy rule
+   of incremental.py covers a change within the same clock tick, as for a file's content. So the tree
+   has the same names, in the same listing order, once every other directory (a "suspect") lists exactly
+   the names the parent's image holds for it. Any other name must still be the same inode (st_dev,
+   st_ino) and, but for a regular file's size, mtime and content, have the metadata the parent's image
+   holds for it (mode, uid, gid, xattrs; mtime, symlink target, device number): then every other inode
+   is as the parent has it and the layout (nids, inode forms, blocks) stays the same provided each
+   changed file keeps its chunk count and inode form (compact or extended), and the most common mtime
+   (the superblock's build_time, layout.py) stays the most common one. The lstat calls are the cost of
+   a rebuild that changed little: they run at C speed (a map over the recorded paths, relative to the
+   root's descriptor), and no object is made for a name beyond its lstat result and identity tuple.
+   Each suspect is looked up again through directories alone (``_lstat_below``): the build info is not
+   covered by the manifest, so its paths must not lead the patch path to read anything outside the
+   source (a ".." component, a symlink where a directory was).
 2. the build reads the regular files ``Rescan.files`` lists with the chunker (uploading new chunks);
 3. ``Rescan.patch``: checks the blob map and, if it can be kept in place, patches copies of the parent's
    meta.erofs and blob map.
@@ -43,6 +52,7 @@ Threads: everything here runs in the build's calling thread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import operator
@@ -62,13 +72,14 @@ from .layout import NS_PER_S
 from .ondisk import INODE_SLOT_SIZE, inode
 from .ondisk.device_slot import SLOT_SIZE, DeviceSlot
 from .tree import Node
-from .walk_dir import node_of, scan_directory, stat_identity
+from .walk_dir import node_of, stat_identity
 from .writer import seal_image
 
 log = logging.getLogger(__name__)
 
 _U64 = (1 << 64) - 1
-_PATH, _STAT = operator.itemgetter(0), operator.itemgetter(2)  # of scan_directory's (path, source, lstat)
+_DOTS = (b".", b"..")
+_BELOW_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a directory, never through a symlink
 
 
 @dataclass(slots=True)
@@ -169,12 +180,11 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
     if info is None:
         return _full("the parent has no usable build info")
     root = os.fsencode(root)
-    paths, identities = [], []
-    for _directory, names in scan_directory(root):
-        paths += map(_PATH, names)
-        identities += map(stat_identity, map(_STAT, names))
-    if paths != info.paths:
-        return _full("names were added, removed or renamed")
+    paths = info.paths
+    try:
+        identities = _identities(root, paths)
+    except OSError as exc:  # a name is gone (or unreadable): the full path lists the tree and says which
+        return _full(f"cannot stat {os.fsdecode(exc.filename or root)}: {os.strerror(exc.errno or 0)}")
     # Names whose identity differs from the recorded one or was not trusted, found at C speed.
     differs = bytes(map(operator.or_, map(operator.ne, identities, info.identities), info.racy))
     numbers, suspects = [], []
@@ -184,7 +194,9 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
         if identity[:2] != info.identities[number][:2]:  # another inode under this name: links may differ
             return _full(f"/{_printable(paths[number])} is another inode now")
         source = root + b"/" + paths[number] if number else root
-        st = os.lstat(source) if number else os.stat(root)  # the root may be a symlink, as for the scan
+        st = _lstat_below(root, paths[number]) if number else os.stat(root)  # the root may be a symlink
+        if st is None:
+            return _full(f"/{_printable(paths[number])} is no name of the source's own")
         if stat_identity(st) != identity:  # changed since the scan: the full path reports or takes it
             return _full(f"/{_printable(paths[number])} changed during the scan")
         numbers.append(number)
@@ -201,6 +213,41 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
         return _full("the image's most common mtime (its build time) would change")
     return Rescan(parent=parent, scanned_at_ns=scanned_at_ns, identities=identities, suspects=numbers,
                   changes=changes)
+
+
+def _identities(root: bytes, paths: list[bytes]) -> list[Identity]:
+    """The identity of every name of the parent's build info (``paths``, the root first) as the source
+    holds it now: one lstat per name, relative to the root's descriptor, no directory listed (see the
+    module docstring), at C speed. The root is opened through a symlink, as walk_dir.scan_directory
+    stats it. OSError if a name is gone."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        lstat = functools.partial(os.lstat, dir_fd=fd)
+        return list(map(stat_identity, itertools.chain([os.fstat(fd)], map(lstat, itertools.islice(paths, 1, None)))))
+    finally:
+        os.close(fd)
+
+
+def _lstat_below(root: bytes, path: bytes) -> os.stat_result | None:
+    """lstat of the name ``path`` below the directory ``root`` through directories alone: None if a
+    component is "." or "..", or not a directory (a symlink: the scan's lstat follows one there), or the
+    name is gone. The patch path reads what this finds, so a build info that is not the builder's own
+    cannot make it read anything outside the source."""
+    *directories, name = path.split(b"/")
+    if b"." in directories or b".." in directories or name in _DOTS:
+        return None
+    fd = -1
+    try:
+        fd = os.open(root, _BELOW_FLAGS & ~os.O_NOFOLLOW)  # the root itself may be given through a symlink
+        for directory in directories:
+            fd, parent_fd = os.open(directory, _BELOW_FLAGS, dir_fd=fd), fd
+            os.close(parent_fd)
+        return os.lstat(name, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _compare(suspects: list[tuple[bytes, bytes, os.stat_result]], parent: ParentLayer) -> list[_Change] | None:
@@ -226,6 +273,10 @@ def _compare(suspects: list[tuple[bytes, bytes, os.stat_result]], parent: Parent
                     or node.is_symlink and image.readlink(nid) != node.target
                     or was.rdev != (os.major(node.rdev), os.minor(node.rdev))):
                 return _full(f"/{_printable(path)} changed (not a regular file)")
+            # Its mtime was put back (its ctime moved), or its identity was not trusted: its names tell.
+            if node.is_dir and _names(source) != [name for name, _nid, _ftype in image.readdir(nid)
+                                                  if name not in _DOTS]:
+                return _full(f"/{_printable(path)} holds other names than the parent's image")
             continue
         old = image.inode(nid)
         seconds, nsec = divmod(node.mtime_ns, NS_PER_S)
@@ -235,6 +286,15 @@ def _compare(suspects: list[tuple[bytes, bytes, os.stat_result]], parent: Parent
             return _full(f"/{_printable(path)} changed its chunk count or inode form")
         changes[st.st_dev, st.st_ino] = _Change(node=node, nid=nid, old=old)
     return list(changes.values())
+
+
+def _names(directory: bytes) -> list[bytes] | None:
+    """The names in ``directory``, in byte order; None if it cannot be listed (gone or unreadable since
+    its lstat: the full path then reports it)."""
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return None
 
 
 def _build_time_stays(changes: list[_Change], identities: list[Identity], parent: ParentLayer) -> bool:

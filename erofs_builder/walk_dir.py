@@ -3,10 +3,10 @@
 The walk itself reads metadata only (one lstat and one listxattr per entry, a getxattr per name found;
 readlink for symlinks); file contents are read later, once, by the chunker through each regular file's
 ``Node.reader``. ``scan_directory`` is the listing part alone (one lstat per entry, in listing order):
-the walk is built on it, and an incremental rebuild compares it with its parent's build info (patch.py)
-before deciding whether to walk at all. Nothing ever follows a symlink below the source: entries are
-lstat'ed, xattrs read with follow_symlinks=False and files opened with O_NOFOLLOW. The source itself may
-be given through a symlink. The root directory's own metadata becomes the layer root's.
+the walk is built on it, and its order is the one a layer's build info records (incremental.py).
+Nothing ever follows a symlink below the source: entries are lstat'ed, xattrs read with
+follow_symlinks=False and files opened with O_NOFOLLOW. The source itself may be given through a
+symlink. The root directory's own metadata becomes the layer root's.
 
 Hard links: non-directories with st_nlink > 1 that share (st_dev, st_ino) become one Node placed at
 every path. Links to the same inode from outside the source do not matter; a link count above the names

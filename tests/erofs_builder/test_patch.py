@@ -18,19 +18,23 @@ import time
 import pytest
 from treecmp import assert_same_tree, snapshot
 
+from dsec_fs.errors import FormatError
 from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from erofs_builder.export import export_layer
 from erofs_builder.fsck import fsck_layer
-from erofs_builder.incremental import RACY_NS, decode_buildinfo
+from erofs_builder.incremental import RACY_NS, decode_buildinfo, encode_buildinfo
 from tests.erofs_builder.test_incremental import (
     CHUNK, assert_layer_is, counting_opens, distinct_mtimes, edit, files_read, make_source,
 )
 
-STRUCTURAL = ("chmod", "xattr", "rename", "add", "remove", "symlink", "mkdir", "touch-dir")
+# change -> what the log gives as the reason
+STRUCTURAL = {"chmod": "another mode", "xattr": "xattrs", "rename": "cannot stat", "add": "not a regular file",
+              "remove": "cannot stat", "symlink": "not a regular file", "mkdir": "not a regular file",
+              "touch-dir": "not a regular file", "add-put-back": "other names", "mkdir-put-back": "other names"}
 TREES = ("content", "grow", "boundary", "blocks", "racy", "hole", "shared", "same-chunk", "compact",
-         "tie", "hardlink", "chain", "kernel", *STRUCTURAL)
+         "tie", "hardlink", "chain", "kernel", "forged", *STRUCTURAL)
 ENTRIES = 14  # names make_source makes, the root included
 
 
@@ -42,6 +46,7 @@ def aged(tmp_path_factory) -> dict[str, str]:
         make_source(root)
     with open(f"{roots['shared']}/lib/twin", "wb") as f:  # the same chunks as lib/file0
         f.write(open(f"{roots['shared']}/lib/file0", "rb").read())
+    os.symlink("lib", f"{roots['forged']}/lnk")
     for name, root in roots.items():
         distinct_mtimes(root)
         if name in ("compact", "tie", "kernel"):  # three files share the build time: compact inodes
@@ -184,8 +189,16 @@ def test_a_structural_change_takes_the_full_path(aged, store, tmp_path, caplog, 
         os.mkdir(f"{root}/lib/sub/dir")
     elif change == "touch-dir":
         os.utime(f"{root}/lib", ns=(0, 10**18))
+    elif change.endswith("-put-back"):  # the directory's mtime is as before, only its ctime shows the change
+        mtime_ns = os.stat(f"{root}/lib/sub").st_mtime_ns
+        if change == "add-put-back":
+            with open(f"{root}/lib/sub/new", "wb") as f:
+                f.write(b"new file")
+        else:
+            os.mkdir(f"{root}/lib/sub/dir")
+        os.utime(f"{root}/lib/sub", ns=(0, mtime_ns))
     child, patched = rebuild(root, store, parent, caplog)
-    assert not patched
+    assert not patched and STRUCTURAL[change] in caplog.text, caplog.text
     check_layer(store, child.digest, root, tmp_path)
 
 
@@ -243,3 +256,38 @@ def test_the_kernel_mounts_a_patched_layer_as_the_source(aged, store, tmp_path, 
     (tmp_path / "mnt").mkdir()
     with mounted_erofs(exported.meta_path, tmp_path / "mnt", [exported.blob_path]) as mnt:
         assert_same_tree(snapshot(root), snapshot(mnt))
+
+
+@pytest.mark.parametrize("forged", [b"lib/sub/../file1", b"lnk/file1"])
+def test_a_forged_build_info_cannot_lead_the_patch_path_outside_the_source(aged, store, tmp_path, caplog, forged):
+    """The build info is not covered by the manifest. A path in it that reaches lib/file1 through ".." or
+    a symlink (lnk -> lib), recorded with another ctime so that the rebuild must look at it, is not read
+    there: the rebuild takes the full path."""
+    root = aged["forged"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    key = keys.layer_buildinfo(parent.digest)
+    info = decode_buildinfo(store.get(key), layer=parent.digest, source=key)
+    entries = list(zip(info.paths, info.identities))
+    number = info.paths.index(b"lib/file1")
+    dev, ino, size, mtime_ns, ctime_ns, mode = entries[number][1]
+    entries[number] = (forged, (dev, ino, size, mtime_ns, ctime_ns - 1, mode))  # the same inode, a suspect
+    store.put(key, encode_buildinfo(entries, info.shared, parent.digest, time.time_ns()))
+    child, patched = rebuild(root, store, parent, caplog)
+    assert not patched and "no name of the source's own" in caplog.text, caplog.text
+    check_layer(store, child.digest, root, tmp_path)
+
+
+@pytest.mark.parametrize("path, message", [
+    (b"", "an empty path after the root"), (b"/b", "a path starting with '/'"), (b"b/", "a path ending with '/'"),
+    (b"a//b", "an empty path component"), (b"a", "a path appears twice"),
+])
+def test_build_info_refuses_a_path_no_tree_has(path, message):
+    """The parent's paths are what the patch path stats, relative to the source: only paths a scan gives
+    are accepted (decode_buildinfo checks the whole path list at once)."""
+    layer = "ab" * 32
+    identity = (1, 2, 3, 4, 5, 0o100644)
+    entries = [(b"", identity), (b"a", identity), (b"a/c", identity), (path, identity), (b"z", identity)]
+    with pytest.raises(FormatError, match=message):
+        decode_buildinfo(encode_buildinfo(entries, [], layer, 10**19), layer=layer, source="buildinfo")
+    entries[3] = (b"a/d", identity)
+    assert decode_buildinfo(encode_buildinfo(entries, [], layer, 10**19), layer=layer, source="x").paths[3] == b"a/d"
