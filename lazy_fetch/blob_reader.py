@@ -86,24 +86,26 @@ class LayerBlob:
         end = min(offset + length, self.size)
         if offset >= end:
             return b""
-        ahead = self._readahead(chunks[-1].entry) if chunks and priority == ONDEMAND else []
+        ahead = self.following(chunks[-1].entry, self.readahead_bytes) if chunks and priority == ONDEMAND else []
         fetched = await self.fetcher.fetch_many(
             [(chunk.digest, self._location(chunk.entry, chunk.digest)) for chunk in chunks], priority=priority,
             label=self.label, readahead=ahead,
         )
+        for chunk in chunks:
+            if len(fetched[chunk.digest]) != chunk.length:
+                raise CorruptError(f"{len(fetched[chunk.digest])} bytes, the blob map says {chunk.length}",
+                                   where=f"chunk {to_hex(chunk.digest)}")
+        if len(chunks) == 1 and chunks[0].start <= offset and end <= chunks[0].start + chunks[0].length:
+            return fetched[chunks[0].digest][offset - chunks[0].start:end - chunks[0].start]  # most reads
         out = bytearray(end - offset)  # what no chunk covers is padding: zeros
         for chunk in chunks:
-            data = fetched[chunk.digest]
-            if len(data) != chunk.length:
-                raise CorruptError(f"{len(data)} bytes, the blob map says {chunk.length}",
-                                   where=f"chunk {to_hex(chunk.digest)}")
             low, high = max(offset, chunk.start), min(end, chunk.start + chunk.length)
-            out[low - offset:high - offset] = data[low - chunk.start:high - chunk.start]
+            out[low - offset:high - offset] = fetched[chunk.digest][low - chunk.start:high - chunk.start]
         return bytes(out)
 
-    def _readahead(self, last: int) -> list[tuple[bytes, ChunkLocation]]:
-        """The chunks after blob-map entry ``last``, while their data fits in ``readahead_bytes``."""
-        ahead, budget = [], self.readahead_bytes
+    def following(self, last: int, budget: int) -> list[tuple[bytes, ChunkLocation]]:
+        """The chunks after blob-map entry ``last``, while their data fits in ``budget`` bytes."""
+        ahead = []
         entries = self.blob_map.entries
         for number in range(last + 1, len(entries)):
             _blkaddr, digest, length = entries[number]

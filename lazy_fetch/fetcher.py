@@ -39,9 +39,9 @@ How a request is served:
 
 Metrics: a FetchStats per label (a layer, normally), exported by the daemon's prometheus adapter.
 
-Threads: ChunkFetcher lives in the trio thread; every method, the flights, the slots and the FetchStats
-are used from there only, so they need no locks. Store reads and cache calls run in worker threads via
-trio.to_thread.run_sync. Flights run as tasks of the fetcher's own nursery (open_fetcher), not of the
+Threads: ChunkFetcher lives in the trio thread; every method but ``cached`` (worker threads), the
+flights, the slots and the FetchStats are used from there only, so they need no locks. Store reads and
+cache calls run in worker threads via trio.to_thread.run_sync. Flights run as tasks of the fetcher's own nursery (open_fetcher), not of the
 caller: a caller that is cancelled stops waiting, and the fetch goes on for the others and the cache.
 """
 
@@ -437,12 +437,14 @@ class ChunkFetcher:
         """The cached chunks among ``digests``; and, if any of them missed, which of ``ahead`` (readahead
         candidates) are cached already (read to tell, like any lookup: only on a miss, so rarely when the
         cache is warm). A cache that fails is logged and bypassed: the store has every chunk."""
-        found = self._cache_get_all(digests)
+        found = self.cached(digests)
         if len(found) == len(set(digests)):
             return found, set()
-        return found, set(self._cache_get_all(ahead))
+        return found, set(self.cached(ahead))
 
-    def _cache_get_all(self, digests: list[bytes]) -> dict[bytes, bytes]:
+    def cached(self, digests: Iterable[bytes]) -> dict[bytes, bytes]:
+        """The chunks among ``digests`` that the cache holds, read and checked; the store is not asked.
+        Blocks: for worker threads."""
         found = {}
         for digest in digests:
             try:

@@ -401,6 +401,7 @@ _OWN_SLOT = 0  # the session's own directories
 _BLOBS_SLOT = 1  # blobs/
 _FIRST_LAYER_SLOT = 2  # layers/<digest>/, one slot per layer digest
 _LAYERS_DIR_INO = ROOT_INO + 1  # layers/, in the session's own slot
+_FLUSH_PROBE_INO = ROOT_INO + 2  # flush-probe, in the session's own slot
 _LOCAL_MASK = (1 << SLOT_SHIFT) - 1
 
 
@@ -410,6 +411,7 @@ class SessionTree:
         /                   the session's mountpoint (e.g. /run/dsecfs/fuse)
         /blobs/<blob id>    kernel mode: the files EROFS mounts use as device=
         /layers/<digest>/   fuse mode: a layer's tree, bind-mounted where the layer is mounted
+        /flush-probe        an empty file: opened and closed once per connection (fuse_raw: FLUSH)
 
     A layer digest gets a slot the first time it is added and keeps it for the session, so its inode
     numbers do not change across remove and add (the digest names the content, so cached pages stay
@@ -419,6 +421,7 @@ class SessionTree:
 
     BLOBS = b"blobs"
     LAYERS = b"layers"
+    FLUSH_PROBE = b"flush-probe"
 
     def __init__(self, numbers: Mapping[str, Mapping[str, int]] | None = None):
         numbers = numbers or {}
@@ -465,7 +468,7 @@ class SessionTree:
         """(the part serving ``ino`` or None for the session's own directories, slot, local ino)."""
         slot, local = ino >> SLOT_SHIFT, ino & _LOCAL_MASK
         if slot == _OWN_SLOT:
-            if local not in (ROOT_INO, _LAYERS_DIR_INO):
+            if local not in (ROOT_INO, _LAYERS_DIR_INO, _FLUSH_PROBE_INO):
                 raise _not_found(f"session inode {ino}")
             return None, slot, local
         if slot == _BLOBS_SLOT:
@@ -496,6 +499,8 @@ class SessionTree:
             return self._global(slot, part.getattr(local))
         if local == ROOT_INO:
             return _synthetic_dir(ROOT_INO, 4, self._mtime_ns)
+        if local == _FLUSH_PROBE_INO:
+            return Attributes(ino=ino, mode=stat.S_IFREG | 0o444, nlink=1, uid=0, gid=0, size=0, mtime_ns=0)
         return _synthetic_dir(_LAYERS_DIR_INO, 2 + len(self._layer_slots()), self._mtime_ns)
 
     def lookup(self, parent: int, name: bytes) -> Attributes:
@@ -507,6 +512,8 @@ class SessionTree:
                 return self._global(_BLOBS_SLOT, self.blobs.getattr(ROOT_INO))
             if name == self.LAYERS:
                 return self.getattr(_LAYERS_DIR_INO)
+            if name == self.FLUSH_PROBE:
+                return self.getattr(_FLUSH_PROBE_INO)
             raise _not_found(f"session entry {name[:64]!r}")
         with self._lock:
             slot = self._slot_of.get(name)
@@ -521,7 +528,8 @@ class SessionTree:
             for entry in part.readdir(local, start):
                 yield replace(entry, ino=self._global_ino(slot, entry.ino))
         elif local == ROOT_INO:
-            own = [(self.BLOBS, _BLOBS_SLOT << SLOT_SHIFT | ROOT_INO), (self.LAYERS, _LAYERS_DIR_INO)]
+            own = [(self.BLOBS, _BLOBS_SLOT << SLOT_SHIFT | ROOT_INO), (self.LAYERS, _LAYERS_DIR_INO),
+                   (self.FLUSH_PROBE, _FLUSH_PROBE_INO)]
             for offset, (name, child) in enumerate(own, start=1):
                 if offset > start:
                     yield DirEntry(name, child, offset)
@@ -553,5 +561,7 @@ class SessionTree:
     async def read(self, ino: int, offset: int, size: int) -> bytes:
         part, _slot, local = self._part(ino)
         if part is None:
+            if local == _FLUSH_PROBE_INO:
+                return b""
             raise FsError(errno.EISDIR, "is a directory", where=f"session inode {ino}")
         return await part.read(local, offset, size)

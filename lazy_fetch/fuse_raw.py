@@ -20,10 +20,11 @@ comment per field. Ops not listed in ``_HANDLERS`` get ENOSYS, which the kernel 
 
 Caching is pyfuse3's (fuse_pyfuse3.py) and one more: entries and attributes the core marks immutable are
 cached CACHE_SECONDS, names missing from an immutable directory are negative entries for as long, pages
-are kept across opens (FOPEN_KEEP_CACHE), and so are directory listings (OPENDIR is answered ENOSYS, so
-the kernel opens directories itself and caches their listings: a warm walk never reaches the daemon; see
-``_Session.opendir``; pyfuse3 cannot do this); attributes and entries of the synthetic directories are
-not cached. Requests are up to MAX_PAGES pages (1 MiB; FUSE_MAX_PAGES), so
+are kept across opens (FOPEN_KEEP_CACHE), and so are directory listings and symlink targets
+(FUSE_CACHE_SYMLINKS). OPENDIR and OPEN are answered ENOSYS, so the kernel opens directories and files
+itself, caches listings, and never asks for an open or a release again: a warm walk never reaches the
+daemon, a warm import only for what it reads (``_Session.opendir``, ``_Session.open``; pyfuse3 can do
+neither). Attributes and entries of the synthetic directories are not cached. Requests are up to MAX_PAGES pages (1 MiB; FUSE_MAX_PAGES), so
 a big direct read of a blob file is one Python callback, not eight.
 
 Threads: everything runs in the trio loop that called ``serve``. The fd is nonblocking; the loop waits
@@ -67,13 +68,15 @@ NOTIFY_RESEND = 7  # FUSE_NOTIFY_RESEND (Linux 6.9): queue again every request r
 # INIT flags (fuse_init_in.flags / fuse_init_out.flags) we want, if the kernel offers them.
 FUSE_ASYNC_READ = 1 << 0  # several READs of one file in flight at once
 FUSE_AUTO_INVAL_DATA = 1 << 12  # drop cached pages when mtime or size change (never: immutable)
+FUSE_NO_OPEN_SUPPORT = 1 << 17  # OPEN may be answered ENOSYS: the kernel then opens files itself
 FUSE_DO_READDIRPLUS = 1 << 13  # READDIRPLUS: entries with their attributes
 FUSE_READDIRPLUS_AUTO = 1 << 14  # ... only when the kernel thinks a stat of each entry follows
 FUSE_PARALLEL_DIROPS = 1 << 18  # lookups and readdirs of one directory in parallel
+FUSE_CACHE_SYMLINKS = 1 << 23  # the kernel keeps symlink targets in the page cache (one READLINK each)
 FUSE_MAX_PAGES = 1 << 22  # fuse_init_out.max_pages is meant
 FUSE_INIT_EXT = 1 << 30  # fuse_init_in/out carry flags2
-WANTED_FLAGS = (FUSE_ASYNC_READ | FUSE_AUTO_INVAL_DATA | FUSE_DO_READDIRPLUS | FUSE_READDIRPLUS_AUTO
-                | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES)
+WANTED_FLAGS = (FUSE_ASYNC_READ | FUSE_AUTO_INVAL_DATA | FUSE_NO_OPEN_SUPPORT | FUSE_DO_READDIRPLUS
+                | FUSE_READDIRPLUS_AUTO | FUSE_PARALLEL_DIROPS | FUSE_CACHE_SYMLINKS | FUSE_MAX_PAGES)
 FOPEN_KEEP_CACHE = 1 << 1  # fuse_open_out.open_flags: keep the file's pages across opens
 FOPEN_NOFLUSH = 1 << 5  # ... and send no FLUSH when a descriptor of it is closed (see _Session.flush)
 
@@ -313,6 +316,13 @@ class _Session:
         return [self.fs.readlink(nodeid)]
 
     def open(self, nodeid: int, body: bytes):
+        """ENOSYS, once, when the kernel supports it (it always does since 4.19): it then opens files itself
+        (fc->no_open) with FOPEN_KEEP_CACHE, and sends neither OPEN nor RELEASE again, two round trips
+        per opened file saved (a Python import opens hundreds). Opens are refused for writing by the
+        read-only mount; READs carry fh 0, and files are known by nodeid anyway. It sends FLUSH at each
+        close instead, until FLUSH is refused once (``flush``)."""
+        if self.params is not None and self.params.flags & FUSE_NO_OPEN_SUPPORT:
+            raise FsError(errno.ENOSYS, "the kernel opens files itself", where=f"inode {nodeid}")
         flags, _open_flags = OPEN_IN.unpack_from(body)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise FsError(errno.EROFS, "read-only", where=f"inode {nodeid}")
@@ -374,8 +384,10 @@ class _Session:
     def flush(self, nodeid: int, body: bytes):
         """FLUSH is synchronous: close(2) waits for the answer, so while no daemon serves (between a crash
         and the next start) every close of a file here would hang, even the ones a fork makes before
-        exec. Files are opened FOPEN_NOFLUSH; should a FLUSH come anyway, ENOSYS makes the kernel stop
-        sending it on this connection (fc->no_flush), which outlives this daemon."""
+        exec. ENOSYS makes the kernel stop sending it on this connection (fc->no_flush), which outlives
+        this daemon; files opened through OPEN (kernels without no-open support) are FOPEN_NOFLUSH. The
+        daemon has that first FLUSH sent right after it mounts the session, before any layer is mounted,
+        by opening and closing the session's flush-probe (layer_mount._refuse_flush)."""
         raise FsError(errno.ENOSYS, "no flush: read-only", where=f"inode {nodeid}")
 
     def interrupt(self, nodeid: int, body: bytes):

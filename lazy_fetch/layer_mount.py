@@ -311,6 +311,7 @@ async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "ra
             async with trio.open_nursery() as nursery:
                 if binding == "raw":
                     await nursery.start(_serve_raw_session, serve, mounter, adopt)
+                    await trio.to_thread.run_sync(_refuse_flush, mounter.fuse_dir)
                 else:
                     await trio.to_thread.run_sync(_reset_state, mounter)
                     await nursery.start(_serve_session, serve, mounter)
@@ -396,11 +397,23 @@ def _take_session(mounter: LayerMounter) -> tuple[int, fuse_raw.SessionParams, d
     return fd, params, state
 
 
+def _refuse_flush(fuse_dir: str) -> None:
+    """Open and close the session's flush-probe, so that the kernel sends its first FLUSH now and learns
+    (ENOSYS) to send none on this connection again, before any layer is mounted: a close(2) of a file
+    here then never waits for a daemon, even while none runs (fuse_raw ``_Session.flush``). A taken-over
+    connection learnt it already, unless the daemon that died did not get this far."""
+    os.close(os.open(os.path.join(fuse_dir, SessionTree.FLUSH_PROBE.decode()), os.O_RDONLY | os.O_CLOEXEC))
+
+
 def _end_raw_session(mounter: LayerMounter, holder) -> None:
     """Unmount the session (lazily: layers detached while busy may still hold it) and stop its holder,
     reaping it if it is our child; the kernel ends the connection once neither holds the fd."""
-    fuse_holder.stop(mounter.holder_path)
+    stopped = fuse_holder.stop(mounter.holder_path)
     if holder is not None:
+        if not stopped:  # its socket is gone (state directory removed under us): it would wait forever
+            log.warning("the FUSE fd holder %d does not answer at %s: terminating it", holder.pid,
+                        mounter.holder_path)
+            holder.terminate()
         holder.wait()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(mounter.state_dir, SESSION_FILE))

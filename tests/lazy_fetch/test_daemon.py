@@ -34,7 +34,7 @@ from erofs_builder.reader import ErofsImage
 from lazy_fetch.daemon import PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES, _prefetch_groups
 from lazy_fetch.prefetch_list import PrefetchEntry
 from lazy_fetch.trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, read_trace
-from tests.lazy_fetch.daemon_support import DSECFS, drop_caches, file_chunks, layer_metric, mount_dirs
+from tests.lazy_fetch.daemon_support import DSECFS, drop_caches, file_chunks, layer_metric, metrics, mount_dirs
 from tests.s3server import MotoServer
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
@@ -242,6 +242,27 @@ def test_miss_readahead_is_off_unless_asked_for_and_counted_apart(layers, daemon
     assert (ahead > 0) == (readahead is not None)
     assert layer_metric(node, "dsecfs_fetch_chunks_total", digest) == len(file_chunks(layers.main, "dir/small.txt")) + ahead
     assert layer_metric(node, "dsecfs_fetch_bytes_total", digest) <= len(FILES["dir/small.txt"]) + 128 * 1024
+
+
+@pytest.mark.parametrize("mode", ["kernel", "fuse"])
+def test_a_read_in_order_finds_the_next_chunks_preloaded_from_the_disk_cache(layers, daemons, tmp_path, mode):
+    """With the chunks on disk but not in memory (a memory cache of 16 chunks, a file of 49), each chunk a
+    reader reached would wait for a worker thread to read and check it; the chunks ahead of a read in
+    order are loaded into memory before the reader comes, from the disk cache and never the store."""
+    node = daemons.start(layers.store_dir, extra_args=["--memory-cache", f"{16 * CHUNK}"]).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    node.mount("test/main:1", mnt, mode=mode)
+    path, digest = os.path.join(mnt, "large.bin"), layers.main.digest
+    chunks = len(file_chunks(layers.main, "large.bin"))
+    with open(path, "rb") as f:
+        assert f.read() == FILES["large.bin"]  # from the store, into the disk cache
+    fetched = layer_metric(node, "dsecfs_fetch_chunks_total", digest)
+    misses = metrics(node)["dsecfs_memory_cache_misses_total", frozenset()]
+    drop_caches()
+    with open(path, "rb") as f:
+        assert f.read() == FILES["large.bin"]
+    assert layer_metric(node, "dsecfs_fetch_chunks_total", digest) == fetched
+    assert metrics(node)["dsecfs_memory_cache_misses_total", frozenset()] - misses < chunks // 4
 
 
 def _corrupt_chunk_in_store(store_dir: str, pack_id: str) -> bytes:

@@ -152,3 +152,49 @@ def test_a_daemon_with_another_binding_stops_the_holder_and_detaches(restart_lay
     assert sorted(status.cleaned) == sorted([kernel, fuse]) and status.mounts == []
     assert not fuse_holder.alive(no_holder_left)
     assert mounts_below(tmp_path) == [os.path.join(daemons.state_dir, "fuse")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_closing_a_file_while_no_daemon_runs_does_not_wait(restart_layer, daemons, no_holder_left, tmp_path, mode):
+    """The kernel opens files itself (OPEN answered ENOSYS), so it would send FLUSH at every close, which
+    waits for an answer; the daemon has it refuse FLUSH for good before any layer is mounted. Without
+    that, this close (and any fork that closes inherited descriptors) hangs until a daemon starts."""
+    store, layer = restart_layer
+    first = daemons.start(store, binding="raw")
+    mnt, = mount_dirs(tmp_path, "mnt")
+    first.node.mount(layer.digest, mnt, mode=mode)
+    f = open(os.path.join(mnt, "dir/small.txt"), "rb")
+    assert f.read() == FILES["dir/small.txt"]
+    first.kill()
+    closer = threading.Thread(target=f.close)
+    closer.start()
+    try:
+        closer.join(10)
+        assert not closer.is_alive(), "close(2) waited for a daemon"
+    finally:
+        second = daemons.start(store, binding="raw").node  # answers a FLUSH resent to it, if any
+        closer.join(60)
+    second.umount(mnt)
+
+
+def _holder_pids(socket_path: str) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if socket_path.encode() in f.read().split(b"\0"):
+                    pids.append(int(pid))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+def test_a_stopping_daemon_ends_a_holder_whose_socket_is_gone(restart_layer, daemons, no_holder_left, tmp_path,
+                                                              mounts_below):
+    daemon, _kernel, _fuse = _raw_daemon_with_both_modes(restart_layer, daemons, tmp_path)
+    holder_pids = _holder_pids(no_holder_left)
+    assert len(holder_pids) == 1
+    os.unlink(no_holder_left)  # e.g. the state directory cleaned by hand: the holder cannot be asked to stop
+    assert daemon.stop(timeout=30) == 0
+    assert _holder_pids(no_holder_left) == []
+    assert mounts_below(tmp_path) == []

@@ -221,7 +221,9 @@ def test_session_tree_routes_blobs_and_layers(built_layer):
     session.add_layer("1" * 64, LayerTree(image, None))
     session.add_layer("2" * 64, LayerTree(image, None))
 
-    assert [e.name for e in session.readdir(ROOT_INO, 0)] == [b"blobs", b"layers"]
+    assert [e.name for e in session.readdir(ROOT_INO, 0)] == [b"blobs", b"layers", b"flush-probe"]
+    probe = session.lookup(ROOT_INO, b"flush-probe")
+    assert stat.S_ISREG(probe.mode) and probe.size == 0 and trio.run(session.read, probe.ino, 0, 4096) == b""
     layers = session.lookup(ROOT_INO, b"layers").ino
     assert [e.name for e in session.readdir(layers, 0)] == [b"1" * 64, b"2" * 64]
     first, second = (session.lookup(layers, d * 64) for d in (b"1", b"2"))

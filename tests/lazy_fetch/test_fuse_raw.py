@@ -62,10 +62,10 @@ class Harness:
     """A _Session writing its replies into a socket pair; ``ask`` dispatches one request, ``reply`` reads
     one answer (error, payload)."""
 
-    def __init__(self, session_tree: SessionTree, nursery: trio.Nursery):
+    def __init__(self, session_tree: SessionTree, nursery: trio.Nursery, params: raw.SessionParams | None = None):
         self.ours, self.device = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.inits = []
-        self.session = raw._Session(session_tree, self.device.fileno(), None, self.inits.append)
+        self.session = raw._Session(session_tree, self.device.fileno(), params, self.inits.append)
         self.nursery = nursery
 
     def ask(self, opcode: int, nodeid: int, body: bytes = b"", unique: int = 9) -> None:
@@ -128,15 +128,12 @@ def test_a_session_answers_the_kernels_requests(built_layer):
             error, body = await h.reply()
             assert error == 0 and raw.ENTRY_OUT.unpack_from(body)[:3] == (0, 0, raw.CACHE_SECONDS)
 
-            # GETATTR, OPEN (read-only, fh = inode, pages kept, no FLUSH), READ.
+            # GETATTR, OPEN (ENOSYS: the kernel opens files itself), READ (fh 0).
             h.ask(raw.GETATTR, small_ino, raw.GETATTR_IN.pack(0, 0, 0))
             error, body = await h.reply()
             assert error == 0 and raw.ATTR.unpack_from(body, raw.ATTR_OUT.size)[:2] == (small_ino, 6)
-            h.ask(raw.OPEN, blob_ino, raw.OPEN_IN.pack(os.O_WRONLY, 0))
-            assert (await h.reply())[0] == -errno.EROFS
             h.ask(raw.OPEN, blob_ino, raw.OPEN_IN.pack(os.O_RDONLY, 0))
-            error, body = await h.reply()
-            assert (error, *raw.OPEN_OUT.unpack(body)[:2]) == (0, blob_ino, raw.FOPEN_KEEP_CACHE | raw.FOPEN_NOFLUSH)
+            assert (await h.reply())[0] == -errno.ENOSYS
             h.ask(raw.READ, blob_ino, raw.READ_IN.pack(blob_ino, 1000, 3000, 0, 0, 0, 0))
             assert await h.reply() == (0, BLOB[1000:4000])
 
@@ -144,7 +141,8 @@ def test_a_session_answers_the_kernels_requests(built_layer):
             h.ask(raw.READDIR, ROOT_INO, raw.READ_IN.pack(ROOT_INO, 0, 4096, 0, 0, 0, 0))
             error, body = await h.reply()
             assert error == 0 and body == (raw.dirent_bytes(b"blobs", blobs_ino, 1, stat.S_IFDIR)
-                                           + raw.dirent_bytes(b"layers", 2, 2, stat.S_IFDIR))
+                                           + raw.dirent_bytes(b"layers", 2, 2, stat.S_IFDIR)
+                                           + raw.dirent_bytes(b"flush-probe", 3, 3, stat.S_IFREG))
             h.ask(raw.READDIRPLUS, ROOT_INO, raw.READ_IN.pack(ROOT_INO, 0, 200, 0, 0, 0, 0))
             error, body = await h.reply()
             assert error == 0 and len(body) == 128 + 32 and raw.ENTRY_OUT.unpack_from(body)[0] == blobs_ino
@@ -172,6 +170,26 @@ def test_a_session_answers_the_kernels_requests(built_layer):
             h.ask(raw.STATFS, ROOT_INO)
             error, body = await h.reply()
             assert error == 0 and raw.KSTATFS.unpack(body)[5:7] == (raw.BLOCK_SIZE, raw.NAME_MAX)
+
+    trio.run(main)
+
+
+def test_without_no_open_support_files_are_opened_read_only_with_pages_kept_and_no_flush():
+    tree = SessionTree()
+    tree.blobs.add(BLOB_ID, BytesBlob(BLOB))
+    blob_ino = tree.lookup(tree.lookup(ROOT_INO, b"blobs").ino, BLOB_ID.encode()).ino
+    params = raw.SessionParams(38, raw.WANTED_FLAGS & ~raw.FUSE_NO_OPEN_SUPPORT, raw.MAX_WRITE, 256)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            h = Harness(tree, nursery, params)
+            h.ask(raw.OPEN, blob_ino, raw.OPEN_IN.pack(os.O_WRONLY, 0))
+            assert (await h.reply())[0] == -errno.EROFS
+            h.ask(raw.OPEN, blob_ino, raw.OPEN_IN.pack(os.O_RDONLY, 0))
+            error, body = await h.reply()
+            assert (error, *raw.OPEN_OUT.unpack(body)[:2]) == (0, blob_ino, raw.FOPEN_KEEP_CACHE | raw.FOPEN_NOFLUSH)
+            h.ask(raw.OPEN, (1 << SLOT_SHIFT) | ROOT_INO, raw.OPEN_IN.pack(os.O_RDONLY, 0))
+            assert (await h.reply())[0] == -errno.EINVAL  # a directory
 
     trio.run(main)
 
