@@ -110,7 +110,7 @@ from .cache import ChunkCache
 from .fetcher import DEFAULT_MAX_CONCURRENT, DEFAULT_TIMEOUT, ONDEMAND, PREFETCH, ChunkFetcher, FetchStats, Priority
 from .fs_core import FILE_READ
 from .http_api import HttpApi, Request, Response
-from .layer_mount import BINDINGS, MODES, LayerMounter, open_mounter
+from .layer_mount import BINDINGS, DEFAULT_READ_AHEAD, MODES, LayerMounter, open_mounter
 from .metrics import LayerFigures, MemoryFigures, MetricsPage, NodeFigures
 from .trace import (FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, NO_CHUNK, TRACE_SUFFIX, TraceHeader, TraceWriter,
                     prune_traces)
@@ -158,6 +158,7 @@ class DaemonOptions:
     store_concurrency: int = DEFAULT_STORE_CONCURRENCY
     memory_cache_bytes: int = DEFAULT_MEMORY_CACHE_BYTES
     miss_readahead_bytes: int = 0  # chunk bytes a missed read brings along after it (blob_reader.py); 0: off
+    kernel_read_ahead_bytes: int = DEFAULT_READ_AHEAD  # kernel mode: EROFS readahead per file (layer_mount.py)
     trace: bool = True
     trace_keep_bytes: int | None = DEFAULT_TRACE_KEEP_BYTES  # closed traces beyond this go, oldest first
     trace_keep_seconds: float | None = DEFAULT_TRACE_KEEP_SECONDS  # closed traces older than this go
@@ -169,9 +170,9 @@ class DaemonOptions:
         for name in ("cache_bytes", "fetch_timeout", "fetch_concurrency", "store_concurrency"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)}", where="daemon options")
-        if self.miss_readahead_bytes < 0:
-            raise InputError(f"miss_readahead_bytes must not be negative, got {self.miss_readahead_bytes}",
-                             where="daemon options")
+        for name in ("miss_readahead_bytes", "kernel_read_ahead_bytes"):
+            if getattr(self, name) < 0:
+                raise InputError(f"{name} must not be negative, got {getattr(self, name)}", where="daemon options")
         for name in ("trace_keep_bytes", "trace_keep_seconds"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise InputError(f"{name} must not be negative, got {getattr(self, name)}", where="daemon options")
@@ -523,8 +524,9 @@ class NodeDaemon:
             stack.callback(self._close_stores)
             stack.callback(self._close_traces)
             self._flights = await stack.enter_async_context(_nursery_cancelled_on_exit())
-            self._mounter = await stack.enter_async_context(open_mounter(self.state_dir, binding=options.fuse_binding,
-                                                                         adopt=self._adopt_mounts))
+            self._mounter = await stack.enter_async_context(open_mounter(
+                self.state_dir, binding=options.fuse_binding, adopt=self._adopt_mounts,
+                read_ahead=options.kernel_read_ahead_bytes))
             stack.push_async_callback(self._unmount_all)
             await self._clean_stale_mounts()
             await self._prune_traces()

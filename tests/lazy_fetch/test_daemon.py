@@ -118,6 +118,21 @@ def test_both_modes_serve_the_tree_and_trace_their_reads(layers, daemons, tmp_pa
     assert sum(r.length for r in fuse_trace.records if r.nid == large) == len(FILES["large.bin"])
 
 
+@pytest.mark.parametrize("read_ahead", [None, "0", "512KiB"])
+def test_kernel_mode_read_ahead_sets_how_much_erofs_asks_for_at_once(layers, daemons, tmp_path, read_ahead):
+    """EROFS asks the daemon for a file's readahead window at once: 128 KiB by default; the daemon sets
+    the mount's read_ahead_kb (1 MiB unless told otherwise), so a big file comes in fewer requests."""
+    extra = [] if read_ahead is None else ["--kernel-read-ahead", read_ahead]
+    node = daemons.start(layers.store_dir, extra_args=extra).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    info = node.mount("test/main:1", mnt)
+    with open(os.path.join(mnt, "large.bin"), "rb") as f:
+        assert f.read() == FILES["large.bin"]
+    node.umount(mnt)
+    largest = max(record.length for record in read_trace(info.trace).records)
+    assert largest == {None: 1 << 20, "0": 128 << 10, "512KiB": 512 << 10}[read_ahead]
+
+
 @pytest.mark.parametrize("mode", ["kernel", "fuse"])
 def test_reading_one_file_fetches_only_its_chunks(layers, daemons, tmp_path, mode):
     node = daemons.start(layers.store_dir).node
@@ -248,8 +263,10 @@ def test_miss_readahead_is_off_unless_asked_for_and_counted_apart(layers, daemon
 def test_a_read_in_order_finds_the_next_chunks_preloaded_from_the_disk_cache(layers, daemons, tmp_path, mode):
     """With the chunks on disk but not in memory (a memory cache of 16 chunks, a file of 49), each chunk a
     reader reached would wait for a worker thread to read and check it; the chunks ahead of a read in
-    order are loaded into memory before the reader comes, from the disk cache and never the store."""
-    node = daemons.start(layers.store_dir, extra_args=["--memory-cache", f"{16 * CHUNK}"]).node
+    order are loaded into memory before the reader comes, from the disk cache and never the store. (Reads
+    of 2 chunks each: with a 1 MiB readahead one request would cover all the memory the test allows.)"""
+    node = daemons.start(layers.store_dir,
+                         extra_args=["--memory-cache", f"{16 * CHUNK}", "--kernel-read-ahead", "128KiB"]).node
     mnt, = mount_dirs(tmp_path, "mnt")
     node.mount("test/main:1", mnt, mode=mode)
     path, digest = os.path.join(mnt, "large.bin"), layers.main.digest
