@@ -55,7 +55,10 @@ layer the cold start runs on (its random bytes would more than triple the tarbal
   after.
 
 Every comparison alternates its sides within a round; the tables give medians over rounds and ratios
-against the goals. The script exits 1 when a goal is missed. Needs root, /dev/fuse, mmdebstrap and
+against the goals (issue 4's: cold start at most 20% of the full pull and bytes fetched at most 15%, in
+every configuration; warm kernel-mode reads, from the page cache as on local disk, at least 90% of
+local disk; walks within 1.2x / 3x; reads with the page cache dropped are reported beside them). The
+script exits 1 when a goal is missed. Needs root, /dev/fuse, mmdebstrap and
 network access to Debian's mirror and PyPI the first time.
 """
 
@@ -581,11 +584,14 @@ def summarize(info: dict, cold: dict | None, warm: dict | None) -> tuple[dict, l
             lines.append(f"{side:<8}{walks[side]['dropped']:>11.3f}"
                          f"{walks[side]['dropped'] / walks['local']['dropped']:>10.2f}"
                          f"{walks[side]['warm']:>9.3f}{walks[side]['warm'] / walks['local']['warm']:>10.2f}")
-        for kind in ("dropped", "page cache"):
-            ratio = reads["kernel"][kind] / reads["local"][kind]
-            lines.append(f"  goal kernel read ({kind}) {ratio * 100:.0f}% of local (>= 90%): "
-                         f"{goal(f'kernel read {kind}', ratio, GOAL_KERNEL_READ, False)}; EROFS on local files "
-                         f"{reads['erofs'][kind] / reads['local'][kind] * 100:.0f}%")
+        ratio = reads["kernel"]["page cache"] / reads["local"]["page cache"]
+        lines.append(f"  goal kernel read (warm: page cache) {ratio * 100:.0f}% of local (>= 90%): "
+                     f"{goal('kernel read', ratio, GOAL_KERNEL_READ, False)}; EROFS on local files "
+                     f"{reads['erofs']['page cache'] / reads['local']['page cache'] * 100:.0f}%")
+        ratio = reads["kernel"]["dropped"] / reads["local"]["dropped"]
+        summary["kernel_read_dropped_vs_local"] = ratio
+        lines.append(f"  kernel read with the page cache dropped (chunk cache warm; no goal): {ratio * 100:.0f}% of "
+                     f"local, EROFS on local files {reads['erofs']['dropped'] / reads['local']['dropped'] * 100:.0f}%")
         for mode, limit in (("kernel", GOAL_KERNEL_WALK), ("fuse", GOAL_FUSE_WALK)):
             for kind in ("dropped", "warm"):
                 ratio = walks[mode][kind] / walks["local"][kind]
