@@ -31,7 +31,7 @@ from dsec_fs.pack import decode_index
 from dsec_fs.store import FilesystemStore, keys, open_store
 from erofs_builder import build_layer
 from erofs_builder.reader import ErofsImage
-from lazy_fetch.daemon import PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES, _prefetch_groups
+from lazy_fetch.daemon import PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES, PRELOAD_AFTER_BYTES, _prefetch_groups
 from lazy_fetch.prefetch_list import PrefetchEntry
 from lazy_fetch.trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, read_trace
 from tests.lazy_fetch.daemon_support import DSECFS, drop_caches, file_chunks, layer_metric, metrics, mount_dirs
@@ -44,6 +44,7 @@ rng = random.Random(7)
 VICTIM = rng.randbytes(CHUNK - 5)
 FILES = {
     "large.bin": rng.randbytes(48 * CHUNK + 999),
+    "huge.bin": rng.randbytes(128 * CHUNK + 3),  # long enough for a read in order to be preloaded for
     "medium.bin": rng.randbytes(5 * CHUNK + 17),
     "healthy.bin": rng.randbytes(2 * CHUNK),
     "dir/small.txt": b"small\n",
@@ -261,25 +262,27 @@ def test_miss_readahead_is_off_unless_asked_for_and_counted_apart(layers, daemon
 
 @pytest.mark.parametrize("mode", ["kernel", "fuse"])
 def test_a_read_in_order_finds_the_next_chunks_preloaded_from_the_disk_cache(layers, daemons, tmp_path, mode):
-    """With the chunks on disk but not in memory (a memory cache of 16 chunks, a file of 49), each chunk a
-    reader reached would wait for a worker thread to read and check it; the chunks ahead of a read in
-    order are loaded into memory before the reader comes, from the disk cache and never the store. (Reads
-    of 2 chunks each: with a 1 MiB readahead one request would cover all the memory the test allows.)"""
+    """With the chunks on disk but not in memory (a memory cache of 64 chunks, a file of 129), each chunk a
+    reader reached would wait for a worker thread to read and check it; once a read in order has gone
+    on for PRELOAD_AFTER_BYTES, the chunks ahead of it are loaded into memory before the reader comes,
+    from the disk cache and never the store. (Reads of 2 chunks each: the default 1 MiB readahead would
+    ask for a quarter of the memory the test allows at once.)"""
     node = daemons.start(layers.store_dir,
-                         extra_args=["--memory-cache", f"{16 * CHUNK}", "--kernel-read-ahead", "128KiB"]).node
+                         extra_args=["--memory-cache", f"{64 * CHUNK}", "--kernel-read-ahead", "128KiB"]).node
     mnt, = mount_dirs(tmp_path, "mnt")
     node.mount("test/main:1", mnt, mode=mode)
-    path, digest = os.path.join(mnt, "large.bin"), layers.main.digest
-    chunks = len(file_chunks(layers.main, "large.bin"))
+    path, digest = os.path.join(mnt, "huge.bin"), layers.main.digest
+    chunks = len(file_chunks(layers.main, "huge.bin"))
     with open(path, "rb") as f:
-        assert f.read() == FILES["large.bin"]  # from the store, into the disk cache
+        assert f.read() == FILES["huge.bin"]  # from the store, into the disk cache
     fetched = layer_metric(node, "dsecfs_fetch_chunks_total", digest)
     misses = metrics(node)["dsecfs_memory_cache_misses_total", frozenset()]
     drop_caches()
     with open(path, "rb") as f:
-        assert f.read() == FILES["large.bin"]
+        assert f.read() == FILES["huge.bin"]
     assert layer_metric(node, "dsecfs_fetch_chunks_total", digest) == fetched
-    assert metrics(node)["dsecfs_memory_cache_misses_total", frozenset()] - misses < chunks // 4
+    before_preloading = PRELOAD_AFTER_BYTES // CHUNK
+    assert metrics(node)["dsecfs_memory_cache_misses_total", frozenset()] - misses < before_preloading + 8 < chunks
 
 
 def _corrupt_chunk_in_store(store_dir: str, pack_id: str) -> bytes:
