@@ -2,7 +2,7 @@
 plus warm read throughput and a metadata walk against the same tree on local disk.
 
     .venv/bin/python bench/bench_coldstart.py [--rounds 3] [--warm-rounds 5] [--cache DIR] [--work DIR]
-                                              [--miss-readahead SIZE] [--kernel-read-ahead SIZE]
+                                              [--miss-readahead SIZE] [--read-ahead SIZE]
                                               [--fuse-binding B] [--skip-cold]
                                               [--skip-warm]
 
@@ -245,11 +245,11 @@ class Daemons:
     """Fresh daemons, each with its own empty state and cache directories under ``work``; ``stop_all``
     stops every one this object started (and so unmounts what they mounted)."""
 
-    def __init__(self, work: str, store: str, miss_readahead: str, kernel_read_ahead: str, binding: str):
+    def __init__(self, work: str, store: str, miss_readahead: str, read_ahead: str, binding: str):
         self.work = work
         self.store = store
         self.miss_readahead = miss_readahead
-        self.kernel_read_ahead = kernel_read_ahead
+        self.read_ahead = read_ahead
         self.binding = binding
         self.started = []
         self.count = 0
@@ -263,7 +263,7 @@ class Daemons:
             cache_dir=os.path.join(home, "cache"), store=self.store, latency_ms=LATENCY_MS,
             bandwidth_mbps=BANDWIDTH_MBPS, fetch_timeout=120, log_file=os.path.join(home, "daemon.log"),
             fuse_binding=self.binding,
-            extra_args=["--miss-readahead", self.miss_readahead, "--kernel-read-ahead", self.kernel_read_ahead])
+            extra_args=["--miss-readahead", self.miss_readahead, "--read-ahead", self.read_ahead])
         self.started.append(daemon)
         return daemon
 
@@ -609,8 +609,8 @@ def main() -> None:
     parser.add_argument("--work", default="/var/tmp", help="scratch directory (extracted trees, daemons)")
     parser.add_argument("--miss-readahead", default="0", metavar="SIZE",
                         help="the daemons' --miss-readahead (e.g. 256KiB; default 0: fetch only what is read)")
-    parser.add_argument("--kernel-read-ahead", default="1MiB", metavar="SIZE",
-                        help="the daemons' --kernel-read-ahead (0: the kernel's default, 128 KiB)")
+    parser.add_argument("--read-ahead", default="1MiB", metavar="SIZE",
+                        help="the daemons' --read-ahead (0: the kernel's default, 128 KiB)")
     parser.add_argument("--fuse-binding", default="raw", choices=BINDINGS, help="the daemons' FUSE binding")
     parser.add_argument("--skip-cold", action="store_true")
     parser.add_argument("--skip-warm", action="store_true")
@@ -623,7 +623,7 @@ def main() -> None:
         f"(toolkit {info['toolkit_bytes'] / 1e6:.0f} MB); tar.zst {info['tarball_bytes'] / 1e6:.0f} MB")
     cold = warm = None
     with tempfile.TemporaryDirectory(prefix="dsecfs-cold-", dir=args.work) as work:
-        daemons = Daemons(work, info["store"], args.miss_readahead, args.kernel_read_ahead, args.fuse_binding)
+        daemons = Daemons(work, info["store"], args.miss_readahead, args.read_ahead, args.fuse_binding)
         try:
             if not args.skip_cold:
                 cold = bench_cold(info, args.rounds, work, daemons)

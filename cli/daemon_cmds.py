@@ -61,8 +61,8 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
 @click.option("--miss-readahead", default="0", show_default=True, metavar="SIZE",
               help="a read that misses the cache also fetches up to SIZE of the chunks stored after it, in the "
                    "same request (e.g. 256KiB; 0: fetch only what is read)")
-@click.option("--kernel-read-ahead", default="1MiB", show_default=True, metavar="SIZE",
-              help="kernel mode: how far EROFS reads ahead in a file, in one request to the daemon (0: the "
+@click.option("--read-ahead", default="1MiB", show_default=True, metavar="SIZE",
+              help="how far the kernel reads ahead in a layer's files, in one request to the daemon (0: the "
                    "kernel's default, 128KiB)")
 @click.option("--no-trace", is_flag=True, help="do not write access traces")
 @click.option("--trace-keep-size", default="1GiB", show_default=True, metavar="SIZE",
@@ -78,7 +78,7 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
               help="what runs sandbox commands unless `sandbox exec --runtime` says otherwise")
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
            store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: float | None,
-           fetch_timeout: float, miss_readahead: str, kernel_read_ahead: str, no_trace: bool, trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
+           fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
            sandbox_runtime: str) -> None:
     """Run the node daemon: mounts layers, fetches and caches chunks, runs sandboxes, serves the API on the
     socket.
@@ -95,7 +95,7 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
         memory_cache_bytes=parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
         latency=None if latency is None else latency / 1000, bandwidth=None if bandwidth is None else bandwidth * 1e6,
         fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead),
-        kernel_read_ahead_bytes=parse_size(kernel_read_ahead), trace=not no_trace, trace_keep_bytes=parse_size(trace_keep_size),
+        read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, trace_keep_bytes=parse_size(trace_keep_size),
         trace_keep_seconds=trace_keep_age)
     sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)
     run_daemon(options, extensions=[sandboxes])

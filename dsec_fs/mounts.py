@@ -102,10 +102,11 @@ _FS_IOC_GETFSSYSFSPATH = (2 << 30) | (129 << 16) | (0x15 << 8) | 1
 
 
 def set_read_ahead(mountpoint: PathLike, size: int) -> bool:
-    """Make the kernel read ahead ``size`` bytes (rounded down to KiB) at most in files of the filesystem
+    """Make the kernel read ahead ``size`` bytes (rounded down to KiB) at most in files of the EROFS
     mounted at ``mountpoint``: the read_ahead_kb of its backing device info, which a file-backed EROFS
     mount has of its own, named as its sysfs directory (FS_IOC_GETFSSYSFSPATH says which: "erofs/NAME").
-    False where the kernel cannot say (before 6.10) or the filesystem has no such device info of its own."""
+    False where the kernel cannot say (before 6.10) or the filesystem has no such device info of its own.
+    Not for FUSE mounts (set_fuse_read_ahead): the ioctl would go to their daemon."""
     buffer = bytearray(129)
     fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -114,9 +115,19 @@ def set_read_ahead(mountpoint: PathLike, size: int) -> bool:
         return False
     finally:
         os.close(fd)
-    name = os.path.basename(bytes(buffer[1:1 + buffer[0]]).decode(errors="replace"))
+    return _write_read_ahead(os.path.basename(bytes(buffer[1:1 + buffer[0]]).decode(errors="replace")), size)
+
+
+def set_fuse_read_ahead(mountpoint: PathLike, size: int) -> bool:
+    """set_read_ahead for the FUSE filesystem mounted at ``mountpoint``, whose device info is named after
+    its device number ("MAJOR:MINOR"); False if there is none of that name."""
+    device = os.stat(mountpoint).st_dev
+    return _write_read_ahead(f"{os.major(device)}:{os.minor(device)}", size)
+
+
+def _write_read_ahead(device_info: str, size: int) -> bool:
     try:
-        with open(f"/sys/class/bdi/{name}/read_ahead_kb", "w") as f:
+        with open(f"/sys/class/bdi/{device_info}/read_ahead_kb", "w") as f:
             f.write(str(size // 1024))
     except FileNotFoundError:
         return False

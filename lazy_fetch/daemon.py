@@ -163,7 +163,7 @@ class DaemonOptions:
     store_concurrency: int = DEFAULT_STORE_CONCURRENCY
     memory_cache_bytes: int = DEFAULT_MEMORY_CACHE_BYTES
     miss_readahead_bytes: int = 0  # chunk bytes a missed read brings along after it (blob_reader.py); 0: off
-    kernel_read_ahead_bytes: int = DEFAULT_READ_AHEAD  # kernel mode: EROFS readahead per file (layer_mount.py)
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD  # the kernel's readahead in a layer's files (layer_mount.py)
     trace: bool = True
     trace_keep_bytes: int | None = DEFAULT_TRACE_KEEP_BYTES  # closed traces beyond this go, oldest first
     trace_keep_seconds: float | None = DEFAULT_TRACE_KEEP_SECONDS  # closed traces older than this go
@@ -175,7 +175,7 @@ class DaemonOptions:
         for name in ("cache_bytes", "fetch_timeout", "fetch_concurrency", "store_concurrency"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)}", where="daemon options")
-        for name in ("miss_readahead_bytes", "kernel_read_ahead_bytes"):
+        for name in ("miss_readahead_bytes", "read_ahead_bytes"):
             if getattr(self, name) < 0:
                 raise InputError(f"{name} must not be negative, got {getattr(self, name)}", where="daemon options")
         for name in ("trace_keep_bytes", "trace_keep_seconds"):
@@ -532,7 +532,7 @@ class NodeDaemon:
             self._flights = await stack.enter_async_context(_nursery_cancelled_on_exit())
             self._mounter = await stack.enter_async_context(open_mounter(
                 self.state_dir, binding=options.fuse_binding, adopt=self._adopt_mounts,
-                read_ahead=options.kernel_read_ahead_bytes))
+                read_ahead=options.read_ahead_bytes))
             stack.push_async_callback(self._unmount_all)
             await self._clean_stale_mounts()
             await self._prune_traces()

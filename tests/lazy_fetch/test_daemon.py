@@ -119,14 +119,16 @@ def test_both_modes_serve_the_tree_and_trace_their_reads(layers, daemons, tmp_pa
     assert sum(r.length for r in fuse_trace.records if r.nid == large) == len(FILES["large.bin"])
 
 
+@pytest.mark.parametrize("mode", ["kernel", "fuse"])
 @pytest.mark.parametrize("read_ahead", [None, "0", "512KiB"])
-def test_kernel_mode_read_ahead_sets_how_much_erofs_asks_for_at_once(layers, daemons, tmp_path, read_ahead):
-    """EROFS asks the daemon for a file's readahead window at once: 128 KiB by default; the daemon sets
-    the mount's read_ahead_kb (1 MiB unless told otherwise), so a big file comes in fewer requests."""
-    extra = [] if read_ahead is None else ["--kernel-read-ahead", read_ahead]
+def test_read_ahead_sets_how_much_the_kernel_asks_for_at_once(layers, daemons, tmp_path, mode, read_ahead):
+    """The kernel asks the daemon for a file's readahead window at once: 128 KiB by default; the daemon sets
+    read_ahead_kb (1 MiB unless told otherwise) on each kernel-mode EROFS mount and on its FUSE session,
+    so a big file comes in fewer requests."""
+    extra = [] if read_ahead is None else ["--read-ahead", read_ahead]
     node = daemons.start(layers.store_dir, extra_args=extra).node
     mnt, = mount_dirs(tmp_path, "mnt")
-    info = node.mount("test/main:1", mnt)
+    info = node.mount("test/main:1", mnt, mode=mode)
     with open(os.path.join(mnt, "large.bin"), "rb") as f:
         assert f.read() == FILES["large.bin"]
     node.umount(mnt)
@@ -268,7 +270,7 @@ def test_a_read_in_order_finds_the_next_chunks_preloaded_from_the_disk_cache(lay
     from the disk cache and never the store. (Reads of 2 chunks each: the default 1 MiB readahead would
     ask for a quarter of the memory the test allows at once.)"""
     node = daemons.start(layers.store_dir,
-                         extra_args=["--memory-cache", f"{64 * CHUNK}", "--kernel-read-ahead", "128KiB"]).node
+                         extra_args=["--memory-cache", f"{64 * CHUNK}", "--read-ahead", "128KiB"]).node
     mnt, = mount_dirs(tmp_path, "mnt")
     node.mount("test/main:1", mnt, mode=mode)
     path, digest = os.path.join(mnt, "huge.bin"), layers.main.digest
