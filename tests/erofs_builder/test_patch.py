@@ -30,9 +30,13 @@ from tests.erofs_builder.test_incremental import (
 )
 
 # change -> what the log gives as the reason
-STRUCTURAL = {"chmod": "another mode", "xattr": "xattrs", "rename": "cannot stat", "add": "not a regular file",
-              "remove": "cannot stat", "symlink": "not a regular file", "mkdir": "not a regular file",
-              "touch-dir": "not a regular file", "add-put-back": "other names", "mkdir-put-back": "other names"}
+# change -> the reasons the log may give for the full path. A symlink made again under its name is another
+# inode, unless the filesystem gave it the number the old one freed: then its directory's change says it.
+STRUCTURAL = {"chmod": ("another mode",), "xattr": ("xattrs",), "rename": ("cannot stat",),
+              "add": ("not a regular file",), "remove": ("cannot stat",),
+              "symlink": ("another inode", "not a regular file"), "mkdir": ("not a regular file",),
+              "touch-dir": ("not a regular file",), "add-put-back": ("other names",),
+              "mkdir-put-back": ("other names",)}
 TREES = ("content", "grow", "boundary", "blocks", "racy", "hole", "shared", "same-chunk", "compact",
          "tie", "hardlink", "chain", "kernel", "forged", *STRUCTURAL)
 ENTRIES = 14  # names make_source makes, the root included
@@ -198,7 +202,7 @@ def test_a_structural_change_takes_the_full_path(aged, store, tmp_path, caplog, 
             os.mkdir(f"{root}/lib/sub/dir")
         os.utime(f"{root}/lib/sub", ns=(0, mtime_ns))
     child, patched = rebuild(root, store, parent, caplog)
-    assert not patched and STRUCTURAL[change] in caplog.text, caplog.text
+    assert not patched and any(reason in caplog.text for reason in STRUCTURAL[change]), caplog.text
     check_layer(store, child.digest, root, tmp_path)
 
 
