@@ -92,8 +92,9 @@ class LayerBlob:
             label=self.label, readahead=ahead,
         )
         for chunk in chunks:
-            if len(fetched[chunk.digest]) != chunk.length:
-                raise CorruptError(f"{len(fetched[chunk.digest])} bytes, the blob map says {chunk.length}",
+            got = len(fetched[chunk.digest])
+            if got != chunk.length:
+                raise CorruptError(f"{got} bytes, the blob map says {chunk.length}",
                                    where=f"chunk {to_hex(chunk.digest)}")
         if len(chunks) == 1 and chunks[0].start <= offset and end <= chunks[0].start + chunks[0].length:
             return fetched[chunks[0].digest][offset - chunks[0].start:end - chunks[0].start]  # most reads

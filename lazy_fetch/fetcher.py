@@ -41,8 +41,9 @@ Metrics: a FetchStats per label (a layer, normally), exported by the daemon's pr
 
 Threads: ChunkFetcher lives in the trio thread; every method but ``cached`` (worker threads), the
 flights, the slots and the FetchStats are used from there only, so they need no locks. Store reads and
-cache calls run in worker threads via trio.to_thread.run_sync. Flights run as tasks of the fetcher's own nursery (open_fetcher), not of the
-caller: a caller that is cancelled stops waiting, and the fetch goes on for the others and the cache.
+cache calls run in worker threads via trio.to_thread.run_sync. Flights run as tasks of the fetcher's own
+nursery (open_fetcher), not of the caller: a caller that is cancelled stops waiting, and the fetch goes on
+for the others and the cache.
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ are kept across opens (FOPEN_KEEP_CACHE), and so are directory listings and syml
 (FUSE_CACHE_SYMLINKS). OPENDIR and OPEN are answered ENOSYS, so the kernel opens directories and files
 itself, caches listings, and never asks for an open or a release again: a warm walk never reaches the
 daemon, a warm import only for what it reads (``_Session.opendir``, ``_Session.open``; pyfuse3 can do
-neither). Attributes and entries of the synthetic directories are not cached. Requests are up to MAX_PAGES pages (1 MiB; FUSE_MAX_PAGES), so
-a big direct read of a blob file is one Python callback, not eight.
+neither). Attributes and entries of the synthetic directories are not cached. Requests are up to
+MAX_PAGES pages (1 MiB; FUSE_MAX_PAGES), so a big direct read of a blob file is one Python callback, not
+eight.
 
 Threads: everything runs in the trio loop that called ``serve``. The fd is nonblocking; the loop waits
 for it with trio.lowlevel.wait_readable, answers metadata requests inline (the core's metadata calls are
@@ -68,12 +69,12 @@ NOTIFY_RESEND = 7  # FUSE_NOTIFY_RESEND (Linux 6.9): queue again every request r
 # INIT flags (fuse_init_in.flags / fuse_init_out.flags) we want, if the kernel offers them.
 FUSE_ASYNC_READ = 1 << 0  # several READs of one file in flight at once
 FUSE_AUTO_INVAL_DATA = 1 << 12  # drop cached pages when mtime or size change (never: immutable)
-FUSE_NO_OPEN_SUPPORT = 1 << 17  # OPEN may be answered ENOSYS: the kernel then opens files itself
 FUSE_DO_READDIRPLUS = 1 << 13  # READDIRPLUS: entries with their attributes
 FUSE_READDIRPLUS_AUTO = 1 << 14  # ... only when the kernel thinks a stat of each entry follows
+FUSE_NO_OPEN_SUPPORT = 1 << 17  # OPEN may be answered ENOSYS: the kernel then opens files itself
 FUSE_PARALLEL_DIROPS = 1 << 18  # lookups and readdirs of one directory in parallel
-FUSE_CACHE_SYMLINKS = 1 << 23  # the kernel keeps symlink targets in the page cache (one READLINK each)
 FUSE_MAX_PAGES = 1 << 22  # fuse_init_out.max_pages is meant
+FUSE_CACHE_SYMLINKS = 1 << 23  # the kernel keeps symlink targets in the page cache (one READLINK each)
 FUSE_INIT_EXT = 1 << 30  # fuse_init_in/out carry flags2
 WANTED_FLAGS = (FUSE_ASYNC_READ | FUSE_AUTO_INVAL_DATA | FUSE_NO_OPEN_SUPPORT | FUSE_DO_READDIRPLUS
                 | FUSE_READDIRPLUS_AUTO | FUSE_PARALLEL_DIROPS | FUSE_CACHE_SYMLINKS | FUSE_MAX_PAGES)

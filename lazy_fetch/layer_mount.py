@@ -83,7 +83,7 @@ MODES = ("kernel", "fuse")
 BINDINGS = ("pyfuse3", "fusepy", "raw")
 SESSION_FILE = "fuse-session.json"  # raw: what a daemon needs to take the FUSE session over
 HOLDER_SOCKET = "fuse-holder.sock"  # raw: where the FUSE fd holder listens
-DEFAULT_READ_AHEAD = 1 << 20  # kernel mode: bytes EROFS reads ahead in a file (_mount_erofs_direct)
+DEFAULT_READ_AHEAD = 1 << 20  # bytes the kernel reads ahead in a layer's file, both modes (open_mounter)
 
 
 @dataclass(frozen=True)
