@@ -176,7 +176,7 @@ class DaemonLayers:
             path = os.path.join(self.directory, name)
             if name in self._held:
                 continue
-            if mounts.is_mountpoint(path):
+            if mounts.top_mount(path) is not None:  # from mountinfo: a stat could be a FUSE request to ourselves
                 log.warning("%s is no layer of a sandbox, yet something is mounted there; leaving it", path)
                 continue
             _remove_dir(path)
@@ -204,7 +204,7 @@ class DaemonLayers:
         except NotFoundError:
             # Not this daemon's mount: one a dead daemon left (adopted by recover) that its successor did
             # not detach. It is ours all the same (our directory, a sandbox's recorded layer).
-            if await trio.to_thread.run_sync(mounts.is_mountpoint, mountpoint):
+            if mounts.top_mount(mountpoint) is not None:
                 await trio.to_thread.run_sync(mounts.umount, mountpoint, True)
         _remove_dir(mountpoint)
 
