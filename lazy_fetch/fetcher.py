@@ -31,19 +31,33 @@ How a request is served:
 - **Bounded concurrency with priorities.** At most ``max_concurrent`` store reads (GETs) run at once, and
   prefetch reads use at most ``prefetch_slots`` of them, so on-demand reads always find a slot soon. Queued
   on-demand reads go before queued prefetch reads; a queued prefetch that an on-demand request joins is
-  promoted. A slot is held until the worker thread really ends, so threads stuck in a hung store cannot
-  pile up beyond the limit.
-- **Timeout.** Each store read (waiting for a slot included) must finish within ``timeout`` seconds, else
-  its chunks fail with UnavailableError(transient=True); the worker thread is abandoned (its result, if it
-  ever comes, is still cached).
+  promoted.
+- **Per object.** At most ``object_reads`` reads of one store object (a pack) are in the air at once, its
+  abandoned ones (below) included; further reads of it queue without a slot, and reads of other objects
+  go past them. A 16 MiB pack is four reads of MAX_READ_BYTES, so this costs a healthy pack nothing.
+- **Timeout and abandoned threads.** Each store read (waiting for a slot included) must finish within
+  ``timeout`` seconds, else its chunks fail with UnavailableError(transient=True). A thread still in the
+  store at its deadline cannot be stopped: it is *abandoned*. Its slot is given back at once (so an object
+  that never answers cannot take the slots of the healthy ones), but it keeps its place among its object's
+  ``object_reads`` until it really returns (its result, if it ever comes, is still cached). So one hung
+  object holds at most ``object_reads`` threads: once all of them are abandoned, reads of it fail at once
+  (UnavailableError naming the key) instead of starting threads that would hang too, and the first read
+  after one returns goes ahead, which is the recovery, without a restart. In all at most
+  ``max_abandoned`` threads are left behind; beyond that every new store read fails at once until some
+  return. Each abandonment is counted (FetchStats.abandoned) and the first of an object's stall, and its
+  end, logged with the key.
 
 Metrics: a FetchStats per label (a layer, normally), exported by the daemon's prometheus adapter.
 
 Threads: ChunkFetcher lives in the trio thread; every method but ``cached`` (worker threads), the
 flights, the slots and the FetchStats are used from there only, so they need no locks. Store reads and
-cache calls run in worker threads via trio.to_thread.run_sync. Flights run as tasks of the fetcher's own
-nursery (open_fetcher), not of the caller: a caller that is cancelled stops waiting, and the fetch goes on
-for the others and the cache.
+cache calls run in worker threads via trio.to_thread.run_sync: the trio thread never blocks on a store or
+the disk. A store read's worker thread may block in the store for ever; nothing waits for it but the
+flights of its own chunks, and those only until the deadline. Store-read threads are counted by the
+fetcher's own limiter (_ThreadWatch), not trio's default one, so stuck ones never starve the daemon's other
+worker threads (cache lookups, layer opens). Flights run as tasks of the fetcher's own nursery
+(open_fetcher), not of the caller: a caller that is cancelled stops waiting, and the fetch goes on for the
+others and the cache.
 """
 
 from __future__ import annotations
@@ -62,6 +76,7 @@ import trio
 from dsec_fs.chunks import ChunkLocation, ChunkRun, plan_runs, read_chunk, read_run
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError
+from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .cache import ChunkCache
@@ -72,6 +87,10 @@ log = logging.getLogger(__name__)
 # what fills the link; by default a quarter of the slots are kept for on-demand reads.
 DEFAULT_MAX_CONCURRENT = 16
 DEFAULT_TIMEOUT = 30.0
+# Reads of one store object in the air at once, abandoned ones included (module docstring).
+DEFAULT_OBJECT_READS = 4
+# Threads left behind in the store at most, over all objects.
+DEFAULT_MAX_ABANDONED = 64
 # Compressed bytes per store read: large enough to merge a run of neighbours, small enough that a big
 # request is spread over several slots and its first chunks are not held up by its last.
 MAX_READ_BYTES = 4 * 1024 * 1024
@@ -106,6 +125,8 @@ class FetchStats:
     errors: int = 0  # chunks whose fetch failed, for any reason
     corrupt: int = 0  # ... because the store returned bad bytes (CorruptError, IntegrityError)
     timeouts: int = 0  # ... because the store did not answer within the timeout
+    refused: int = 0  # ... at once, because their store object (or the store) has too many reads stuck
+    abandoned: int = 0  # store reads whose thread was still in the store at the deadline, left behind
     # Store read latency (queueing for a slot included): count per LATENCY_BUCKETS bucket (not
     # cumulative), their sum, and the most recent values.
     latency_counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
@@ -117,6 +138,20 @@ class FetchStats:
         self.latency_counts[bucket] += 1
         self.latency_sum += seconds
         self.recent_latencies.append(seconds)
+
+    def merged(self, other: "FetchStats") -> "FetchStats":
+        """The sum of two labels' counters (the same layer read through two stores), under this label;
+        the recent latencies are this one's followed by the other's."""
+        summed = FetchStats(self.label)
+        for name in COUNTERS:
+            setattr(summed, name, getattr(self, name) + getattr(other, name))
+        summed.latency_counts = [a + b for a, b in zip(self.latency_counts, other.latency_counts)]
+        summed.recent_latencies.extend((*self.recent_latencies, *other.recent_latencies))
+        return summed
+
+
+COUNTERS = ("hits", "misses", "coalesced", "chunks_fetched", "bytes_fetched", "store_reads", "readahead", "errors",
+            "corrupt", "timeouts", "refused", "abandoned", "latency_sum")
 
 
 class _Flight:
@@ -133,56 +168,89 @@ class _Flight:
 
 
 class _Ticket:
-    """A store read's claim on a store slot."""
+    """A store read's claim on a store slot and on a place among its object's reads."""
 
-    __slots__ = ("priority", "order", "queued", "granted", "as_prefetch", "event")
+    __slots__ = ("key", "priority", "order", "queued", "granted", "as_prefetch", "event", "refused", "abandoned")
 
-    def __init__(self, priority: Priority, order: int):
+    def __init__(self, key: str, priority: Priority, order: int):
+        self.key = key  # the store object it reads
         self.priority = priority
         self.order = order  # queues are kept in this order: the fetcher numbers store reads as it plans them
         self.queued = False
         self.granted = False
         self.as_prefetch = False  # it was granted as a prefetch and counts against the prefetch limit
         self.event = trio.Event()
+        self.refused: str | None = None  # why it may not start (too many reads stuck), once decided
+        self.abandoned = False  # its thread passed the deadline in the store and still holds its place
+
+
+class _Refused(Exception):
+    """A store read that may not start: its object, or the store, has too many reads stuck."""
 
 
 class _StoreSlots:
-    """At most ``total`` store reads at once, at most ``prefetch_limit`` of them prefetch; queued
-    on-demand reads are granted before queued prefetch reads, each queue in ticket ``order`` (the order
-    the reads were planned in, not the order trio happens to start their tasks in)."""
+    """The scheduler of store reads. At most ``total`` at once, at most ``prefetch_limit`` of them
+    prefetch; queued on-demand reads are granted before queued prefetch reads, each queue in ticket
+    ``order`` (the order the reads were planned in, not the order trio happens to start their tasks in).
+    A ticket is granted only while its object has fewer than ``per_object`` reads in the air (abandoned
+    ones included); one whose object is full waits and lets the tickets behind it go first. A ticket is
+    refused once every place of its object is held by an abandoned read, or ``max_abandoned`` are
+    abandoned in all."""
 
-    def __init__(self, total: int, prefetch_limit: int):
+    def __init__(self, total: int, prefetch_limit: int, per_object: int, max_abandoned: int):
         self.total = total
         self.prefetch_limit = prefetch_limit
+        self.per_object = per_object
+        self.max_abandoned = max_abandoned
         self.in_use = 0
         self.prefetch_in_use = 0
+        self.abandoned_total = 0
+        self.reads_of: dict[str, int] = {}  # store key -> reads of it in the air, abandoned ones included
+        self.abandoned_of: dict[str, int] = {}  # store key -> of those, abandoned ones (keys with none absent)
         self._queues: dict[Priority, list[_Ticket]] = {ONDEMAND: [], PREFETCH: []}
 
     def waiting(self, priority: Priority) -> int:
         return len(self._queues[priority])
 
     async def acquire(self, ticket: _Ticket) -> None:
+        """Wait for the ticket's grant; raises _Refused when it may not start."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        queued_ahead = any(self._queues[p] for p in Priority if p <= ticket.priority)
-        if not queued_ahead and self._may_start(ticket.priority):
-            self._grant(ticket)
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return
         self._enqueue(ticket)
+        self._grant_queued()
         try:
             await ticket.event.wait()
         except BaseException:  # cancelled (a timeout): give back what we hold, or leave the queue
             if ticket.granted:
-                self.release(ticket)
-            else:
+                self.release(ticket, abandoned=False)
+            elif ticket.queued:
                 self._queues[ticket.priority].remove(ticket)
                 ticket.queued = False
             raise
+        if ticket.refused is not None:
+            raise _Refused(ticket.refused)
 
-    def release(self, ticket: _Ticket) -> None:
+    def release(self, ticket: _Ticket, *, abandoned: bool) -> None:
+        """The read is over, or ``abandoned`` (its thread stays in the store and keeps its object's
+        place until ``returned``); either way its slot is free."""
         self.in_use -= 1
         if ticket.as_prefetch:
             self.prefetch_in_use -= 1
+        if abandoned:
+            ticket.abandoned = True
+            self.abandoned_total += 1
+            self.abandoned_of[ticket.key] = self.abandoned_of.get(ticket.key, 0) + 1
+        else:
+            self._leave_object(ticket.key)
+        self._grant_queued()
+
+    def returned(self, ticket: _Ticket) -> None:
+        """An abandoned read's thread has come back from the store."""
+        self.abandoned_total -= 1
+        if self.abandoned_of[ticket.key] == 1:
+            del self.abandoned_of[ticket.key]
+        else:
+            self.abandoned_of[ticket.key] -= 1
+        self._leave_object(ticket.key)
         self._grant_queued()
 
     def promote(self, ticket: _Ticket) -> None:
@@ -197,6 +265,12 @@ class _StoreSlots:
             self._enqueue(ticket)
         self._grant_queued()
 
+    def _leave_object(self, key: str) -> None:
+        if self.reads_of[key] == 1:
+            del self.reads_of[key]
+        else:
+            self.reads_of[key] -= 1
+
     def _enqueue(self, ticket: _Ticket) -> None:
         ticket.queued = True
         bisect.insort(self._queues[ticket.priority], ticket, key=lambda t: t.order)
@@ -204,34 +278,58 @@ class _StoreSlots:
     def _may_start(self, priority: Priority) -> bool:
         return self.in_use < self.total and (priority == ONDEMAND or self.prefetch_in_use < self.prefetch_limit)
 
-    def _grant(self, ticket: _Ticket) -> None:
-        ticket.granted = True
-        ticket.queued = False
-        ticket.as_prefetch = ticket.priority == PREFETCH
-        self.in_use += 1
-        self.prefetch_in_use += ticket.as_prefetch
-        ticket.event.set()
+    def _refusal(self, key: str) -> str | None:
+        stuck = self.abandoned_of.get(key, 0)
+        if stuck >= self.per_object:
+            return f"{stuck} reads of this store object are stuck past their deadline; it is read again once one returns"
+        if self.abandoned_total >= self.max_abandoned:
+            return (f"{self.abandoned_total} store reads (of {len(self.abandoned_of)} objects) are stuck past their "
+                    "deadline, the most left behind; no read starts until one returns")
+        return None
 
     def _grant_queued(self) -> None:
         for priority in (ONDEMAND, PREFETCH):
             queue = self._queues[priority]
-            while queue and self._may_start(priority):
-                self._grant(queue.pop(0))
+            kept = []
+            for ticket in queue:
+                refusal = self._refusal(ticket.key)
+                if refusal is not None:
+                    ticket.refused = refusal
+                elif self._may_start(priority) and self.reads_of.get(ticket.key, 0) < self.per_object:
+                    self._grant(ticket)
+                else:
+                    kept.append(ticket)
+                    continue
+                ticket.queued = False
+                ticket.event.set()
+            queue[:] = kept
+
+    def _grant(self, ticket: _Ticket) -> None:
+        ticket.granted = True
+        ticket.as_prefetch = ticket.priority == PREFETCH
+        self.in_use += 1
+        self.prefetch_in_use += ticket.as_prefetch
+        self.reads_of[ticket.key] = self.reads_of.get(ticket.key, 0) + 1
 
 
-class _SlotLimiter:
-    """What trio.to_thread.run_sync needs of a limiter, for one ticket: the slot is taken before the
-    thread starts and given back when the thread has really finished, even after a timeout."""
+class _ThreadWatch:
+    """The limiter trio.to_thread.run_sync is given for one store read: it limits nothing (the ticket
+    did), but learns when the thread really starts and ends, which for an abandoned thread is long after
+    run_sync has returned."""
 
-    def __init__(self, slots: _StoreSlots, ticket: _Ticket):
-        self._slots = slots
+    def __init__(self, fetcher: "ChunkFetcher", ticket: _Ticket):
+        self._fetcher = fetcher
         self._ticket = ticket
+        self.started = False
+        self.returned = False
 
     async def acquire_on_behalf_of(self, borrower: object) -> None:
-        await self._slots.acquire(self._ticket)
+        self.started = True
 
     def release_on_behalf_of(self, borrower: object) -> None:
-        self._slots.release(self._ticket)
+        self.returned = True
+        if self._ticket.abandoned:
+            self._fetcher._abandoned_read_returned(self._ticket)
 
 
 class ChunkFetcher:
@@ -246,16 +344,22 @@ class ChunkFetcher:
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
         prefetch_slots: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        object_reads: int = DEFAULT_OBJECT_READS,
+        max_abandoned: int = DEFAULT_MAX_ABANDONED,
     ):
         prefetch_slots = max(1, max_concurrent * 3 // 4) if prefetch_slots is None else prefetch_slots
         if max_concurrent < 1 or not 0 < prefetch_slots <= max_concurrent:
             raise InputError(f"need 0 < prefetch_slots ({prefetch_slots}) <= max_concurrent ({max_concurrent})",
                              where="chunk fetcher")
+        if object_reads < 1 or max_abandoned < 1:
+            raise InputError(f"object_reads ({object_reads}) and max_abandoned ({max_abandoned}) must be positive",
+                             where="chunk fetcher")
         self.store = store
         self.cache = cache
         self.timeout = timeout
         self._nursery = nursery
-        self._slots = _StoreSlots(max_concurrent, prefetch_slots)
+        self._slots = _StoreSlots(max_concurrent, prefetch_slots, object_reads, max_abandoned)
+        self._stalled_since: dict[str, float] = {}  # store key -> when its first read still stuck was abandoned
         self._flights: dict[bytes, _Flight] = {}
         self._stats: dict[str, FetchStats] = {}
         self._reads_planned = 0  # numbers the store reads' tickets (see _StoreSlots)
@@ -276,8 +380,17 @@ class ChunkFetcher:
 
     @property
     def store_reads_running(self) -> int:
-        """Store reads holding a slot (a gauge; threads abandoned after a timeout count until they end)."""
+        """Store reads holding a slot (a gauge; abandoned ones hold none)."""
         return self._slots.in_use
+
+    @property
+    def abandoned_reads(self) -> int:
+        """Store reads abandoned at their deadline whose thread is still in the store (a gauge)."""
+        return self._slots.abandoned_total
+
+    def stuck_objects(self) -> dict[str, int]:
+        """Store key -> its abandoned reads still in the store, for the keys that have any."""
+        return dict(self._slots.abandoned_of)
 
     @property
     def in_flight(self) -> int:
@@ -379,7 +492,8 @@ class ChunkFetcher:
                             flights.append(flight)
                             stats.readahead += 1
                     self._reads_planned += 1
-                    ticket = _Ticket(min(flight.priority for flight in flights), self._reads_planned)
+                    ticket = _Ticket(keys.pack(run.pack_id), min(flight.priority for flight in flights),
+                                     self._reads_planned)
                     for flight in flights:
                         flight.ticket = ticket
                     nursery.start_soon(self._read_run, run, flights, ticket, stats)
@@ -396,21 +510,25 @@ class ChunkFetcher:
         items = list(run.chunks)
         started_at = trio.current_time()
         stats.store_reads += 1
+        logged: set[int] = set()  # a whole-run error is logged once
         try:
             with trio.fail_after(self.timeout):
-                results = await trio.to_thread.run_sync(
-                    self._read_and_cache, run, abandon_on_cancel=True, limiter=_SlotLimiter(self._slots, ticket)
-                )
+                results = await self._store_read(run, ticket, stats)
         except trio.TooSlowError:
             stats.timeouts += len(items)
             error = UnavailableError(f"the store did not answer within {self.timeout:g} s",
                                      where=_chunks_name(items), transient=True)
             results = dict.fromkeys((digest for digest, _ in items), error)
+        except _Refused as refused:  # counted, not logged: the stall was, once
+            stats.refused += len(items)
+            error = UnavailableError(str(refused), where=f"store object {ticket.key} ({_chunks_name(items)})",
+                                     transient=True)
+            logged.add(id(error))
+            results = dict.fromkeys((digest for digest, _ in items), error)
         except Exception as exc:  # whatever the store raised goes to the waiters
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
-        logged: set[int] = set()  # a whole-run error is logged once
         for (digest, _location), flight in zip(items, flights):
             result = results[digest]
             if isinstance(result, BaseException):
@@ -424,6 +542,31 @@ class ChunkFetcher:
                 stats.chunks_fetched += 1
                 stats.bytes_fetched += len(result)
                 self._land(digest, flight, data=result)
+
+    async def _store_read(self, run: ChunkRun, ticket: _Ticket, stats: FetchStats) -> dict[bytes, bytes | Exception]:
+        """Read ``run`` in a worker thread once ``ticket`` is granted; a cancelled read whose thread is
+        still in the store gives its slot back and leaves the thread behind (the module docstring)."""
+        await self._slots.acquire(ticket)
+        watch = _ThreadWatch(self, ticket)
+        try:
+            return await trio.to_thread.run_sync(self._read_and_cache, run, abandon_on_cancel=True, limiter=watch)
+        finally:
+            abandoned = watch.started and not watch.returned
+            self._slots.release(ticket, abandoned=abandoned)
+            if abandoned:
+                stats.abandoned += 1
+                if ticket.key not in self._stalled_since:
+                    self._stalled_since[ticket.key] = trio.current_time()
+                    log.warning("store object %s did not answer within %g s: its read is abandoned (the thread "
+                                "stays in the store); at most %d reads of it are left behind until one returns",
+                                ticket.key, self.timeout, self._slots.per_object)
+
+    def _abandoned_read_returned(self, ticket: _Ticket) -> None:
+        self._slots.returned(ticket)
+        if ticket.key not in self._slots.abandoned_of:
+            stalled = trio.current_time() - self._stalled_since.pop(ticket.key)
+            log.warning("store object %s answered again, %.1f s after its first read was abandoned",
+                        ticket.key, stalled)
 
     def _land(self, digest: bytes, flight: _Flight, *, data: bytes | None = None,
               error: BaseException | None = None) -> None:
@@ -495,13 +638,15 @@ async def open_fetcher(
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     prefetch_slots: int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    object_reads: int = DEFAULT_OBJECT_READS,
+    max_abandoned: int = DEFAULT_MAX_ABANDONED,
 ) -> AsyncIterator[ChunkFetcher]:
     """A ChunkFetcher whose flights run in a nursery of its own; leaving the block cancels the flights
     still in the air (their waiters get UnavailableError). ``prefetch_slots`` defaults to three quarters
     of the slots."""
     async with trio.open_nursery() as nursery:
-        fetcher = ChunkFetcher(store, cache, nursery, max_concurrent=max_concurrent,
-                               prefetch_slots=prefetch_slots, timeout=timeout)
+        fetcher = ChunkFetcher(store, cache, nursery, max_concurrent=max_concurrent, prefetch_slots=prefetch_slots,
+                               timeout=timeout, object_reads=object_reads, max_abandoned=max_abandoned)
         try:
             yield fetcher
         finally:
