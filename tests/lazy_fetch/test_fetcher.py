@@ -1,4 +1,3 @@
-import errno
 import logging
 import os
 import random
@@ -15,6 +14,7 @@ from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import CountingStore, FaultStore, LatencyStore, StoreWrapper
 from lazy_fetch.cache import ChunkCache
 from lazy_fetch.fetcher import ONDEMAND, PREFETCH, open_fetcher
+from tests.lazy_fetch.hung_store import HungPack
 
 
 class GatedStore(StoreWrapper):
@@ -406,35 +406,12 @@ def test_warm_reports_each_chunk_in_order_and_a_bad_one_without_raising(backend,
 # -- a store object that never answers
 
 
-class HungPack:
-    """A pack of a FilesystemStore replaced by a FIFO nobody writes to: open(2) of it blocks until
-    ``answer`` puts the real pack back and wakes the readers stuck in it (they then see an empty object)."""
-
-    def __init__(self, backend, pack_id: str):
-        self.path = os.path.join(backend.root, keys.pack(pack_id))
-        self.key = keys.pack(pack_id)
-        self._saved = self.path + ".saved"
-        self._fifo = self.path + ".fifo"
-        os.rename(self.path, self._saved)
-        os.mkfifo(self._fifo)
-        os.link(self._fifo, self.path)
-
-    def answer(self) -> None:
-        """Put the pack back, then open the FIFO for writing and close it: stuck reads return."""
-        if os.path.exists(self._saved):
-            os.rename(self._saved, self.path)
-        try:
-            os.close(os.open(self._fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError as exc:  # ENXIO: no reader is stuck in it
-            assert exc.errno == errno.ENXIO
-
-
 def test_an_object_that_never_answers_leaves_the_slots_to_the_others(backend, cache, caplog):
     hung_chunks = [chunk(n) for n in range(12)]
     hung_items = upload(backend, hung_chunks)
     healthy_chunks = [chunk(100 + n) for n in range(6)]
     healthy_items = upload(backend, healthy_chunks)
-    hung = HungPack(backend, hung_items[0][1].pack_id)
+    hung = HungPack(backend.root, hung_items[0][1].pack_id)
     counting = CountingStore(backend)
 
     async def main():
