@@ -12,7 +12,6 @@ cli/main.py registers the group: ``main.add_command(sandbox_cmds.sandbox)``.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
 
 import click
 
@@ -45,7 +44,7 @@ def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name:
     (not all); the stack is toolkits, workspace, base, top first."""
     node = Node.ensure_running(socket_path, store=store_url)
     info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url)
-    emit(as_json, asdict(info), lambda: f"{info.id} {info.rootfs}")
+    emit(as_json, info, lambda: f"{info.id} {info.rootfs}")
 
 
 @sandbox.command("exec")
@@ -107,7 +106,7 @@ def ls(socket_path: str, as_json: bool) -> None:
                   + " ".join(f"{layer.role}={layer.ref}" for layer in i.layers) for i in infos]
         return "\n".join(lines)
 
-    emit(as_json, {"sandboxes": [asdict(info) for info in infos]}, text)
+    emit(as_json, {"sandboxes": infos}, text)
 
 
 @sandbox.command("commit")
@@ -119,4 +118,4 @@ def ls(socket_path: str, as_json: bool) -> None:
 def commit(key: str, ref: str, store_url: str | None, socket_path: str, as_json: bool) -> None:
     """Publish SANDBOX's changes (its upper dir, whiteouts included) as a layer; prints its digest."""
     result = Sandbox(Node(socket_path), key).commit(ref, store=store_url)
-    emit(as_json, asdict(result), lambda: result.layer)
+    emit(as_json, result, lambda: result.layer)

@@ -48,7 +48,6 @@ an eviction sees a missing file and re-checks under ``_lock`` before calling any
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import secrets
@@ -62,6 +61,7 @@ from dataclasses import dataclass
 import xxhash
 
 from dsec_fs.digest import is_hex_digest, short, to_hex
+from dsec_fs.files import LOCK_NAME, lock_directory
 from dsec_fs.errors import CorruptError, InputError, UnavailableError
 from dsec_fs.mounts import is_mountpoint, mounts_below
 from dsec_fs.paths import private_dir
@@ -123,16 +123,10 @@ class ChunkCache:
             raise
 
     def _lock_directory(self) -> int:
-        path = os.path.join(self.directory, "lock")
-        _make_room(path, directory=False)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        _make_room(os.path.join(self.directory, LOCK_NAME), directory=False)
+        fd = lock_directory(self.directory, what="another ChunkCache (this or another process)",
+                            error=lambda message, where: UnavailableError(message, where=where, transient=False))
         _narrow(fd, FILE_MODE)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise UnavailableError("the chunk cache is in use by another ChunkCache (this or another process)",
-                                   where=self.directory, transient=False) from None
         return fd
 
     def _open_index(self, map_size: int) -> CacheIndex:
