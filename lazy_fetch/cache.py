@@ -11,7 +11,12 @@ Layout of the cache directory::
 The rule that keeps it consistent after SIGKILL at any point: an index entry is only ever added for a file
 already renamed into place, and removed before its file is unlinked. A crash can therefore leave only
 files nobody indexes (temporary or complete), and the next open deletes them in one scan, together with
-index entries whose file has gone (someone deleted it) or is not the size the index says.
+index entries whose file has gone (someone deleted it) or is not the size the index says. Chunk files are
+not fsynced: every read checks the size and xxh3_64 the index recorded, so bytes a power cut lost (or a
+disk rotted) are found on read; such a rotten entry is dropped and reported as a miss, and the fetcher
+fetches the chunk again. The index itself commits durably, which costs milliseconds a commit:
+``put_many`` records a whole batch (the chunks of one store read) in one commit, after renaming all its
+files into place.
 
 Nothing left in the directory stops an open (``_reconcile``, ``_make_room``): under chunks/ whatever is
 not a regular file of an indexed chunk, with its name, in its fan-out directory and of its indexed size,
@@ -24,11 +29,7 @@ and are left alone.
 Private: the directory is made 0700 (narrowed if found wider), chunk and lock files 0600 and the index
 files 0600 (lmdb_index.FILE_MODE); a chunk file or fan-out directory found wider, say from an older
 version, is narrowed at open. Chunk files are only ever opened O_NOFOLLOW | O_NONBLOCK and read if
-regular, so nothing put in their place can send a read elsewhere or make it block. Chunk files are not fsynced: every read checks the
-size and xxh3_64 the index recorded, so bytes a power cut lost (or a disk rotted) are found on read; such
-a rotten entry is dropped and reported as a miss, and the fetcher fetches the chunk again. The index itself
-commits durably, which costs milliseconds a commit: ``put_many`` records a whole batch (the chunks of one
-store read) in one commit, after renaming all its files into place.
+regular, so nothing put in their place can send a read elsewhere or make it block.
 
 ``max_bytes`` bounds the sum of the chunk sizes (not the disk blocks they occupy, nor the index). Hits
 move a chunk to the recent end of the LRU order; those moves are collected in memory and written in

@@ -68,6 +68,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TypeVar
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -82,6 +83,7 @@ from dsec_fs.store.base import Store
 from .cache import ChunkCache
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Store reads at once. A store answers each GET after a round trip (tens of ms), so reads side by side are
 # what fills the link; by default a quarter of the slots are kept for on-demand reads.
@@ -235,6 +237,18 @@ class _StoreSlots:
         self.in_use -= 1
         if ticket.as_prefetch:
             self.prefetch_in_use -= 1
+        self.leave(ticket, abandoned=abandoned)
+
+    def enter_unslotted(self, ticket: _Ticket) -> str | None:
+        """Take a place among the ticket's object's calls at once, with no slot and no limit but the
+        refusal; returns why not, or None. Pair it with ``leave``."""
+        refusal = self._refusal(ticket.key)
+        if refusal is None:
+            self.reads_of[ticket.key] = self.reads_of.get(ticket.key, 0) + 1
+        return refusal
+
+    def leave(self, ticket: _Ticket, *, abandoned: bool) -> None:
+        """Give the ticket's place among its object's reads back, unless ``abandoned`` (see release)."""
         if abandoned:
             ticket.abandoned = True
             self.abandoned_total += 1
@@ -281,7 +295,8 @@ class _StoreSlots:
     def _refusal(self, key: str) -> str | None:
         stuck = self.abandoned_of.get(key, 0)
         if stuck >= self.per_object:
-            return f"{stuck} reads of this store object are stuck past their deadline; it is read again once one returns"
+            return (f"{stuck} reads of this store object are stuck past their deadline; it is read again once one "
+                    "returns")
         if self.abandoned_total >= self.max_abandoned:
             return (f"{self.abandoned_total} store reads (of {len(self.abandoned_of)} objects) are stuck past their "
                     "deadline, the most left behind; no read starts until one returns")
@@ -543,6 +558,31 @@ class ChunkFetcher:
                 stats.bytes_fetched += len(result)
                 self._land(digest, flight, data=result)
 
+    async def call_store(self, what: str, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)``: blocking store calls other than chunk reads (opening a layer, loading its pack
+        indexes) in a worker thread, within the fetcher's deadline, else UnavailableError(transient)
+        naming ``what``. They take no slot, but a thread still in the store at the deadline is left
+        behind, bounded and logged as a store read's is, with ``what`` as its object: calls for a
+        ``what`` whose places are all held by stuck threads fail at once, and none starts while
+        ``max_abandoned`` are stuck. Its thread is not one of trio's default limiter, which stuck ones
+        would exhaust for every other worker thread of the daemon."""
+        ticket = _Ticket(what, ONDEMAND, 0)
+        refusal = self._slots.enter_unslotted(ticket)
+        if refusal is not None:
+            raise UnavailableError(refusal, where=what, transient=True)
+        watch = _ThreadWatch(self, ticket)
+        try:
+            with trio.fail_after(self.timeout):
+                return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True, limiter=watch)
+        except trio.TooSlowError:
+            raise UnavailableError(f"the store did not answer within {self.timeout:g} s", where=what,
+                                   transient=True) from None
+        finally:
+            abandoned = watch.started and not watch.returned
+            self._slots.leave(ticket, abandoned=abandoned)
+            if abandoned:
+                self._note_abandoned(ticket.key)
+
     async def _store_read(self, run: ChunkRun, ticket: _Ticket, stats: FetchStats) -> dict[bytes, bytes | Exception]:
         """Read ``run`` in a worker thread once ``ticket`` is granted; a cancelled read whose thread is
         still in the store gives its slot back and leaves the thread behind (the module docstring)."""
@@ -555,11 +595,15 @@ class ChunkFetcher:
             self._slots.release(ticket, abandoned=abandoned)
             if abandoned:
                 stats.abandoned += 1
-                if ticket.key not in self._stalled_since:
-                    self._stalled_since[ticket.key] = trio.current_time()
-                    log.warning("store object %s did not answer within %g s: its read is abandoned (the thread "
-                                "stays in the store); at most %d reads of it are left behind until one returns",
-                                ticket.key, self.timeout, self._slots.per_object)
+                self._note_abandoned(ticket.key)
+
+    def _note_abandoned(self, key: str) -> None:
+        """Log the first abandoned call of a stall of ``key``, once."""
+        if key not in self._stalled_since:
+            self._stalled_since[key] = trio.current_time()
+            log.warning("store object %s did not answer within %g s: its call is abandoned (the thread stays "
+                        "in the store); at most %d calls of it are left behind until one returns",
+                        key, self.timeout, self._slots.per_object)
 
     def _abandoned_read_returned(self, ticket: _Ticket) -> None:
         self._slots.returned(ticket)

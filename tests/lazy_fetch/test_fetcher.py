@@ -513,3 +513,31 @@ def test_reads_of_one_object_queue_behind_its_limit_and_let_others_pass(backend,
                 gated.gate.set()
 
     trio.run(main)
+
+
+def test_other_store_calls_are_bounded_like_reads(backend, cache):
+    # call_store (opening a layer, loading pack indexes): the deadline, and stuck threads bounded per object.
+    items = upload(backend, [chunk(1)])
+    hung = HungPack(backend.root, items[0][1].pack_id)
+    what = f"pack {items[0][1].pack_id}"
+
+    async def main():
+        async with open_fetcher(backend, cache, timeout=0.3, object_reads=2) as fetcher:
+            for _ in range(2):
+                with pytest.raises(UnavailableError, match="within 0.3 s") as info:
+                    await fetcher.call_store(what, backend.get, hung.key)
+                assert info.value.where == what
+            assert fetcher.stuck_objects() == {what: 2}
+            started = trio.current_time()
+            with pytest.raises(UnavailableError, match="stuck"):
+                await fetcher.call_store(what, backend.get, hung.key)
+            assert trio.current_time() - started < 0.2
+            assert await fetcher.call_store("another", backend.get, keys.index(items[0][1].pack_id))  # others go
+            hung.answer()
+            await until(lambda: fetcher.abandoned_reads == 0)
+            assert len(await fetcher.call_store(what, backend.get, hung.key)) == backend.size(hung.key)
+
+    try:
+        trio.run(main)
+    finally:
+        hung.answer()
