@@ -368,6 +368,7 @@ def _make_room(path: str, *, directory: bool) -> None:
         return
     if stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode):
         return
+    log.warning("chunk cache: %s is not a %s; replacing it", path, "directory" if directory else "regular file")
     _remove_stray(path)
 
 
@@ -386,7 +387,7 @@ def _remove_stray(path: str) -> int:
     except OSError as exc:
         log.warning("chunk cache: cannot remove the stray %s, leaving it: %s", path, exc.strerror or exc)
         return 0
-    log.info("chunk cache: removed the stray %s", path)
+    log.debug("chunk cache: removed the stray %s", path)
     return 1
 
 

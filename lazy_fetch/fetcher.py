@@ -35,17 +35,19 @@ How a request is served:
 - **Per object.** At most ``object_reads`` reads of one store object (a pack) are in the air at once, its
   abandoned ones (below) included; further reads of it queue without a slot, and reads of other objects
   go past them. A 16 MiB pack is four reads of MAX_READ_BYTES, so this costs a healthy pack nothing.
-- **Timeout and abandoned threads.** Each store read (waiting for a slot included) must finish within
+- **Timeout and abandoned threads.** Each store read (waiting for a slot or a place included) must finish within
   ``timeout`` seconds, else its chunks fail with UnavailableError(transient=True). A thread still in the
   store at its deadline cannot be stopped: it is *abandoned*. Its slot is given back at once (so an object
   that never answers cannot take the slots of the healthy ones), but it keeps its place among its object's
   ``object_reads`` until it really returns (its result, if it ever comes, is still cached). So one hung
   object holds at most ``object_reads`` threads: once all of them are abandoned, reads of it fail at once
   (UnavailableError naming the key) instead of starting threads that would hang too, and the first read
-  after one returns goes ahead, which is the recovery, without a restart. In all at most
-  ``max_abandoned`` threads are left behind; beyond that every new store read fails at once until some
-  return. Each abandonment is counted (FetchStats.abandoned) and the first of an object's stall, and its
-  end, logged with the key.
+  after one returns goes ahead, which is the recovery, without a restart. Once ``max_abandoned`` threads
+  are left behind over all objects, every new store read fails at once until some return (so at most
+  ``max_abandoned + max_concurrent`` store threads ever exist). Each abandonment is counted
+  (FetchStats.abandoned) and the first of an object's stall, and its end, logged with the key.
+  ``call_store`` runs a mount's other store calls (pack indexes, a layer's objects) by the same rules,
+  without a slot.
 
 Metrics: a FetchStats per label (a layer, normally), exported by the daemon's prometheus adapter.
 
@@ -54,7 +56,7 @@ flights, the slots and the FetchStats are used from there only, so they need no 
 cache calls run in worker threads via trio.to_thread.run_sync: the trio thread never blocks on a store or
 the disk. A store read's worker thread may block in the store for ever; nothing waits for it but the
 flights of its own chunks, and those only until the deadline. Store-read threads are counted by the
-fetcher's own limiter (_ThreadWatch), not trio's default one, so stuck ones never starve the daemon's other
+fetcher's own limiter (ThreadWatch), not trio's default one, so stuck ones never starve the daemon's other
 worker threads (cache lookups, layer opens). Flights run as tasks of the fetcher's own nursery
 (open_fetcher), not of the caller: a caller that is cancelled stops waiting, and the fetch goes on for the
 others and the cache.
@@ -62,15 +64,13 @@ others and the cache.
 
 from __future__ import annotations
 
-import bisect
-import enum
 import logging
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TypeVar
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -81,6 +81,7 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .cache import ChunkCache
+from .store_slots import ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, ThreadWatch, Ticket
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,17 +100,6 @@ MAX_READ_BYTES = 4 * 1024 * 1024
 # Upper bounds (seconds) of the latency histogram's buckets; the last catches everything.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, math.inf)
 RECENT_LATENCIES = 1024
-
-
-class Priority(enum.IntEnum):
-    """Lower goes first."""
-
-    ONDEMAND = 0  # a reader is waiting for these bytes (a FUSE read)
-    PREFETCH = 1  # warming the cache ahead of need
-
-
-ONDEMAND = Priority.ONDEMAND
-PREFETCH = Priority.PREFETCH
 
 
 @dataclass
@@ -141,20 +131,6 @@ class FetchStats:
         self.latency_sum += seconds
         self.recent_latencies.append(seconds)
 
-    def merged(self, other: "FetchStats") -> "FetchStats":
-        """The sum of two labels' counters (the same layer read through two stores), under this label;
-        the recent latencies are this one's followed by the other's."""
-        summed = FetchStats(self.label)
-        for name in COUNTERS:
-            setattr(summed, name, getattr(self, name) + getattr(other, name))
-        summed.latency_counts = [a + b for a, b in zip(self.latency_counts, other.latency_counts)]
-        summed.recent_latencies.extend((*self.recent_latencies, *other.recent_latencies))
-        return summed
-
-
-COUNTERS = ("hits", "misses", "coalesced", "chunks_fetched", "bytes_fetched", "store_reads", "readahead", "errors",
-            "corrupt", "timeouts", "refused", "abandoned", "latency_sum")
-
 
 class _Flight:
     """One chunk's fetch in the air: the result every waiter gets, once ``done`` is set."""
@@ -166,185 +142,7 @@ class _Flight:
         self.data: bytes | None = None
         self.error: BaseException | None = None
         self.priority = priority
-        self.ticket: _Ticket | None = None  # the store-slot claim of its run, once it has one
-
-
-class _Ticket:
-    """A store read's claim on a store slot and on a place among its object's reads."""
-
-    __slots__ = ("key", "priority", "order", "queued", "granted", "as_prefetch", "event", "refused", "abandoned")
-
-    def __init__(self, key: str, priority: Priority, order: int):
-        self.key = key  # the store object it reads
-        self.priority = priority
-        self.order = order  # queues are kept in this order: the fetcher numbers store reads as it plans them
-        self.queued = False
-        self.granted = False
-        self.as_prefetch = False  # it was granted as a prefetch and counts against the prefetch limit
-        self.event = trio.Event()
-        self.refused: str | None = None  # why it may not start (too many reads stuck), once decided
-        self.abandoned = False  # its thread passed the deadline in the store and still holds its place
-
-
-class _Refused(Exception):
-    """A store read that may not start: its object, or the store, has too many reads stuck."""
-
-
-class _StoreSlots:
-    """The scheduler of store reads. At most ``total`` at once, at most ``prefetch_limit`` of them
-    prefetch; queued on-demand reads are granted before queued prefetch reads, each queue in ticket
-    ``order`` (the order the reads were planned in, not the order trio happens to start their tasks in).
-    A ticket is granted only while its object has fewer than ``per_object`` reads in the air (abandoned
-    ones included); one whose object is full waits and lets the tickets behind it go first. A ticket is
-    refused once every place of its object is held by an abandoned read, or ``max_abandoned`` are
-    abandoned in all."""
-
-    def __init__(self, total: int, prefetch_limit: int, per_object: int, max_abandoned: int):
-        self.total = total
-        self.prefetch_limit = prefetch_limit
-        self.per_object = per_object
-        self.max_abandoned = max_abandoned
-        self.in_use = 0
-        self.prefetch_in_use = 0
-        self.abandoned_total = 0
-        self.reads_of: dict[str, int] = {}  # store key -> reads of it in the air, abandoned ones included
-        self.abandoned_of: dict[str, int] = {}  # store key -> of those, abandoned ones (keys with none absent)
-        self._queues: dict[Priority, list[_Ticket]] = {ONDEMAND: [], PREFETCH: []}
-
-    def waiting(self, priority: Priority) -> int:
-        return len(self._queues[priority])
-
-    async def acquire(self, ticket: _Ticket) -> None:
-        """Wait for the ticket's grant; raises _Refused when it may not start."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self._enqueue(ticket)
-        self._grant_queued()
-        try:
-            await ticket.event.wait()
-        except BaseException:  # cancelled (a timeout): give back what we hold, or leave the queue
-            if ticket.granted:
-                self.release(ticket, abandoned=False)
-            elif ticket.queued:
-                self._queues[ticket.priority].remove(ticket)
-                ticket.queued = False
-            raise
-        if ticket.refused is not None:
-            raise _Refused(ticket.refused)
-
-    def release(self, ticket: _Ticket, *, abandoned: bool) -> None:
-        """The read is over, or ``abandoned`` (its thread stays in the store and keeps its object's
-        place until ``returned``); either way its slot is free."""
-        self.in_use -= 1
-        if ticket.as_prefetch:
-            self.prefetch_in_use -= 1
-        self.leave(ticket, abandoned=abandoned)
-
-    def enter_unslotted(self, ticket: _Ticket) -> str | None:
-        """Take a place among the ticket's object's calls at once, with no slot and no limit but the
-        refusal; returns why not, or None. Pair it with ``leave``."""
-        refusal = self._refusal(ticket.key)
-        if refusal is None:
-            self.reads_of[ticket.key] = self.reads_of.get(ticket.key, 0) + 1
-        return refusal
-
-    def leave(self, ticket: _Ticket, *, abandoned: bool) -> None:
-        """Give the ticket's place among its object's reads back, unless ``abandoned`` (see release)."""
-        if abandoned:
-            ticket.abandoned = True
-            self.abandoned_total += 1
-            self.abandoned_of[ticket.key] = self.abandoned_of.get(ticket.key, 0) + 1
-        else:
-            self._leave_object(ticket.key)
-        self._grant_queued()
-
-    def returned(self, ticket: _Ticket) -> None:
-        """An abandoned read's thread has come back from the store."""
-        self.abandoned_total -= 1
-        if self.abandoned_of[ticket.key] == 1:
-            del self.abandoned_of[ticket.key]
-        else:
-            self.abandoned_of[ticket.key] -= 1
-        self._leave_object(ticket.key)
-        self._grant_queued()
-
-    def promote(self, ticket: _Ticket) -> None:
-        """Make a prefetch ticket on-demand; a queued one moves to the on-demand queue."""
-        if ticket.priority == ONDEMAND:
-            return
-        queued = ticket.queued
-        if queued:
-            self._queues[PREFETCH].remove(ticket)
-        ticket.priority = ONDEMAND
-        if queued:
-            self._enqueue(ticket)
-        self._grant_queued()
-
-    def _leave_object(self, key: str) -> None:
-        if self.reads_of[key] == 1:
-            del self.reads_of[key]
-        else:
-            self.reads_of[key] -= 1
-
-    def _enqueue(self, ticket: _Ticket) -> None:
-        ticket.queued = True
-        bisect.insort(self._queues[ticket.priority], ticket, key=lambda t: t.order)
-
-    def _may_start(self, priority: Priority) -> bool:
-        return self.in_use < self.total and (priority == ONDEMAND or self.prefetch_in_use < self.prefetch_limit)
-
-    def _refusal(self, key: str) -> str | None:
-        stuck = self.abandoned_of.get(key, 0)
-        if stuck >= self.per_object:
-            return (f"{stuck} reads of this store object are stuck past their deadline; it is read again once one "
-                    "returns")
-        if self.abandoned_total >= self.max_abandoned:
-            return (f"{self.abandoned_total} store reads (of {len(self.abandoned_of)} objects) are stuck past their "
-                    "deadline, the most left behind; no read starts until one returns")
-        return None
-
-    def _grant_queued(self) -> None:
-        for priority in (ONDEMAND, PREFETCH):
-            queue = self._queues[priority]
-            kept = []
-            for ticket in queue:
-                refusal = self._refusal(ticket.key)
-                if refusal is not None:
-                    ticket.refused = refusal
-                elif self._may_start(priority) and self.reads_of.get(ticket.key, 0) < self.per_object:
-                    self._grant(ticket)
-                else:
-                    kept.append(ticket)
-                    continue
-                ticket.queued = False
-                ticket.event.set()
-            queue[:] = kept
-
-    def _grant(self, ticket: _Ticket) -> None:
-        ticket.granted = True
-        ticket.as_prefetch = ticket.priority == PREFETCH
-        self.in_use += 1
-        self.prefetch_in_use += ticket.as_prefetch
-        self.reads_of[ticket.key] = self.reads_of.get(ticket.key, 0) + 1
-
-
-class _ThreadWatch:
-    """The limiter trio.to_thread.run_sync is given for one store read: it limits nothing (the ticket
-    did), but learns when the thread really starts and ends, which for an abandoned thread is long after
-    run_sync has returned."""
-
-    def __init__(self, fetcher: "ChunkFetcher", ticket: _Ticket):
-        self._fetcher = fetcher
-        self._ticket = ticket
-        self.started = False
-        self.returned = False
-
-    async def acquire_on_behalf_of(self, borrower: object) -> None:
-        self.started = True
-
-    def release_on_behalf_of(self, borrower: object) -> None:
-        self.returned = True
-        if self._ticket.abandoned:
-            self._fetcher._abandoned_read_returned(self._ticket)
+        self.ticket: Ticket | None = None  # the store-slot claim of its run, once it has one
 
 
 class ChunkFetcher:
@@ -373,11 +171,11 @@ class ChunkFetcher:
         self.cache = cache
         self.timeout = timeout
         self._nursery = nursery
-        self._slots = _StoreSlots(max_concurrent, prefetch_slots, object_reads, max_abandoned)
+        self._slots = StoreSlots(max_concurrent, prefetch_slots, object_reads, max_abandoned)
         self._stalled_since: dict[str, float] = {}  # store key -> when its first read still stuck was abandoned
         self._flights: dict[bytes, _Flight] = {}
         self._stats: dict[str, FetchStats] = {}
-        self._reads_planned = 0  # numbers the store reads' tickets (see _StoreSlots)
+        self._reads_planned = 0  # numbers the store reads' tickets (see StoreSlots)
 
     def stats(self, label: str = "") -> FetchStats:
         """The counters of ``label`` (created on first use)."""
@@ -507,7 +305,7 @@ class ChunkFetcher:
                             flights.append(flight)
                             stats.readahead += 1
                     self._reads_planned += 1
-                    ticket = _Ticket(keys.pack(run.pack_id), min(flight.priority for flight in flights),
+                    ticket = Ticket(keys.pack(run.pack_id), min(flight.priority for flight in flights),
                                      self._reads_planned)
                     for flight in flights:
                         flight.ticket = ticket
@@ -520,7 +318,7 @@ class ChunkFetcher:
                     self._land(digest, flight, error=UnavailableError(
                         "the chunk fetcher stopped before the chunk arrived", where=f"chunk {to_hex(digest)}"))
 
-    async def _read_run(self, run: ChunkRun, flights: list[_Flight], ticket: _Ticket, stats: FetchStats) -> None:
+    async def _read_run(self, run: ChunkRun, flights: list[_Flight], ticket: Ticket, stats: FetchStats) -> None:
         """One store read: ``run``'s chunks (``flights`` are theirs, in the same order) land when it ends."""
         items = list(run.chunks)
         started_at = trio.current_time()
@@ -534,7 +332,7 @@ class ChunkFetcher:
             error = UnavailableError(f"the store did not answer within {self.timeout:g} s",
                                      where=_chunks_name(items), transient=True)
             results = dict.fromkeys((digest for digest, _ in items), error)
-        except _Refused as refused:  # counted, not logged: the stall was, once
+        except Refused as refused:  # counted, not logged: the stall was, once
             stats.refused += len(items)
             error = UnavailableError(str(refused), where=f"store object {ticket.key} ({_chunks_name(items)})",
                                      transient=True)
@@ -566,11 +364,11 @@ class ChunkFetcher:
         ``what`` whose places are all held by stuck threads fail at once, and none starts while
         ``max_abandoned`` are stuck. Its thread is not one of trio's default limiter, which stuck ones
         would exhaust for every other worker thread of the daemon."""
-        ticket = _Ticket(what, ONDEMAND, 0)
+        ticket = Ticket(what, ONDEMAND, 0)
         refusal = self._slots.enter_unslotted(ticket)
         if refusal is not None:
             raise UnavailableError(refusal, where=what, transient=True)
-        watch = _ThreadWatch(self, ticket)
+        watch = ThreadWatch(ticket, self._abandoned_read_returned)
         try:
             with trio.fail_after(self.timeout):
                 return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True, limiter=watch)
@@ -583,11 +381,11 @@ class ChunkFetcher:
             if abandoned:
                 self._note_abandoned(ticket.key)
 
-    async def _store_read(self, run: ChunkRun, ticket: _Ticket, stats: FetchStats) -> dict[bytes, bytes | Exception]:
+    async def _store_read(self, run: ChunkRun, ticket: Ticket, stats: FetchStats) -> dict[bytes, bytes | Exception]:
         """Read ``run`` in a worker thread once ``ticket`` is granted; a cancelled read whose thread is
         still in the store gives its slot back and leaves the thread behind (the module docstring)."""
         await self._slots.acquire(ticket)
-        watch = _ThreadWatch(self, ticket)
+        watch = ThreadWatch(ticket, self._abandoned_read_returned)
         try:
             return await trio.to_thread.run_sync(self._read_and_cache, run, abandon_on_cancel=True, limiter=watch)
         finally:
@@ -605,7 +403,7 @@ class ChunkFetcher:
                         "in the store); at most %d calls of it are left behind until one returns",
                         key, self.timeout, self._slots.per_object)
 
-    def _abandoned_read_returned(self, ticket: _Ticket) -> None:
+    def _abandoned_read_returned(self, ticket: Ticket) -> None:
         self._slots.returned(ticket)
         if ticket.key not in self._slots.abandoned_of:
             stalled = trio.current_time() - self._stalled_since.pop(ticket.key)
