@@ -392,14 +392,21 @@ def _remove_stray(path: str) -> int:
 
 
 def _narrow(fd: int, mode: int) -> None:
-    """Take away the group and other bits ``mode`` does not have."""
-    current = stat.S_IMODE(os.fstat(fd).st_mode)
-    if current & ~mode & 0o077:
-        os.fchmod(fd, current & mode)
+    """Take away the group and other bits ``mode`` does not have; a failure is logged, not fatal (the
+    cache directory, 0700, guards what is below it anyway)."""
+    try:
+        current = stat.S_IMODE(os.fstat(fd).st_mode)
+        if current & ~mode & 0o077:
+            os.fchmod(fd, current & mode)
+    except OSError as exc:
+        log.warning("chunk cache: cannot narrow the mode of its lock file: %s", exc.strerror)
 
 
 def _narrow_path(path: str, mode: int) -> None:
     """_narrow by path (callers checked it is no symlink)."""
-    current = stat.S_IMODE(os.lstat(path).st_mode)
-    if current & ~mode & 0o077:
-        os.chmod(path, current & mode)
+    try:
+        current = stat.S_IMODE(os.lstat(path).st_mode)
+        if current & ~mode & 0o077:
+            os.chmod(path, current & mode)
+    except OSError as exc:
+        log.warning("chunk cache: cannot narrow the mode of %s: %s", path, exc.strerror)

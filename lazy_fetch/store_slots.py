@@ -87,6 +87,9 @@ class StoreSlots:
     async def acquire(self, ticket: Ticket) -> None:
         """Wait for the ticket's grant; raises Refused when it may not start."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        refusal = self._refusal(ticket.key)
+        if refusal is not None:
+            raise Refused(refusal)
         self._enqueue(ticket)
         self._grant_queued()
         try:
@@ -123,6 +126,7 @@ class StoreSlots:
             ticket.abandoned = True
             self.abandoned_total += 1
             self.abandoned_of[ticket.key] = self.abandoned_of.get(ticket.key, 0) + 1
+            self._refuse_queued()
         else:
             self._leave_object(ticket.key)
         self._grant_queued()
@@ -173,20 +177,31 @@ class StoreSlots:
         return None
 
     def _grant_queued(self) -> None:
+        """Grant queued tickets in order while slots are free, passing over those whose object is full."""
         for priority in (ONDEMAND, PREFETCH):
             queue = self._queues[priority]
+            position = 0
+            while position < len(queue) and self._may_start(priority):
+                ticket = queue[position]
+                if self.reads_of.get(ticket.key, 0) < self.per_object:
+                    del queue[position]
+                    self._grant(ticket)
+                    ticket.queued = False
+                    ticket.event.set()
+                else:
+                    position += 1
+
+    def _refuse_queued(self) -> None:
+        """After an abandonment: wake the queued tickets that may not start any more, refused."""
+        for queue in self._queues.values():
             kept = []
             for ticket in queue:
-                refusal = self._refusal(ticket.key)
-                if refusal is not None:
-                    ticket.refused = refusal
-                elif self._may_start(priority) and self.reads_of.get(ticket.key, 0) < self.per_object:
-                    self._grant(ticket)
-                else:
+                ticket.refused = self._refusal(ticket.key)
+                if ticket.refused is None:
                     kept.append(ticket)
-                    continue
-                ticket.queued = False
-                ticket.event.set()
+                else:
+                    ticket.queued = False
+                    ticket.event.set()
             queue[:] = kept
 
     def _grant(self, ticket: Ticket) -> None:
