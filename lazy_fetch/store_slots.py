@@ -8,7 +8,7 @@ threads left behind in a store that does not answer (fetcher.py's docstring says
     try:
         await trio.to_thread.run_sync(read, abandon_on_cancel=True, limiter=watch)
     finally:
-        slots.release(ticket, abandoned=watch.started and not watch.returned)
+        slots.release(ticket, abandoned=watch.started and not watch.returned, answered=watch.returned)
 
 A ticket holds a slot from its grant to ``release``, and a place among its object's calls from its grant
 until its thread has really returned: at ``release`` for a call that ended, at ``returned`` (reported by
@@ -23,9 +23,14 @@ from __future__ import annotations
 
 import bisect
 import enum
+import math
 from collections.abc import Callable
 
 import trio
+
+# An object one of whose reads came back this recently (seconds) is answering: it may have more reads in
+# the air than per_object. Round trips to a store take tens of milliseconds.
+ANSWERING_WINDOW = 1.0
 
 
 class Priority(enum.IntEnum):
@@ -65,9 +70,13 @@ class StoreSlots:
     prefetch; queued on-demand reads are granted before queued prefetch reads, each queue in ticket
     ``order`` (the order the reads were planned in, not the order trio happens to start their tasks in).
     A ticket is granted only while its object has fewer than ``per_object`` reads in the air (abandoned
-    ones included); one whose object is full waits and lets the tickets behind it go first. A ticket is
-    refused once every place of its object is held by an abandoned read, or ``max_abandoned`` are
-    abandoned in all."""
+    ones included), or fewer than ``total`` while the object is *answering*: one of its reads came back
+    within the last ANSWERING_WINDOW seconds and none was abandoned. So a pack being read hard gets every
+    slot, as before, but one that has not answered yet (the first reads of a burst) or stopped answering
+    gets ``per_object``. One whose object is full waits and lets the tickets behind it go first. A ticket
+    is refused once ``per_object`` reads of its object are abandoned, or ``max_abandoned`` in all. (An
+    object that stalls in the middle of a burst may have up to ``total`` reads abandoned: those granted
+    in the window before its answers stopped.)"""
 
     def __init__(self, total: int, prefetch_limit: int, per_object: int, max_abandoned: int):
         self.total = total
@@ -79,6 +88,7 @@ class StoreSlots:
         self.abandoned_total = 0
         self.reads_of: dict[str, int] = {}  # store key -> reads of it in the air, abandoned ones included
         self.abandoned_of: dict[str, int] = {}  # store key -> of those, abandoned ones (keys with none absent)
+        self.answered_at: dict[str, float] = {}  # store key (with reads in the air) -> when one last came back
         self._queues: dict[Priority, list[Ticket]] = {ONDEMAND: [], PREFETCH: []}
 
     def waiting(self, priority: Priority) -> int:
@@ -96,7 +106,7 @@ class StoreSlots:
             await ticket.event.wait()
         except BaseException:  # cancelled (a timeout): give back what we hold, or leave the queue
             if ticket.granted:
-                self.release(ticket, abandoned=False)
+                self.release(ticket, abandoned=False, answered=False)
             elif ticket.queued:
                 self._queues[ticket.priority].remove(ticket)
                 ticket.queued = False
@@ -104,13 +114,14 @@ class StoreSlots:
         if ticket.refused is not None:
             raise Refused(ticket.refused)
 
-    def release(self, ticket: Ticket, *, abandoned: bool) -> None:
-        """The read is over, or ``abandoned`` (its thread stays in the store and keeps its object's
-        place until ``returned``); either way its slot is free."""
+    def release(self, ticket: Ticket, *, abandoned: bool, answered: bool) -> None:
+        """The read is over (``answered``: its thread came back from the store, in time), or
+        ``abandoned`` (its thread stays in the store and keeps its object's place until ``returned``);
+        either way its slot is free."""
         self.in_use -= 1
         if ticket.as_prefetch:
             self.prefetch_in_use -= 1
-        self.leave(ticket, abandoned=abandoned)
+        self.leave(ticket, abandoned=abandoned, answered=answered)
 
     def enter_unslotted(self, ticket: Ticket) -> str | None:
         """Take a place among the ticket's object's calls at once, with no slot and no limit but the
@@ -120,7 +131,7 @@ class StoreSlots:
             self.reads_of[ticket.key] = self.reads_of.get(ticket.key, 0) + 1
         return refusal
 
-    def leave(self, ticket: Ticket, *, abandoned: bool) -> None:
+    def leave(self, ticket: Ticket, *, abandoned: bool, answered: bool) -> None:
         """Give the ticket's place among its object's reads back, unless ``abandoned`` (see release)."""
         if abandoned:
             ticket.abandoned = True
@@ -128,6 +139,8 @@ class StoreSlots:
             self.abandoned_of[ticket.key] = self.abandoned_of.get(ticket.key, 0) + 1
             self._refuse_queued()
         else:
+            if answered:
+                self.answered_at[ticket.key] = trio.current_time()
             self._leave_object(ticket.key)
         self._grant_queued()
 
@@ -156,8 +169,16 @@ class StoreSlots:
     def _leave_object(self, key: str) -> None:
         if self.reads_of[key] == 1:
             del self.reads_of[key]
+            self.answered_at.pop(key, None)  # the next burst starts at per_object again, until it answers
         else:
             self.reads_of[key] -= 1
+
+    def _has_place(self, key: str, now: float) -> bool:
+        reads = self.reads_of.get(key, 0)
+        if reads < self.per_object:
+            return True
+        answering = now - self.answered_at.get(key, -math.inf) < ANSWERING_WINDOW and key not in self.abandoned_of
+        return answering and reads < self.total
 
     def _enqueue(self, ticket: Ticket) -> None:
         ticket.queued = True
@@ -178,12 +199,13 @@ class StoreSlots:
 
     def _grant_queued(self) -> None:
         """Grant queued tickets in order while slots are free, passing over those whose object is full."""
+        now = trio.current_time()
         for priority in (ONDEMAND, PREFETCH):
             queue = self._queues[priority]
             position = 0
             while position < len(queue) and self._may_start(priority):
                 ticket = queue[position]
-                if self.reads_of.get(ticket.key, 0) < self.per_object:
+                if self._has_place(ticket.key, now):
                     del queue[position]
                     self._grant(ticket)
                     ticket.queued = False

@@ -541,3 +541,26 @@ def test_other_store_calls_are_bounded_like_reads(backend, cache):
         trio.run(main)
     finally:
         hung.answer()
+
+
+def test_an_object_that_answers_may_have_more_reads_at_once(backend, cache):
+    # The per-object bound holds an object that has not answered (yet); one whose reads come back gets the
+    # slots, so a pack read hard is not slowed down by it.
+    items = upload(backend, [chunk(n) for n in range(13)])
+    counting = CountingStore(LatencyStore(backend, latency=0.05, bandwidth=None))
+
+    async def main():
+        async with open_fetcher(counting, cache, object_reads=2) as fetcher:
+            async with trio.open_nursery() as nursery:  # nothing has come back yet: two at a time
+                for item in items[:4]:
+                    nursery.start_soon(lambda item=item: fetcher.fetch(*item))
+            assert counting.max_in_flight == 2
+            counting.reset()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: fetcher.fetch(*items[4]))
+                await until(lambda: counting.in_flight == 1)
+                for item in items[5:]:  # while the pack is answering: more at once
+                    nursery.start_soon(lambda item=item: fetcher.fetch(*item))
+            assert counting.max_in_flight > 2
+
+    trio.run(main)
