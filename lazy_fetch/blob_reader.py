@@ -19,11 +19,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import trio
-
 from dsec_fs.chunks import ChunkIndex, ChunkLocation
 from dsec_fs.digest import to_hex
-from dsec_fs.errors import CorruptError, FormatError, InputError, NotFoundError, UnavailableError
+from dsec_fs.errors import CorruptError, FormatError, InputError, NotFoundError
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
 from dsec_fs.blobmap import BlobMap
@@ -129,13 +127,8 @@ async def open_layer_blob(layer: LayerFiles, fetcher: ChunkFetcher, *, chunk_ind
                           f"{manifest.blob_blocks} of {manifest.block_size}", source=source)
     chunk_index = ChunkIndex() if chunk_index is None else chunk_index
     if any(digest not in chunk_index for _, digest, _ in blob_map.entries):
-        try:
-            with trio.fail_after(fetcher.timeout):
-                await trio.to_thread.run_sync(chunk_index.load_packs, fetcher.store, manifest.packs,
-                                              abandon_on_cancel=True)
-        except trio.TooSlowError:
-            raise UnavailableError(f"the store did not answer within {fetcher.timeout:g} s",
-                                   where=f"pack indexes of layer {layer.digest}", transient=True) from None
+        await fetcher.call_store(f"pack indexes of layer {layer.digest}", chunk_index.load_packs, fetcher.store,
+                                 manifest.packs)
     for number, (_blkaddr, digest, length) in enumerate(blob_map.entries):
         location = chunk_index.get(digest)
         if location is None:

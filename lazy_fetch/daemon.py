@@ -266,7 +266,8 @@ class NodeDaemon:
                 backend = await trio.to_thread.run_sync(open_store, url)
                 faults = options.faults if options.faults is not None else os.environ.get(FAULTS_ENV)
                 store = wrap_store(backend, retry=True, max_concurrent=options.store_concurrency,
-                                   latency=options.latency, bandwidth=options.bandwidth, faults=faults or None)
+                                   stuck_after=options.fetch_timeout, latency=options.latency,
+                                   bandwidth=options.bandwidth, faults=faults or None)
                 fetcher = ChunkFetcher(store, self._fetch_log, self._flights, max_concurrent=options.fetch_concurrency,
                                        timeout=options.fetch_timeout)
                 context = StoreContext(url, store, ChunkIndex(), fetcher,
@@ -281,7 +282,6 @@ class NodeDaemon:
         ``want_profile`` its access profile (profile_keeper.py; ``profile_of``: its ref name), while
         meta.erofs and the blob map are read (their round trips overlap; open_layer_blob then finds
         every chunk located and loads nothing)."""
-        timeout = self.options.fetch_timeout
         indexed = frozenset(store.indexed_layers)
         keeper = self.profiles if want_profile else None
         found: list[FoundProfile | None] = [None]
@@ -294,16 +294,11 @@ class NodeDaemon:
                 if lookup is not None:
                     found[0] = lookup.result()
 
-        try:
-            with trio.fail_after(timeout):
-                files = await trio.to_thread.run_sync(
-                    functools.partial(open_layer, store.store, ref, on_manifest=on_manifest),
-                    abandon_on_cancel=True)
-            store.indexed_layers.add(files.digest)
-            return files, found[0]
-        except trio.TooSlowError:
-            raise UnavailableError(f"the store did not answer within {timeout:g} s",
-                                   where=f"layer {ref} in {store.url}", transient=True) from None
+        # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
+        files = await store.fetcher.call_store(f"layer {ref} in {store.url}", functools.partial(
+            open_layer, store.store, ref, on_manifest=on_manifest))
+        store.indexed_layers.add(files.digest)
+        return files, found[0]
 
     async def _open_blob(self, files: LayerFiles, store: StoreContext) -> LayerBlob:
         return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
@@ -704,7 +699,8 @@ class NodeDaemon:
                 reads=usage.reads, read_errors=usage.read_errors,
                 chunks_fetched=stats.chunks_fetched, bytes_fetched=stats.bytes_fetched,
                 cache_hits=stats.hits, cache_misses=stats.misses, fetch_errors=stats.errors,
-                corrupt=stats.corrupt, timeouts=stats.timeouts, **usage.prediction(),
+                corrupt=stats.corrupt, timeouts=stats.timeouts, abandoned=stats.abandoned, refused=stats.refused,
+                **usage.prediction(),
                 miss_readahead=self._readahead_state(digest)))
         return api.NodeStatus(
             pid=os.getpid(), version=_version(), started=self._started, socket=self.options.socket_path,
@@ -740,7 +736,7 @@ def _add_stats(total: FetchStats | None, stats: FetchStats) -> FetchStats:
         return stats
     summed = FetchStats(stats.label)
     for name in ("hits", "misses", "coalesced", "chunks_fetched", "bytes_fetched", "store_reads", "errors",
-                 "corrupt", "timeouts", "latency_sum"):
+                 "corrupt", "timeouts", "abandoned", "refused", "readahead", "latency_sum"):
         setattr(summed, name, getattr(total, name) + getattr(stats, name))
     summed.latency_counts = [a + b for a, b in zip(total.latency_counts, stats.latency_counts)]
     return summed

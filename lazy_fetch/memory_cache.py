@@ -71,14 +71,15 @@ class MemoryChunkCache:
 class MemoryFrontedFetcher:
     """The fetcher a LayerBlob reads through: chunks the MemoryChunkCache holds are answered at once, the
     others are fetched by ``fetcher`` (disk cache, then store) and remembered. Has what LayerBlob and
-    open_layer_blob use of a ChunkFetcher: ``fetch_many``, ``store`` and ``timeout``. ``preload`` tasks
-    run in ``nursery``."""
+    open_layer_blob use of a ChunkFetcher: ``fetch_many``, ``call_store``, ``store`` and ``timeout``.
+    ``preload`` tasks run in ``nursery``."""
 
     def __init__(self, fetcher: ChunkFetcher, memory: MemoryChunkCache, nursery: trio.Nursery):
         self.fetcher = fetcher
         self.memory = memory
         self.store = fetcher.store
         self.timeout = fetcher.timeout
+        self.call_store = fetcher.call_store
         self._nursery = nursery
         self._preloading: dict[bytes, trio.Event] = {}  # digest -> set once its preload has ended
 
