@@ -222,13 +222,18 @@ class _Session:
         self.destroyed = False
 
     def reply(self, unique: int, *parts: bytes) -> None:
-        length = OUT_HEADER.size + sum(len(part) for part in parts)
-        self._write([OUT_HEADER.pack(length, 0, unique), *parts])
+        """One write(2) of the header and ``parts`` joined: the kernel takes a reply in one write, and a
+        writev of one iovec per part (a READDIR answers with one part per name) fails EINVAL past
+        IOV_MAX (1,024) parts. A READ's data is the one part that can be big (up to MAX_PAGES pages),
+        and it goes as the second iovec, not copied."""
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._write([OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique), body])
 
     def reply_error(self, unique: int, err: int) -> None:
         self._write([OUT_HEADER.pack(OUT_HEADER.size, -err, unique)])
 
     def _write(self, parts: list[bytes]) -> None:
+        """``parts``: at most two iovecs (the header and one body)."""
         try:
             os.writev(self.fd, parts)
         except FileNotFoundError:  # the request was interrupted, or aborted, meanwhile: nobody waits

@@ -263,3 +263,34 @@ def test_inode_numbers_carry_over_to_the_next_session_tree(built_layer):
     second.blobs.add("d" * 64, BytesBlob(b"x"))  # a new name never takes a number given before
     second.add_layer("3" * 64, LayerTree(image, None))
     assert second.numbers()["blobs"]["d" * 64] == 5 and second.numbers()["layers"]["3" * 64] == 4
+
+
+def test_a_readdir_of_thousands_of_entries_is_one_reply_within_the_size_asked_for():
+    """One record per name used to be one writev iovec each: past IOV_MAX (1,024) the write failed EINVAL
+    and ended the session (test_fuse_large_dir.py lists 100,000 entries through a real mount)."""
+    tree = SessionTree()
+    names = [f"{i:064x}" for i in range(3000)]
+    for name in names:
+        tree.blobs.add(name, BytesBlob(b"x"))
+    blobs_dir = 1 << SLOT_SHIFT | ROOT_INO
+    size = 128 << 10  # 1,489 records of 88 bytes
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            h = Harness(tree, nursery)
+            listed, offset = [], 0
+            while True:
+                h.ask(raw.READDIR, blobs_dir, raw.READ_IN.pack(0, offset, size, 0, 0, 0, 0))
+                error, body = await h.reply()
+                assert error == 0 and len(body) <= size
+                if not body:
+                    break
+                position = 0
+                while position < len(body):
+                    ino, offset, namelen, dtype = raw.DIRENT.unpack_from(body, position)
+                    start = position + raw.DIRENT.size
+                    listed.append((body[start:start + namelen].decode(), dtype))
+                    position = start + namelen + (-(raw.DIRENT.size + namelen) % 8)
+            assert listed == [(name, stat.S_IFREG >> 12) for name in names]
+
+    trio.run(main)
