@@ -67,7 +67,7 @@ from dataclasses import dataclass
 
 import trio
 
-from dsec_fs import mounts
+from dsec_fs import mounts, paths
 from dsec_fs.errors import ConflictError, DsecError, InputError, IntegrityError, NotFoundError, UnavailableError
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
@@ -307,7 +307,7 @@ async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "ra
     dead daemon had taken sent again. Otherwise (and with the other bindings) what a dead daemon left is
     detached and a new session mounted."""
     serve = _serve_function(binding)
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)  # layers and blobs below are the node's, not its users'
+    paths.private_dir(state_dir)  # layers and blobs below are the node's, not its users'
     lock_fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         try:

@@ -114,7 +114,7 @@ def test_a_session_answers_the_kernels_requests(built_layer):
             error, body = await h.reply()
             blob_ino, *_ = raw.ENTRY_OUT.unpack_from(body)
             attr = raw.ATTR.unpack_from(body, raw.ENTRY_OUT.size)
-            assert error == 0 and attr[0] == blob_ino and attr[1] == len(BLOB) and attr[9] == stat.S_IFREG | 0o444
+            assert error == 0 and attr[0] == blob_ino and attr[1] == len(BLOB) and attr[9] == stat.S_IFREG | 0o400
             h.ask(raw.LOOKUP, blobs_ino, b"nope\0")
             assert (await h.reply())[0] == -errno.ENOENT
 
