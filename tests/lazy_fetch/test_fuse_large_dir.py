@@ -3,8 +3,8 @@ listed with getdents64 (d_ino and d_type as the kernel hands them over, which os
 once, each with its type and the inode number stat shows, then the daemon still serving the right bytes.
 
 Why: a reply frames every entry the kernel asked room for, and a listing of a big directory asks for a
-lot: with 32 KiB getdents buffers (glibc's) about 1,000 short names per READDIR, and with 1 MiB ones the
-kernel (6.14+) asks for up to max_pages of entries at once. The raw binding wrote one iovec per entry and
+lot: with 32 KiB getdents buffers (glibc's) about 1,000 short names per READDIR, and recent kernels size
+a READDIR by the caller's buffer, up to the session's max_pages (1 MiB). The raw binding wrote one iovec per entry and
 died of EINVAL past IOV_MAX (1,024); fusepy gave every name d_ino 0xffffffff and DT_UNKNOWN.
 
 The layer is built once per module (about 15 s: 100,000 empty files, a few of each other kind).
