@@ -227,20 +227,27 @@ class _Session:
         IOV_MAX (1,024) parts. A READ's data is the one part that can be big (up to MAX_PAGES pages),
         and it goes as the second iovec, not copied."""
         body = parts[0] if len(parts) == 1 else b"".join(parts)
-        self._write([OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique), body])
+        if not self._write([OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique), body]):
+            log.error("the kernel refused a reply of %d bytes to FUSE request %#x: answered EIO", len(body), unique)
+            self.reply_error(unique, errno.EIO)
 
     def reply_error(self, unique: int, err: int) -> None:
         self._write([OUT_HEADER.pack(OUT_HEADER.size, -err, unique)])
 
-    def _write(self, parts: list[bytes]) -> None:
-        """``parts``: at most two iovecs (the header and one body)."""
+    def _write(self, parts: list[bytes]) -> bool:
+        """Write one reply (``parts``: the header and at most one body); False if the kernel refused it as
+        malformed (EINVAL: bigger than the request allows, say), which must not end the session: the
+        request still waits for an answer (if the kernel ended it already, the next answer finds nothing)."""
         try:
             os.writev(self.fd, parts)
         except FileNotFoundError:  # the request was interrupted, or aborted, meanwhile: nobody waits
             pass
         except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
             if exc.errno != errno.ENODEV:  # ENODEV: the connection is gone, which the read loop sees
                 raise
+        return True
 
     async def run(self, nursery: trio.Nursery) -> None:
         buffer = bytearray((self.params or SessionParams(FUSE_MINOR, 0, MAX_WRITE, MAX_PAGES)).buffer_size)

@@ -13,6 +13,7 @@ import stat
 import pytest
 import trio
 
+from dsec_fs.mounts import umount
 from erofs_builder.reader import ErofsImage
 from lazy_fetch import fuse_raw as raw
 from lazy_fetch.fs_core import ROOT_INO, SLOT_SHIFT, LayerTree, SessionTree
@@ -292,5 +293,61 @@ def test_a_readdir_of_thousands_of_entries_is_one_reply_within_the_size_asked_fo
                     listed.append((body[start:start + namelen].decode(), dtype))
                     position = start + namelen + (-(raw.DIRENT.size + namelen) % 8)
             assert listed == [(name, stat.S_IFREG >> 12) for name in names]
+
+    trio.run(main)
+
+
+class OversizeReads:
+    """A SessionTree whose reads of one inode answer more bytes than asked for: a reply the kernel refuses
+    (EINVAL), a fault no real part makes on demand."""
+
+    def __init__(self, tree: SessionTree, bad_ino: int):
+        self.tree, self.bad_ino = tree, bad_ino
+
+    def __getattr__(self, name):
+        return getattr(self.tree, name)
+
+    async def read(self, ino, offset, size):
+        data = await self.tree.read(ino, offset, size)
+        return data + bytes(4096) if ino == self.bad_ino else data
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_a_reply_the_kernel_refuses_fails_that_request_only(tmp_path):
+    tree = SessionTree()
+    tree.blobs.add("bad", BytesBlob(BLOB))
+    tree.blobs.add("good", BytesBlob(BLOB))
+    blobs = tree.lookup(ROOT_INO, b"blobs").ino
+    fs = OversizeReads(tree, tree.lookup(blobs, b"bad").ino)
+    mountpoint = str(tmp_path / "mnt")
+    os.mkdir(mountpoint)
+
+    def read(name: str) -> bytes:
+        fd = os.open(os.path.join(mountpoint, "blobs", name), os.O_RDONLY | os.O_DIRECT)
+        try:
+            return os.read(fd, 8192)  # one READ of 8 KiB, answered 12 KiB for "bad"
+        finally:
+            os.close(fd)
+
+    async def main():
+        fd = raw.mount(mountpoint, ["ro", "fsname=test", "default_permissions"])
+        mounted = True
+        try:
+            with trio.fail_after(20):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(lambda task_status: raw.serve(fs, fd, params=None, task_status=task_status))
+                    # Abandoned if serve fails (as it did): closing fd below then aborts the connection,
+                    # which ends the read; without that it would wait for its answer forever.
+                    with pytest.raises(OSError) as refused:
+                        await trio.to_thread.run_sync(read, "bad", abandon_on_cancel=True)
+                    assert refused.value.errno == errno.EIO
+                    assert await trio.to_thread.run_sync(read, "good", abandon_on_cancel=True) == BLOB[:8192]
+                    await trio.to_thread.run_sync(umount, mountpoint)  # the session ends: serve returns
+                    mounted = False
+        finally:
+            os.close(fd)  # the last reference: the connection is aborted, nothing waits on it any more
+            if mounted:
+                umount(mountpoint, lazy=True)
 
     trio.run(main)
