@@ -45,6 +45,7 @@ from .errors import (
     UnavailableError,
     UnsupportedError,
 )
+from .paths import private_dir
 
 if TYPE_CHECKING:
     from .sandbox_client import Sandbox, SandboxInfo
@@ -327,7 +328,11 @@ class Node:
                 args += [option, os.path.abspath(value) if option.endswith("-dir") else str(value)]
         args += list(extra_args)
         if log_file:
-            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+            log_dir = os.path.dirname(os.path.abspath(log_file))
+            if log_dir == os.path.abspath(state_dir or DEFAULT_STATE_DIR):
+                private_dir(log_dir)  # made here first, it is still the daemon's: 0700 (dsec_fs.paths)
+            else:
+                os.makedirs(log_dir, exist_ok=True)
             output = open(log_file, "ab")
         else:
             output = subprocess.DEVNULL
