@@ -1,6 +1,7 @@
 """A directory of 100,000 entries, mounted in fuse mode by a real ``dsecfs daemon`` with each FUSE binding and
 listed with getdents64 (d_ino and d_type as the kernel hands them over, which os.scandir hides): every name
-once, each with its type and the inode number stat shows, then the daemon still serving the right bytes.
+once, each with its type and the inode number stat shows, then the daemon still serving the right bytes,
+in reads of every size up to requests of max_pages (1 MiB; 4 MiB O_DIRECT reads come as several).
 
 Why: a reply frames every entry the kernel asked room for, and a listing of a big directory asks for a
 lot: with 32 KiB getdents buffers (glibc's) about 1,000 short names per READDIR, and recent kernels size
@@ -13,7 +14,9 @@ The layer is built once per module (about 15 s: 100,000 empty files, a few of ea
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
+import random
 import stat
 import struct
 
@@ -28,6 +31,7 @@ pytestmark = [pytest.mark.fuse, pytest.mark.root, pytest.mark.slow]
 ENTRIES = 100_000  # in big/, "." and ".." not counted
 SYS_GETDENTS64 = 217  # x86_64
 DIRENT64 = struct.Struct("<QqHB")  # linux_dirent64: d_ino, d_off, d_reclen, d_type; the name follows
+LARGE = random.Random(12).randbytes((5 << 20) + 123)  # large.bin, beside big/
 CONTENT = {f"c{i:06d}".encode(): os.urandom(i % 9000 + 1) for i in range(0, ENTRIES, 4999)}
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -52,6 +56,8 @@ def _special(i: int) -> bytes | None:
 def _make_source(root: str) -> None:
     big = os.path.join(root, "big")
     os.makedirs(big)
+    with open(os.path.join(root, "large.bin"), "wb") as f:
+        f.write(LARGE)
     for name, data in CONTENT.items():
         with open(os.path.join(os.fsencode(big), name), "wb") as f:
             f.write(data)
@@ -130,6 +136,22 @@ def _check_listing(listing: list[tuple[bytes, int, int]], source_dir: str, mount
             assert os.lstat(os.path.join(os.fsencode(mounted_dir), name)).st_ino == ino, name
 
 
+def _check_large_reads(path: str) -> None:
+    """large.bin whole through the page cache, then with O_DIRECT reads of 4 MiB (each several requests of
+    the most the session takes) from an aligned buffer, the last one short."""
+    with open(path, "rb") as f:
+        assert f.read() == LARGE
+    buffer = mmap.mmap(-1, 4 << 20)  # page-aligned, as O_DIRECT wants
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for offset in (0, 4 << 20, 1 << 20):
+            got = os.preadv(fd, [buffer], offset)
+            assert got == min(4 << 20, len(LARGE) - offset) and buffer[:got] == LARGE[offset:offset + got], offset
+    finally:
+        os.close(fd)
+        buffer.close()
+
+
 @pytest.mark.parametrize("binding", ["raw", "pyfuse3", "fusepy"])
 def test_a_directory_of_100000_entries_lists_whole_in_fuse_mode(big_layer, daemons, tmp_path, binding):
     store_dir, source, digest = big_layer
@@ -149,5 +171,6 @@ def test_a_directory_of_100000_entries_lists_whole_in_fuse_mode(big_layer, daemo
             assert f.read() == data, name
     with open(os.path.join(big, "l000002"), "rb") as f:
         assert f.read() == CONTENT[b"c000000"]
+    _check_large_reads(os.path.join(mnt, "large.bin"))
     assert [m.mountpoint for m in daemon.node.mounts()] == [mnt]
     daemon.node.umount(mnt)
