@@ -1,13 +1,12 @@
 """Sizes, durations (dsec_fs.units) and the default-directory rule (dsec_fs.paths)."""
 
 import os
-import stat
 
 import pytest
 
 from dsec_fs.errors import InputError
 from dsec_fs.index_mirror import default_index_root
-from dsec_fs.paths import default_dir, private_dir
+from dsec_fs.paths import default_dir
 from dsec_fs.store import default_store_url
 from dsec_fs.units import human_size, parse_duration, parse_size
 
@@ -65,16 +64,3 @@ def test_sizes(text, size):
 def test_bad_sizes_name_the_text(text):
     with pytest.raises(InputError, match="not a size"):
         parse_size(text)
-
-
-def test_a_private_dir_is_made_0700_and_narrowed_when_found_wider(tmp_path, caplog):
-    made = tmp_path / "a" / "state"
-    assert private_dir(str(made)) == str(made)
-    assert stat.S_IMODE(made.stat().st_mode) == 0o700
-    wide = tmp_path / "wide"
-    wide.mkdir()
-    (wide / "kept").write_bytes(b"x")
-    os.chmod(wide, 0o755)
-    private_dir(str(wide))
-    assert stat.S_IMODE(wide.stat().st_mode) == 0o700 and (wide / "kept").read_bytes() == b"x"
-    assert "narrowed to 0700" in caplog.text
