@@ -172,6 +172,7 @@ class LayerStatus(_Response):
     prefetched_read_bytes: int = 0  # prefetched, then read
     prefetched_unread_bytes: int = 0  # prefetched, never read (so far)
     read_not_prefetched_bytes: int = 0  # read, never prefetched
+    miss_readahead: str = ""  # "" (off, or not mounted), "pending" (its file map is being built), "ready"
 
 
 class PrefetchInfo(_Response):

@@ -32,8 +32,8 @@ Prefetch. A mount may name a prefetch list, read through request_paths.open_regu
 file, at most MAX_PREFETCH_LIST_BYTES, opened O_NONBLOCK: /dev/zero and a FIFO are refused at once),
 checked against the layer's blob map, and fetched in the background (prefetcher.py), starting just
 before mount(2). The mount path itself makes its store round trips side by side where it can
-(``_open_layer``). With ``miss_readahead_bytes`` set, each on-demand miss also brings along the chunks
-stored after it (blob_reader.py, readahead; off by default).
+(``_open_layer``). A miss brings along the rest of its file, and a growing window while a reader walks
+files in blob order (miss_readahead.py; ``miss_readahead_bytes``, 4 MiB; 0: off).
 
 Persisted state and crashes. With the raw FUSE binding a daemon that dies (SIGKILL, a crash) leaves its
 mounts alive: a holder process keeps the FUSE connection, and the next daemon takes it over and adopts
@@ -97,9 +97,10 @@ from .layer_mount import DEFAULT_READ_AHEAD, LayerMounter, open_mounter
 from .memory_cache import DEFAULT_MEMORY_CACHE_BYTES, MemoryChunkCache, MemoryFrontedFetcher
 from .metrics import LayerFigures, MetricsPage, NodeFigures
 from .mount_table import Mount, MountTable, is_ours
+from .miss_readahead import DEFAULT_WINDOW, FileChunks, MissReadahead
 from .prefetch_list import PrefetchList
 from .prefetcher import PrefetchJob, Prefetcher, with_fill
-from .profile_keeper import FoundProfile, ProfileKeeper
+from .profile_keeper import FoundProfile, ProfileKeeper, layer_index
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter, prune_traces
 from .traced_blob import LayerUsage, StoreFetchLog, TracedBlob
@@ -133,7 +134,9 @@ class DaemonOptions:
     fetch_concurrency: int = DEFAULT_MAX_CONCURRENT
     store_concurrency: int = DEFAULT_STORE_CONCURRENCY
     memory_cache_bytes: int = DEFAULT_MEMORY_CACHE_BYTES
-    miss_readahead_bytes: int = 0  # chunk bytes a missed read brings along after it (blob_reader.py); 0: off
+    # The window a miss brings along while a reader walks files in blob order (miss_readahead.py), beside
+    # the rest of the file it reads; 0: no readahead at all.
+    miss_readahead_bytes: int = DEFAULT_WINDOW
     read_ahead_bytes: int = DEFAULT_READ_AHEAD  # the kernel's readahead in a layer's files (layer_mount.py)
     trace: bool = True
     profiles: bool = True  # learn access profiles from traces, share them through the store, prefetch by them
@@ -303,19 +306,35 @@ class NodeDaemon:
                                    where=f"layer {ref} in {store.url}", transient=True) from None
 
     async def _open_blob(self, files: LayerFiles, store: StoreContext) -> LayerBlob:
-        return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest,
-                                     readahead_bytes=self.options.miss_readahead_bytes)
+        return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
 
     def _add_layer(self, files: LayerFiles, store: StoreContext, blob: LayerBlob) -> Layer:
         usage = self._usage.get(files.digest) or self._usage.setdefault(files.digest, LayerUsage(blob))
         layer = self._layers[files.digest] = Layer(files, blob, store, usage)
+        if self.options.miss_readahead_bytes and self._background is not None:
+            layer.readahead = MissReadahead(blob, self.options.miss_readahead_bytes)
+            self._background.start_soon(self._map_files, layer)
         return layer
 
-    def _open_trace(self, files: LayerFiles, mode: str, ref: str, blob: LayerBlob) -> tuple[str, TraceWriter | None]:
+    async def _map_files(self, layer: Layer) -> None:
+        """Which chunks belong to which file, for the layer's miss readahead (a worker thread: it walks
+        the image); reads before it is done bring nothing along."""
+        try:
+            files = await trio.to_thread.run_sync(FileChunks.of, layer_index(layer.files, layer.blob.blob_map))
+        except DsecError as exc:
+            log.warning("no miss readahead for layer %s: %s", layer.digest[:12], exc)
+            return
+        layer.readahead.ready(files)
+
+    def _open_trace(self, files: LayerFiles, mode: str, ref: str, blob: LayerBlob,
+                    ref_name: str | None) -> tuple[str, TraceWriter | None]:
+        """A new trace of ``files`` in ``mode``; its header names the ref the mount named, else (a mount by
+        digest, as sandboxes make them) the ref name it was given."""
         if not self.options.trace:
             return "", None
         stats = files.manifest.stats
-        header = TraceHeader(layer=files.digest, ref="" if is_hex_digest(ref.lower()) else ref, mode=mode,
+        shown_ref = ref_name or "" if is_hex_digest(ref.lower()) else ref
+        header = TraceHeader(layer=files.digest, ref=shown_ref, mode=mode,
                              chunk_size=files.manifest.chunk_size, layer_bytes=int(stats.get("bytes", 0)),
                              layer_files=int(stats.get("files", 0)), blob_bytes=blob.size)
         name = f"{time.strftime('%Y%m%dT%H%M%S')}-{files.digest[:12]}-{mode}-{secrets.token_hex(3)}{TRACE_SUFFIX}"
@@ -466,8 +485,9 @@ class NodeDaemon:
         key = served_key(mode, layer.files)
         served = self._served.get(key)
         if served is None:
-            trace_path, trace = self._open_trace(layer.files, mode, ref, layer.blob)
-            served = Served(TracedBlob(layer.blob, layer.usage, self._fetch_log, trace), trace_path, ref_name)
+            trace_path, trace = self._open_trace(layer.files, mode, ref, layer.blob, ref_name)
+            served = Served(TracedBlob(layer.blob, layer.usage, self._fetch_log, trace, layer.readahead), trace_path,
+                            ref_name)
         return key, served
 
     def _record_mount(self, mountpoint: str, mode: str, ref: str, layer: Layer, key: tuple[str, str],
@@ -684,13 +704,21 @@ class NodeDaemon:
                 reads=usage.reads, read_errors=usage.read_errors,
                 chunks_fetched=stats.chunks_fetched, bytes_fetched=stats.bytes_fetched,
                 cache_hits=stats.hits, cache_misses=stats.misses, fetch_errors=stats.errors,
-                corrupt=stats.corrupt, timeouts=stats.timeouts, **usage.prediction()))
+                corrupt=stats.corrupt, timeouts=stats.timeouts, **usage.prediction(),
+                miss_readahead=self._readahead_state(digest)))
         return api.NodeStatus(
             pid=os.getpid(), version=_version(), started=self._started, socket=self.options.socket_path,
             state_dir=self.state_dir, cache_dir=self._cache.directory,
             store=self.options.store_url or default_store_url(), fuse_binding=self.options.fuse_binding,
             mounts=self.mounts(), layers=layers, prefetches=self.prefetches(), cache=self.cache_status(),
             cleaned=list(self.cleaned), connections=self.api.connections)
+
+
+    def _readahead_state(self, digest: str) -> str:
+        layer = self._layers.get(digest)
+        if layer is None or layer.readahead is None:
+            return ""
+        return "ready" if layer.readahead.files is not None else "pending"
 
 
 def _mount_info(mount: Mount) -> api.MountInfo:
