@@ -222,10 +222,10 @@ class _Session:
         self.destroyed = False
 
     def reply(self, unique: int, *parts: bytes) -> None:
-        """One write(2) of the header and ``parts`` joined: the kernel takes a reply in one write, and a
-        writev of one iovec per part (a READDIR answers with one part per name) fails EINVAL past
-        IOV_MAX (1,024) parts. A READ's data is the one part that can be big (up to MAX_PAGES pages),
-        and it goes as the second iovec, not copied."""
+        """One writev of two iovecs, the header and ``parts`` joined: the kernel takes a reply in one write,
+        and one iovec per part (a READDIR answers with one part per name) fails EINVAL past IOV_MAX
+        (1,024). A READ's data, the one reply that can be big (up to MAX_PAGES pages), is one part: it
+        goes as it is, not copied. A reply the kernel refuses is answered EIO instead (``_write``)."""
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         if not self._write([OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique), body]):
             log.error("the kernel refused a reply of %d bytes to FUSE request %#x: answered EIO", len(body), unique)
