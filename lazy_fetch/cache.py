@@ -62,10 +62,9 @@ from dataclasses import dataclass
 import xxhash
 
 from dsec_fs.digest import is_hex_digest, short, to_hex
-from dsec_fs.files import LOCK_NAME, lock_directory
 from dsec_fs.errors import CorruptError, InputError, UnavailableError
+from dsec_fs.files import LOCK_NAME, lock_directory, private_dir
 from dsec_fs.mounts import is_mountpoint, mounts_below
-from dsec_fs.paths import private_dir
 
 from .lmdb_index import DEFAULT_MAP_SIZE, CacheIndex, IndexEntry
 

@@ -82,6 +82,7 @@ from dsec_fs.chunks import ChunkIndex
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
+from dsec_fs.files import private_dir
 from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, utc_now
 from dsec_fs.mounts import is_below, top_mount, umount
 from dsec_fs.store import default_store_url, open_store
@@ -205,8 +206,8 @@ class NodeDaemon:
         options = self.options
         # Connections may take a quarter of the descriptors: mounts, the cache and store reads need the rest.
         self.api.max_connections = min(self.api.max_connections, max(8, raise_fd_limit() // 4))
-        os.makedirs(self.trace_dir, mode=0o700, exist_ok=True)
-        os.chmod(self.trace_dir, 0o700)
+        private_dir(self.state_dir)  # before anything below it, or makedirs would make it with the umask's mode
+        private_dir(self.trace_dir)
         if options.profiles:
             self.profiles = ProfileKeeper(self.state_dir)
         async with contextlib.AsyncExitStack() as stack:
