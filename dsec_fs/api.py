@@ -18,6 +18,7 @@ Threads: types and pure functions; any thread.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Annotated, Any, TypeVar
 
@@ -280,6 +281,73 @@ def absolute_store(url: str | None) -> str | None:
     return url if url is None or "://" in url else os.path.abspath(url)
 
 
+# ---- the routes ----------------------------------------------------------------------------------------
+
+
+class Endpoint(msgspec.Struct, frozen=True):
+    method: str
+    path: str  # {name}: one path segment
+    summary: str
+    request: type | None = None  # the body's type; None: no body
+    response: type | None = None  # None: not JSON (the Prometheus text of /metrics)
+
+
+# Every route of the node daemon's API: lazy_fetch/routes.py and overlay/node_service.py serve exactly
+# these (tests/dsec_fs/test_api.py checks), docs/openapi.json is made from them (``python -m dsec_fs.api``).
+ROUTES = (
+    Endpoint("GET", "/v1/status", "the daemon: mounts, layers, cache, prefetches", response=NodeStatus),
+    Endpoint("GET", "/v1/mounts", "the layers this daemon mounted", response=MountList),
+    Endpoint("POST", "/v1/mounts", "mount a layer", MountRequest, MountInfo),
+    Endpoint("POST", "/v1/umount", "unmount a layer this daemon mounted", UmountRequest, UmountInfo),
+    Endpoint("GET", "/v1/prefetch", "prefetch jobs, running and ended", response=PrefetchList),
+    Endpoint("POST", "/v1/prefetch", "fetch a prefetch list for a mounted layer", PrefetchRequest, PrefetchInfo),
+    Endpoint("GET", "/v1/cache", "the chunk cache", response=CacheInfo),
+    Endpoint("POST", "/v1/cache/evict", "evict the caches down to a size", EvictRequest, CacheInfo),
+    Endpoint("GET", "/metrics", "Prometheus metrics (text exposition format)"),
+    Endpoint("POST", "/v1/sandboxes", "start a sandbox", SandboxUpRequest, SandboxInfo),
+    Endpoint("GET", "/v1/sandboxes", "the sandboxes and the layers held for them", response=SandboxList),
+    Endpoint("GET", "/v1/sandboxes/{sandbox}", "one sandbox, by id or name", response=SandboxInfo),
+    Endpoint("POST", "/v1/sandboxes/{sandbox}/exec", "run a command in a sandbox", ExecRequest, ExecResult),
+    Endpoint("POST", "/v1/sandboxes/{sandbox}/down", "take a sandbox down", DownRequest, Empty),
+    Endpoint("POST", "/v1/sandboxes/{sandbox}/commit", "publish a sandbox's changes as a layer", CommitRequest,
+             CommitResult),
+)
+
+
+class ErrorBody(_Response):
+    error: str  # the kind: input | not-found | conflict | unsupported | corrupt | unavailable | internal
+    message: str
+    where: str | None = None
+    transient: bool | None = None  # UnavailableError only
+
+
+def openapi() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of ROUTES (docs/openapi.json)."""
+    types = [t for e in ROUTES for t in (e.request, e.response) if t is not None] + [ErrorBody]
+    (*schemas,), components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    ref = dict(zip(types, schemas))
+    paths: dict[str, dict] = {}
+    for e in ROUTES:
+        error = {"description": "an error (status by kind: " + ", ".join(f"{k} {v}" for k, v in
+                                                                         STATUS_BY_KIND.items()) + ")",
+                 "content": {"application/json": {"schema": ref[ErrorBody]}}}
+        ok = {"description": e.summary}
+        ok["content"] = ({"application/json": {"schema": ref[e.response]}} if e.response is not None
+                         else {"text/plain": {"schema": {"type": "string"}}})
+        operation: dict[str, Any] = {"summary": e.summary, "responses": {"200": ok, "default": error}}
+        if e.request is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[e.request]}}}
+        names = [part[1:-1] for part in e.path.split("/") if part.startswith("{")]
+        if names:
+            operation["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                       for n in names]
+        paths.setdefault(e.path, {})[e.method.lower()] = operation
+    return {"openapi": "3.1.0",
+            "info": {"title": "dsecfs node daemon", "version": "1",
+                     "description": "HTTP/1.1 over the daemon's unix socket (0600, root); see dsec_fs/api.py."},
+            "paths": paths, "components": {"schemas": components}}
+
+
 # ---- coding --------------------------------------------------------------------------------------------
 
 T = TypeVar("T")
@@ -330,3 +398,7 @@ def error_from_body(value: Any, status: int, request: str) -> DsecError:
     if cls is None:
         return DsecError(f"{message} (daemon error {kind!r}, HTTP {status})", where=where)
     return cls(message, where=where)
+
+
+if __name__ == "__main__":
+    print(json.dumps(openapi(), indent=1, sort_keys=True))
