@@ -2,9 +2,11 @@
 # the whole test suite. Both install what they need on a fresh Debian 12 machine (as root).
 
 VENV      ?= .venv
+# Debian's own python3 (3.11.2 on Debian 12), so that the suite runs on what a fresh machine has.
+PYTHON    ?= /usr/bin/python3
 PY        := $(VENV)/bin/python
 DSECFS    := $(VENV)/bin/dsecfs
-APT_PKGS  := erofs-utils mmdebstrap fuse3 libfuse3-dev libfuse2 pkg-config runc zstd attr acl chromium strace
+APT_PKGS  := python3-venv python3-dev gcc erofs-utils mmdebstrap fuse3 libfuse3-dev libfuse2 pkg-config runc zstd attr acl chromium strace
 ROOTFS    ?= /var/cache/dsecfs-test/debian-minbase
 STORE     ?= /var/lib/dsecfs/store
 DEMO_DIR  ?= /tmp/dsecfs-demo
@@ -24,7 +26,7 @@ apt:
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
