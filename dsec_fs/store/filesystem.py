@@ -36,7 +36,7 @@ class FilesystemStore(Store):
         if create:
             os.makedirs(self.root, exist_ok=True)
         elif not os.path.isdir(self.root):
-            raise UnavailableError("store directory does not exist", where=self.root, transient=False)
+            raise NotFoundError(f"no such store (create one with `dsecfs store init {self.url}`)", where=self.url)
 
     def _path(self, key: str) -> str:
         check_key(key, self.url)

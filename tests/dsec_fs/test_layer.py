@@ -262,6 +262,66 @@ def test_resolve_of_an_unknown_ref_names_it(store):
         resolve(store, "workspace/task-17:v2")
 
 
+def publish_meta(store, meta: bytes) -> str:
+    """Publish a pretend layer whose meta.erofs is ``meta``; returns its digest."""
+    digest = sha256(meta).hex()
+    return publish_layer(store, meta, BLOBMAP, make_manifest(layer=digest, meta_size=len(meta)))
+
+
+def two_layers_sharing_a_prefix(store, length: int = 4) -> tuple[str, str]:
+    seen = {}
+    for i in range(100_000):
+        meta = META + i.to_bytes(4, "big")
+        prefix = sha256(meta).hex()[:length]
+        if prefix in seen:
+            return publish_meta(store, seen[prefix]), publish_meta(store, meta)
+        seen[prefix] = meta
+    raise AssertionError("no two digests share a prefix")
+
+
+def test_a_layer_is_named_by_a_short_digest_prefix_or_with_sha256(store):
+    digest = publish_meta(store, META)
+    other = publish_meta(store, META + b"other")
+    for name in (digest[:12], digest[:4], digest[:12].upper(), f"sha256:{digest}", f"sha256:{digest[:12]}",
+                 f"SHA256:{digest[:7]}"):
+        assert resolve(store, name) == digest, name
+    assert resolve(store, other[:12]) == other
+    assert open_layer(store, digest[:12]).meta == META
+
+
+def test_an_ambiguous_prefix_is_an_error_listing_the_candidates(store):
+    a, b = two_layers_sharing_a_prefix(store)
+    with pytest.raises(InputError, match="ambiguous") as error:
+        resolve(store, a[:4])
+    assert a in str(error.value) and b in str(error.value)
+    assert resolve(store, a[:12]) == a and resolve(store, b[:12]) == b
+
+
+def test_a_prefix_no_layer_has_is_not_found_naming_the_store(store):
+    digest = publish_meta(store, META)
+    absent = next(p for p in ("0000", "ffff", "abcd") if not digest.startswith(p))
+    with pytest.raises(NotFoundError, match=f"starts with {absent}") as error:
+        resolve(store, f"sha256:{absent}")
+    assert store.url in str(error.value)
+    with pytest.raises(InputError):
+        resolve(store, "sha256:12")  # too short to be a prefix
+    with pytest.raises(InputError):
+        resolve(store, "sha256:base")
+
+
+def test_a_hex_word_is_a_ref_name_too_and_both_meanings_must_agree(store):
+    digest = publish_meta(store, META)
+    other = publish_meta(store, META + b"other")
+    set_ref(store, "cafe", other)
+    assert resolve(store, "cafe") == other  # no layer digest starts with cafe (or it would be ambiguous)
+    set_ref(store, digest[:6], digest)  # the ref and the prefix name the same layer
+    assert resolve(store, digest[:6]) == digest
+    set_ref(store, digest[:8], other)
+    with pytest.raises(InputError, match="ambiguous"):
+        resolve(store, digest[:8])
+    assert resolve(store, f"sha256:{digest[:8]}") == digest  # sha256: never means a ref
+
+
 def test_set_ref_refuses_a_bad_digest(store):
     with pytest.raises(InputError):
         set_ref(store, "base:1", "not-a-digest")
