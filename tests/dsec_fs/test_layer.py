@@ -18,6 +18,7 @@ from dsec_fs.layer import (
 )
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import StoreWrapper
+from tests.dsec_fs.layer_support import publish_pretend_layer, two_layers_sharing_a_prefix
 
 META = b"\xe2\xe1\xf5\xe0 pretend EROFS image" + bytes(4000)
 BLOBMAP = b"pretend blob map " * 10
@@ -262,26 +263,9 @@ def test_resolve_of_an_unknown_ref_names_it(store):
         resolve(store, "workspace/task-17:v2")
 
 
-def publish_meta(store, meta: bytes) -> str:
-    """Publish a pretend layer whose meta.erofs is ``meta``; returns its digest."""
-    digest = sha256(meta).hex()
-    return publish_layer(store, meta, BLOBMAP, make_manifest(layer=digest, meta_size=len(meta)))
-
-
-def two_layers_sharing_a_prefix(store, length: int = 4) -> tuple[str, str]:
-    seen = {}
-    for i in range(100_000):
-        meta = META + i.to_bytes(4, "big")
-        prefix = sha256(meta).hex()[:length]
-        if prefix in seen:
-            return publish_meta(store, seen[prefix]), publish_meta(store, meta)
-        seen[prefix] = meta
-    raise AssertionError("no two digests share a prefix")
-
-
 def test_a_layer_is_named_by_a_short_digest_prefix_or_with_sha256(store):
-    digest = publish_meta(store, META)
-    other = publish_meta(store, META + b"other")
+    digest = publish_pretend_layer(store, META)
+    other = publish_pretend_layer(store, META + b"other")
     for name in (digest[:12], digest[:4], digest[:12].upper(), f"sha256:{digest}", f"sha256:{digest[:12]}",
                  f"SHA256:{digest[:7]}"):
         assert resolve(store, name) == digest, name
@@ -298,7 +282,7 @@ def test_an_ambiguous_prefix_is_an_error_listing_the_candidates(store):
 
 
 def test_a_prefix_no_layer_has_is_not_found_naming_the_store(store):
-    digest = publish_meta(store, META)
+    digest = publish_pretend_layer(store, META)
     absent = next(p for p in ("0000", "ffff", "abcd") if not digest.startswith(p))
     with pytest.raises(NotFoundError, match=f"starts with {absent}") as error:
         resolve(store, f"sha256:{absent}")
@@ -310,8 +294,8 @@ def test_a_prefix_no_layer_has_is_not_found_naming_the_store(store):
 
 
 def test_a_hex_word_is_a_ref_name_too_and_both_meanings_must_agree(store):
-    digest = publish_meta(store, META)
-    other = publish_meta(store, META + b"other")
+    digest = publish_pretend_layer(store, META)
+    other = publish_pretend_layer(store, META + b"other")
     set_ref(store, "cafe", other)
     assert resolve(store, "cafe") == other  # no layer digest starts with cafe (or it would be ambiguous)
     set_ref(store, digest[:6], digest)  # the ref and the prefix name the same layer
