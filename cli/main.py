@@ -156,27 +156,34 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
 @store_option
 @json_option
 def inspect(layer: str, store_url: str | None, as_json: bool) -> None:
-    """Show a layer's manifest: sizes, chunk statistics, packs."""
-    from dsec_fs.layer import open_layer
-    from erofs_builder.reader import ErofsImage
+    """Show a layer: its files, chunks, what they take in the store and how much of that other layers share;
+    its manifest (sizes, packs) and the figures of the build that made it."""
+    from erofs_builder.layer_figures import layer_figures
 
     with open_store(store_url) as store:
-        files = open_layer(store, layer)
-    image = ErofsImage(files.meta, source=f"layer {files.digest[:12]} meta.erofs")
+        files, figures = layer_figures(store, layer)
     m = files.manifest
     data = {
         "layer": files.digest, "blob_id": m.blob_id, "chunk_size": m.chunk_size, "block_size": m.block_size,
         "meta_size": m.meta_size, "blobmap_size": m.blobmap_size, "blob_blocks": m.blob_blocks,
-        "packs": m.packs, "stats": m.stats, "created": m.created, "source": m.source,
-        "inodes": image.superblock.inos,
+        "packs": m.packs, "created": m.created, "source": m.source, "figures": figures.to_dict(),
+        "build_stats": m.stats,
     }
 
     def text() -> str:
+        f = figures
+        shared = (f"{f.shared_chunks:,} chunks ({human_size(f.shared_stored_bytes)} stored) with some of the "
+                  f"{f.other_layers:,} other layers" if f.other_layers else "nothing (no other layers)")
         lines = [f"layer       {files.digest}", f"created     {m.created}", f"source      {m.source}",
-                 f"inodes      {image.superblock.inos:,}", f"meta.erofs  {human_size(m.meta_size)}",
+                 f"files       {f.files:,} ({human_size(f.bytes)}), {f.entries:,} entries",
+                 f"chunks      {f.chunks:,} ({human_size(f.chunk_bytes)}), chunk size {human_size(m.chunk_size)}",
+                 f"stored      {human_size(f.stored_bytes)} in {len(m.packs)} packs"
+                 + (f", {f.missing_chunks:,} chunks in none of them" if f.missing_chunks else ""),
+                 f"shared      {shared}; its own: {human_size(f.own_stored_bytes)}",
+                 f"meta.erofs  {human_size(m.meta_size)}",
                  f"blob        {human_size(m.blob_blocks * m.block_size)} (virtual, id {m.blob_id[:16]}...)",
-                 f"chunk size  {human_size(m.chunk_size)}", f"packs       {len(m.packs)}"]
-        lines += [f"  {k:<16}{v:,}" if isinstance(v, int) else f"  {k:<16}{v}" for k, v in sorted(m.stats.items())]
+                 "built with  " + ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
+                                            for k, v in sorted(m.stats.items()))]
         return "\n".join(lines)
 
     emit(as_json, data, text)
