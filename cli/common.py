@@ -77,7 +77,12 @@ _quiet_option = click.option("-q", "--quiet", is_flag=True, expose_value=False, 
 
 
 def _configure_logging(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    logging.basicConfig(level=value.upper(), format="dsecfs: %(levelname)s %(name)s: %(message)s")
+    # The handler's level too: some loggers hold a level of their own (botocore's is INFO or above, see
+    # dsec_fs/store/s3.py), and their records reach the root's handlers whatever the root's level is.
+    handler = logging.StreamHandler()
+    handler.setLevel(value.upper())
+    logging.basicConfig(level=value.upper(), format="dsecfs: %(levelname)s %(name)s: %(message)s",
+                        handlers=[handler])
     return value
 
 

@@ -26,7 +26,8 @@ def store(request, tmp_path):
         store = S3Store.from_url(request.getfixturevalue("s3_url"), multipart_threshold=PART_SIZE, part_size=PART_SIZE)
     else:
         root = tmp_path / "store"
-        store = open_store({"path": str(root), "file": f"file://{root}", "posix": f"posix://{root}"}[kind])
+        url = {"path": str(root), "file": f"file://{root}", "posix": f"posix://{root}"}[kind]
+        store = open_store(url, create=True)
     with store:
         yield store
 
