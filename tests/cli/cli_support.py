@@ -38,15 +38,6 @@ def json_of(result) -> dict:
     return json.loads(result.stdout)
 
 
-def make_tree(root, files: dict[str, bytes]) -> str:
-    for name, data in files.items():
-        path = os.path.join(root, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-    return str(root)
-
-
 def build(source: str, store: str, *extra: str) -> str:
     """Build ``source`` into ``store``; the layer digest."""
     result = dsecfs("build", source, "--store", store, "--json", *extra)

@@ -11,7 +11,8 @@ import tempfile
 import time
 
 import pytest
-from cli_support import build, dsecfs, dsecfs_process, json_of, make_tree
+from cli_support import build, dsecfs, dsecfs_process, json_of
+from treecmp import write_files
 
 
 def write_config(path, text: str) -> str:
@@ -22,7 +23,7 @@ def write_config(path, text: str) -> str:
 @pytest.fixture
 def layer(tmp_path):
     store = str(tmp_path / "store")
-    return store, build(make_tree(tmp_path / "src", {"f": bytes(100_000)}), store, "--name", "a:1")
+    return store, build(write_files(tmp_path / "src", {"f": bytes(100_000)}), store, "--name", "a:1")
 
 
 def test_the_config_file_sets_options_of_every_command_and_of_one(tmp_path, layer):

@@ -11,7 +11,8 @@ import time
 
 import click
 import pytest
-from cli_support import DSECFS, build, dsecfs, dsecfs_process, json_of, make_tree
+from cli_support import DSECFS, build, dsecfs, dsecfs_process, json_of
+from treecmp import write_files
 
 from cli.common import walk_commands
 from cli.main import main
@@ -32,7 +33,7 @@ def test_every_command_has_json_quiet_and_log_level_and_shows_its_environment_va
 
 def test_an_error_under_json_is_one_json_object_with_its_class_and_exit_code(tmp_path):
     store = str(tmp_path / "store")
-    build(make_tree(tmp_path / "src", {"f": b"x"}), store, "--name", "a:1")
+    build(write_files(tmp_path / "src", {"f": b"x"}), store, "--name", "a:1")
     result = dsecfs("inspect", "b:1", "--store", store, "--json")
     assert result.exit_code == 6 and result.stderr == ""
     assert json_of(result) == {"error": {"class": "NotFoundError", "kind": "not-found", "exit_code": 6,
@@ -62,7 +63,7 @@ def test_the_daemon_commands_report_a_missing_daemon_in_json(tmp_path, command):
 
 def test_quiet_prints_only_the_result_id(tmp_path):
     store = str(tmp_path / "store")
-    src = make_tree(tmp_path / "src", {"f": b"quiet"})
+    src = write_files(tmp_path / "src", {"f": b"quiet"})
     built = dsecfs("build", src, "--store", store, "--name", "a:1", "-q")
     assert built.exit_code == 0
     with open_store(store) as opened:
@@ -75,7 +76,7 @@ def test_quiet_prints_only_the_result_id(tmp_path):
 
 def test_log_level_on_any_command(tmp_path):
     store = str(tmp_path / "store")
-    src = make_tree(tmp_path / "src", {"f": b"one", "g": b"two"})
+    src = write_files(tmp_path / "src", {"f": b"one", "g": b"two"})
     parent = build(src, store)
     quiet = dsecfs_process("build", src, "--store", store, "--parent", parent)
     assert quiet.returncode == 0 and "patched parent layer" not in quiet.stderr
@@ -111,7 +112,7 @@ def test_ctrl_c_exits_130_and_publishes_nothing(tmp_path):
 
 def test_sizes_take_decimals_and_decimal_units(tmp_path):
     store = str(tmp_path / "store")
-    src = make_tree(tmp_path / "src", {"f": bytes(300_000)})
+    src = write_files(tmp_path / "src", {"f": bytes(300_000)})
     digest = build(src, store, "--chunk-size", "0.25MiB")
     assert json_of(dsecfs("inspect", digest, "--store", store, "--json"))["chunk_size"] == 256 * 1024
     not_a_power = dsecfs("build", src, "--store", store, "--chunk-size", "1MB")  # 10^6 bytes

@@ -4,7 +4,8 @@ directory store, a posix:// one and S3 (moto over HTTP)."""
 from __future__ import annotations
 
 import pytest
-from cli_support import build, dsecfs, dsecfs_process, json_of, make_tree
+from cli_support import build, dsecfs, dsecfs_process, json_of
+from treecmp import write_files
 
 from dsec_fs.layer import list_refs
 from dsec_fs.store import init_store, open_store
@@ -21,8 +22,8 @@ def store_url(request, tmp_path):
 
 @pytest.fixture
 def two_layers(tmp_path, store_url):
-    a = build(make_tree(tmp_path / "a", {"etc/a": b"a" * 5000}), store_url, "--name", "base/a:1")
-    b = build(make_tree(tmp_path / "b", {"etc/b": b"b" * 5000}), store_url, "--name", "base/b:1")
+    a = build(write_files(tmp_path / "a", {"etc/a": b"a" * 5000}), store_url, "--name", "base/a:1")
+    b = build(write_files(tmp_path / "b", {"etc/b": b"b" * 5000}), store_url, "--name", "base/b:1")
     return a, b
 
 
@@ -92,7 +93,7 @@ def test_an_ambiguous_prefix_fails_listing_the_candidates(store_url):
 def test_a_prefix_is_refused_as_a_digest_by_the_process_too(tmp_path):
     """The installed command (a process of its own) says what it looked for; exit 6, not a traceback."""
     store = str(tmp_path / "store")
-    digest = build(make_tree(tmp_path / "t", {"f": b"x"}), store)
+    digest = build(write_files(tmp_path / "t", {"f": b"x"}), store)
     absent = next(p for p in ("0000", "ffff") if not digest.startswith(p))
     done = dsecfs_process("inspect", f"sha256:{absent}", "--store", store)
     assert done.returncode == 6, done.stderr

@@ -8,7 +8,8 @@ import os
 import secrets
 
 import pytest
-from cli_support import build, dsecfs, dsecfs_process, json_of, make_tree
+from cli_support import build, dsecfs, dsecfs_process, json_of
+from treecmp import write_files
 
 READ_ONLY = [
     ("inspect", "base:1"), ("fsck", "base:1"), ("diff", "base:1", "base:2"), ("ref", "ls"), ("store", "stats"),
@@ -42,7 +43,7 @@ def test_export_and_extract_of_a_missing_store_create_nothing(tmp_path, command)
 def test_a_malformed_url_is_an_input_error_and_nothing_appears_in_the_working_directory(tmp_path, monkeypatch, url,
                                                                                           complaint):
     monkeypatch.chdir(tmp_path)
-    for command in (("inspect", "base:1"), ("build", str(make_tree(tmp_path / "src", {"f": b"x"})))):
+    for command in (("inspect", "base:1"), ("build", str(write_files(tmp_path / "src", {"f": b"x"})))):
         result = dsecfs(*command, "--store", url)
         assert result.exit_code == 2, result.output
         assert complaint in result.stderr and url in result.stderr
@@ -51,12 +52,12 @@ def test_a_malformed_url_is_an_input_error_and_nothing_appears_in_the_working_di
 
 def test_a_relative_path_is_a_store_below_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    digest = build(make_tree(tmp_path / "src", {"f": b"x"}), "stores/one")
+    digest = build(write_files(tmp_path / "src", {"f": b"x"}), "stores/one")
     assert (tmp_path / "stores" / "one" / "layers" / digest / "manifest.json").is_file()
 
 
 def test_build_creates_a_store_on_first_use_and_says_so(tmp_path):
-    src = make_tree(tmp_path / "src", {"f": b"data"})
+    src = write_files(tmp_path / "src", {"f": b"data"})
     store = tmp_path / "new-store"
     first = dsecfs("build", src, "--store", str(store), "--name", "a:1")
     assert first.exit_code == 0, first.output
@@ -90,7 +91,7 @@ def test_an_endpoint_without_a_scheme_is_a_clear_error_not_a_traceback(s3_url):
 
 @pytest.mark.s3
 def test_the_endpoint_region_and_profile_flags_reach_s3(tmp_path, moto_server, s3_url):
-    src = make_tree(tmp_path / "src", {"f": b"over s3"})
+    src = write_files(tmp_path / "src", {"f": b"over s3"})
     without_endpoint = {"DSECFS_S3_ENDPOINT": "", "AWS_ENDPOINT_URL": ""}
     bucket = f"init-{secrets.token_hex(4)}"
     flags = ["--endpoint-url", moto_server.url, "--region", "eu-west-1"]

@@ -9,6 +9,7 @@ import os
 
 import pytest
 from click.testing import CliRunner
+from treecmp import write_files
 
 from cli.main import main
 from dsec_fs.store import FilesystemStore
@@ -18,23 +19,13 @@ from erofs_builder.layer_figures import layer_figures
 CHUNK = 64 * 1024
 
 
-def write(root, name: str, data: bytes) -> None:
-    path = os.path.join(root, name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-
-
 @pytest.fixture
 def trees(tmp_path):
     shared = os.urandom(3 * CHUNK)  # in both trees: three chunks the layers share
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    write(a, "shared.bin", shared)
-    write(a, "only-a.bin", os.urandom(2 * CHUNK + 100))
-    write(a, "dir/small", b"small file")
+    a = write_files(tmp_path / "a", {"shared.bin": shared, "only-a.bin": os.urandom(2 * CHUNK + 100),
+                                     "dir/small": b"small file"})
     os.link(os.path.join(a, "dir/small"), os.path.join(a, "dir/small-link"))  # counted once
-    write(b, "shared.bin", shared)
-    write(b, "only-b.bin", os.urandom(CHUNK))
+    b = write_files(tmp_path / "b", {"shared.bin": shared, "only-b.bin": os.urandom(CHUNK)})
     return a, b
 
 
