@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import click
 
+from dsec_fs import api
 from dsec_fs.errors import InputError
 from dsec_fs.store import DEFAULT_STORE_ENV, default_store_url
 from dsec_fs.units import parse_duration
@@ -124,10 +125,11 @@ def wants_json() -> bool:
     return bool(ctx and ctx.meta.get(JSON_META))
 
 
-def emit(as_json: bool, data: dict, text: Callable[[], str], *, result: str | None = None) -> None:
-    """Print ``data`` as JSON, or ``text()``; under -q only ``result`` (the id a script wants), if any."""
+def emit(as_json: bool, data: object, text: Callable[[], str], *, result: str | None = None) -> None:
+    """Print ``data`` (a dict, or a type of dsec_fs/api.py) as JSON, or ``text()``; under -q only ``result``
+    (the id a script wants), if any."""
     if as_json or wants_json():
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        click.echo(json.dumps(api.to_builtins(data), indent=2, sort_keys=True))
     elif quiet():
         if result is not None:
             click.echo(result)

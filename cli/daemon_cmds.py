@@ -129,7 +129,7 @@ def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, stor
                                cache_dir=cache_dir)
     info = node.mount(layer, directory, mode=mode, store=store_url, prefetch_list=prefetch_list,
                       fuse_binding=fuse_binding)
-    emit(as_json, vars(info), lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
+    emit(as_json, info, lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
                                        f"mode" + (f"; trace {info.trace}" if info.trace else ""))
 
 
@@ -152,8 +152,6 @@ def umount(directory: str, lazy: bool, socket_path: str, as_json: bool) -> None:
 @json_option
 def status(socket_path: str, as_json: bool) -> None:
     """The node daemon: its mounts, layers, cache and prefetches."""
-    from dataclasses import asdict
-
     st = Node(socket_path).status()
 
     def text() -> str:
@@ -175,7 +173,7 @@ def status(socket_path: str, as_json: bool) -> None:
                   f"{human_size(p.done_bytes)}, {p.failed_chunks} failed" for p in st.prefetches]
         return "\n".join(lines)
 
-    emit(as_json, asdict(st), text)
+    emit(as_json, st, text)
 
 
 @click.group()
@@ -189,7 +187,7 @@ def cache() -> None:
 def cache_stats(socket_path: str, as_json: bool) -> None:
     """Size, entries, hits and misses of the chunk cache (disk and memory)."""
     info = Node(socket_path).cache_stats()
-    emit(as_json, vars(info), lambda: _cache_text(info))
+    emit(as_json, info, lambda: _cache_text(info))
 
 
 @cache.command("evict")
@@ -200,7 +198,7 @@ def cache_stats(socket_path: str, as_json: bool) -> None:
 def cache_evict(to_size: str, socket_path: str, as_json: bool) -> None:
     """Evict chunks from the cache (disk and memory)."""
     info = Node(socket_path).cache_evict(parse_size(to_size))
-    emit(as_json, vars(info), lambda: f"evicted {info.evicted:,} chunks\n" + _cache_text(info))
+    emit(as_json, info, lambda: f"evicted {info.evicted:,} chunks\n" + _cache_text(info))
 
 
 def _cache_text(info) -> str:
@@ -221,5 +219,5 @@ def _cache_text(info) -> str:
 def prefetch_start(directory: str, prefetch_list: str, socket_path: str, as_json: bool) -> None:
     """Fetch LIST in the background for the layer the node daemon mounted at DIRECTORY."""
     info = Node(socket_path).prefetch(directory, prefetch_list)
-    emit(as_json, vars(info), lambda: f"prefetching {info.chunks:,} chunks ({human_size(info.bytes)}) of layer "
+    emit(as_json, info, lambda: f"prefetching {info.chunks:,} chunks ({human_size(info.bytes)}) of layer "
                                        f"{info.layer[:12]}")

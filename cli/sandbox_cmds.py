@@ -12,7 +12,6 @@ cli/main.py registers the group: ``main.add_command(sandbox_cmds.sandbox)``.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
 
 import click
 
@@ -48,7 +47,7 @@ def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name:
     --state-dir and --cache-dir) if none answers on the socket."""
     node = Node.ensure_running(socket_path, store=store_url, state_dir=state_dir, cache_dir=cache_dir)
     info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url)
-    emit(as_json, asdict(info), lambda: f"{info.id} {info.rootfs}", result=info.id)
+    emit(as_json, info, lambda: f"{info.id} {info.rootfs}", result=info.id)
 
 
 @sandbox.command("exec")
@@ -118,7 +117,7 @@ def ls(socket_path: str, as_json: bool) -> None:
                   + " ".join(f"{layer.role}={layer.ref}" for layer in i.layers) for i in infos]
         return "\n".join(lines)
 
-    emit(as_json, {"sandboxes": [asdict(info) for info in infos]}, text)
+    emit(as_json, {"sandboxes": infos}, text)
 
 
 @sandbox.command("commit")
@@ -130,4 +129,4 @@ def ls(socket_path: str, as_json: bool) -> None:
 def commit(key: str, ref: str, store_url: str | None, socket_path: str, as_json: bool) -> None:
     """Publish SANDBOX's changes (its upper dir, whiteouts included) as a layer; prints its digest."""
     result = Sandbox(Node(socket_path), key).commit(ref, store=store_url)
-    emit(as_json, asdict(result), lambda: result.layer)
+    emit(as_json, result, lambda: result.layer)

@@ -40,7 +40,6 @@ and name reservations; it is never held across a mount, a provider call or a com
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -54,6 +53,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dsec_fs import mounts
+from dsec_fs.files import lock_directory, write_atomic
 from dsec_fs.errors import ConflictError, CorruptError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import resolve, utc_now
 from dsec_fs.store.base import Store
@@ -160,12 +160,7 @@ class SandboxManager:
         self.stack_options = stack_options
         self._lock = threading.Lock()
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.state_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise ConflictError("another sandbox manager uses this state directory", where=self.state_dir) from None
+        self._lock_fd = lock_directory(self.state_dir, what="another sandbox manager")
         self._sandboxes: dict[str, SandboxState] = {state.id: state for state in self._load_states()}
 
     def close(self) -> None:
@@ -331,11 +326,7 @@ class SandboxManager:
 
     def _save(self, state: SandboxState) -> SandboxState:
         """Write ``state`` to its file (atomically) and to the table; returns it."""
-        path = self._state_path(state.id)
-        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-        with open(tmp, "wb") as f:
-            f.write(state.to_json())
-        os.rename(tmp, path)
+        write_atomic(self._state_path(state.id), state.to_json(), sync=False, tmp_prefix="")
         with self._lock:
             self._sandboxes[state.id] = state
         return state

@@ -47,8 +47,9 @@ class Daemons:
         the daemon's default."""
         options.setdefault("fetch_timeout", 10)
         options.setdefault("cache_dir", self.cache_dir)
+        options.setdefault("command", [DSECFS])
         daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, store=store, fuse_binding=binding,
-                                   log_file=self.log_file, command=[DSECFS], **options)
+                                   log_file=self.log_file, **options)
         self.started.append(daemon)
         return daemon
 
