@@ -50,7 +50,34 @@ def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name:
     emit(as_json, info, lambda: f"{info.id} {info.rootfs}", result=info.id)
 
 
-@sandbox.command("exec")
+class CommandLineCommand(click.Command):
+    """A command whose last argument (nargs=-1) is a command line to run: the first word after its other
+    arguments starts that command line, so ``exec SANDBOX ls -la`` needs no ``--`` (options before that
+    word are still this command's; a command line that starts with a dash needs ``--``)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" not in args:
+            args = self._separated(args)
+        return super().parse_args(ctx, args)
+
+    def _separated(self, args: list[str]) -> list[str]:
+        takes_value = {opt for param in self.params if isinstance(param, click.Option) and not param.is_flag
+                       and not param.count for opt in param.opts + param.secondary_opts}
+        before = sum(1 for param in self.params if isinstance(param, click.Argument) and param.nargs != -1)
+        k = 0
+        while k < len(args):
+            word = args[k]
+            if word.startswith("-") and word != "-":
+                k += 2 if word in takes_value else 1  # --opt VALUE, or a flag, --opt=VALUE, -eVALUE
+                continue
+            if before == 0:
+                return [*args[:k], "--", *args[k:]]
+            before -= 1
+            k += 1
+        return args
+
+
+@sandbox.command("exec", cls=CommandLineCommand)
 @click.argument("key", metavar="SANDBOX")
 @click.argument("command", nargs=-1, required=True)
 @click.option("--runtime", type=click.Choice(RUNTIMES), default=None,
@@ -68,7 +95,8 @@ def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name:
 def exec_(key: str, command: tuple[str, ...], runtime: str | None, env: tuple[str, ...], cwd: str, network: bool,
           memory: str | None, cpus: float | None, pids_limit: int | None, timeout: float | None, with_stdin: bool,
           socket_path: str, as_json: bool) -> None:
-    """Run COMMAND in SANDBOX (an id or a name): dsecfs sandbox exec SANDBOX -- CMD ARGS..."""
+    """Run COMMAND in SANDBOX (an id or a name): dsecfs sandbox exec [OPTIONS] SANDBOX CMD ARGS... (put
+    -- before CMD if it starts with a dash)."""
     variables = {}
     for item in env:
         name, equals, value = item.partition("=")

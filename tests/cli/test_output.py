@@ -119,3 +119,24 @@ def test_sizes_take_decimals_and_decimal_units(tmp_path):
     assert not_a_power.exit_code == 2 and "1000000" in not_a_power.stderr
     bandwidth = dsecfs("daemon", "--bandwidth", "12 parsecs", "--socket", str(tmp_path / "s"))
     assert bandwidth.exit_code == 2 and "not a size: '12 parsecs'" in bandwidth.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["sb1", "ls", "-la"], ["sb1", "--", "ls", "-la"]),
+    (["sb1", "--network", "-e", "A=1", "--memory", "1G", "ls", "--color"],
+     ["sb1", "--network", "-e", "A=1", "--memory", "1G", "--", "ls", "--color"]),
+    (["--cwd", "/tmp", "sb1", "sh", "-c", "echo -n x"], ["--cwd", "/tmp", "sb1", "--", "sh", "-c", "echo -n x"]),
+    (["sb1", "--env=A=1", "true"], ["sb1", "--env=A=1", "--", "true"]),
+])
+def test_sandbox_exec_needs_no_double_dash_before_a_command(args, expected):
+    from cli.sandbox_cmds import exec_
+
+    assert exec_._separated(args) == expected
+
+
+def test_sandbox_exec_without_double_dash_reaches_the_daemon(tmp_path):
+    """`exec SB ls -la` is a request to the daemon (none here: unavailable, 5), not a usage error for -la."""
+    result = dsecfs("sandbox", "exec", "--socket", str(tmp_path / "none.sock"), "sb1", "ls", "-la")
+    assert result.exit_code == 5 and "no daemon answers" in result.stderr
+    dashed = dsecfs("sandbox", "exec", "--socket", str(tmp_path / "none.sock"), "sb1", "-la")
+    assert dashed.exit_code == 2 and "No such option" in dashed.stderr  # ambiguous: needs --
