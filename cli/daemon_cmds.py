@@ -98,7 +98,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
     options = DaemonOptions(
         socket_path=socket_path, state_dir=state_dir, cache_dir=cache_dir, cache_bytes=parse_size(cache_size),
         memory_cache_bytes=parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
-        latency=None if latency is None else latency / 1000, bandwidth=None if bandwidth is None else parse_size(bandwidth),
+        latency=None if latency is None else latency / 1000,
+        bandwidth=None if bandwidth is None else parse_size(bandwidth),
         fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead),
         read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, trace_keep_bytes=parse_size(trace_keep_size),
         trace_keep_seconds=trace_keep_age)

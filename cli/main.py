@@ -172,8 +172,11 @@ def inspect(layer: str, store_url: str | None, as_json: bool) -> None:
 
     def text() -> str:
         f = figures
-        shared = (f"{f.shared_chunks:,} chunks ({human_size(f.shared_stored_bytes)} stored) with some of the "
-                  f"{f.other_layers:,} other layers" if f.other_layers else "nothing (no other layers)")
+        if f.shared_chunks:
+            shared = (f"{f.shared_chunks:,} chunks ({human_size(f.shared_stored_bytes)} stored) with some of the "
+                      f"{f.other_layers:,} other layers")
+        else:
+            shared = f"nothing with the {f.other_layers:,} other layers" if f.other_layers else "nothing (no others)"
         lines = [f"layer       {files.digest}", f"created     {m.created}", f"source      {m.source}",
                  f"files       {f.files:,} ({human_size(f.bytes)}), {f.entries:,} entries",
                  f"chunks      {f.chunks:,} ({human_size(f.chunk_bytes)}), chunk size {human_size(m.chunk_size)}",
