@@ -1,0 +1,63 @@
+#!/bin/sh
+# `make test` (the README's set-up command) on a fresh Debian 12: a minbase chroot with nothing but python3,
+# git and make (and the CA certificates apt and pip need), its root a mount point as on a real machine,
+# the committed tree of this repository copied in. Run by hand, as root, outside CI: it takes minutes
+# (debootstrapping, apt-get of APT_PKGS, pip building pyfuse3 from its sdist) and needs Debian's mirrors
+# and PyPI. Nothing of the host's is used but the kernel, and, unless FRESH_ROOTFS=1, the Debian minbase
+# rootfs the tests run on (bind-mounted read-only, to save a second mmdebstrap).
+#
+#   tests/fresh_machine.sh                                        # the whole suite
+#   PYTEST_ARGS='tests/erofs_builder/test_diff.py' tests/fresh_machine.sh
+#
+# Everything lives under WORK (default /var/tmp/dsecfs-fresh) and is unmounted whatever happens; the
+# chroot stays for a look afterwards (rm -rf it when done).
+set -eu
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${WORK:-/var/tmp/dsecfs-fresh}
+ROOT="$WORK/root"
+HOST_ROOTFS=/var/cache/dsecfs-test/debian-minbase
+PYTEST_ARGS=${PYTEST_ARGS:-}
+
+mounted=""
+cleanup() {
+    for target in $mounted; do  # most recent first
+        umount "$target" 2>/dev/null || umount -l "$target"
+    done
+}
+trap cleanup EXIT INT TERM
+bind() {  # bind [-r] SOURCE TARGET
+    readonly_=""
+    if [ "$1" = -r ]; then readonly_=1; shift; fi
+    mkdir -p "$2"
+    mount --bind "$1" "$2"
+    [ -n "$readonly_" ] && mount -o remount,bind,ro "$2"
+    mounted="$2 $mounted"
+}
+
+if [ ! -x "$ROOT/usr/bin/python3" ]; then
+    rm -rf "$ROOT"
+    mmdebstrap --quiet --variant=minbase --include=python3,git,make,ca-certificates bookworm "$ROOT"
+fi
+rm -rf "$ROOT/src"
+mkdir -p "$ROOT/src"
+git -C "$REPO" archive HEAD | tar -x -C "$ROOT/src"
+cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+
+bind "$ROOT" "$ROOT"  # / is a mount point, as on a machine (runc and mount propagation need it)
+bind /proc "$ROOT/proc"
+bind /sys "$ROOT/sys"
+bind /sys/fs/cgroup "$ROOT/sys/fs/cgroup"  # runc's limits
+bind /dev "$ROOT/dev"
+bind /dev/pts "$ROOT/dev/pts"
+bind /dev/shm "$ROOT/dev/shm"
+mount -t tmpfs tmpfs "$ROOT/run" && mounted="$ROOT/run $mounted"
+mount -t tmpfs tmpfs "$ROOT/tmp" && mounted="$ROOT/tmp $mounted"
+if [ "${FRESH_ROOTFS:-0}" != 1 ] && [ -d "$HOST_ROOTFS" ]; then
+    bind -r "$HOST_ROOTFS" "$ROOT$HOST_ROOTFS"
+fi
+
+python=$(chroot "$ROOT" python3 --version)
+echo "fresh Debian 12 chroot at $ROOT: $python; running make test PYTEST_ARGS='$PYTEST_ARGS'"
+chroot "$ROOT" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+    sh -c "cd /src && make test PYTEST_ARGS='$PYTEST_ARGS'"
