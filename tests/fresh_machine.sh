@@ -37,6 +37,7 @@ bind() {  # bind [-r] SOURCE TARGET
 
 if [ ! -x "$ROOT/usr/bin/python3" ]; then
     rm -rf "$ROOT"
+    mkdir -p "$WORK"
     mmdebstrap --quiet --variant=minbase --include=python3,git,make,ca-certificates bookworm "$ROOT"
 fi
 rm -rf "$ROOT/src"
