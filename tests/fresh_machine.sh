@@ -44,6 +44,13 @@ rm -rf "$ROOT/src"
 mkdir -p "$ROOT/src"
 git -C "$REPO" archive HEAD | tar -x -C "$ROOT/src"
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# A TLS-intercepting proxy between this machine and PyPI: the host trusts its CA, the chroot must too (as
+# a machine behind it would be set up to); pip reads the system bundle only when told to.
+if ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then
+    cp /usr/local/share/ca-certificates/*.crt "$ROOT/usr/local/share/ca-certificates/"
+    chroot "$ROOT" update-ca-certificates >/dev/null
+    printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$ROOT/etc/pip.conf"
+fi
 
 bind "$ROOT" "$ROOT"  # / is a mount point, as on a machine (runc and mount propagation need it)
 bind /proc "$ROOT/proc"
