@@ -26,16 +26,13 @@ import logging
 
 import click
 
+from dsec_fs.api import BINDINGS, FILLS, MODES
 from dsec_fs.client import (CACHE_DIR_ENV, DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV,
                              STATE_DIR_ENV, Node)
 from dsec_fs.units import human_size, parse_size
 
 from .common import Duration, emit, json_option, store_option
 
-# lazy_fetch.layer_mount's choices, spelled out so that every dsecfs command does not import trio and the
-# FUSE code just to build its help; the daemon checks them again.
-BINDINGS = ("pyfuse3", "fusepy", "raw")  # raw: mounts survive a daemon restart (docs/architecture.md)
-MODES = ("kernel", "fuse")
 RUNTIMES = ("runc", "namespaces")  # overlay.runtime's
 
 socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, default=DEFAULT_SOCKET, show_default=True,
@@ -70,6 +67,11 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
               help="how far the kernel reads ahead in a layer's files, in one request to the daemon (0: the "
                    "kernel's default, 128KiB)")
 @click.option("--no-trace", is_flag=True, help="do not write access traces")
+@click.option("--no-profiles", is_flag=True,
+              help="do not learn access profiles from traces, share them through the store, or prefetch by them")
+@click.option("--fill", type=click.Choice(FILLS), default="profile", show_default=True,
+              help="what a new mount fetches in the background: nothing, its profile, or that and then the rest "
+                   "of the layer (until the cache bound); mounts and sandboxes may say otherwise")
 @click.option("--trace-keep-size", default="1GiB", show_default=True, metavar="SIZE",
               help="closed traces beyond this size in all are removed, oldest first")
 @click.option("--trace-keep-age", type=Duration(), default="7d", show_default=True, metavar="DURATION",
@@ -83,7 +85,8 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
               help="what runs sandbox commands unless `sandbox exec --runtime` says otherwise")
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
            store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: str | None,
-           fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
+           fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, no_profiles: bool, fill: str,
+           trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
            sandbox_runtime: str) -> None:
     """Run the node daemon: mounts layers, fetches and caches chunks, runs sandboxes, serves the API on the
     socket.
@@ -101,7 +104,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
         latency=None if latency is None else latency / 1000,
         bandwidth=None if bandwidth is None else parse_size(bandwidth),
         fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead),
-        read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, trace_keep_bytes=parse_size(trace_keep_size),
+        read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, profiles=not no_profiles, fill=fill,
+        trace_keep_bytes=parse_size(trace_keep_size),
         trace_keep_seconds=trace_keep_age)
     sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)
     run_daemon(options, extensions=[sandboxes])
@@ -114,7 +118,9 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
               help="kernel: the kernel's EROFS driver over a FUSE blob file; fuse: the whole tree over FUSE")
 @click.option("--prefetch", "prefetch_list", default=None, metavar="LIST",
               type=click.Path(exists=True, dir_okay=False, path_type=str),
-              help="a prefetch list (dsecfs prefetch build) to fetch in the background")
+              help="a prefetch list (dsecfs prefetch build) to fetch in the background, instead of the profile")
+@click.option("--no-profile", is_flag=True, help="do not prefetch by the layer's access profile from the store")
+@click.option("--fill", type=click.Choice(FILLS), default=None, help="none, profile or layer (default: the daemon's)")
 @store_option
 @click.option("--fuse-binding", type=click.Choice(BINDINGS), default=None,
               help="the FUSE binding of a daemon this command starts (and that a running one must use)")
@@ -122,14 +128,17 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
 @state_dir_option
 @cache_dir_option
 @json_option
-def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, store_url: str | None,
-          fuse_binding: str | None, socket_path: str, state_dir: str, cache_dir: str, as_json: bool) -> None:
+def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, no_profile: bool, fill: str | None,
+          store_url: str | None, fuse_binding: str | None, socket_path: str, state_dir: str, cache_dir: str,
+          as_json: bool) -> None:
     """Mount LAYER (a ref, a digest or a digest prefix) at DIRECTORY through the node daemon (one is started,
-    with --state-dir and --cache-dir, if none answers)."""
+    with --state-dir and --cache-dir, if none answers). Unless --prefetch or --no-profile, what sandboxes
+    read of the layer before (its access profile, shared through the store) is fetched in the background,
+    first-needed first."""
     node = Node.ensure_running(socket_path, store=store_url, fuse_binding=fuse_binding, state_dir=state_dir,
                                cache_dir=cache_dir)
     info = node.mount(layer, directory, mode=mode, store=store_url, prefetch_list=prefetch_list,
-                      fuse_binding=fuse_binding)
+                      fuse_binding=fuse_binding, profile=not no_profile, fill=fill)
     emit(as_json, info, lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
                                        f"mode" + (f"; trace {info.trace}" if info.trace else ""))
 

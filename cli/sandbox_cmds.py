@@ -15,6 +15,7 @@ import sys
 
 import click
 
+from dsec_fs.api import FILLS
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError
 from dsec_fs.sandbox_client import Sandbox
@@ -35,18 +36,25 @@ def sandbox() -> None:
 @click.option("--toolkit", "toolkits", multiple=True, metavar="LAYER",
               help="a toolkit layer; may be given again, the first on top")
 @click.option("--name", metavar="NAME", help="a name to use instead of the id (default: the id)")
+@click.option("--no-profile", is_flag=True,
+              help="layers this sandbox mounts first do not prefetch by their access profiles")
+@click.option("--fill", type=click.Choice(FILLS), default=None,
+              help="what layers this sandbox mounts first fetch in the background (default: the daemon's)")
 @store_option
 @socket_option
 @state_dir_option
 @cache_dir_option
 @json_option
-def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name: str | None,
-       store_url: str | None, socket_path: str, state_dir: str, cache_dir: str, as_json: bool) -> None:
+def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name: str | None, no_profile: bool,
+       fill: str | None, store_url: str | None, socket_path: str, state_dir: str, cache_dir: str,
+       as_json: bool) -> None:
     """Start a sandbox; prints its id and the path of its root filesystem. Any layer may be left out
     (not all); the stack is toolkits, workspace, base, top first. A node daemon is started (with
-    --state-dir and --cache-dir) if none answers on the socket."""
+    --state-dir and --cache-dir) if none answers on the socket. A layer this node has not mounted yet
+    prefetches what sandboxes read of it before (its access profile, learned on any node, in the store)."""
     node = Node.ensure_running(socket_path, store=store_url, state_dir=state_dir, cache_dir=cache_dir)
-    info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url)
+    info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url, profile=not no_profile,
+                           fill=fill)
     emit(as_json, info, lambda: f"{info.id} {info.rootfs}", result=info.id)
 
 

@@ -39,6 +39,13 @@ Path = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 
+# The choices some fields take, here so that every side (the daemon, the CLI's help) names the same.
+MODES = ("kernel", "fuse")  # kernel: EROFS over the daemon's FUSE blob file; fuse: the whole tree over FUSE
+BINDINGS = ("pyfuse3", "fusepy", "raw")  # raw: mounts survive a daemon restart (docs/architecture.md)
+# What a mount fetches in the background besides what is read: none; its profile (or its prefetch list);
+# layer: that, then the rest of the layer in blob order, until the cache bound.
+FILLS = ("none", "profile", "layer")
+
 # HTTP status of each DsecError kind; a client maps the kind back to the class.
 STATUS_BY_KIND = {
     "input": 400,
@@ -72,6 +79,9 @@ class MountRequest(_Request):
     store: Name | None = None  # default: the daemon's
     prefetch: Path | None = None  # a prefetch list to fetch in the background
     fuse_binding: Name | None = None  # fail unless the daemon serves FUSE with this binding
+    profile: bool = True  # prefetch by the layer's access profile in the store (when no list is given)
+    name: Name | None = None  # the layer's ref name, when ``layer`` is a digest (whose profile to use)
+    fill: Name | None = None  # none | profile | layer (lazy_fetch/daemon.py FILLS); default: the daemon's
 
 
 class UmountRequest(_Request):
@@ -94,6 +104,8 @@ class SandboxUpRequest(_Request):
     toolkits: Annotated[list[Name], msgspec.Meta(max_length=64)] = []  # the first on top
     name: Name | None = None
     store: Name | None = None  # must be the daemon's own store if given
+    profile: bool = True  # layers this sandbox mounts first prefetch by their access profiles
+    fill: Name | None = None  # and fetch this in the background (none | profile | layer); default: the daemon's
 
 
 class ExecRequest(_Request):
@@ -129,10 +141,11 @@ class MountInfo(_Response):
     store: str = ""
     blob_id: str = ""
     trace: str = ""  # the mount's access trace file ("" when tracing is off)
-    prefetch: str = ""  # the prefetch list it was mounted with, if any
+    prefetch: str = ""  # the prefetch list it was mounted with, "profile:layer" or "profile:name", or ""
     created: str = ""
     chunks: int = 0  # distinct chunks of the layer
     data_bytes: int = 0  # their bytes
+    prefetch_chunks: int = 0  # chunks the prefetch (list or profile) was to fetch
 
 
 class UmountInfo(_Response):
@@ -154,6 +167,11 @@ class LayerStatus(_Response):
     fetch_errors: int = 0
     corrupt: int = 0
     timeouts: int = 0
+    # how well the prefetch (a list or a profile) predicted the reads, in chunk bytes:
+    prefetched_bytes: int = 0
+    prefetched_read_bytes: int = 0  # prefetched, then read
+    prefetched_unread_bytes: int = 0  # prefetched, never read (so far)
+    read_not_prefetched_bytes: int = 0  # read, never prefetched
 
 
 class PrefetchInfo(_Response):

@@ -107,13 +107,18 @@ class Node:
         return self.call("GET", "/v1/mounts", answer=api.MountList).mounts
 
     def mount(self, layer: str, mountpoint: str, *, mode: str = "kernel", store: str | None = None,
-              prefetch_list: str | None = None, fuse_binding: str | None = None) -> MountInfo:
+              prefetch_list: str | None = None, fuse_binding: str | None = None, profile: bool = True,
+              name: str | None = None, fill: str | None = None) -> MountInfo:
         """Mount ``layer`` (a ref or a digest) at the existing directory ``mountpoint``. ``store``: the
         store to read it from (default: the daemon's); ``prefetch_list``: a list to fetch in the
-        background; ``fuse_binding``: fail (ConflictError) unless the daemon serves FUSE with it."""
+        background, instead of the layer's access profile (``profile`` False: neither); ``name``: the
+        layer's ref name when ``layer`` is a digest (whose profile to use); ``fill``: none, profile or
+        layer (default: the daemon's); ``fuse_binding``: fail (ConflictError) unless the daemon serves
+        FUSE with it."""
         body = api.MountRequest(layer=layer, mountpoint=os.path.abspath(mountpoint), mode=mode,
                                 store=api.absolute_store(store), fuse_binding=fuse_binding,
-                                prefetch=os.path.abspath(prefetch_list) if prefetch_list else None)
+                                prefetch=os.path.abspath(prefetch_list) if prefetch_list else None,
+                                profile=profile, name=name, fill=fill)
         return self.call("POST", "/v1/mounts", body, answer=MountInfo)
 
     def umount(self, mountpoint: str, *, lazy: bool = False) -> None:
@@ -142,19 +147,22 @@ class Node:
     # -- sandboxes (sandbox_client.py: the Sandbox handle and the result types)
 
     def sandbox_up(self, base: str | None = None, workspace: str | None = None, toolkit: str | Sequence[str] = (),
-                   *, name: str | None = None, store: str | None = None) -> SandboxInfo:
+                   *, name: str | None = None, store: str | None = None, profile: bool = True,
+                   fill: str | None = None) -> SandboxInfo:
         """Start a sandbox of these layers (refs or digests; any may be left out, not all; ``toolkit`` one or
         a list, the first on top) named ``name`` (default: its id). ``store`` must be the daemon's own
-        store if given (ConflictError otherwise)."""
+        store if given (ConflictError otherwise). ``profile`` False: layers it mounts first do not
+        prefetch by their access profiles; ``fill``: none, profile or layer (default: the daemon's)."""
         toolkits = [toolkit] if isinstance(toolkit, str) else list(toolkit)
         body = api.SandboxUpRequest(base=base, workspace=workspace, toolkits=toolkits, name=name,
-                                    store=api.absolute_store(store))
+                                    store=api.absolute_store(store), profile=profile, fill=fill)
         return self.call("POST", "/v1/sandboxes", body, answer=SandboxInfo)
 
     def sandbox(self, base: str | None = None, workspace: str | None = None, toolkit: str | Sequence[str] = (),
-                *, name: str | None = None, store: str | None = None) -> Sandbox:
+                *, name: str | None = None, store: str | None = None, profile: bool = True,
+                fill: str | None = None) -> Sandbox:
         """``sandbox_up``, as a handle to use the sandbox with; a with-block on it ends with ``down()``."""
-        info = self.sandbox_up(base, workspace, toolkit, name=name, store=store)
+        info = self.sandbox_up(base, workspace, toolkit, name=name, store=store, profile=profile, fill=fill)
         return Sandbox(self, info.id, info=info)
 
     def sandboxes(self) -> list[SandboxInfo]:

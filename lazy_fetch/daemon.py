@@ -70,17 +70,19 @@ import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
 import trio
 
 from dsec_fs import api
+from dsec_fs.api import BINDINGS, FILLS, MODES
 from dsec_fs.chunks import ChunkIndex
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
-from dsec_fs.layer import LayerFiles, Manifest, open_layer, utc_now
+from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, utc_now
 from dsec_fs.mounts import is_below, top_mount, umount
 from dsec_fs.store import default_store_url, open_store
 from dsec_fs.store.base import Store
@@ -91,12 +93,13 @@ from .blob_reader import LayerBlob, open_layer_blob
 from .cache import ChunkCache
 from .fetcher import DEFAULT_MAX_CONCURRENT, DEFAULT_TIMEOUT, ChunkFetcher, FetchStats, Priority
 from .http_api import HttpApi, raise_fd_limit
-from .layer_mount import BINDINGS, DEFAULT_READ_AHEAD, MODES, LayerMounter, open_mounter
+from .layer_mount import DEFAULT_READ_AHEAD, LayerMounter, open_mounter
 from .memory_cache import DEFAULT_MEMORY_CACHE_BYTES, MemoryChunkCache, MemoryFrontedFetcher
 from .metrics import LayerFigures, MetricsPage, NodeFigures
 from .mount_table import Mount, MountTable, is_ours
 from .prefetch_list import PrefetchList
-from .prefetcher import PrefetchJob, Prefetcher
+from .prefetcher import PrefetchJob, Prefetcher, with_fill
+from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter, prune_traces
 from .traced_blob import LayerUsage, StoreFetchLog, TracedBlob
@@ -112,6 +115,7 @@ TRACE_PRUNE_SECONDS = 600.0  # how often old traces are pruned (and once at star
 DEFAULT_TRACE_KEEP_BYTES = 1 << 30
 DEFAULT_TRACE_KEEP_SECONDS = 7 * 86400.0
 MAX_PREFETCH_LIST_BYTES = 64 << 20  # about 400,000 entries: 400 GB of 1 MiB chunks
+FILL_CACHE_SHARE = 0.9  # a prefetch stops before the disk cache would hold more than this share of its bound
 
 
 @dataclass
@@ -132,6 +136,8 @@ class DaemonOptions:
     miss_readahead_bytes: int = 0  # chunk bytes a missed read brings along after it (blob_reader.py); 0: off
     read_ahead_bytes: int = DEFAULT_READ_AHEAD  # the kernel's readahead in a layer's files (layer_mount.py)
     trace: bool = True
+    profiles: bool = True  # learn access profiles from traces, share them through the store, prefetch by them
+    fill: str = "profile"  # what a new mount fetches in the background (FILLS); a mount may say otherwise
     trace_keep_bytes: int | None = DEFAULT_TRACE_KEEP_BYTES  # closed traces beyond this go, oldest first
     trace_keep_seconds: float | None = DEFAULT_TRACE_KEEP_SECONDS  # closed traces older than this go
 
@@ -148,6 +154,8 @@ class DaemonOptions:
         for name in ("trace_keep_bytes", "trace_keep_seconds"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise InputError(f"{name} must not be negative, got {getattr(self, name)}", where="daemon options")
+        if self.fill not in FILLS:
+            raise InputError(f"unknown fill policy {self.fill!r} (one of {', '.join(FILLS)})", where="daemon options")
         if self.memory_cache_bytes < 0:
             raise InputError("memory_cache_bytes must not be negative", where="daemon options")
 
@@ -179,6 +187,8 @@ class NodeDaemon:
         self._mounter: LayerMounter | None = None
         self._flights: trio.Nursery | None = None
         self._prefetcher: Prefetcher | None = None
+        self._background: trio.Nursery | None = None  # profile publishing; None once the daemon stops
+        self.profiles: ProfileKeeper | None = None
         self.on_start: list[Callable[[], Awaitable[None]]] = []  # see "Extensions" in the module docstring
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
         routes.register(self.api, self)
@@ -194,6 +204,8 @@ class NodeDaemon:
         self.api.max_connections = min(self.api.max_connections, max(8, raise_fd_limit() // 4))
         os.makedirs(self.trace_dir, mode=0o700, exist_ok=True)
         os.chmod(self.trace_dir, 0o700)
+        if options.profiles:
+            self.profiles = ProfileKeeper(self.state_dir)
         async with contextlib.AsyncExitStack() as stack:
             self._cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
             self._fetch_log = StoreFetchLog(self._cache)
@@ -203,11 +215,14 @@ class NodeDaemon:
             self._mounter = await stack.enter_async_context(open_mounter(
                 self.state_dir, binding=options.fuse_binding, adopt=self._adopt_mounts,
                 read_ahead=options.read_ahead_bytes))
+            if self.profiles is not None:  # runs after the unmounts below, so their profiles go out too
+                stack.push_async_callback(self.profiles.flush)
             stack.push_async_callback(self._unmount_all)
             await self._clean_stale_mounts()
             await self._prune_traces()
             async with _nursery_cancelled_on_exit() as nursery:
-                self._prefetcher = Prefetcher(self.memory, self._fetch_log, nursery)
+                self._prefetcher = Prefetcher(self.memory, self._fetch_log, nursery, self._cache_room)
+                self._background = nursery
                 for hook in self.on_start:
                     await hook()
                 await nursery.start(self.api.serve, options.socket_path)
@@ -222,6 +237,7 @@ class NodeDaemon:
                     with trio.CancelScope(shield=True):
                         for hook in reversed(self.on_stop):
                             await hook()
+                    self._background = None
         log.info("stopped")
 
     def shutdown(self) -> None:
@@ -256,24 +272,32 @@ class NodeDaemon:
                 log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
         return context
 
-    async def _open_layer(self, store: StoreContext, ref: str) -> LayerFiles:
-        """open_layer, loading the pack indexes of a layer this store context has not indexed yet while
+    async def _open_layer(self, store: StoreContext, ref: str, *, profile_of: str | None = None,
+                          want_profile: bool = False) -> tuple[LayerFiles, FoundProfile | None]:
+        """open_layer, loading the pack indexes of a layer this store context has not indexed yet, and with
+        ``want_profile`` its access profile (profile_keeper.py; ``profile_of``: its ref name), while
         meta.erofs and the blob map are read (their round trips overlap; open_layer_blob then finds
         every chunk located and loads nothing)."""
         timeout = self.options.fetch_timeout
         indexed = frozenset(store.indexed_layers)
+        keeper = self.profiles if want_profile else None
+        found: list[FoundProfile | None] = [None]
 
-        def load_pack_indexes(manifest: Manifest) -> None:
-            if manifest.layer not in indexed:
-                store.chunk_index.load_packs(store.store, manifest.packs)
+        def on_manifest(manifest: Manifest) -> None:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-lookup") as pool:
+                lookup = None if keeper is None else pool.submit(keeper.lookup, store.store, manifest.layer, profile_of)
+                if manifest.layer not in indexed:
+                    store.chunk_index.load_packs(store.store, manifest.packs)
+                if lookup is not None:
+                    found[0] = lookup.result()
 
         try:
             with trio.fail_after(timeout):
                 files = await trio.to_thread.run_sync(
-                    functools.partial(open_layer, store.store, ref, on_manifest=load_pack_indexes),
+                    functools.partial(open_layer, store.store, ref, on_manifest=on_manifest),
                     abandon_on_cancel=True)
             store.indexed_layers.add(files.digest)
-            return files
+            return files, found[0]
         except trio.TooSlowError:
             raise UnavailableError(f"the store did not answer within {timeout:g} s",
                                    where=f"layer {ref} in {store.url}", transient=True) from None
@@ -323,10 +347,16 @@ class NodeDaemon:
     # -- mounts
 
     async def mount(self, ref: str, mountpoint: str, *, mode: str = "kernel", store_url: str | None = None,
-                    prefetch: str | None = None, fuse_binding: str | None = None) -> api.MountInfo:
+                    prefetch: str | None = None, fuse_binding: str | None = None, profile: bool = True,
+                    name: str | None = None, fill: str | None = None) -> api.MountInfo:
         """Mount layer ``ref`` (a ref or a digest, from ``store_url`` or the default store) at the
         directory ``mountpoint``; with ``prefetch`` (a prefetch list file) fetch that list in the
-        background. Returns the mount's description."""
+        background, else (unless ``profile`` is False) the layer's access profile from the store. ``name``:
+        the layer's ref name when ``ref`` is a digest (for profiles); ``fill``: one of FILLS (default: the
+        daemon's). Returns the mount's description."""
+        fill = fill or self.options.fill
+        if fill not in FILLS:
+            raise InputError(f"unknown fill policy {fill!r} (one of {', '.join(FILLS)})", where=mountpoint)
         if mode not in MODES:
             raise InputError(f"unknown mount mode {mode!r} (one of {', '.join(MODES)})", where=mountpoint)
         if fuse_binding and fuse_binding != self.options.fuse_binding:
@@ -338,8 +368,10 @@ class NodeDaemon:
         plist = None
         if prefetch:
             prefetch, plist = await self._read_prefetch_list(prefetch)
+        ref_name = name or (None if is_hex_digest(ref.lower()) else parse_ref(ref)[0])
         store = await self._store_context(store_url)
-        files = await self._open_layer(store, ref)
+        want_profile = plist is None and profile and fill != "none" and self.profiles is not None
+        files, found = await self._open_layer(store, ref, profile_of=ref_name, want_profile=want_profile)
         blob = None if files.digest in self._layers else await self._open_blob(files, store)
         async with self._lock:
             if mountpoint in self.table.mounts:
@@ -351,9 +383,16 @@ class NodeDaemon:
                 plist.verify((layer.blob if layer else blob).blob_map, layer=files.digest)
             if layer is None:
                 layer = self._add_layer(files, store, blob)
-            key, served = self._served_for(layer, mode, ref)
+            idle = layer.prefetch is None or layer.prefetch.state != "running"
+            if found is not None and idle:
+                plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map)
+                prefetch = f"profile:{found.source}"
+            if fill == "layer" and idle:
+                plist = with_fill(plist, files.digest, layer.blob.blob_map)
+                prefetch = f"{prefetch}+fill" if prefetch else "fill"
+            key, served = self._served_for(layer, mode, ref, ref_name)
             # The prefetch starts before mount(2), so its first store reads overlap the mount.
-            job = None if plist is None else self._start_prefetch(layer, plist, prefetch, served)
+            job = None if not plist or not plist.entries else self._start_prefetch(layer, plist, prefetch, served)
             # Written ahead: a daemon killed between mount(2) and the table update below still leaves
             # the mountpoint listed, so the next daemon detaches it.
             self.table.save(mounting=(mountpoint, mode, files.digest))
@@ -366,7 +405,7 @@ class NodeDaemon:
                 self._drop_unused(layer, served)
                 raise
             mount = self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch=prefetch or "",
-                                       created=utc_now())
+                                       created=utc_now(), prefetch_chunks=len(plist.entries) if plist else 0)
             self.table.save()
             log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
         return _mount_info(mount)
@@ -396,6 +435,9 @@ class NodeDaemon:
         if not served.mounts:
             del self._served[key]
             served.close_trace()
+            if self.profiles is not None and served.trace_path:
+                self.profiles.publish_soon(self._background, layer.store.store, layer.files, served.trace_path,
+                                           served.ref_name)
         layer.mounts -= 1
         if not layer.mounts:
             del self._layers[mount.layer]
@@ -417,18 +459,19 @@ class NodeDaemon:
                 except DsecError as exc:
                     log.error("cannot unmount %s: %s", mountpoint, exc)
 
-    def _served_for(self, layer: Layer, mode: str, ref: str) -> tuple[tuple[str, str], Served]:
+    def _served_for(self, layer: Layer, mode: str, ref: str,
+                    ref_name: str | None = None) -> tuple[tuple[str, str], Served]:
         """The key and the Served of ``layer`` in ``mode``: the one its mounts in that mode share, or a new
         one with a new trace (which the caller adds to ``_served`` once its mount is made)."""
         key = served_key(mode, layer.files)
         served = self._served.get(key)
         if served is None:
             trace_path, trace = self._open_trace(layer.files, mode, ref, layer.blob)
-            served = Served(TracedBlob(layer.blob, layer.usage, self._fetch_log, trace), trace_path)
+            served = Served(TracedBlob(layer.blob, layer.usage, self._fetch_log, trace), trace_path, ref_name)
         return key, served
 
     def _record_mount(self, mountpoint: str, mode: str, ref: str, layer: Layer, key: tuple[str, str],
-                      served: Served, *, prefetch: str, created: str) -> Mount:
+                      served: Served, *, prefetch: str, created: str, prefetch_chunks: int = 0) -> Mount:
         """A mount just made (or adopted) at ``mountpoint``: into the tables, counted as a user of
         ``served`` (now in ``_served``) and ``layer``."""
         self._served[key] = served
@@ -438,7 +481,8 @@ class NodeDaemon:
         mount = self.table.mounts[mountpoint] = Mount(
             mountpoint=mountpoint, mode=mode, layer=files.digest, ref=ref, store=layer.store.url,
             blob_id=files.manifest.blob_id, trace=served.trace_path, prefetch=prefetch, created=created,
-            chunks=len(layer.blob.blob_map.entries), data_bytes=layer.usage.data_bytes)
+            chunks=len(layer.blob.blob_map.entries), data_bytes=layer.usage.data_bytes,
+            prefetch_chunks=prefetch_chunks)
         return mount
 
     def _drop_unused(self, layer: Layer, served: Served) -> None:
@@ -474,7 +518,7 @@ class NodeDaemon:
     async def _adopt(self, entry: dict) -> None:
         mountpoint, mode = entry["mountpoint"], entry["mode"]
         store = await self._store_context(entry["store"])
-        files = await self._open_layer(store, entry["layer"])
+        files, _profile = await self._open_layer(store, entry["layer"])
         layer = self._layers.get(files.digest) or self._add_layer(files, store, await self._open_blob(files, store))
         key, served = self._served_for(layer, mode, entry.get("ref", files.digest))
         try:
@@ -516,11 +560,16 @@ class NodeDaemon:
 
     # -- prefetch
 
+    def _cache_room(self) -> int:
+        stats = self._cache.stats()
+        return int(stats.max_bytes * FILL_CACHE_SHARE) - stats.bytes
+
     def _start_prefetch(self, layer: Layer, plist: PrefetchList, path: str, served: Served) -> PrefetchJob:
         if layer.prefetch is not None and layer.prefetch.state == "running":
             raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
         layer.prefetch = self._prefetcher.start(layer.digest, plist, path, layer.store.fetcher,
-                                                layer.store.chunk_index, lambda: served.blob.trace)
+                                                layer.store.chunk_index, lambda: served.blob.trace,
+                                                landed=layer.usage.note_prefetched)
         return layer.prefetch
 
     async def prefetch(self, mountpoint: str, path: str) -> api.PrefetchInfo:
@@ -635,7 +684,7 @@ class NodeDaemon:
                 reads=usage.reads, read_errors=usage.read_errors,
                 chunks_fetched=stats.chunks_fetched, bytes_fetched=stats.bytes_fetched,
                 cache_hits=stats.hits, cache_misses=stats.misses, fetch_errors=stats.errors,
-                corrupt=stats.corrupt, timeouts=stats.timeouts))
+                corrupt=stats.corrupt, timeouts=stats.timeouts, **usage.prediction()))
         return api.NodeStatus(
             pid=os.getpid(), version=_version(), started=self._started, socket=self.options.socket_path,
             state_dir=self.state_dir, cache_dir=self._cache.directory,

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import trio
 
 from dsec_fs import mounts
+from dsec_fs.api import BINDINGS, MODES
 from dsec_fs.files import lock_directory, write_atomic
 from dsec_fs.errors import ConflictError, DsecError, InputError, IntegrityError, NotFoundError, UnavailableError
 from dsec_fs.layer import LayerFiles
@@ -78,8 +79,6 @@ from .fs_core import Blob, LayerTree, SessionTree
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = "/run/dsecfs"
-MODES = ("kernel", "fuse")
-BINDINGS = ("pyfuse3", "fusepy", "raw")
 SESSION_FILE = "fuse-session.json"  # raw: what a daemon needs to take the FUSE session over
 HOLDER_SOCKET = "fuse-holder.sock"  # raw: where the FUSE fd holder listens
 DEFAULT_READ_AHEAD = 1 << 20  # bytes the kernel reads ahead in a layer's file, both modes (open_mounter)

@@ -36,10 +36,11 @@ class Mount:
     store: str  # store URL
     blob_id: str
     trace: str  # trace file ("" when tracing is off)
-    prefetch: str  # prefetch list path, or ""
+    prefetch: str  # prefetch list path, "profile:layer" / "profile:name" (profile_keeper.py), or ""
     created: str
     chunks: int
     data_bytes: int
+    prefetch_chunks: int = 0  # chunks the prefetch was to fetch
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -10,7 +10,12 @@ so the chunks a workload needs first do not share the link (and the CPU that ver
 of the list; the others are large, because every group boundary splits runs of neighbours into more GETs
 (with 16 MiB groups, the bench's 84 MB list took 223 GETs; in one group, 101). The group size bounds the
 flights and queued store reads a prefetch makes at once. A job stops when the layer's last mount goes, or
-when the mount it was started with fails (its cancel scope). Each chunk that lands is counted and, while
+when the mount it was started with fails (its cancel scope), or before a group that would not fit in
+the room the disk cache has left (``room``: a prefetch never makes the cache evict what readers use).
+
+Fill. ``with_fill`` appends to a list the rest of the layer's chunks in blob order (the daemon's
+``fill`` policy ``layer``): the profile's chunks come first, then everything else streams in behind
+on-demand reads, until the cache bound. Each chunk that lands is counted and, while
 the mount's trace is open, recorded in it (FLAG_PREFETCH).
 
 Threads: the daemon's trio thread; the fetcher does its store reads in its own worker threads.
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field, fields
 
 import trio
 
+from dsec_fs.blobmap import BlobMap
 from dsec_fs.chunks import ChunkIndex
 from dsec_fs.errors import DsecError
 from dsec_fs.layer import utc_now
@@ -75,12 +81,23 @@ def prefetch_groups(entries: Iterable[PrefetchEntry]) -> Iterator[list[PrefetchE
         yield group
 
 
+def _fitting(group: list[PrefetchEntry], room: int) -> list[PrefetchEntry]:
+    """The longest head of ``group`` whose chunks fit in ``room`` bytes."""
+    for count, entry in enumerate(group):
+        room -= entry.length
+        if room < 0:
+            return group[:count]
+    return group
+
+
 class Prefetcher:
     """The node's prefetch jobs (kept after they end, for status), run in ``nursery``."""
 
-    def __init__(self, memory: MemoryChunkCache, fetch_log: StoreFetchLog, nursery: trio.Nursery):
+    def __init__(self, memory: MemoryChunkCache, fetch_log: StoreFetchLog, nursery: trio.Nursery,
+                 room: Callable[[], int]):
         self.memory = memory
         self.fetch_log = fetch_log
+        self.room = room  # bytes the disk cache can still take without evicting
         self.jobs: list[PrefetchJob] = []
         self._nursery = nursery
 
@@ -89,31 +106,44 @@ class Prefetcher:
         return sum(job.state == "running" for job in self.jobs)
 
     def start(self, layer: str, plist: PrefetchList, path: str, fetcher: ChunkFetcher, chunk_index: ChunkIndex,
-              trace: Callable[[], TraceWriter | None]) -> PrefetchJob:
+              trace: Callable[[], TraceWriter | None], *, landed: Callable[[int], None] = lambda entry: None
+              ) -> PrefetchJob:
         """Fetch ``plist`` (already verified against ``layer``'s blob map) in the background; ``trace``
-        gives the trace to record landed chunks in (None once closed)."""
+        gives the trace to record landed chunks in (None once closed); ``landed(entry)`` is called with
+        the blob-map entry of each chunk that arrives."""
         job = PrefetchJob(layer=layer, list=path, chunks=len(plist.entries), bytes=plist.bytes)
         self.jobs.append(job)
-        self._nursery.start_soon(self._run, plist, job, fetcher, chunk_index, trace)
+        self._nursery.start_soon(self._run, plist, job, fetcher, chunk_index, trace, landed)
         return job
 
     async def _run(self, plist: PrefetchList, job: PrefetchJob, fetcher: ChunkFetcher, chunk_index: ChunkIndex,
-                   trace: Callable[[], TraceWriter | None]) -> None:
+                   trace: Callable[[], TraceWriter | None], on_landed: Callable[[int], None]) -> None:
         started = time.monotonic()
         with job.cancel_scope:
             try:
                 window = trio.Semaphore(PREFETCH_GROUPS_IN_FLIGHT)
+                in_flight = [0]  # bytes of the groups fetching now, not in the cache yet
 
-                async def fetch_group(group: list[PrefetchEntry]) -> None:
+                async def fetch_group(group: list[PrefetchEntry], size: int) -> None:
                     try:
-                        await self._fetch_group(group, job, fetcher, chunk_index, trace)
+                        await self._fetch_group(group, job, fetcher, chunk_index, trace, on_landed)
                     finally:
+                        in_flight[0] -= size
                         window.release()
 
                 async with trio.open_nursery() as nursery:
                     for group in prefetch_groups(plist.entries):
                         await window.acquire()
-                        nursery.start_soon(fetch_group, group)
+                        fitting = _fitting(group, self.room() - in_flight[0])
+                        if fitting:
+                            size = sum(entry.length for entry in fitting)
+                            in_flight[0] += size
+                            nursery.start_soon(fetch_group, fitting, size)
+                        else:
+                            window.release()
+                        if len(fitting) < len(group):
+                            log.info("prefetch of layer %s stops at the cache bound", job.layer[:12])
+                            break
                 job.state = "done"
             except Exception as exc:
                 job.state = "failed"
@@ -125,7 +155,8 @@ class Prefetcher:
                  job.state, job.done_chunks, job.chunks, job.done_bytes, time.monotonic() - started, job.failed_chunks)
 
     async def _fetch_group(self, group: list[PrefetchEntry], job: PrefetchJob, fetcher: ChunkFetcher,
-                           chunk_index: ChunkIndex, trace: Callable[[], TraceWriter | None]) -> None:
+                           chunk_index: ChunkIndex, trace: Callable[[], TraceWriter | None],
+                           on_landed: Callable[[int], None]) -> None:
         """Fetch one group into the cache (fetcher.warm: planned in one go, no bytes held); count and
         trace each chunk as it lands."""
         fetch_log, memory = self.fetch_log, self.memory
@@ -143,6 +174,8 @@ class Prefetcher:
             if data is not None and memory.bytes + len(data) <= memory.max_bytes:
                 memory.put(digest, data)
             job.done_bytes += 0 if bad else entry.length
+            if not bad:
+                on_landed(entry.chunk)
             # A cancelled job's mount may have failed, its trace closed: it records nothing more.
             writer = None if job.cancel_scope.cancel_called else trace()
             if writer is not None:
@@ -154,3 +187,14 @@ class Prefetcher:
 
         await fetcher.warm([(digest, chunk_index.get(digest)) for digest in entries],
                            priority=PREFETCH, label=job.layer, landed=landed)
+
+
+def with_fill(plist: PrefetchList | None, layer: str, blob_map: BlobMap) -> PrefetchList:
+    """``plist`` (if any) followed by every other chunk of ``blob_map`` in blob order."""
+    listed = plist.chunks if plist else frozenset()
+    rest = [PrefetchEntry(chunk=index, digest=digest, offset=blkaddr * blob_map.block_size, length=length,
+                          first_read_us=0, traces=0)
+            for index, (blkaddr, digest, length) in enumerate(blob_map.entries) if index not in listed]
+    return PrefetchList(layer=layer, chunk_size=blob_map.chunk_size, traces=plist.traces if plist else 0,
+                        min_fraction=plist.min_fraction if plist else 0.0,
+                        entries=(plist.entries if plist else []) + rest)

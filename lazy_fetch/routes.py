@@ -27,7 +27,8 @@ def register(http: HttpApi, daemon: NodeDaemon) -> None:
     async def post_mount(request: Request) -> api.MountInfo:
         body = request.decode(api.MountRequest)
         return await daemon.mount(body.layer, body.mountpoint, mode=body.mode, store_url=body.store,
-                                  prefetch=body.prefetch, fuse_binding=body.fuse_binding)
+                                  prefetch=body.prefetch, fuse_binding=body.fuse_binding, profile=body.profile,
+                                  name=body.name, fill=body.fill)
 
     async def post_umount(request: Request) -> api.UmountInfo:
         body = request.decode(api.UmountRequest)

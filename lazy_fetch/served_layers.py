@@ -53,6 +53,7 @@ class Layer:
 class Served:
     blob: TracedBlob
     trace_path: str
+    ref_name: str | None = None  # the layer's ref name as its first mount named it (for profiles)
     mounts: int = 0
 
     def close_trace(self, *, remove: bool = False) -> None:

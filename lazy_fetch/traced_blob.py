@@ -73,14 +73,17 @@ class StoreFetchLog:
 
 
 class LayerUsage:
-    """What readers used of one layer since the daemon started (kept after its mounts go, for metrics)."""
+    """What readers used of one layer since the daemon started (kept after its mounts go, for metrics),
+    and what its prefetches fetched, to say how well they predicted the reads."""
 
     def __init__(self, blob: LayerBlob):
-        self.data_bytes = sum(length for _blkaddr, _digest, length in blob.blob_map.entries)
+        self._lengths = [length for _blkaddr, _digest, length in blob.blob_map.entries]
+        self.data_bytes = sum(self._lengths)
         self.used_bytes = 0
         self.reads = 0
         self.read_errors = 0
-        self._used = bytearray(len(blob.blob_map.entries))  # 1 for each blob-map entry served
+        self._used = bytearray(len(self._lengths))  # 1 for each blob-map entry served
+        self._prefetched = bytearray(len(self._lengths))  # 1 for each blob-map entry a prefetch brought
 
     def note(self, chunks: list[BlobChunk], failed: bool) -> None:
         self.reads += 1
@@ -91,6 +94,19 @@ class LayerUsage:
             if not self._used[chunk.entry]:
                 self._used[chunk.entry] = 1
                 self.used_bytes += chunk.length
+
+    def note_prefetched(self, entry: int) -> None:
+        self._prefetched[entry] = 1
+
+    def prediction(self) -> dict[str, int]:
+        """Bytes prefetched, prefetched and read, prefetched and never read, read and never prefetched."""
+        both = prefetched = used = 0
+        for length, was_used, was_prefetched in zip(self._lengths, self._used, self._prefetched):
+            prefetched += length * was_prefetched
+            used += length * was_used
+            both += length * (was_used & was_prefetched)
+        return {"prefetched_bytes": prefetched, "prefetched_read_bytes": both,
+                "prefetched_unread_bytes": prefetched - both, "read_not_prefetched_bytes": used - both}
 
 
 class TracedBlob:

@@ -66,14 +66,15 @@ from typing import Any
 import trio
 
 from dsec_fs import api, mounts
+from dsec_fs.api import MODES
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
+from dsec_fs.digest import is_hex_digest
 from dsec_fs.layer import Manifest, parse_ref, resolve
 from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
 from erofs_builder.build import build_tree
 from lazy_fetch.daemon import NodeDaemon
 from lazy_fetch.http_api import Request
-from lazy_fetch.layer_mount import MODES
 
 from .runtime import RUNTIMES, reap_containers
 from .sandbox import LayerHandle, SandboxManager, SandboxSpec, SandboxState
@@ -122,8 +123,8 @@ class DaemonLayers:
 
     # -- the LayerProvider protocol, for worker threads
 
-    def acquire(self, layer_ref: str) -> LayerHandle:
-        return trio.from_thread.run(self.acquire_async, layer_ref, trio_token=self._token)
+    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
+        return trio.from_thread.run(self.acquire_async, layer_ref, profile, fill, trio_token=self._token)
 
     def release(self, digest: str) -> None:
         trio.from_thread.run(self.release_async, digest, trio_token=self._token)
@@ -137,13 +138,15 @@ class DaemonLayers:
         return [{"layer": digest, "mountpoint": held.mountpoint, "users": held.users}
                 for digest, held in sorted(self._held.items())]
 
-    async def acquire_async(self, layer_ref: str) -> LayerHandle:
+    async def acquire_async(self, layer_ref: str, profile: bool = True, fill: str | None = None) -> LayerHandle:
         store = await self.daemon.store()
         digest = await trio.to_thread.run_sync(resolve, store, layer_ref)
+        name = None if is_hex_digest(layer_ref.lower()) else parse_ref(layer_ref)[0]
         async with self._turn(digest):
             held = self._held.get(digest)
             if held is None:
-                held = self._held[digest] = _HeldLayer(await self._mount(store, digest))
+                held = self._held[digest] = _HeldLayer(await self._mount(store, digest, name=name, profile=profile,
+                                                                         fill=fill))
             held.users += 1
             return LayerHandle(digest, held.mountpoint)
 
@@ -181,12 +184,12 @@ class DaemonLayers:
                 continue
             _remove_dir(path)
 
-    async def _mount(self, store: Store, digest: str) -> str:
+    async def _mount(self, store: Store, digest: str, *, name: str | None, profile: bool, fill: str | None) -> str:
         await trio.to_thread.run_sync(_check_packs, store, digest)
         mountpoint = os.path.join(self.directory, digest)
         os.makedirs(mountpoint, exist_ok=True)
         try:
-            await self.daemon.mount(digest, mountpoint, mode=self.mode)
+            await self.daemon.mount(digest, mountpoint, mode=self.mode, name=name, profile=profile, fill=fill)
         except BaseException:
             _remove_dir(mountpoint)
             raise
@@ -328,7 +331,8 @@ class SandboxService:
 
     async def _post_up(self, request: Request) -> api.SandboxInfo:
         body = request.decode(api.SandboxUpRequest)
-        spec = SandboxSpec(base=body.base, workspace=body.workspace, toolkits=tuple(body.toolkits), name=body.name)
+        spec = SandboxSpec(base=body.base, workspace=body.workspace, toolkits=tuple(body.toolkits), name=body.name,
+                           profile=body.profile, fill=body.fill)
         store = body.store
         ours = self._store_url()
         if store is not None and api.absolute_store(store) != api.absolute_store(ours):

@@ -78,8 +78,10 @@ class LayerHandle:
 class LayerProvider(Protocol):
     """Reference-counted layer mounts: a layer stays mounted while anyone holds it."""
 
-    def acquire(self, layer_ref: str) -> LayerHandle:
-        """Mount the layer (a ref or a digest) if no one holds it yet; count one more user."""
+    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
+        """Mount the layer (a ref or a digest) if no one holds it yet (prefetching by its access profile
+        unless ``profile`` is False, and filling as ``fill`` says, where the provider fetches lazily);
+        count one more user."""
 
     def release(self, digest: str) -> None:
         """One user fewer; the last one unmounts the layer."""
@@ -97,6 +99,8 @@ class SandboxSpec:
     workspace: str | None = None
     toolkits: Sequence[str] = ()  # the first is the top layer
     name: str | None = None  # default: the sandbox id
+    profile: bool = True  # layers mounted for it prefetch by their access profiles (lazy_fetch/profile.py)
+    fill: str | None = None  # and fetch this in the background (none | profile | layer); None: the daemon's
 
     def layers(self) -> list[tuple[str, str]]:
         """(role, ref) of every layer, top first."""
@@ -222,7 +226,7 @@ class SandboxManager:
                 os.mkdir(path, mode=0o755)
             state = self._save(state)
             for role, ref in layer_refs:
-                handle = self.layers.acquire(ref)
+                handle = self.layers.acquire(ref, profile=spec.profile, fill=spec.fill)
                 undo.append(lambda digest=handle.digest: self.layers.release(digest))
                 state = self._save(dataclasses.replace(
                     state, layers=state.layers + (SandboxLayer(role, ref, handle.digest, handle.mountpoint),)))
@@ -419,7 +423,9 @@ class ExportedLayers:
         self._users: dict[str, int] = {}  # digest -> holders
         self._mountpoints: dict[str, str] = {}  # digest -> where it is mounted
 
-    def acquire(self, layer_ref: str) -> LayerHandle:
+    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
+        """Export the layer to local files (nothing is fetched lazily: ``profile`` and ``fill`` have no use
+        here)."""
         digest = resolve(self.store, layer_ref)
         with self._lock:
             if digest not in self._users:
