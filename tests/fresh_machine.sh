@@ -59,8 +59,7 @@ bind /sys/fs/cgroup "$ROOT/sys/fs/cgroup"  # runc's limits
 bind /dev "$ROOT/dev"
 bind /dev/pts "$ROOT/dev/pts"
 bind /dev/shm "$ROOT/dev/shm"
-mount -t tmpfs tmpfs "$ROOT/run" && mounted="$ROOT/run $mounted"
-mount -t tmpfs tmpfs "$ROOT/tmp" && mounted="$ROOT/tmp $mounted"
+mount -t tmpfs tmpfs "$ROOT/run" && mounted="$ROOT/run $mounted"  # as on Debian 12; /tmp is on / there
 if [ "${FRESH_ROOTFS:-0}" != 1 ] && [ -d "$HOST_ROOTFS" ]; then
     bind -r "$HOST_ROOTFS" "$ROOT$HOST_ROOTFS"
 fi
