@@ -9,8 +9,9 @@
 #   tests/fresh_machine.sh                                        # the whole suite
 #   PYTEST_ARGS='tests/erofs_builder/test_diff.py' tests/fresh_machine.sh
 #
-# Everything lives under WORK (default /var/tmp/dsecfs-fresh) and is unmounted whatever happens; the
-# chroot stays for a look afterwards (rm -rf it when done).
+# Everything lives under WORK (default /var/tmp/dsecfs-fresh) and is unmounted whatever happens (the
+# binds are slaves: their unmounting never reaches the host's); the chroot stays for a look afterwards
+# (rm -rf it when done).
 set -eu
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,20 +20,14 @@ ROOT="$WORK/root"
 HOST_ROOTFS=/var/cache/dsecfs-test/debian-minbase
 PYTEST_ARGS=${PYTEST_ARGS:-}
 
-mounted=""
 cleanup() {
-    for target in $mounted; do  # most recent first
-        umount "$target" 2>/dev/null || umount -l "$target"
-    done
+    umount -R "$ROOT" 2>/dev/null || umount -R -l "$ROOT" 2>/dev/null || true
 }
 trap cleanup EXIT INT TERM
-bind() {  # bind [-r] SOURCE TARGET
-    readonly_=""
-    if [ "$1" = -r ]; then readonly_=1; shift; fi
+rbind() {  # rbind SOURCE TARGET: SOURCE and the mounts below it; slaves, so no unmount reaches the host's
     mkdir -p "$2"
-    mount --bind "$1" "$2"
-    [ -n "$readonly_" ] && mount -o remount,bind,ro "$2"
-    mounted="$2 $mounted"
+    mount --rbind "$1" "$2"
+    mount --make-rslave "$2"
 }
 
 if [ ! -x "$ROOT/usr/bin/python3" ]; then
@@ -52,16 +47,14 @@ if ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then
     printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$ROOT/etc/pip.conf"
 fi
 
-bind "$ROOT" "$ROOT"  # / is a mount point, as on a machine (runc and mount propagation need it)
-bind /proc "$ROOT/proc"
-bind /sys "$ROOT/sys"
-bind /sys/fs/cgroup "$ROOT/sys/fs/cgroup"  # runc's limits
-bind /dev "$ROOT/dev"
-bind /dev/pts "$ROOT/dev/pts"
-bind /dev/shm "$ROOT/dev/shm"
-mount -t tmpfs tmpfs "$ROOT/run" && mounted="$ROOT/run $mounted"  # as on Debian 12; /tmp is on / there
+rbind "$ROOT" "$ROOT"  # / is a mount point, as on a machine (runc and mount propagation need it)
+rbind /proc "$ROOT/proc"
+rbind /sys "$ROOT/sys"  # with the cgroup hierarchies below it: runc's limits
+rbind /dev "$ROOT/dev"  # /dev/fuse, /dev/pts, /dev/shm
+mount -t tmpfs tmpfs "$ROOT/run"  # as on Debian 12; /tmp is on / there
 if [ "${FRESH_ROOTFS:-0}" != 1 ] && [ -d "$HOST_ROOTFS" ]; then
-    bind -r "$HOST_ROOTFS" "$ROOT$HOST_ROOTFS"
+    rbind "$HOST_ROOTFS" "$ROOT$HOST_ROOTFS"
+    mount -o remount,bind,ro "$ROOT$HOST_ROOTFS"
 fi
 
 python=$(chroot "$ROOT" python3 --version)
