@@ -140,7 +140,8 @@ def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, no_p
     info = node.mount(layer, directory, mode=mode, store=store_url, prefetch_list=prefetch_list,
                       fuse_binding=fuse_binding, profile=not no_profile, fill=fill)
     emit(as_json, info, lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
-                                       f"mode" + (f"; trace {info.trace}" if info.trace else ""))
+                                       f"mode" + (f"; trace {info.trace}" if info.trace else ""),
+         result=info.mountpoint)
 
 
 @click.command()
