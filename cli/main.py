@@ -178,7 +178,7 @@ def inspect(layer: str, store_url: str | None, as_json: bool) -> None:
         else:
             shared = f"nothing with the {f.other_layers:,} other layers" if f.other_layers else "nothing (no others)"
         lines = [f"layer       {files.digest}", f"created     {m.created}", f"source      {m.source}",
-                 f"files       {f.files:,} ({human_size(f.bytes)}), {f.entries:,} entries",
+                 f"files       {f.files:,} ({human_size(f.bytes)}), {f.entries:,} entries, {f.inodes:,} inodes",
                  f"chunks      {f.chunks:,} ({human_size(f.chunk_bytes)}), chunk size {human_size(m.chunk_size)}",
                  f"stored      {human_size(f.stored_bytes)} in {len(m.packs)} packs"
                  + (f", {f.missing_chunks:,} chunks in none of them" if f.missing_chunks else ""),

@@ -7,7 +7,7 @@ has changed, and a rebuild that found every chunk already stored says ``stored_b
 come from the layer's image, its blob map and the indexes of its packs instead:
 
     files, bytes        regular files (hard links counted once) and their size, holes included
-    entries             names in the image, the root included
+    entries, inodes     names in the image (the root included), and the inodes they name
     chunks, chunk_bytes the distinct chunks of the virtual blob and their plain size
     stored_bytes        their compressed size in the store's packs (missing_chunks: in none of its packs)
     shared_chunks, shared_stored_bytes   those chunks some other published layer also uses
@@ -40,6 +40,7 @@ from .reader import ErofsImage
 class LayerFigures:
     layer: str
     entries: int
+    inodes: int
     files: int
     bytes: int
     chunks: int
@@ -81,7 +82,7 @@ def layer_figures(store: Store, ref_or_digest: str) -> tuple[LayerFiles, LayerFi
     stored = sum(stored_length.values())
     shared_stored = sum(stored_length.get(d, 0) for d in shared)
     return files, LayerFigures(
-        layer=files.digest, entries=entries, files=len(sizes), bytes=sum(sizes.values()), chunks=len(chunks),
+        layer=files.digest, entries=entries, inodes=image.superblock.inos, files=len(sizes), bytes=sum(sizes.values()), chunks=len(chunks),
         chunk_bytes=sum(chunks.values()), stored_bytes=stored, missing_chunks=len(chunks) - len(stored_length),
         shared_chunks=len(shared), shared_stored_bytes=shared_stored, own_stored_bytes=stored - shared_stored,
         other_layers=len(others))

@@ -35,7 +35,7 @@ def test_inspect_reports_the_layer_and_a_rebuild_does_not_change_it(tmp_path, tr
     first = build_layer(a, store, name="a:1", chunk_size=CHUNK)
     _files, alone = layer_figures(store, "a:1")
     assert (alone.files, alone.bytes) == (3, 3 * CHUNK + 2 * CHUNK + 100 + len(b"small file"))
-    assert alone.entries == 6  # root, dir, and four names
+    assert (alone.entries, alone.inodes) == (6, 5)  # root, dir, and four names, two of them one file
     assert alone.chunks == first.manifest.stats["distinct_chunks"] == 3 + 3 + 1
     assert alone.stored_bytes == first.manifest.stats["stored_bytes"] > 0  # the first build stored them all
     assert (alone.shared_chunks, alone.own_stored_bytes, alone.other_layers, alone.missing_chunks) == (
