@@ -19,7 +19,7 @@ link; ``3fs`` 1 ms and 1 GB/s. The store's files are on this machine's disk.
 
 Pull (the baseline): each layer's tar.zst read from the same emulated store in 32 MiB ranges, piped into
 ``tar --zstd -x`` as it arrives (download and extraction overlap, as containerd does), base then toolkit
-into one directory, then the same command in a chroot of it.
+into one directory, then the same command with the same runtime (overlay.runtime.run_in_rootfs, runc).
 
 Series, each start with an empty node cache (a fresh daemon, a new cache directory) and dropped page cache:
 
@@ -47,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,6 +56,7 @@ from dsec_fs.client import Node  # noqa: E402
 from dsec_fs.store import FilesystemStore, keys  # noqa: E402
 from dsec_fs.store.wrappers import LatencyStore  # noqa: E402
 from erofs_builder import build_layer  # noqa: E402
+from overlay.runtime import run_in_rootfs  # noqa: E402
 from benchlib import drop_caches, log  # noqa: E402
 
 STORES = {"s3": (20.0, 100.0), "3fs": (1.0, 1000.0)}  # ms per request, MB/s
@@ -158,7 +158,9 @@ def pull(info: dict, toolkit: dict, command: str, store_name: str, dest: str) ->
                 tar.stdin.close()
                 if tar.wait() != 0:
                     raise SystemExit("tar -x failed")
-        run(["chroot", dest, "python3", "-c", command], env=ENV)
+        result = run_in_rootfs(dest, ["python3", "-c", command], runtime="runc", env=ENV)
+        if result.exit_code != 0:
+            raise SystemExit(f"the command failed after the pull: {result.stderr.decode(errors='replace')[-2000:]}")
         return time.perf_counter() - start
     finally:
         shutil.rmtree(dest)
@@ -194,7 +196,7 @@ def start_sandbox(node: Node, info: dict, toolkit: dict, command: str) -> dict:
     before = {layer.layer: layer.bytes_fetched for layer in node.status().layers}
     start = time.perf_counter()
     with node.sandbox(base=info["base"]["ref"], toolkit=toolkit["ref"]) as sandbox:
-        result = sandbox.exec(["/usr/bin/env", *(f"{k}={v}" for k, v in ENV.items()), "python3", "-c", command])
+        result = sandbox.exec(["python3", "-c", command], env=ENV)
         seconds = time.perf_counter() - start
         if result.exit_code != 0:
             raise SystemExit(f"the command failed: {result.stderr.decode(errors='replace')[-2000:]}")

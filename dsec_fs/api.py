@@ -167,11 +167,14 @@ class LayerStatus(_Response):
     fetch_errors: int = 0
     corrupt: int = 0
     timeouts: int = 0
+    abandoned: int = 0  # store reads given up on at their deadline whose threads were still in the store
+    refused: int = 0  # reads failed at once: their store object had too many reads stuck
     # how well the prefetch (a list or a profile) predicted the reads, in chunk bytes:
     prefetched_bytes: int = 0
     prefetched_read_bytes: int = 0  # prefetched, then read
     prefetched_unread_bytes: int = 0  # prefetched, never read (so far)
     read_not_prefetched_bytes: int = 0  # read, never prefetched
+    miss_readahead: str = ""  # "" (off, or not mounted), "pending" (its file map is being built), "ready"
 
 
 class PrefetchInfo(_Response):

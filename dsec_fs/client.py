@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 from . import api
 from .api import CacheInfo, LayerStatus, MountInfo, NodeStatus, PrefetchInfo  # noqa: F401 (the SDK's types)
 from .errors import ConflictError, UnavailableError
+from .files import private_dir
 from .sandbox_client import Sandbox, SandboxInfo
 
 # Where a node daemon lives unless told otherwise (lazy_fetch/daemon.py uses these too).
@@ -227,7 +228,11 @@ class Node:
                 args += [option, os.path.abspath(value) if option.endswith("-dir") else str(value)]
         args += list(extra_args)
         if log_file:
-            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+            log_dir = os.path.dirname(os.path.abspath(log_file))
+            if log_dir == os.path.abspath(state_dir or DEFAULT_STATE_DIR):
+                private_dir(log_dir)  # made here first, it is still the daemon's: 0700 (dsec_fs.files)
+            else:
+                os.makedirs(log_dir, exist_ok=True)
             output = open(log_file, "ab")
         else:
             output = subprocess.DEVNULL

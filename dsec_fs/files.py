@@ -1,4 +1,4 @@
-"""Small file helpers every package shares: atomic writes and directory locks.
+"""Small file helpers every package shares: atomic writes, directory locks, private directories.
 
 ``write_atomic`` writes a file whole under a temporary name beside it and renames it into place, so a
 reader (or a daemon started after a crash) sees the old file or the new one, never a torn one; the
@@ -7,7 +7,11 @@ says one process owns a directory (a state directory, a chunk cache); the kernel
 process dies, so a crashed owner never leaves a stale lock.
 
 Files are created 0600 unless told otherwise: what dsecfs keeps on a node (mount tables, session files,
-sandbox states) is the node's, not its users'.
+sandbox states) is the node's, not its users'. ``private_dir`` makes a directory of such things (a state
+directory: blob files, meta images, traces, the FUSE session, with every byte of every image, files an
+image keeps 0600 included) 0700, and narrows one it finds wider (made by an older version, by hand, or
+as a parent by ``os.makedirs``, whose mode applies to the last directory only), so that no file's mode
+inside matters to another local user.
 
 Threads: plain functions with no state; any thread.
 """
@@ -15,11 +19,15 @@ Threads: plain functions with no state; any thread.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import secrets
+import stat
 from collections.abc import Callable
 
-from .errors import ConflictError
+from .errors import ConflictError, InputError
+
+log = logging.getLogger(__name__)
 
 LOCK_NAME = "lock"
 
@@ -68,3 +76,20 @@ def lock_directory(directory: str | os.PathLike, *, what: str = "another process
         os.close(fd)
         raise
     return fd
+
+
+def private_dir(path: str | os.PathLike) -> str:
+    """Make directory ``path`` (with any missing parents, which get the usual modes) if it is not there,
+    and leave it 0700: its owner's alone. One found with any group or other bits is narrowed to 0700,
+    and that is logged. A symlink at ``path`` is followed (the operator named it); InputError if what is
+    there is no directory. Returns ``path`` (a str)."""
+    path = os.fspath(path)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise InputError("not a directory", where=path)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        log.warning("%s was mode %04o: narrowed to 0700 (what is in it is the node's, not its users')", path, mode)
+        os.chmod(path, 0o700)
+    return path

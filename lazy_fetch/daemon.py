@@ -32,8 +32,8 @@ Prefetch. A mount may name a prefetch list, read through request_paths.open_regu
 file, at most MAX_PREFETCH_LIST_BYTES, opened O_NONBLOCK: /dev/zero and a FIFO are refused at once),
 checked against the layer's blob map, and fetched in the background (prefetcher.py), starting just
 before mount(2). The mount path itself makes its store round trips side by side where it can
-(``_open_layer``). With ``miss_readahead_bytes`` set, each on-demand miss also brings along the chunks
-stored after it (blob_reader.py, readahead; off by default).
+(``_open_layer``). A miss brings along the rest of its file, and a growing window while a reader walks
+files in blob order (miss_readahead.py; ``miss_readahead_bytes``, 4 MiB; 0: off).
 
 Persisted state and crashes. With the raw FUSE binding a daemon that dies (SIGKILL, a crash) leaves its
 mounts alive: a holder process keeps the FUSE connection, and the next daemon takes it over and adopts
@@ -82,6 +82,7 @@ from dsec_fs.chunks import ChunkIndex
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
+from dsec_fs.files import private_dir
 from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, utc_now
 from dsec_fs.mounts import is_below, top_mount, umount
 from dsec_fs.store import default_store_url, open_store
@@ -97,9 +98,10 @@ from .layer_mount import DEFAULT_READ_AHEAD, LayerMounter, open_mounter
 from .memory_cache import DEFAULT_MEMORY_CACHE_BYTES, MemoryChunkCache, MemoryFrontedFetcher
 from .metrics import LayerFigures, MetricsPage, NodeFigures
 from .mount_table import Mount, MountTable, is_ours
+from .miss_readahead import DEFAULT_WINDOW, FileChunks, MissReadahead
 from .prefetch_list import PrefetchList
 from .prefetcher import PrefetchJob, Prefetcher, with_fill
-from .profile_keeper import FoundProfile, ProfileKeeper
+from .profile_keeper import FoundProfile, ProfileKeeper, layer_index
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter, prune_traces
 from .traced_blob import LayerUsage, StoreFetchLog, TracedBlob
@@ -133,7 +135,9 @@ class DaemonOptions:
     fetch_concurrency: int = DEFAULT_MAX_CONCURRENT
     store_concurrency: int = DEFAULT_STORE_CONCURRENCY
     memory_cache_bytes: int = DEFAULT_MEMORY_CACHE_BYTES
-    miss_readahead_bytes: int = 0  # chunk bytes a missed read brings along after it (blob_reader.py); 0: off
+    # The window a miss brings along while a reader walks files in blob order (miss_readahead.py), beside
+    # the rest of the file it reads; 0: no readahead at all.
+    miss_readahead_bytes: int = DEFAULT_WINDOW
     read_ahead_bytes: int = DEFAULT_READ_AHEAD  # the kernel's readahead in a layer's files (layer_mount.py)
     trace: bool = True
     profiles: bool = True  # learn access profiles from traces, share them through the store, prefetch by them
@@ -202,8 +206,8 @@ class NodeDaemon:
         options = self.options
         # Connections may take a quarter of the descriptors: mounts, the cache and store reads need the rest.
         self.api.max_connections = min(self.api.max_connections, max(8, raise_fd_limit() // 4))
-        os.makedirs(self.trace_dir, mode=0o700, exist_ok=True)
-        os.chmod(self.trace_dir, 0o700)
+        private_dir(self.state_dir)  # before anything below it, or makedirs would make it with the umask's mode
+        private_dir(self.trace_dir)
         if options.profiles:
             self.profiles = ProfileKeeper(self.state_dir)
         async with contextlib.AsyncExitStack() as stack:
@@ -263,7 +267,8 @@ class NodeDaemon:
                 backend = await trio.to_thread.run_sync(open_store, url)
                 faults = options.faults if options.faults is not None else os.environ.get(FAULTS_ENV)
                 store = wrap_store(backend, retry=True, max_concurrent=options.store_concurrency,
-                                   latency=options.latency, bandwidth=options.bandwidth, faults=faults or None)
+                                   stuck_after=options.fetch_timeout, latency=options.latency,
+                                   bandwidth=options.bandwidth, faults=faults or None)
                 fetcher = ChunkFetcher(store, self._fetch_log, self._flights, max_concurrent=options.fetch_concurrency,
                                        timeout=options.fetch_timeout)
                 context = StoreContext(url, store, ChunkIndex(), fetcher,
@@ -278,7 +283,6 @@ class NodeDaemon:
         ``want_profile`` its access profile (profile_keeper.py; ``profile_of``: its ref name), while
         meta.erofs and the blob map are read (their round trips overlap; open_layer_blob then finds
         every chunk located and loads nothing)."""
-        timeout = self.options.fetch_timeout
         indexed = frozenset(store.indexed_layers)
         keeper = self.profiles if want_profile else None
         found: list[FoundProfile | None] = [None]
@@ -291,31 +295,42 @@ class NodeDaemon:
                 if lookup is not None:
                     found[0] = lookup.result()
 
-        try:
-            with trio.fail_after(timeout):
-                files = await trio.to_thread.run_sync(
-                    functools.partial(open_layer, store.store, ref, on_manifest=on_manifest),
-                    abandon_on_cancel=True)
-            store.indexed_layers.add(files.digest)
-            return files, found[0]
-        except trio.TooSlowError:
-            raise UnavailableError(f"the store did not answer within {timeout:g} s",
-                                   where=f"layer {ref} in {store.url}", transient=True) from None
+        # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
+        files = await store.fetcher.call_store(f"layer {ref} in {store.url}", functools.partial(
+            open_layer, store.store, ref, on_manifest=on_manifest))
+        store.indexed_layers.add(files.digest)
+        return files, found[0]
 
     async def _open_blob(self, files: LayerFiles, store: StoreContext) -> LayerBlob:
-        return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest,
-                                     readahead_bytes=self.options.miss_readahead_bytes)
+        return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
 
     def _add_layer(self, files: LayerFiles, store: StoreContext, blob: LayerBlob) -> Layer:
         usage = self._usage.get(files.digest) or self._usage.setdefault(files.digest, LayerUsage(blob))
         layer = self._layers[files.digest] = Layer(files, blob, store, usage)
+        if self.options.miss_readahead_bytes and self._background is not None:
+            layer.readahead = MissReadahead(blob, self.options.miss_readahead_bytes)
+            self._background.start_soon(self._map_files, layer)
         return layer
 
-    def _open_trace(self, files: LayerFiles, mode: str, ref: str, blob: LayerBlob) -> tuple[str, TraceWriter | None]:
+    async def _map_files(self, layer: Layer) -> None:
+        """Which chunks belong to which file, for the layer's miss readahead (a worker thread: it walks
+        the image); reads before it is done bring nothing along."""
+        try:
+            files = await trio.to_thread.run_sync(FileChunks.of, layer_index(layer.files, layer.blob.blob_map))
+        except DsecError as exc:
+            log.warning("no miss readahead for layer %s: %s", layer.digest[:12], exc)
+            return
+        layer.readahead.ready(files)
+
+    def _open_trace(self, files: LayerFiles, mode: str, ref: str, blob: LayerBlob,
+                    ref_name: str | None) -> tuple[str, TraceWriter | None]:
+        """A new trace of ``files`` in ``mode``; its header names the ref the mount named, else (a mount by
+        digest, as sandboxes make them) the ref name it was given."""
         if not self.options.trace:
             return "", None
         stats = files.manifest.stats
-        header = TraceHeader(layer=files.digest, ref="" if is_hex_digest(ref.lower()) else ref, mode=mode,
+        shown_ref = ref_name or "" if is_hex_digest(ref.lower()) else ref
+        header = TraceHeader(layer=files.digest, ref=shown_ref, mode=mode,
                              chunk_size=files.manifest.chunk_size, layer_bytes=int(stats.get("bytes", 0)),
                              layer_files=int(stats.get("files", 0)), blob_bytes=blob.size)
         name = f"{time.strftime('%Y%m%dT%H%M%S')}-{files.digest[:12]}-{mode}-{secrets.token_hex(3)}{TRACE_SUFFIX}"
@@ -466,8 +481,9 @@ class NodeDaemon:
         key = served_key(mode, layer.files)
         served = self._served.get(key)
         if served is None:
-            trace_path, trace = self._open_trace(layer.files, mode, ref, layer.blob)
-            served = Served(TracedBlob(layer.blob, layer.usage, self._fetch_log, trace), trace_path, ref_name)
+            trace_path, trace = self._open_trace(layer.files, mode, ref, layer.blob, ref_name)
+            served = Served(TracedBlob(layer.blob, layer.usage, self._fetch_log, trace, layer.readahead), trace_path,
+                            ref_name)
         return key, served
 
     def _record_mount(self, mountpoint: str, mode: str, ref: str, layer: Layer, key: tuple[str, str],
@@ -684,13 +700,22 @@ class NodeDaemon:
                 reads=usage.reads, read_errors=usage.read_errors,
                 chunks_fetched=stats.chunks_fetched, bytes_fetched=stats.bytes_fetched,
                 cache_hits=stats.hits, cache_misses=stats.misses, fetch_errors=stats.errors,
-                corrupt=stats.corrupt, timeouts=stats.timeouts, **usage.prediction()))
+                corrupt=stats.corrupt, timeouts=stats.timeouts, abandoned=stats.abandoned, refused=stats.refused,
+                **usage.prediction(),
+                miss_readahead=self._readahead_state(digest)))
         return api.NodeStatus(
             pid=os.getpid(), version=_version(), started=self._started, socket=self.options.socket_path,
             state_dir=self.state_dir, cache_dir=self._cache.directory,
             store=self.options.store_url or default_store_url(), fuse_binding=self.options.fuse_binding,
             mounts=self.mounts(), layers=layers, prefetches=self.prefetches(), cache=self.cache_status(),
             cleaned=list(self.cleaned), connections=self.api.connections)
+
+
+    def _readahead_state(self, digest: str) -> str:
+        layer = self._layers.get(digest)
+        if layer is None or layer.readahead is None:
+            return ""
+        return "ready" if layer.readahead.files is not None else "pending"
 
 
 def _mount_info(mount: Mount) -> api.MountInfo:
@@ -712,7 +737,7 @@ def _add_stats(total: FetchStats | None, stats: FetchStats) -> FetchStats:
         return stats
     summed = FetchStats(stats.label)
     for name in ("hits", "misses", "coalesced", "chunks_fetched", "bytes_fetched", "store_reads", "errors",
-                 "corrupt", "timeouts", "latency_sum"):
+                 "corrupt", "timeouts", "abandoned", "refused", "readahead", "latency_sum"):
         setattr(summed, name, getattr(total, name) + getattr(stats, name))
     summed.latency_counts = [a + b for a, b in zip(total.latency_counts, stats.latency_counts)]
     return summed

@@ -67,7 +67,7 @@ import trio
 
 from dsec_fs import mounts
 from dsec_fs.api import BINDINGS, MODES
-from dsec_fs.files import lock_directory, write_atomic
+from dsec_fs.files import lock_directory, private_dir, write_atomic
 from dsec_fs.errors import ConflictError, DsecError, InputError, IntegrityError, NotFoundError, UnavailableError
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
@@ -305,7 +305,7 @@ async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "ra
     dead daemon had taken sent again. Otherwise (and with the other bindings) what a dead daemon left is
     detached and a new session mounted."""
     serve = _serve_function(binding)
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)  # layers and blobs below are the node's, not its users'
+    private_dir(state_dir)  # layers and blobs below are the node's, not its users'
     lock_fd = lock_directory(state_dir, what="another daemon")
     try:
         mounter = LayerMounter(state_dir, SessionTree(), read_ahead=read_ahead)

@@ -17,6 +17,7 @@ worker threads through trio.to_thread and hand their chunk back to the trio thre
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -24,7 +25,7 @@ import trio
 
 from dsec_fs.chunks import ChunkLocation
 
-from .fetcher import ONDEMAND, ChunkFetcher, Priority
+from .fetcher import ONDEMAND, PREFETCH, ChunkFetcher, Priority
 from .metrics import MemoryFigures
 
 DEFAULT_MEMORY_CACHE_BYTES = 64 << 20
@@ -71,14 +72,15 @@ class MemoryChunkCache:
 class MemoryFrontedFetcher:
     """The fetcher a LayerBlob reads through: chunks the MemoryChunkCache holds are answered at once, the
     others are fetched by ``fetcher`` (disk cache, then store) and remembered. Has what LayerBlob and
-    open_layer_blob use of a ChunkFetcher: ``fetch_many``, ``store`` and ``timeout``. ``preload`` tasks
-    run in ``nursery``."""
+    open_layer_blob use of a ChunkFetcher: ``fetch_many``, ``call_store``, ``store`` and ``timeout``.
+    ``preload`` tasks run in ``nursery``."""
 
     def __init__(self, fetcher: ChunkFetcher, memory: MemoryChunkCache, nursery: trio.Nursery):
         self.fetcher = fetcher
         self.memory = memory
         self.store = fetcher.store
         self.timeout = fetcher.timeout
+        self.call_store = fetcher.call_store
         self._nursery = nursery
         self._preloading: dict[bytes, trio.Event] = {}  # digest -> set once its preload has ended
 
@@ -104,6 +106,13 @@ class MemoryFrontedFetcher:
                 self.memory.put(digest, data)
             found.update(fetched)
         return found
+
+    def warm_soon(self, items: list[tuple[bytes, ChunkLocation]], label: str) -> None:
+        """Fetch ``items`` into the disk cache in the background at PREFETCH priority (behind every
+        on-demand read), as a prefetch does; nobody waits for them."""
+        if items:
+            self._nursery.start_soon(functools.partial(self.fetcher.warm, items, priority=PREFETCH, label=label,
+                                                       landed=lambda digest, data, error: None))
 
     def preload(self, items: Iterable[tuple[bytes, ChunkLocation]]) -> None:
         """Start loading into memory those of ``items`` that the disk cache holds (the store is not

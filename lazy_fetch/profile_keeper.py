@@ -29,7 +29,7 @@ import trio
 
 from dsec_fs.blobmap import BlobMap
 from dsec_fs.errors import DsecError
-from dsec_fs.files import write_atomic
+from dsec_fs.files import private_dir, write_atomic
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
@@ -144,6 +144,6 @@ def _node_id(state_dir: str) -> str:
     except FileNotFoundError:
         pass
     node_id = secrets.token_hex(8)
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    private_dir(state_dir)
     write_atomic(path, node_id.encode() + b"\n")
     return node_id

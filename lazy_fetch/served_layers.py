@@ -21,6 +21,7 @@ from dsec_fs.store.base import Store
 from .blob_reader import LayerBlob
 from .fetcher import ChunkFetcher
 from .memory_cache import MemoryFrontedFetcher
+from .miss_readahead import MissReadahead
 from .prefetcher import PrefetchJob
 from .traced_blob import LayerUsage, TracedBlob
 
@@ -41,6 +42,7 @@ class Layer:
     blob: LayerBlob
     store: StoreContext
     usage: LayerUsage
+    readahead: MissReadahead | None = None  # shared by its mounts in both modes
     mounts: int = 0
     prefetch: PrefetchJob | None = None
 

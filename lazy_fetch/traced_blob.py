@@ -26,6 +26,7 @@ from dsec_fs.errors import DsecError
 from .blob_reader import BlobChunk, LayerBlob
 from .cache import ChunkCache
 from .fs_core import FILE_READ
+from .miss_readahead import MissReadahead
 from .trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, NO_CHUNK, TraceWriter
 
 PRELOAD_BYTES = 4 << 20  # chunks ahead of a blob read in order loaded from the disk cache into memory
@@ -113,8 +114,10 @@ class TracedBlob:
     """What FUSE reads of one layer's blob in one mode (what layer_mount serves): the LayerBlob, each read
     counted in the layer's usage and, while ``trace`` is open, recorded in it."""
 
-    def __init__(self, blob: LayerBlob, usage: LayerUsage, fetch_log: StoreFetchLog, trace: TraceWriter | None):
+    def __init__(self, blob: LayerBlob, usage: LayerUsage, fetch_log: StoreFetchLog, trace: TraceWriter | None,
+                 readahead: MissReadahead | None = None):
         self.blob = blob
+        self.readahead = readahead  # what a read that misses brings along (miss_readahead.py)
         self.size = blob.size
         self.usage = usage
         self.fetch_log = fetch_log
@@ -134,20 +137,25 @@ class TracedBlob:
         mark = self.fetch_log.mark()
         started = time.monotonic_ns()
         try:
-            data = await self.blob.read(offset, length)
+            ahead = self.readahead.plan(chunks) if self.readahead is not None else []
+            data = await self.blob.read(offset, length, readahead=ahead)
         except DsecError:
             self._note(offset, length, chunks, mark, started, failed=True)
             raise
-        self._note(offset, length, chunks, mark, started, failed=False)
+        missed = self._note(offset, length, chunks, mark, started, failed=False)
+        if not missed and self.readahead is not None:
+            self.blob.fetcher.warm_soon(self.readahead.window_to_warm(), self.blob.label)
         return data
 
     def _note(self, offset: int, length: int, chunks: list[BlobChunk], mark: int, started: int, *,
-              failed: bool) -> None:
+              failed: bool) -> bool:
+        """Count and trace one read; whether it waited for the store."""
         self.usage.note(chunks, failed)
+        missed = self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks))
         if self.trace is None:
-            return
+            return missed
         flags = FLAG_ERROR if failed else 0
-        if self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks)):
+        if missed:
             flags |= FLAG_MISS
         file_read = FILE_READ.get()  # set by LayerTree (fuse mode): the file and offset being read
         if file_read is None:
@@ -157,3 +165,4 @@ class TracedBlob:
             nid, position = file_read
         self.trace.record(nid=nid, offset=position, length=length, chunk=chunks[0].entry if chunks else NO_CHUNK,
                           latency_us=(time.monotonic_ns() - started) // 1000, flags=flags)
+        return missed

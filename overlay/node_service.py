@@ -69,6 +69,7 @@ from dsec_fs import api, mounts
 from dsec_fs.api import MODES
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.digest import is_hex_digest
+from dsec_fs.files import private_dir
 from dsec_fs.layer import Manifest, parse_ref, resolve
 from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
@@ -289,7 +290,7 @@ class SandboxService:
     async def start(self) -> None:
         self._lifecycle = trio.CapacityLimiter(LIFECYCLE_THREADS)
         self._execs = trio.CapacityLimiter(EXEC_THREADS)
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        private_dir(self.root)
         self.layers = DaemonLayers(self.daemon, os.path.join(self.root, LAYER_DIR), mode=self.layer_mode,
                                    token=trio.lowlevel.current_trio_token())
         self.manager = await self._in_thread(functools.partial(

@@ -258,6 +258,11 @@ def test_ensure_running_starts_a_daemon_when_none_answers(daemon_dirs, tmp_path)
     pid = node.status().pid
     try:
         assert os.path.exists(os.path.join(dirs["state_dir"], "daemon.log"))
+        # Made for the log by the client, the state directory is the daemon's all the same: 0700 from the
+        # start, nothing for the daemon to narrow.
+        assert stat.S_IMODE(os.stat(dirs["state_dir"]).st_mode) == 0o700
+        with open(os.path.join(dirs["state_dir"], "daemon.log")) as f:
+            assert "narrowed" not in f.read()
         assert Node.ensure_running(socket_path, **dirs, command=[DSECFS]).status().pid == pid
     finally:
         os.kill(pid, signal.SIGTERM)

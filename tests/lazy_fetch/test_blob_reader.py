@@ -127,23 +127,23 @@ def test_shared_chunk_index_is_loaded_once(layer, tmp_path):
     trio.run(main)
 
 
-def test_a_miss_brings_the_chunks_after_it_in_the_same_get(layer, tmp_path):
+def test_a_miss_brings_the_readahead_it_names_in_the_same_get(layer, tmp_path):
     materialised = layer[2]
 
     async def body(blob, counting):
         stats = blob.fetcher.stats("test")
-        blob.readahead_bytes = 2 * CHUNK_SIZE  # "big" is four chunks: the two after the first fit
-        assert await blob.read(0, 10) == materialised[:10]
+        ahead = blob.following(0, 2 * CHUNK_SIZE)  # "big" is four chunks: the two after the first fit
+        assert await blob.read(0, 10, readahead=ahead) == materialised[:10]
         assert (counting.calls["get"], stats.readahead) == (1, 2)
         block = blob.blob_map.block_size
         (second, _, _), (third, _, _), (fourth, _, _) = blob.blob_map.entries[1:4]
-        assert await blob.read(second * block, CHUNK_SIZE) == materialised[second * block:][:CHUNK_SIZE]
+        assert await blob.read(second * block, CHUNK_SIZE, readahead=blob.following(1, 2 * CHUNK_SIZE)) == \
+            materialised[second * block:][:CHUNK_SIZE]
         assert counting.calls["get"] == 1  # the readahead answered it; a hit reads nothing ahead
         await blob.read(third * block, 10)
         assert (counting.calls["get"], stats.readahead) == (1, 2)
-        await blob.read(fourth * block, 10, priority=PREFETCH)  # prefetch reads bring nothing along
-        assert (counting.calls["get"], stats.readahead) == (2, 2)
-        blob.readahead_bytes = 0
+        await blob.read(fourth * block, 10, priority=PREFETCH, readahead=blob.following(3, 2 * CHUNK_SIZE))
+        assert (counting.calls["get"], stats.readahead) == (2, 2)  # prefetch reads bring nothing along
         last = blob.blob_map.entries[-1][0] * block  # "odd": "small" lies between it and "big"
         await blob.read(last, 1)
         assert (counting.calls["get"], stats.readahead) == (3, 2)

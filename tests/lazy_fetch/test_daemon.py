@@ -246,23 +246,6 @@ def test_a_kill_between_mount_and_table_update_leaves_nothing_behind(layers, dae
     assert mounts_below(tmp_path) == [daemons.state_dir + "/fuse"]
 
 
-@pytest.mark.parametrize("readahead", [None, "128KiB"])
-def test_miss_readahead_is_off_unless_asked_for_and_counted_apart(layers, daemons, tmp_path, readahead):
-    extra = [] if readahead is None else ["--miss-readahead", readahead]
-    node = daemons.start(layers.store_dir, extra_args=extra).node
-    mnt, = mount_dirs(tmp_path, "mnt")
-    node.mount("test/main:1", mnt, mode="fuse")
-    # One small file: a single read of one chunk, so no other read of the file can be in the air and
-    # take the chunks after it (the kernel reads a bigger file in several requests at once).
-    with open(os.path.join(mnt, "dir/small.txt"), "rb") as f:
-        assert f.read() == FILES["dir/small.txt"]
-    digest = layers.main.digest
-    ahead = layer_metric(node, "dsecfs_fetch_readahead_chunks_total", digest)
-    assert (ahead > 0) == (readahead is not None)
-    assert layer_metric(node, "dsecfs_fetch_chunks_total", digest) == len(file_chunks(layers.main, "dir/small.txt")) + ahead
-    assert layer_metric(node, "dsecfs_fetch_bytes_total", digest) <= len(FILES["dir/small.txt"]) + 128 * 1024
-
-
 @pytest.mark.parametrize("mode", ["kernel", "fuse"])
 def test_a_read_in_order_finds_the_next_chunks_preloaded_from_the_disk_cache(layers, daemons, tmp_path, mode):
     """With the chunks on disk but not in memory (a memory cache of 64 chunks, a file of 129), each chunk a
