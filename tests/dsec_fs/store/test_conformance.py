@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dsec_fs.errors import CorruptError, InputError, NotFoundError
-from dsec_fs.store import FilesystemStore, open_store
+from dsec_fs.store import FilesystemStore, init_store, open_store
 from dsec_fs.store.s3 import S3Store
 from dsec_fs.store.wrappers import RetryStore
 
@@ -42,7 +42,7 @@ def test_open_store_picks_the_backend(tmp_path):
 @pytest.mark.parametrize("scheme", ["file", "posix"])
 def test_a_store_directory_is_made_for_its_owner_alone(tmp_path, scheme):
     root = tmp_path / "new" / "store"
-    with open_store(f"{scheme}://{root}") as store:
+    with init_store(f"{scheme}://{root}")[0] as store:  # what `dsecfs store init` and a first build call
         store.put("packs/ab/cd", b"pack bytes")
         store.put("top", b"1")
     modes = {path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode)
