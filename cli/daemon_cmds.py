@@ -11,8 +11,9 @@ cli/main.py registers them:
     main.add_command(daemon_cmds.cache)
     trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
 
-Every command but ``daemon`` is a call through dsec_fs.client.Node; ``mount`` starts a daemon (with the
-default directories, its log in the state directory) when none answers on the socket.
+Every command but ``daemon`` is a call through dsec_fs.client.Node; ``mount`` starts a daemon (with its
+--state-dir and --cache-dir, which the environment and the configuration file set as they set the
+daemon's own, its log in the state directory) when none answers on the socket.
 
 ``daemon`` is where the node daemon is composed: lazy_fetch's NodeDaemon, extended with overlay's
 sandboxes (overlay.node_service.attach), so that lazy_fetch imports nothing above it.
@@ -26,7 +27,8 @@ import logging
 import click
 
 from dsec_fs.api import BINDINGS, FILLS, MODES
-from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV, Node
+from dsec_fs.client import (CACHE_DIR_ENV, DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV,
+                             STATE_DIR_ENV, Node)
 from dsec_fs.units import human_size, parse_size
 
 from .common import Duration, emit, json_option, store_option
@@ -34,14 +36,17 @@ from .common import Duration, emit, json_option, store_option
 RUNTIMES = ("runc", "namespaces")  # overlay.runtime's
 
 socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, default=DEFAULT_SOCKET, show_default=True,
-                             metavar="PATH", help=f"the daemon's API socket (also ${SOCKET_ENV})")
+                             metavar="PATH", help="the daemon's API socket")
+state_dir_option = click.option("--state-dir", envvar=STATE_DIR_ENV, default=DEFAULT_STATE_DIR, show_default=True,
+                                metavar="DIR", help="the daemon's mount state, FUSE session, traces (traces/)")
+cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEFAULT_CACHE_DIR, show_default=True,
+                                metavar="DIR", help="the daemon's chunk cache")
 
 
 @click.command()
 @socket_option
-@click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, metavar="DIR",
-              help="mount state, FUSE session, traces (traces/)")
-@click.option("--cache-dir", default=DEFAULT_CACHE_DIR, show_default=True, metavar="DIR", help="the chunk cache")
+@state_dir_option
+@cache_dir_option
 @click.option("--cache-size", default="10GiB", show_default=True, metavar="SIZE", help="bound of the chunk cache")
 @click.option("--memory-cache", default="64MiB", show_default=True, metavar="SIZE",
               help="in-memory cache of recently read chunks")
@@ -51,8 +56,8 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
                    "fusepy: through libfuse, and its mounts die with it")
 @click.option("--latency", type=float, default=None, metavar="MS",
               help="emulate a remote store: add MS milliseconds to every store request")
-@click.option("--bandwidth", type=float, default=None, metavar="MBPS",
-              help="emulate a remote store: a shared link of MBPS megabytes (10^6) per second")
+@click.option("--bandwidth", default=None, metavar="SIZE",
+              help="emulate a remote store: a shared link of SIZE per second (e.g. 100MB: 10^8 bytes)")
 @click.option("--fetch-timeout", type=float, default=30.0, show_default=True, metavar="SECONDS",
               help="a store read that takes longer fails (the reader gets EIO)")
 @click.option("--miss-readahead", default="4MiB", show_default=True, metavar="SIZE",
@@ -80,7 +85,7 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
 @click.option("--sandbox-runtime", type=click.Choice(RUNTIMES), default="runc", show_default=True,
               help="what runs sandbox commands unless `sandbox exec --runtime` says otherwise")
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
-           store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: float | None,
+           store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: str | None,
            fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, no_profiles: bool, fill: str,
            trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
            sandbox_runtime: str) -> None:
@@ -97,7 +102,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
     options = DaemonOptions(
         socket_path=socket_path, state_dir=state_dir, cache_dir=cache_dir, cache_bytes=parse_size(cache_size),
         memory_cache_bytes=parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
-        latency=None if latency is None else latency / 1000, bandwidth=None if bandwidth is None else bandwidth * 1e6,
+        latency=None if latency is None else latency / 1000,
+        bandwidth=None if bandwidth is None else parse_size(bandwidth),
         fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead),
         read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, profiles=not no_profiles, fill=fill,
         trace_keep_bytes=parse_size(trace_keep_size),
@@ -120,26 +126,37 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
 @click.option("--fuse-binding", type=click.Choice(BINDINGS), default=None,
               help="the FUSE binding of a daemon this command starts (and that a running one must use)")
 @socket_option
+@state_dir_option
+@cache_dir_option
 @json_option
 def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, no_profile: bool, fill: str | None,
-          store_url: str | None, fuse_binding: str | None, socket_path: str, as_json: bool) -> None:
-    """Mount LAYER (a ref or a digest) at DIRECTORY through the node daemon (started if none answers).
-    Unless --prefetch or --no-profile, what sandboxes read of the layer before (its access profile, shared
-    through the store) is fetched in the background, first-needed first."""
-    node = Node.ensure_running(socket_path, store=store_url, fuse_binding=fuse_binding)
+          store_url: str | None, fuse_binding: str | None, socket_path: str, state_dir: str, cache_dir: str,
+          as_json: bool) -> None:
+    """Mount LAYER (a ref, a digest or a digest prefix) at DIRECTORY through the node daemon (one is started,
+    with --state-dir and --cache-dir, if none answers). Unless --prefetch or --no-profile, what sandboxes
+    read of the layer before (its access profile, shared through the store) is fetched in the background,
+    first-needed first."""
+    node = Node.ensure_running(socket_path, store=store_url, fuse_binding=fuse_binding, state_dir=state_dir,
+                               cache_dir=cache_dir)
     info = node.mount(layer, directory, mode=mode, store=store_url, prefetch_list=prefetch_list,
                       fuse_binding=fuse_binding, profile=not no_profile, fill=fill)
     emit(as_json, info, lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
-                                       f"mode" + (f"; trace {info.trace}" if info.trace else ""))
+                                       f"mode" + (f"; trace {info.trace}" if info.trace else ""),
+         result=info.mountpoint)
 
 
 @click.command()
 @click.argument("directory", type=click.Path(path_type=str))
 @click.option("--lazy", is_flag=True, help="detach even if busy; files open on it keep working")
 @socket_option
-def umount(directory: str, lazy: bool, socket_path: str) -> None:
+@json_option
+def umount(directory: str, lazy: bool, socket_path: str, as_json: bool) -> None:
     """Unmount a layer the node daemon mounted at DIRECTORY."""
+    import os
+
     Node(socket_path).umount(directory, lazy=lazy)
+    mountpoint = os.path.abspath(directory)
+    emit(as_json, {"mountpoint": mountpoint, "lazy": lazy}, lambda: f"unmounted {mountpoint}")
 
 
 @click.command()

@@ -46,6 +46,8 @@ DEFAULT_SOCKET = "/run/dsecfs/daemon.sock"
 DEFAULT_STATE_DIR = "/run/dsecfs/state"
 DEFAULT_CACHE_DIR = "/var/cache/dsecfs/chunks"
 SOCKET_ENV = "DSECFS_SOCKET"
+STATE_DIR_ENV = "DSECFS_STATE_DIR"  # the CLI's --state-dir and --cache-dir read these too
+CACHE_DIR_ENV = "DSECFS_CACHE_DIR"
 DEFAULT_TIMEOUT = 120.0  # seconds for one call: a mount may wait for a slow store
 START_TIMEOUT = 30.0  # seconds for a daemon we started to answer
 LOG_TAIL = 4096  # bytes of a failed daemon's log quoted in the error
@@ -219,7 +221,8 @@ class Node:
         args = [*(command or _dsecfs_command()), "daemon", "--socket", socket_path]
         for option, value in (("--state-dir", state_dir), ("--cache-dir", cache_dir), ("--cache-size", cache_size),
                               ("--store", api.absolute_store(store)), ("--fuse-binding", fuse_binding),
-                              ("--latency", latency_ms), ("--bandwidth", bandwidth_mbps),
+                              ("--latency", latency_ms),
+                              ("--bandwidth", None if bandwidth_mbps is None else f"{bandwidth_mbps}MB"),
                               ("--fetch-timeout", fetch_timeout)):
             if value is not None:
                 args += [option, os.path.abspath(value) if option.endswith("-dir") else str(value)]
@@ -246,10 +249,14 @@ class Node:
     @classmethod
     def ensure_running(cls, socket_path: str | None = None, **start_options) -> Node:
         """A Node whose daemon answers: the one on the socket, else one started with ``start_options``
-        (those of ``start_daemon``; ``log_file`` defaults to daemon.log in its state directory)."""
+        (those of ``start_daemon``; ``state_dir`` and ``cache_dir`` default to $DSECFS_STATE_DIR and
+        $DSECFS_CACHE_DIR, ``log_file`` to daemon.log in its state directory)."""
         node = cls(socket_path)
         if node.ping():
             return node
+        for option, env in (("state_dir", STATE_DIR_ENV), ("cache_dir", CACHE_DIR_ENV)):
+            if not start_options.get(option) and os.environ.get(env):
+                start_options[option] = os.environ[env]
         start_options.setdefault("log_file", os.path.join(start_options.get("state_dir") or DEFAULT_STATE_DIR,
                                                           "daemon.log"))
         try:

@@ -183,7 +183,8 @@ def _check_sandbox_path(path: str, where: str) -> None:
 def _require(program: str, runtime: str) -> str:
     path = shutil.which(program)
     if path is None:
-        hint = " (or use runtime='namespaces')" if runtime == "runc" else ""
+        hint = (" (apt-get install runc, or use the namespaces runtime: `dsecfs sandbox exec --runtime namespaces`, "
+                "runtime=\"namespaces\" in the SDK)") if runtime == "runc" else ""
         raise UnavailableError(f"{program} is not installed or not on PATH{hint}", where=f"runtime {runtime}",
                                transient=False)
     return path

@@ -56,7 +56,7 @@ class FilesystemStore(Store):
             os.makedirs(os.path.dirname(self.root), exist_ok=True)  # the store's parents are not its own
             _make_dirs(self.root)
         elif not os.path.isdir(self.root):
-            raise UnavailableError("store directory does not exist", where=self.root, transient=False)
+            raise NotFoundError(f"no such store (create one with `dsecfs store init {self.url}`)", where=self.url)
 
     def _path(self, key: str) -> str:
         check_key(key, self.url)

@@ -213,6 +213,7 @@ def mounts_below(path) -> list[str]:
 def daemon_dirs(tmp_path, socket_dir):
     dirs = {"state_dir": str(tmp_path / "state"), "cache_dir": str(tmp_path / "cache"),
             "store": str(tmp_path / "store")}
+    os.mkdir(dirs["store"])  # an empty store: opening a store never creates it
     yield os.path.join(socket_dir, "daemon.sock"), dirs
 
 
