@@ -1,0 +1,126 @@
+"""``sandbox commit`` against a hostile sandbox: a process inside racing the walk of its upper dir, and
+setuid files and device nodes made inside (issue 14). Real runc, kernel EROFS and OverlayFS; the
+sandbox's helper is Debian's perl calling renameat2(2) itself.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from treecmp import write_files
+
+from dsec_fs.errors import InputError
+from erofs_builder.build import build_layer, build_tree
+from erofs_builder.export import extract_layer
+from overlay.sandbox import SandboxManager, SandboxSpec
+
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("nothing_left_mounted")]
+
+# In-image path -> path in the Debian rootfs (x86_64): /bin/sh and perl.
+PERL_FILES = {
+    "bin/sh": "usr/bin/dash", "bin/perl": "usr/bin/perl",
+    "lib64/ld-linux-x86-64.so.2": "usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+    **{f"lib/x86_64-linux-gnu/{lib}": f"usr/lib/x86_64-linux-gnu/{lib}"
+       for lib in ("libc.so.6", "libm.so.6", "libcrypt.so.1")},
+}
+COMMITS = 100
+SYS_RENAMEAT2 = 316  # x86_64
+PAIRS = 1  # more pairs make more walks see a replaced entry and refuse, and fewer reach the host file
+# Makes /work/d<i> (directories of the upper dir, each holding a file "secret") and /work/l<i> (symlinks to
+# the host directory given as $ARGV[0]).
+SETUP = f"""
+mkdir "/work" or die;
+for my $i (0 .. {PAIRS - 1}) {{
+    mkdir "/work/d$i" or die; open(my $f, ">", "/work/d$i/secret") or die; print $f "sandbox"; close $f;
+    symlink($ARGV[0], "/work/l$i") or die;
+}}
+"""
+# Swaps each /work/d<i> with /work/l<i> (RENAME_EXCHANGE) over and over until /stop appears, and prints
+# how many swaps it made.
+SWAPPER = f"""
+open(my $f, ">", "/started") or die; close $f;
+my ($n, $end) = (0, time + 120);
+my @pairs = map {{ ["/work/d$_", "/work/l$_"] }} 0 .. {PAIRS - 1};
+while (!-e "/stop" && time < $end) {{
+    for (1 .. 100) {{
+        for my $p (@pairs) {{ syscall({SYS_RENAMEAT2}, -100, $p->[0], -100, $p->[1], 2) == 0 or die "$!"; $n++ }}
+    }}
+}}
+print "$n\n";
+"""
+
+
+@pytest.fixture
+def perl_base(store, tmp_path, debian_rootfs):
+    files = {}
+    for image_path, source in PERL_FILES.items():
+        path = os.path.join(debian_rootfs, source)
+        if not os.path.isfile(path):
+            pytest.skip(f"no {source} in the Debian rootfs (not x86_64?)")
+        with open(path, "rb") as f:
+            files[image_path] = f.read()
+    source = write_files(tmp_path / "src" / "perl-base", files)
+    for image_path in PERL_FILES:
+        os.chmod(os.path.join(source, image_path), 0o755)
+    build_layer(source, store, name="base/perl:1")
+    return "base/perl:1"
+
+
+@pytest.fixture
+def manager(tmp_path, layers):
+    with SandboxManager(tmp_path / "state", layers) as sandboxes:
+        try:
+            yield sandboxes
+        finally:
+            for state in sandboxes.list():
+                if state.status in ("running", "stopped"):
+                    sandboxes.down(state.id)
+
+
+def test_a_sandbox_swapping_a_directory_for_a_symlink_during_commit_publishes_no_host_file(
+        manager, store, tmp_path, perl_base):
+    secret = b"HOST-ONLY-" + secrets.token_hex(16).encode()
+    host_dir = tmp_path / "host"
+    host_dir.mkdir(mode=0o700)
+    with open(host_dir / "secret", "wb") as f:
+        f.write(secret)
+    os.chmod(host_dir / "secret", 0o600)
+    state = manager.up(SandboxSpec(base=perl_base, name="racer"))
+    assert manager.exec("racer", ["/bin/perl", "-e", SETUP, str(host_dir)]).exit_code == 0
+
+    outcomes = {"built": 0, "refused": 0}
+    with ThreadPoolExecutor(1) as pool:
+        swapper = pool.submit(manager.exec, "racer", ["/bin/perl", "-e", SWAPPER])
+        try:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.path.join(state.rootfs, "started")):
+                assert time.monotonic() < deadline and not swapper.done(), swapper.result() if swapper.done() else ""
+                time.sleep(0.01)
+            for run in range(COMMITS):
+                try:
+                    tree = manager.commit("racer")
+                    build_tree(tree, store, name=f"ws/racer:{run}")
+                except InputError:  # the walk saw an entry replaced: refused, nothing published
+                    outcomes["refused"] += 1
+                    continue
+                out = tmp_path / f"extract-{run}"
+                extract_layer(store, f"ws/racer:{run}", out)
+                for directory, _dirs, names in os.walk(out):
+                    for name in names:
+                        path = os.path.join(directory, name)
+                        if not os.path.islink(path):
+                            with open(path, "rb") as f:
+                                assert secret not in f.read(), f"run {run}: a host file is in the layer at {path}"
+                outcomes["built"] += 1
+        finally:
+            open(os.path.join(state.rootfs, "stop"), "wb").close()
+            result = swapper.result()
+    assert result.exit_code == 0, result.stderr
+    assert int(result.stdout) > COMMITS  # the swaps really ran all along
+    assert outcomes["built"] + outcomes["refused"] == COMMITS
+    assert outcomes["built"] > 0  # commits between swaps still go through
