@@ -169,12 +169,19 @@ def export(layer: str, out_dir: str, store_url: str | None) -> None:
 @click.argument("layer")
 @click.argument("out_dir", type=click.Path(path_type=str))
 @store_option
-def extract(layer: str, out_dir: str, store_url: str | None) -> None:
+@click.option("--keep-privileged", is_flag=True,
+              help="as root, also recreate setuid/setgid bits, device nodes and file capabilities, as tar -p "
+                   "does (left out by default)")
+def extract(layer: str, out_dir: str, store_url: str | None, keep_privileged: bool) -> None:
     """Recreate the layer's tree in OUT_DIR (must be empty or absent)."""
     from erofs_builder.export import extract_layer
 
     with open_store(store_url) as store:
-        extract_layer(store, layer, out_dir)
+        stats = extract_layer(store, layer, out_dir, keep_privileged=keep_privileged or None)
+    dropped = {kind: count for kind, count in stats.dropped.to_dict().items() if count}
+    if dropped:
+        click.echo("dsecfs: left out (--keep-privileged keeps them): "
+                   + ", ".join(f"{count} {kind}" for kind, count in dropped.items()), err=True)
 
 
 @main.command("mount-export")

@@ -80,6 +80,7 @@ class CommitResult:
     ref: str
     store: str
     stats: dict = field(default_factory=dict)  # the build's statistics (files, bytes, chunks, ...)
+    dropped: dict = field(default_factory=dict)  # privileged parts left out: setuid, setgid, devices, capabilities
 
 
 class Sandbox:
@@ -139,11 +140,12 @@ class Sandbox:
         self.node.request("POST", self._path("down"), {"keep": keep})
         self._down = True
 
-    def commit(self, name: str, *, store: str | None = None) -> CommitResult:
+    def commit(self, name: str, *, store: str | None = None, keep_privileged: bool = False) -> CommitResult:
         """Publish the sandbox's changes (its upper dir, whiteouts and opaque directories kept) as a layer
         named ``name`` (NAME:TAG) in ``store`` (default: the daemon's); stack it over the layers the sandbox
-        ran on. Commit between commands, or after ``down(keep=True)``."""
-        body = {"name": name, "store": _absolute_store(store)}
+        ran on. Setuid/setgid bits, device nodes and file capabilities are left out (counted in
+        ``dropped``) unless ``keep_privileged``. Commit between commands, or after ``down(keep=True)``."""
+        body = {"name": name, "store": _absolute_store(store), "keep_privileged": keep_privileged}
         return _typed(CommitResult, self.node.request("POST", self._path("commit"), body))
 
     def _path(self, action: str = "") -> str:

@@ -24,7 +24,7 @@ Routes (JSON in and out; ``{sandbox}`` is a sandbox id or name; errors as every 
                                           timeout, stdin (base64)}  -> {exit_code, stdout, stderr (base64),
                                           timed_out}
     POST /v1/sandboxes/{sandbox}/down    {keep}  -> {}
-    POST /v1/sandboxes/{sandbox}/commit  {name, store}  -> {sandbox, layer, ref, store, stats}
+    POST /v1/sandboxes/{sandbox}/commit  {name, store, keep_privileged}  -> {sandbox, layer, ref, store, stats, dropped}
 
 A sandbox is SandboxState as JSON (overlay/sandbox.py). Sandbox layers come from the daemon's store; an
 ``up`` that names another store is refused (ConflictError) rather than quietly mixing stores. ``commit``
@@ -385,17 +385,18 @@ class SandboxService:
                              where="request body")
         parse_ref(name)
         store = _absolute_store(body.get("store", str) or self._store_url())
-        return await self._lifecycle_call(self._commit, request.params["sandbox"], name, store)
+        keep_privileged = body.get("keep_privileged", bool, False)
+        return await self._lifecycle_call(self._commit, request.params["sandbox"], name, store, keep_privileged)
 
-    def _commit(self, key: str, name: str, store_url: str) -> dict:
+    def _commit(self, key: str, name: str, store_url: str, keep_privileged: bool) -> dict:
         """Build the sandbox's upper dir into a layer of ``store_url`` named ``name`` (a worker thread)."""
         state = self.manager.get(key)
-        tree = self.manager.commit(state.id)
+        commit = self.manager.commit(state.id, keep_privileged=keep_privileged)
         with open_store(store_url) as store:
-            result = build_tree(tree, store, name=name, source=f"sandbox {state.id} ({state.name})")
+            result = build_tree(commit.tree, store, name=name, source=f"sandbox {state.id} ({state.name})")
         log.info("committed sandbox %s (%s) as %s, layer %s", state.id, state.name, name, result.digest)
         return {"sandbox": state.id, "layer": result.digest, "ref": name, "store": store_url,
-                "stats": result.manifest.stats}
+                "stats": result.manifest.stats, "dropped": commit.dropped.to_dict()}
 
     # -- helpers
 

@@ -12,10 +12,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from click.testing import CliRunner
 from treecmp import write_files
 
 from dsec_fs.errors import InputError
 from erofs_builder.build import build_layer, build_tree
+from cli.main import main as dsecfs
 from erofs_builder.export import extract_layer
 from overlay.sandbox import SandboxManager, SandboxSpec
 
@@ -29,7 +31,16 @@ PERL_FILES = {
        for lib in ("libc.so.6", "libm.so.6", "libcrypt.so.1")},
 }
 COMMITS = 100
-SYS_RENAMEAT2 = 316  # x86_64
+SYS_RENAMEAT2, SYS_MKNOD = 316, 133  # x86_64
+# A setuid-root copy of /bin/sh, a setgid one, a 0666 /dev/mem (1:1), a whiteout (a base file removed).
+PRIVILEGED = f"""
+open(my $in, "<", "/bin/sh") or die; binmode $in; local $/; my $sh = <$in>; close $in;
+for my $name ("rootsh", "groupsh") {{ open(my $out, ">", "/$name") or die; binmode $out; print $out $sh; close $out }}
+chmod 04755, "/rootsh" or die; chmod 02755, "/groupsh" or die;
+my $mem = "/mem";
+syscall({SYS_MKNOD}, $mem, 0020666, 257) == 0 or die "mknod: $!";
+unlink "/etc/os-release" or die;
+"""
 PAIRS = 1  # more pairs make more walks see a replaced entry and refuse, and fewer reach the host file
 # Makes /work/d<i> (directories of the upper dir, each holding a file "secret") and /work/l<i> (symlinks to
 # the host directory given as $ARGV[0]).
@@ -64,6 +75,7 @@ def perl_base(store, tmp_path, debian_rootfs):
             pytest.skip(f"no {source} in the Debian rootfs (not x86_64?)")
         with open(path, "rb") as f:
             files[image_path] = f.read()
+    files["etc/os-release"] = b"ID=perl\n"
     source = write_files(tmp_path / "src" / "perl-base", files)
     for image_path in PERL_FILES:
         os.chmod(os.path.join(source, image_path), 0o755)
@@ -103,7 +115,7 @@ def test_a_sandbox_swapping_a_directory_for_a_symlink_during_commit_publishes_no
                 time.sleep(0.01)
             for run in range(COMMITS):
                 try:
-                    tree = manager.commit("racer")
+                    tree = manager.commit("racer").tree
                     build_tree(tree, store, name=f"ws/racer:{run}")
                 except InputError:  # the walk saw an entry replaced: refused, nothing published
                     outcomes["refused"] += 1
@@ -124,3 +136,37 @@ def test_a_sandbox_swapping_a_directory_for_a_symlink_during_commit_publishes_no
     assert int(result.stdout) > COMMITS  # the swaps really ran all along
     assert outcomes["built"] + outcomes["refused"] == COMMITS
     assert outcomes["built"] > 0  # commits between swaps still go through
+
+
+def test_commit_and_extract_leave_out_setuid_files_and_devices_made_in_a_sandbox(manager, store, tmp_path,
+                                                                                perl_base):
+    manager.up(SandboxSpec(base=perl_base, name="priv"))
+    result = manager.exec("priv", ["/bin/perl", "-e", PRIVILEGED])
+    assert result.exit_code == 0, result.stderr
+
+    commit = manager.commit("priv")
+    assert commit.dropped.to_dict() == {"setuid": 1, "setgid": 1, "devices": 1, "capabilities": 0}
+    build_tree(commit.tree, store, name="ws/priv:1")
+    out = tmp_path / "out"
+    run = CliRunner().invoke(dsecfs, ["extract", "ws/priv:1", str(out), "--store", store.url])
+    assert run.exit_code == 0, run.output
+    assert stat.S_IMODE(os.stat(out / "rootsh").st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(out / "groupsh").st_mode) == 0o755
+    assert not os.path.lexists(out / "mem")
+    whiteout = os.lstat(out / "etc" / "os-release")  # the deletion is still in the layer
+    assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+
+    # --keep-privileged, on both sides, keeps all of it (the layer was built by its owner, say).
+    kept = manager.commit("priv", keep_privileged=True)
+    assert kept.dropped.total() == 0
+    build_tree(kept.tree, store, name="ws/priv:2")
+    run = CliRunner().invoke(dsecfs, ["extract", "ws/priv:2", str(tmp_path / "default"), "--store", store.url])
+    assert run.exit_code == 0 and "1 setuid, 1 setgid, 1 devices" in run.output  # extract as root drops them
+    assert not os.stat(tmp_path / "default" / "rootsh").st_mode & stat.S_ISUID
+    run = CliRunner().invoke(dsecfs, ["extract", "ws/priv:2", str(tmp_path / "all"), "--store", store.url,
+                                      "--keep-privileged"])
+    assert run.exit_code == 0, run.output
+    st = os.stat(tmp_path / "all" / "rootsh")
+    assert st.st_uid == 0 and st.st_mode & stat.S_ISUID
+    mem = os.lstat(tmp_path / "all" / "mem")
+    assert stat.S_ISCHR(mem.st_mode) and mem.st_rdev == os.makedev(1, 1)

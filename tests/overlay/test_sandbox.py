@@ -129,7 +129,7 @@ def test_exec_and_commit(manager, store, tmp_path, shell_base, runtime):
     assert (result.exit_code, result.stdout) == (3, b"one\n")
     result = manager.exec("one", ["/bin/sh", "-c", "read h < /proc/sys/kernel/hostname; echo $h"], runtime=runtime)
     assert result.stdout == b"one\n"
-    tree = manager.commit("one")
+    tree = manager.commit("one").tree
     assert tree.lookup(b"workspace/made").is_reg
 
 
@@ -142,7 +142,7 @@ def test_down_keep_leaves_the_upper_for_commit(manager, layers, store, tmp_path,
     assert mounts.mounts_below(tmp_path) == [] and layers.held() == {}
     with pytest.raises(UnavailableError, match="stopped"):
         manager.exec("kept", ["/bin/sh", "-c", "true"])
-    tree = manager.commit("kept")
+    tree = manager.commit("kept").tree
     assert stat.S_ISCHR(tree.lookup(b"workspace/common").mode)
     manager.down("kept")
     assert manager.list() == [] and sandbox_files(manager) == []
