@@ -9,6 +9,8 @@ Databases of the environment:
     packs    pack id (32 raw bytes) -> PACK_HEADER + count x pack.INDEX_ENTRY: the pack's index entries
     chunks   chunk digest (32 raw bytes) -> LOCATION, once per mirrored pack holding the chunk
              (dupsort, fixed-size values: a chunk two builds uploaded at once lives in two packs)
+    trust    pack id (32 raw bytes) -> TRUSTED (every chunk its index claims was read and hashed, or this
+             host uploaded it) or FORGED (a claimed chunk did not verify); no record: not checked yet
     meta     b"version" -> VERSION; b"store" -> store_identity() (UTF-8); b"synced" -> SYNCED
 
 Sync (``IndexMirror.sync``, at the start of every build): list ``index/``, fetch in parallel the index
@@ -25,6 +27,13 @@ Why the answers are safe to build on (see gc.py for the other side):
   publishing, ``MirroredChunkIndex.confirm`` checks against the index objects themselves that the layer's
   packs hold every chunk of its blob map. A mirror that answered wrongly (damaged on disk, a bug) is then
   reset and the build fails before publishing anything.
+- An index object says what its writer claims; in a shared store a writer may lie (claim other layers'
+  chunks at offsets of its own pack). A build deduplicates only against packs it trusts: packs uploaded
+  from this host, and packs whose every claimed chunk it has read and hashed (chunks.verify_pack, once
+  per pack, when a lookup first needs it; the verdict is kept in ``trust``). A chunk whose mirrored
+  packs are all forged is uploaded again. ``confirm`` also checks that every pack the layer names is
+  trusted, which only this host's own reads and uploads decide: a forged index costs a pack read, never
+  a published layer that fails fsck.
 - A mirror whose files are not a sound LMDB environment, whose version is unknown or whose records do
   not decode is emptied and rebuilt from the store.
 
@@ -32,7 +41,9 @@ Threads and processes: LMDB may be opened only once per process, so every IndexM
 shares one environment (``_Shared``, counted; ``_registry_lock`` guards the registry). Any thread may
 call any method at the same time: each method is one LMDB transaction, writers are serialised by LMDB's
 lock (across processes too: builds on one host share the mirror), readers never block.
-MirroredChunkIndex adds ChunkIndex's own lock, which guards the answers it has already given.
+MirroredChunkIndex adds ChunkIndex's own lock, which guards the answers it has already given, and its
+``_verify_lock`` (the verdicts it learnt; held while it reads a pack to verify it, so other lookups that
+need a verdict wait, lookups of remembered answers do not).
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from .chunks import INDEX_LOAD_THREADS, ChunkIndex, ChunkLocation
+from .chunks import INDEX_LOAD_THREADS, ChunkIndex, ChunkLocation, verify_pack
 from .digest import DIGEST_SIZE, is_hex_digest, to_hex
 from .errors import CorruptError, NotFoundError, UnavailableError
 from .gc import restore_pack_index
@@ -82,6 +93,7 @@ LOCATION = struct.Struct(
     "I"  # ulen: bytes of the chunk
 )
 
+TRUSTED, FORGED = b"t", b"f"  # values of the trust database
 VERSION = struct.Struct("<I")  # MIRROR_VERSION; any other value: the mirror is rebuilt
 SYNCED = struct.Struct("<Q")  # time.time_ns() when the newest committed sync began listing index/
 
@@ -125,9 +137,10 @@ class _Shared:
         self.path = path
         self.users = 0
         os.makedirs(path, exist_ok=True)
-        self.env = lmdb.open(path, map_size=map_size, max_dbs=3, readahead=False)
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False)
         self.packs = self.env.open_db(b"packs")
         self.chunks = self.env.open_db(b"chunks", dupsort=True, dupfixed=True)
+        self.trust = self.env.open_db(b"trust")
         self.meta = self.env.open_db(b"meta")
 
 
@@ -203,7 +216,7 @@ class IndexMirror:
         log.warning("index mirror %s is damaged or foreign; rebuilding it from the store", self.path)
 
         def empty(txn: lmdb.Transaction) -> None:
-            for db in (self._shared.packs, self._shared.chunks, self._shared.meta):
+            for db in (self._shared.packs, self._shared.chunks, self._shared.trust, self._shared.meta):
                 txn.drop(db, delete=False)
             self._stamp(txn)
 
@@ -292,27 +305,54 @@ class IndexMirror:
     # -- reading and writing packs
 
     def add_pack(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
-        """Add a pack just uploaded (its index object is in the store). A pack already here is left as is."""
+        """Add a pack this host just uploaded (its index object is in the store), trusted. A pack already
+        here keeps its entries."""
         entries = list(entries)
-        self._write(lambda txn: self._add(txn, bytes.fromhex(pack_id), entries, added=time.time_ns()))
+        raw = bytes.fromhex(pack_id)
 
-    def lookup(self, digest: bytes) -> ChunkLocation | None:
-        """Where the mirror says chunk ``digest`` is, or None. A record that does not decode is a miss,
-        and the next sync rebuilds the mirror."""
+        def add(txn: lmdb.Transaction) -> None:
+            self._add(txn, raw, entries, added=time.time_ns())
+            txn.put(raw, TRUSTED, db=self._shared.trust)
+
+        self._write(add)
+
+    def locations(self, digest: bytes) -> list[ChunkLocation]:
+        """Every location the mirror knows for chunk ``digest``, in pack id order. A record that does not
+        decode is left out, and the next sync rebuilds the mirror."""
         try:
             with self._shared.env.begin(db=self._shared.chunks) as txn:
-                value = txn.get(digest)
+                cursor = txn.cursor()
+                values = list(cursor.iternext_dup()) if cursor.set_key(digest) else []
         except _BROKEN as exc:
             log.warning("index mirror %s: %s", self.path, exc)
             self._damaged = True
+            return []
+        locations = []
+        for value in values:
+            if len(value) != LOCATION.size:
+                self._damaged = True
+                continue
+            pack_id, offset, clen, ulen = LOCATION.unpack(value)
+            locations.append(ChunkLocation(to_hex(pack_id), offset, clen, ulen))
+        return locations
+
+    def trust(self, pack_id: str) -> bytes | None:
+        """TRUSTED, FORGED, or None for a pack not checked yet (see the module docstring)."""
+        with self._shared.env.begin(db=self._shared.trust) as txn:
+            return txn.get(bytes.fromhex(pack_id))
+
+    def set_trust(self, pack_id: str, verdict: bytes) -> None:
+        self._write(lambda txn: txn.put(bytes.fromhex(pack_id), verdict, db=self._shared.trust))
+
+    def pack_entries(self, pack_id: str) -> list[PackEntry] | None:
+        """The mirrored index entries of a pack; None if it is not mirrored."""
+        raw = bytes.fromhex(pack_id)
+        with self._shared.env.begin(db=self._shared.packs) as txn:
+            record = txn.get(raw)
+        if record is None:
             return None
-        if value is None:
-            return None
-        if len(value) != LOCATION.size:
-            self._damaged = True
-            return None
-        pack_id, offset, clen, ulen = LOCATION.unpack(value)
-        return ChunkLocation(to_hex(pack_id), offset, clen, ulen)
+        self._decode_header(raw, record)
+        return [PackEntry(*fields) for fields in INDEX_ENTRY.iter_unpack(record[PACK_HEADER.size:])]
 
     def pack_ids(self) -> set[str]:
         with self._shared.env.begin(db=self._shared.packs) as txn:
@@ -338,6 +378,7 @@ class IndexMirror:
         for digest, offset, clen, ulen in INDEX_ENTRY.iter_unpack(record[PACK_HEADER.size:]):
             txn.delete(digest, LOCATION.pack(pack_id, offset, clen, ulen), db=self._shared.chunks)
         txn.delete(pack_id, db=self._shared.packs)
+        txn.delete(pack_id, db=self._shared.trust)
 
     def _decode_header(self, pack_id: bytes, record: bytes) -> tuple[int, int]:
         """(added, count) of a pack record; CorruptError (which rebuilds the mirror) if it is malformed."""
@@ -363,22 +404,57 @@ class MirroredChunkIndex(ChunkIndex):
 
     Every answer the mirror gives is remembered, so the chunker, the uploader and the manifest see the
     same location for a chunk even if another process's sync changes the mirror meanwhile; packs this
-    build uploads are remembered and added to the mirror. ``close()`` releases the mirror.
+    build uploads are remembered and added to the mirror. Only locations in trusted packs are answered
+    (see the module docstring): a pack not checked yet is verified against ``store`` when a lookup first
+    needs it. ``close()`` releases the mirror.
+
+    ``_verify_lock`` guards ``_verdicts`` (pack id -> TRUSTED or FORGED, as learnt by this object) and is
+    held while a pack is verified, so each pack is read once.
     """
 
-    def __init__(self, mirror: IndexMirror):
+    def __init__(self, mirror: IndexMirror, store: Store):
         super().__init__()
         self.mirror = mirror
+        self.store = store
+        self._verify_lock = threading.Lock()
+        self._verdicts: dict[str, bytes] = {}
+        self._own: set[str] = set()  # packs this build uploaded
+        self.verified_packs = 0  # packs read and found intact by this object
+        self.forged_packs = 0  # packs read and found to claim chunks they do not hold
 
     def get(self, digest: bytes) -> ChunkLocation | None:
         location = super().get(digest)
         if location is None:
-            location = self.mirror.lookup(digest)
+            location = next((found for found in self.mirror.locations(digest)
+                             if self._verdict(found.pack_id) == TRUSTED), None)
             if location is not None:
                 super().add_pack(location.pack_id, [PackEntry(digest, location.offset, location.clen,
                                                               location.ulen)])
                 location = super().get(digest)
         return location
+
+    def _verdict(self, pack_id: str) -> bytes | None:
+        """TRUSTED or FORGED, reading the pack now if no one has checked it; None if it is gone."""
+        with self._verify_lock:
+            verdict = self._verdicts.get(pack_id) or self.mirror.trust(pack_id)
+            if verdict is None:
+                entries = self.mirror.pack_entries(pack_id)
+                if entries is None:
+                    return None  # dropped by a sync meanwhile
+                try:
+                    verify_pack(self.store, pack_id, entries)
+                    verdict = TRUSTED
+                    self.verified_packs += 1
+                except NotFoundError:
+                    return None  # gone (a gc); the next sync drops it
+                except CorruptError as exc:
+                    log.warning("not deduplicating against pack %s: its index claims chunks it does not hold "
+                                "(%s)", pack_id, exc)
+                    verdict = FORGED
+                    self.forged_packs += 1
+                self.mirror.set_trust(pack_id, verdict)
+            self._verdicts[pack_id] = verdict
+            return verdict
 
     def __contains__(self, digest: bytes) -> bool:
         return self.get(digest) is not None
@@ -389,6 +465,9 @@ class MirroredChunkIndex(ChunkIndex):
     def add_pack(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
         entries = list(entries)
         super().add_pack(pack_id, entries)
+        with self._verify_lock:
+            self._own.add(pack_id)
+            self._verdicts[pack_id] = TRUSTED
         try:
             self.mirror.add_pack(pack_id, entries)
         except (lmdb.Error, UnavailableError) as exc:  # the mirror is a cache: the next sync catches up
@@ -401,8 +480,17 @@ class MirroredChunkIndex(ChunkIndex):
         packs so restored.
 
         NotFoundError if a pack is gone; CorruptError, after resetting the mirror, if a chunk the mirror
-        promised is in none of the packs.
+        promised is in none of the packs, or if a pack is neither this build's own nor verified by this
+        host (whatever an index object claims, that is decided here).
         """
+        pack_ids = list(pack_ids)
+        with self._verify_lock:
+            untrusted = [p for p in pack_ids if p not in self._own and self._verdicts.get(p) != TRUSTED]
+        if untrusted:
+            self.mirror.reset()
+            raise CorruptError(f"{len(untrusted)} of the layer's packs were never verified; the mirror was reset "
+                               "and nothing was published: build again", where=keys.pack(untrusted[0]))
+
         def read(pack_id: str) -> tuple[set[bytes], bool]:
             if not store.exists(keys.pack(pack_id)):
                 raise NotFoundError("a pack this layer needs is gone; nothing was published",
@@ -413,7 +501,6 @@ class MirroredChunkIndex(ChunkIndex):
             except (NotFoundError, CorruptError):
                 return {e.digest for e in restore_pack_index(store, pack_id)}, True
 
-        pack_ids = list(pack_ids)
         with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="confirm") as pool:
             results = list(pool.map(read, pack_ids))
         held = set().union(*(digests for digests, _ in results))
@@ -445,4 +532,4 @@ def load_chunk_index(store: Store, *, index_root: str | None = None) -> Mirrored
     except BaseException:
         mirror.close()
         raise
-    return MirroredChunkIndex(mirror)
+    return MirroredChunkIndex(mirror, store)
