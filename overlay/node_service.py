@@ -391,9 +391,11 @@ class SandboxService:
     def _commit(self, key: str, name: str, store_url: str, keep_privileged: bool) -> dict:
         """Build the sandbox's upper dir into a layer of ``store_url`` named ``name`` (a worker thread)."""
         state = self.manager.get(key)
-        commit = self.manager.commit(state.id, keep_privileged=keep_privileged)
         with open_store(store_url) as store:
-            result = build_tree(commit.tree, store, name=name, source=f"sandbox {state.id} ({state.name})")
+            commit = self.manager.commit(
+                state.id, lambda tree: build_tree(tree, store, name=name, source=f"sandbox {state.id} ({state.name})"),
+                keep_privileged=keep_privileged)
+        result = commit.published
         log.info("committed sandbox %s (%s) as %s, layer %s", state.id, state.name, name, result.digest)
         return {"sandbox": state.id, "layer": result.digest, "ref": name, "store": store_url,
                 "stats": result.manifest.stats, "dropped": commit.dropped.to_dict()}

@@ -61,7 +61,7 @@ from erofs_builder.export import export_layer
 from erofs_builder.privileged import Dropped, drop_privileged
 from erofs_builder.tree import Tree
 
-from .runtime import RunResult, reap_containers, run_in_rootfs
+from .runtime import RunResult, containers_frozen, reap_containers, run_in_rootfs
 from .stack import StackOptions, mount_stack, unmount_stack, upper_to_tree
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ class SandboxState:
 class Commit:
     tree: Tree  # the upper dir, ready to build (erofs_builder.build.build_tree)
     dropped: Dropped  # the privileged parts left out (all zero with keep_privileged)
+    published: object = None  # what commit's ``publish`` returned
 
 
 @dataclass(frozen=True)
@@ -267,26 +268,32 @@ class SandboxManager:
             options.setdefault("runc_root", self.runc_root)
         return run_in_rootfs(state.rootfs, argv, **options)
 
-    def commit(self, key: str, *, keep_privileged: bool = False) -> Commit:
+    def commit(self, key: str, publish: Callable[[Tree], object] | None = None, *,
+               keep_privileged: bool = False) -> Commit:
         """The sandbox's changes as a Tree (stack.upper_to_tree): a layer to stack over the ones it ran on,
         without setuid/setgid bits, device nodes and file capabilities unless ``keep_privileged``
-        (erofs_builder.privileged; whiteouts stay).
+        (erofs_builder.privileged; whiteouts stay). ``publish(tree)`` (a build_tree call, which reads the
+        files) runs before the sandbox goes on; its result is ``Commit.published``.
 
-        The walk reads the upper dir only, whatever runs in the sandbox meanwhile (walk_dir); a command
-        that changes the upper dir during the walk can make it fail with InputError, never reach outside.
+        The walk and the reads see the upper dir only, whatever runs in the sandbox meanwhile (walk_dir):
+        a command that changes the upper dir then can make the commit fail with InputError, never reach
+        outside. The sandbox's runc containers are frozen until ``publish`` returns
+        (runtime.containers_frozen), so a command of the runc runtime cannot even do that.
         """
         with self._lock:
             state = self._find(key)
         if state.status not in ("running", "stopped"):
             raise UnavailableError(f"sandbox is {state.status}", where=f"sandbox {state.name}")
-        tree = upper_to_tree(state.upper)
-        dropped = Dropped()
-        if not keep_privileged:
-            dropped = drop_privileged(tree)
-            tree.finish()
-            if dropped.total():
-                log.info("sandbox %s: commit dropped %s", state.id, dropped.to_dict())
-        return Commit(tree, dropped)
+        with containers_frozen(self.runc_root, state.rootfs):
+            tree = upper_to_tree(state.upper)
+            dropped = Dropped()
+            if not keep_privileged:
+                dropped = drop_privileged(tree)
+                tree.finish()
+                if dropped.total():
+                    log.info("sandbox %s: commit dropped %s", state.id, dropped.to_dict())
+            published = publish(tree) if publish is not None else None
+        return Commit(tree, dropped, published)
 
     def down(self, key: str, *, keep: bool = False) -> None:
         """Unmount the sandbox and release its layers; ``keep`` leaves its upper dir and state (``stopped``).
