@@ -1,7 +1,7 @@
 """A writer of a shared store that lies (issue 14), for tests/dsec_fs/test_build_forged_index.py and
 tests/lazy_fetch/test_daemon_forged_index.py: a pack and an index object of its own claiming other layers'
-chunks (junk frames under their digests), named by the forger's layer manifest; and ``store_url``, a
-fixture giving a local store and an S3 one (moto over real HTTP) in turn.
+chunks (junk frames under their digests), named by the forger's layer manifest. The tests run on a
+local store and on S3 (``store_url`` in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ import hashlib
 import json
 import random
 
-import pytest
-
 from dsec_fs import compress
 from dsec_fs.blobmap import BlobMap
 from dsec_fs.layer import open_layer
@@ -19,13 +17,6 @@ from dsec_fs.pack import PackWriter
 from dsec_fs.store import keys
 
 CHUNK = 64 << 10
-@pytest.fixture(params=["file", "s3"])
-def store_url(request, tmp_path):
-    if request.param == "s3":
-        return request.getfixturevalue("s3_url")
-    return f"file://{tmp_path / 'store'}"
-
-
 def random_files(seed: int, count: int = 12) -> dict[str, bytes]:
     rng = random.Random(seed)
     return {f"dir/file{i:02d}": rng.randbytes(rng.randrange(1, 3 * CHUNK)) for i in range(count)}

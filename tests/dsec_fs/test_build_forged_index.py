@@ -11,7 +11,7 @@ from dsec_fs.layer import resolve
 from dsec_fs.store import open_store
 from erofs_builder import build_layer
 from erofs_builder.fsck import fsck_layer
-from tests.dsec_fs.forgery import CHUNK, chunks_of_files, forge, random_files, store_url  # noqa: F401 (fixture)
+from tests.dsec_fs.forgery import CHUNK, chunks_of_files, forge, random_files
 from treecmp import write_files
 
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import io
 import os
-import resource
 import subprocess
 import sys
 import tarfile
-import time
 
 import pytest
 import zstandard

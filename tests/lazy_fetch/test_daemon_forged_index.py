@@ -8,7 +8,7 @@ import pytest
 
 from dsec_fs.store import open_store
 from erofs_builder import build_layer
-from tests.dsec_fs.forgery import CHUNK, chunks_of_layer, forge, random_files, store_url  # noqa: F401 (fixture)
+from tests.dsec_fs.forgery import CHUNK, chunks_of_layer, forge, random_files
 from tests.lazy_fetch.daemon_support import mount_dirs
 from treecmp import assert_same_tree, snapshot, write_files
 

@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from click.testing import CliRunner
-from treecmp import write_files
 
 from dsec_fs.errors import InputError
-from erofs_builder.build import build_layer, build_tree
+from erofs_builder.build import build_tree
 from cli.main import main as dsecfs
 from erofs_builder.export import extract_layer
-from overlay.sandbox import SandboxManager, SandboxSpec
+from overlay.sandbox import SandboxSpec
+from tests.overlay.support import build_programs
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("nothing_left_mounted")]
 
@@ -68,30 +68,7 @@ print "$n\n";
 
 @pytest.fixture
 def perl_base(store, tmp_path, debian_rootfs):
-    files = {}
-    for image_path, source in PERL_FILES.items():
-        path = os.path.join(debian_rootfs, source)
-        if not os.path.isfile(path):
-            pytest.skip(f"no {source} in the Debian rootfs (not x86_64?)")
-        with open(path, "rb") as f:
-            files[image_path] = f.read()
-    files["etc/os-release"] = b"ID=perl\n"
-    source = write_files(tmp_path / "src" / "perl-base", files)
-    for image_path in PERL_FILES:
-        os.chmod(os.path.join(source, image_path), 0o755)
-    build_layer(source, store, name="base/perl:1")
-    return "base/perl:1"
-
-
-@pytest.fixture
-def manager(tmp_path, layers):
-    with SandboxManager(tmp_path / "state", layers) as sandboxes:
-        try:
-            yield sandboxes
-        finally:
-            for state in sandboxes.list():
-                if state.status in ("running", "stopped"):
-                    sandboxes.down(state.id)
+    return build_programs(store, tmp_path, debian_rootfs, "base/perl:1", PERL_FILES, {"etc/os-release": b"ID=perl\n"})
 
 
 @pytest.mark.parametrize("runtime", ["namespaces", "runc"])
