@@ -24,16 +24,12 @@ Why the answers are safe to build on (see gc.py for the other side):
   never brings back a pack a newer one dropped. A pack a build uploads itself is added at once: it is
   surely indexed now; and a sync drops only packs added before its listing began.
 - The mirror only ever says "this chunk exists, in that pack"; the layer records pack ids, and before
-  publishing, ``MirroredChunkIndex.confirm`` checks against the index objects themselves that the layer's
+  publishing, ``MirroredChunkIndex.confirm`` (dedup_index.py, the chunk index a build uses) checks against the index objects themselves that the layer's
   packs hold every chunk of its blob map. A mirror that answered wrongly (damaged on disk, a bug) is then
   reset and the build fails before publishing anything.
-- An index object says what its writer claims; in a shared store a writer may lie (claim other layers'
-  chunks at offsets of its own pack). A build deduplicates only against packs it trusts: packs uploaded
-  from this host, and packs whose every claimed chunk it has read and hashed (chunks.verify_pack, once
-  per pack, when a lookup first needs it; the verdict is kept in ``trust``). A chunk whose mirrored
-  packs are all forged is uploaded again. ``confirm`` also checks that every pack the layer names is
-  trusted, which only this host's own reads and uploads decide: a forged index costs a pack read, never
-  a published layer that fails fsck.
+- An index object says what its writer claims, and in a shared store a writer may lie: the mirror keeps
+  every location of a chunk, and ``trust`` the verdicts of this host's checks; dedup_index.py answers a
+  build only from trusted packs.
 - A mirror whose files are not a sound LMDB environment, whose version is unknown or whose records do
   not decode is emptied and rebuilt from the store.
 
@@ -41,9 +37,6 @@ Threads and processes: LMDB may be opened only once per process, so every IndexM
 shares one environment (``_Shared``, counted; ``_registry_lock`` guards the registry). Any thread may
 call any method at the same time: each method is one LMDB transaction, writers are serialised by LMDB's
 lock (across processes too: builds on one host share the mirror), readers never block.
-MirroredChunkIndex adds ChunkIndex's own lock, which guards the answers it has already given, and its
-``_verify_lock`` (the verdicts it learnt; held while it reads a pack to verify it, so other lookups that
-need a verdict wait, lookups of remembered answers do not).
 """
 
 from __future__ import annotations
@@ -61,10 +54,9 @@ from dataclasses import dataclass
 
 import lmdb
 
-from .chunks import INDEX_LOAD_THREADS, ChunkIndex, ChunkLocation, verify_pack
+from .chunks import INDEX_LOAD_THREADS, ChunkLocation
 from .digest import DIGEST_SIZE, is_hex_digest, to_hex
 from .errors import CorruptError, NotFoundError, UnavailableError
-from .gc import restore_pack_index
 from .pack import INDEX_ENTRY, PackEntry, decode_index
 from .paths import default_dir
 from .store import keys
@@ -306,7 +298,8 @@ class IndexMirror:
 
     def add_pack(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
         """Add a pack this host just uploaded (its index object is in the store), trusted. A pack already
-        here keeps its entries."""
+        here keeps its entries. A failure is logged, not raised: the mirror is a cache, the next sync
+        catches up."""
         entries = list(entries)
         raw = bytes.fromhex(pack_id)
 
@@ -314,7 +307,10 @@ class IndexMirror:
             self._add(txn, raw, entries, added=time.time_ns())
             txn.put(raw, TRUSTED, db=self._shared.trust)
 
-        self._write(add)
+        try:
+            self._write(add)
+        except (lmdb.Error, UnavailableError) as exc:
+            log.warning("could not add pack %s to the index mirror: %s", pack_id, exc)
 
     def locations(self, digest: bytes) -> list[ChunkLocation]:
         """Every location the mirror knows for chunk ``digest``, in pack id order. A record that does not
@@ -397,139 +393,3 @@ class IndexMirror:
         except lmdb.MapFullError:
             raise UnavailableError(f"the index mirror is full ({DEFAULT_MAP_SIZE} bytes); remove the directory",
                                    where=self.path, transient=False) from None
-
-
-class MirroredChunkIndex(ChunkIndex):
-    """A ChunkIndex answered from an IndexMirror: what ChunkUploader, the chunker and the builder use.
-
-    Every answer the mirror gives is remembered, so the chunker, the uploader and the manifest see the
-    same location for a chunk even if another process's sync changes the mirror meanwhile; packs this
-    build uploads are remembered and added to the mirror. Only locations in trusted packs are answered
-    (see the module docstring): a pack not checked yet is verified against ``store`` when a lookup first
-    needs it. ``close()`` releases the mirror.
-
-    ``_verify_lock`` guards ``_verdicts`` (pack id -> TRUSTED or FORGED, as learnt by this object) and is
-    held while a pack is verified, so each pack is read once.
-    """
-
-    def __init__(self, mirror: IndexMirror, store: Store):
-        super().__init__()
-        self.mirror = mirror
-        self.store = store
-        self._verify_lock = threading.Lock()
-        self._verdicts: dict[str, bytes] = {}
-        self._own: set[str] = set()  # packs this build uploaded
-        self.verified_packs = 0  # packs read and found intact by this object
-        self.forged_packs = 0  # packs read and found to claim chunks they do not hold
-
-    def get(self, digest: bytes) -> ChunkLocation | None:
-        location = super().get(digest)
-        if location is None:
-            location = next((found for found in self.mirror.locations(digest)
-                             if self._verdict(found.pack_id) == TRUSTED), None)
-            if location is not None:
-                super().add_pack(location.pack_id, [PackEntry(digest, location.offset, location.clen,
-                                                              location.ulen)])
-                location = super().get(digest)
-        return location
-
-    def _verdict(self, pack_id: str) -> bytes | None:
-        """TRUSTED or FORGED, reading the pack now if no one has checked it; None if it is gone."""
-        with self._verify_lock:
-            verdict = self._verdicts.get(pack_id) or self.mirror.trust(pack_id)
-            if verdict is None:
-                entries = self.mirror.pack_entries(pack_id)
-                if entries is None:
-                    return None  # dropped by a sync meanwhile
-                try:
-                    verify_pack(self.store, pack_id, entries)
-                    verdict = TRUSTED
-                    self.verified_packs += 1
-                except NotFoundError:
-                    return None  # gone (a gc); the next sync drops it
-                except CorruptError as exc:
-                    log.warning("not deduplicating against pack %s: its index claims chunks it does not hold "
-                                "(%s)", pack_id, exc)
-                    verdict = FORGED
-                    self.forged_packs += 1
-                self.mirror.set_trust(pack_id, verdict)
-            self._verdicts[pack_id] = verdict
-            return verdict
-
-    def __contains__(self, digest: bytes) -> bool:
-        return self.get(digest) is not None
-
-    def __len__(self) -> int:
-        return self.mirror.chunk_count()
-
-    def add_pack(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
-        entries = list(entries)
-        super().add_pack(pack_id, entries)
-        with self._verify_lock:
-            self._own.add(pack_id)
-            self._verdicts[pack_id] = TRUSTED
-        try:
-            self.mirror.add_pack(pack_id, entries)
-        except (lmdb.Error, UnavailableError) as exc:  # the mirror is a cache: the next sync catches up
-            log.warning("could not add pack %s to the index mirror: %s", pack_id, exc)
-
-    def confirm(self, store: Store, digests: Iterable[bytes], pack_ids: Iterable[str]) -> list[str]:
-        """Check against the store that the packs ``pack_ids`` exist and that their index objects list
-        every chunk in ``digests``, before a layer naming them is published. An index object that is
-        missing (soft-deleted by a gc meanwhile) or unreadable is put again from its pack. Returns the
-        packs so restored.
-
-        NotFoundError if a pack is gone; CorruptError, after resetting the mirror, if a chunk the mirror
-        promised is in none of the packs, or if a pack is neither this build's own nor verified by this
-        host (whatever an index object claims, that is decided here).
-        """
-        pack_ids = list(pack_ids)
-        with self._verify_lock:
-            untrusted = [p for p in pack_ids if p not in self._own and self._verdicts.get(p) != TRUSTED]
-        if untrusted:
-            self.mirror.reset()
-            raise CorruptError(f"{len(untrusted)} of the layer's packs were never verified; the mirror was reset "
-                               "and nothing was published: build again", where=keys.pack(untrusted[0]))
-
-        def read(pack_id: str) -> tuple[set[bytes], bool]:
-            if not store.exists(keys.pack(pack_id)):
-                raise NotFoundError("a pack this layer needs is gone; nothing was published",
-                                    where=keys.pack(pack_id))
-            key = keys.index(pack_id)
-            try:
-                return {e.digest for e in decode_index(store.get(key), source=key)}, False
-            except (NotFoundError, CorruptError):
-                return {e.digest for e in restore_pack_index(store, pack_id)}, True
-
-        with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="confirm") as pool:
-            results = list(pool.map(read, pack_ids))
-        held = set().union(*(digests for digests, _ in results))
-        missing = set(digests) - held
-        if missing:
-            self.mirror.reset()
-            raise CorruptError(
-                f"{len(missing)} chunks the index mirror said were stored are in none of the layer's packs; "
-                "the mirror was reset and nothing was published: build again",
-                where=f"chunk {to_hex(min(missing))}",
-            )
-        return [pack_id for pack_id, (_, restored) in zip(pack_ids, results) if restored]
-
-    def close(self) -> None:
-        self.mirror.close()
-
-    def __enter__(self) -> "MirroredChunkIndex":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def load_chunk_index(store: Store, *, index_root: str | None = None) -> MirroredChunkIndex:
-    """Sync the store's index mirror and return a ChunkIndex answered from it; the caller closes it."""
-    mirror = IndexMirror.for_store(store, index_root)
-    try:
-        mirror.sync(store)
-    except BaseException:
-        mirror.close()
-        raise
-    return MirroredChunkIndex(mirror, store)

@@ -53,7 +53,7 @@ from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
-from dsec_fs.index_mirror import load_chunk_index
+from dsec_fs.dedup_index import load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
 from dsec_fs.store import keys

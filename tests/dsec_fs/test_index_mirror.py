@@ -12,7 +12,8 @@ from treecmp import write_files
 
 from dsec_fs.digest import sha256
 from dsec_fs.errors import CorruptError
-from dsec_fs.index_mirror import IndexMirror, load_chunk_index, mirror_path
+from dsec_fs.dedup_index import load_chunk_index
+from dsec_fs.index_mirror import IndexMirror, mirror_path
 from dsec_fs.layer import delete_ref, open_layer
 from dsec_fs.pack import PackEntry, decode_index, index_from_pack
 from dsec_fs.store import FilesystemStore, keys
