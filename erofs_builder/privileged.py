@@ -21,7 +21,7 @@ from __future__ import annotations
 import stat
 from dataclasses import asdict, dataclass
 
-from .tree import Node, Tree
+from .tree import Tree
 
 CAPABILITY_XATTR = b"security.capability"
 
@@ -83,13 +83,8 @@ def drop_privileged(tree: Tree) -> Dropped:
                     seen.add(id(node))
                     dropped.devices += 1
     for node in tree.nodes():
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        _drop_from(node, dropped)
+        if id(node) not in seen:
+            seen.add(id(node))
+            node.mode = unprivileged_mode(node.mode, dropped)
+            node.xattrs = unprivileged_xattrs(node.xattrs, dropped)
     return dropped
-
-
-def _drop_from(node: Node, dropped: Dropped) -> None:
-    node.mode = unprivileged_mode(node.mode, dropped)
-    node.xattrs = unprivileged_xattrs(node.xattrs, dropped)
