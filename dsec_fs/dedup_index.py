@@ -12,8 +12,8 @@ index costs a pack read, never a published layer that fails fsck. Reads of a pac
 bounded as any chunk read (VERIFY_READ_BYTES a GET).
 
 Threads: any thread may call any method. ChunkIndex's own lock guards the answers already given;
-``_verify_lock`` guards the verdicts learnt and is held while a pack is read to verify it, so lookups that
-need a verdict wait meanwhile and lookups of remembered answers do not.
+``_verify_lock`` the verdicts learnt; each pack's own lock is held while that pack is read to verify it,
+so lookups that need its verdict wait meanwhile, lookups of other packs and of remembered answers do not.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ class MirroredChunkIndex(ChunkIndex):
     (see the module docstring): a pack not checked yet is verified against ``store`` when a lookup first
     needs it. ``close()`` releases the mirror.
 
-    ``_verify_lock`` guards ``_verdicts`` (pack id -> TRUSTED or FORGED, as learnt by this object) and is
-    held while a pack is verified, so each pack is read once.
+    ``_verify_lock`` guards ``_verdicts`` (pack id -> TRUSTED or FORGED, as learnt by this object),
+    and ``_pack_locks``; a pack's own lock in ``_pack_locks`` is held while it is read, so
+    each pack is read once and different packs side by side.
     """
 
     def __init__(self, mirror: IndexMirror, store: Store):
@@ -54,9 +55,8 @@ class MirroredChunkIndex(ChunkIndex):
         self.store = store
         self._verify_lock = threading.Lock()
         self._verdicts: dict[str, bytes] = {}
+        self._pack_locks: dict[str, threading.Lock] = {}
         self._own: set[str] = set()  # packs this build uploaded
-        self.verified_packs = 0  # packs read and found intact by this object
-        self.forged_packs = 0  # packs read and found to claim chunks they do not hold
 
     def get(self, digest: bytes) -> ChunkLocation | None:
         location = super().get(digest)
@@ -72,25 +72,37 @@ class MirroredChunkIndex(ChunkIndex):
     def _verdict(self, pack_id: str) -> bytes | None:
         """TRUSTED or FORGED, reading the pack now if no one has checked it; None if it is gone."""
         with self._verify_lock:
-            verdict = self._verdicts.get(pack_id) or self.mirror.trust(pack_id)
+            verdict = self._verdicts.get(pack_id)
+            if verdict is not None:
+                return verdict
+            pack_lock = self._pack_locks.setdefault(pack_id, threading.Lock())
+        with pack_lock:  # one thread reads a pack; threads that need other packs read those meanwhile
+            with self._verify_lock:
+                verdict = self._verdicts.get(pack_id)
             if verdict is None:
-                entries = self.mirror.pack_entries(pack_id)
-                if entries is None:
-                    return None  # dropped by a sync meanwhile
-                try:
-                    verify_pack(self.store, pack_id, entries)
-                    verdict = TRUSTED
-                    self.verified_packs += 1
-                except NotFoundError:
-                    return None  # gone (a gc); the next sync drops it
-                except CorruptError as exc:
-                    log.warning("not deduplicating against pack %s: its index claims chunks it does not hold "
-                                "(%s)", pack_id, exc)
-                    verdict = FORGED
-                    self.forged_packs += 1
-                self.mirror.set_trust(pack_id, verdict)
-            self._verdicts[pack_id] = verdict
-            return verdict
+                verdict = self.mirror.trust(pack_id) or self._verify(pack_id)
+                if verdict is None:
+                    return None
+                with self._verify_lock:
+                    self._verdicts[pack_id] = verdict
+        return verdict
+
+    def _verify(self, pack_id: str) -> bytes | None:
+        """Read the pack and record the verdict in the mirror; None if it is gone."""
+        entries = self.mirror.pack_entries(pack_id)
+        if entries is None:
+            return None  # dropped by a sync meanwhile
+        try:
+            verify_pack(self.store, pack_id, entries)
+            verdict = TRUSTED
+        except NotFoundError:
+            return None  # gone (a gc); the next sync drops it
+        except CorruptError as exc:
+            log.warning("not deduplicating against pack %s: its index claims chunks it does not hold (%s)",
+                        pack_id, exc)
+            verdict = FORGED
+        self.mirror.set_trust(pack_id, verdict)
+        return verdict
 
     def __contains__(self, digest: bytes) -> bool:
         return self.get(digest) is not None
