@@ -101,10 +101,12 @@ class LayerBudget:
 def check_tree(tree: Tree, limits: LayerLimits, chunk_size: int) -> None:
     """InputError if the finished ``tree`` exceeds ``limits`` (a hard-linked inode counted once)."""
     budget = LayerBudget(limits, chunk_size)
+    budget.add(b"", tree.root, new_inode=True)
     linked: set[int] = set()  # id() of the inodes with several names counted so far
-    for path, node in tree.walk():
-        new_inode = True
-        if node.nlink > 1 and not node.is_dir:
-            new_inode = id(node) not in linked
-            linked.add(id(node))
-        budget.add(path.rpartition(b"/")[2], node, new_inode=new_inode)
+    for directory in tree.nodes():  # in no order: no sorting of names, unlike Tree.walk
+        for name, node in (directory.children or {}).items():
+            new_inode = True
+            if node.nlink > 1 and not node.is_dir:
+                new_inode = id(node) not in linked
+                linked.add(id(node))
+            budget.add(name, node, new_inode=new_inode)
