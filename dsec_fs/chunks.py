@@ -79,6 +79,21 @@ class ChunkIndex:
             every = [] if first is None else [first, *self._more.get(digest, ())]
         return sorted(every, key=lambda location: location.pack_id not in prefer)  # stable: order kept
 
+    def demote(self, digest: bytes, location: ChunkLocation) -> None:
+        """Put ``location`` of ``digest`` last (a read from it failed where another succeeded), so that
+        ``get`` answers a location that works. It is kept: its failure may have been the store's once."""
+        with self._lock:
+            more = self._more.get(digest)
+            if not more:
+                return
+            if self._locations.get(digest) == location:
+                self._locations[digest] = more.pop(0)
+            elif location in more:
+                more.remove(location)
+            else:
+                return
+            more.append(location)
+
     def has_packs(self, pack_ids: Iterable[str]) -> bool:
         """Whether every one of these packs has been recorded."""
         with self._lock:

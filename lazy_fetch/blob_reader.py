@@ -24,6 +24,8 @@ one writer's index object may claim chunks of other layers in its own pack. A ch
 from the packs this layer's manifest names first, and if a read fails verification (or its pack is
 missing) from each other location the index knows, before the read fails: a forged index costs a
 failed GET, never a read error of an intact layer, and never a wrong byte (every chunk is verified).
+A location that failed where another worked is put last in the index (``ChunkIndex.demote``), so the
+index's first answer, which prefetches use, is one that works.
 
 Threads: a LayerBlob is used from the trio thread (its fetcher lives there). The blob map and the chunk
 index it reads are safe to share.
@@ -138,12 +140,18 @@ class LayerBlob:
         """The chunk from the first of its locations whose read verifies (see Locations above); the last
         error if none does. One that was read already comes from the cache."""
         error: DsecError | None = None
+        failed: list[ChunkLocation] = []
         for location in self.chunk_index.locations(chunk.digest, self.packs):
             try:
-                return (await self.fetcher.fetch_many([(chunk.digest, location)], priority=priority,
+                data = (await self.fetcher.fetch_many([(chunk.digest, location)], priority=priority,
                                                       label=self.label))[chunk.digest]
             except (CorruptError, NotFoundError) as exc:
                 error = exc
+                failed.append(location)
+                continue
+            for bad in failed:  # so that the index's first answer (prefetches, other layers) is one that works
+                self.chunk_index.demote(chunk.digest, bad)
+            return data
         assert error is not None  # read() located every chunk it asks for (_location)
         raise error
 
