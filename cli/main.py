@@ -93,9 +93,17 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.option("--oci-layers", is_flag=True,
               help="one layer per OCI image layer (refs NAME:TAG-l0, -l1, ...) with overlay whiteouts, "
                    "instead of one flattened layer")
+@click.option("--max-size", default="256GiB", show_default=True,
+              help="refuse a layer whose files add up to more (logical size: holes count)")
+@click.option("--max-meta-size", default="256MiB", show_default=True,
+              help="refuse a layer whose metadata (inodes, names, chunk indexes) would be larger")
+@click.option("--tar-limit", "tar_limit", multiple=True, metavar="NAME=VALUE",
+              help="raise a tar input limit: max_file_size, max_header_size, max_sparse_segments, "
+                   "max_tar_bytes, max_expansion, expansion_allowance (repeatable)")
 @json_option
 def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, parent: str | None,
-          lenient: bool, platform: str, oci_layers: bool, as_json: bool) -> None:
+          lenient: bool, platform: str, oci_layers: bool, max_size: str, max_meta_size: str,
+          tar_limit: tuple[str, ...], as_json: bool) -> None:
     """Build SOURCE into a layer in the store.
 
     SOURCE is a directory, a tar file (plain, gzip or zstd; - for standard input), an OCI image layout
@@ -104,7 +112,11 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
 
     if oci_layers and parent:
         raise InputError("--parent builds a directory; --oci-layers builds an image: not both")
-    options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform)
+    from erofs_builder.limits import LayerLimits, tar_limits_with
+
+    options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform,
+                   limits=LayerLimits(parse_size(max_size), parse_size(max_meta_size)),
+                   tar_limits=tar_limits_with(list(tar_limit)))
     store, created = init_store(store_url)
     if created:
         note(f"created store {store.url}")
@@ -231,17 +243,23 @@ def export(layer: str, out_dir: str, store_url: str | None, as_json: bool) -> No
 @click.argument("layer")
 @click.argument("out_dir", type=click.Path(path_type=str))
 @store_option
+@click.option("--keep-privileged", is_flag=True,
+              help="as root, also recreate setuid/setgid bits, device nodes and file capabilities, as tar -p "
+                   "does (left out by default)")
 @json_option
-def extract(layer: str, out_dir: str, store_url: str | None, as_json: bool) -> None:
+def extract(layer: str, out_dir: str, store_url: str | None, keep_privileged: bool, as_json: bool) -> None:
     """Recreate the layer's tree in OUT_DIR (must be empty or absent)."""
     from dsec_fs.layer import resolve
     from erofs_builder.export import extract_layer
 
     with open_store(store_url) as store:
         digest = resolve(store, layer)
-        extract_layer(store, digest, out_dir)
+        stats = extract_layer(store, digest, out_dir, keep_privileged=keep_privileged or None)
+    dropped = {kind: count for kind, count in stats.dropped.to_dict().items() if count}
+    if dropped:
+        note("left out (--keep-privileged keeps them): " + ", ".join(f"{count} {kind}" for kind, count in dropped.items()))
     directory = os.path.abspath(out_dir)
-    emit(as_json, {"layer": digest, "store": store.url, "directory": directory},
+    emit(as_json, {"layer": digest, "store": store.url, "directory": directory, "dropped": dropped},
          lambda: f"extracted layer {digest[:12]} into {directory}")
 
 

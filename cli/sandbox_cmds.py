@@ -159,10 +159,17 @@ def ls(socket_path: str, as_json: bool) -> None:
 @sandbox.command("commit")
 @click.argument("key", metavar="SANDBOX")
 @click.option("--name", "ref", required=True, metavar="NAME:TAG", help="the ref of the new layer")
+@click.option("--keep-privileged", is_flag=True,
+              help="keep setuid/setgid bits, device nodes and file capabilities (dropped by default)")
 @store_option
 @socket_option
 @json_option
-def commit(key: str, ref: str, store_url: str | None, socket_path: str, as_json: bool) -> None:
+def commit(key: str, ref: str, keep_privileged: bool, store_url: str | None, socket_path: str,
+           as_json: bool) -> None:
     """Publish SANDBOX's changes (its upper dir, whiteouts included) as a layer; prints its digest."""
-    result = Sandbox(Node(socket_path), key).commit(ref, store=store_url)
+    result = Sandbox(Node(socket_path), key).commit(ref, store=store_url, keep_privileged=keep_privileged)
+    dropped = {kind: count for kind, count in result.dropped.items() if count}
+    if dropped and not as_json:
+        click.echo("dsecfs: left out of the layer (--keep-privileged keeps them): "
+                   + ", ".join(f"{count} {kind}" for kind, count in dropped.items()), err=True)
     emit(as_json, result, lambda: result.layer)

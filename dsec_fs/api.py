@@ -129,6 +129,7 @@ class DownRequest(_Request):
 class CommitRequest(_Request):
     name: Name  # NAME:TAG of the new layer
     store: Name | None = None  # default: the daemon's
+    keep_privileged: bool = False  # keep setuid/setgid bits, device nodes, file capabilities (else dropped)
 
 
 # ---- responses -----------------------------------------------------------------------------------------
@@ -262,6 +263,7 @@ class CommitResult(_Response):
     ref: str
     store: str
     stats: dict = {}  # the build's statistics (files, bytes, chunks, ...)
+    dropped: dict = {}  # privileged parts left out: setuid, setgid, devices, capabilities (counts)
 
 
 class Empty(_Response):

@@ -98,11 +98,12 @@ class Sandbox:
         self.node.call("POST", self._path("down"), api.DownRequest(keep=keep), answer=api.Empty)
         self._down = True
 
-    def commit(self, name: str, *, store: str | None = None) -> CommitResult:
+    def commit(self, name: str, *, store: str | None = None, keep_privileged: bool = False) -> CommitResult:
         """Publish the sandbox's changes (its upper dir, whiteouts and opaque directories kept) as a layer
         named ``name`` (NAME:TAG) in ``store`` (default: the daemon's); stack it over the layers the sandbox
-        ran on. Commit between commands, or after ``down(keep=True)``."""
-        body = api.CommitRequest(name=name, store=api.absolute_store(store))
+        ran on. Setuid/setgid bits, device nodes and file capabilities are left out (counted in
+        ``dropped``) unless ``keep_privileged``. Commit between commands, or after ``down(keep=True)``."""
+        body = api.CommitRequest(name=name, store=api.absolute_store(store), keep_privileged=keep_privileged)
         return self.node.call("POST", self._path("commit"), body, answer=CommitResult)
 
     def _path(self, action: str = "") -> str:

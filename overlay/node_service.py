@@ -24,7 +24,7 @@ Routes (JSON in and out; ``{sandbox}`` is a sandbox id or name; errors as every 
                                           timeout, stdin (base64)}  -> {exit_code, stdout, stderr (base64),
                                           timed_out}
     POST /v1/sandboxes/{sandbox}/down    {keep}  -> {}
-    POST /v1/sandboxes/{sandbox}/commit  {name, store}  -> {sandbox, layer, ref, store, stats}
+    POST /v1/sandboxes/{sandbox}/commit  {name, store, keep_privileged}  -> {sandbox, layer, ref, store, stats, dropped}
 
 A sandbox is SandboxState as JSON (overlay/sandbox.py). Sandbox layers come from the daemon's store; an
 ``up`` that names another store is refused (ConflictError) rather than quietly mixing stores. ``commit``
@@ -377,17 +377,20 @@ class SandboxService:
         body = request.decode(api.CommitRequest)
         parse_ref(body.name)
         store = api.absolute_store(body.store or self._store_url())
-        return await self._lifecycle_call(self._commit, request.params["sandbox"], body.name, store)
+        return await self._lifecycle_call(self._commit, request.params["sandbox"], body.name, store,
+                                          body.keep_privileged)
 
-    def _commit(self, key: str, name: str, store_url: str) -> api.CommitResult:
+    def _commit(self, key: str, name: str, store_url: str, keep_privileged: bool) -> api.CommitResult:
         """Build the sandbox's upper dir into a layer of ``store_url`` named ``name`` (a worker thread)."""
         state = self.manager.get(key)
-        tree = self.manager.commit(state.id)
         with open_store(store_url) as store:
-            result = build_tree(tree, store, name=name, source=f"sandbox {state.id} ({state.name})")
+            commit = self.manager.commit(
+                state.id, lambda tree: build_tree(tree, store, name=name, source=f"sandbox {state.id} ({state.name})"),
+                keep_privileged=keep_privileged)
+        result = commit.published
         log.info("committed sandbox %s (%s) as %s, layer %s", state.id, state.name, name, result.digest)
         return api.CommitResult(sandbox=state.id, layer=result.digest, ref=name, store=store_url,
-                                stats=result.manifest.stats)
+                                stats=result.manifest.stats, dropped=commit.dropped.to_dict())
 
     # -- helpers
 

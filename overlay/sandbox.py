@@ -6,7 +6,7 @@ on its LayerMounter; ``ExportedLayers`` here mounts layers exported from a store
 use without a daemon and for tests), stacks them (stack.mount_stack, top first: toolkits in the order
 given, workspace, base) over a fresh upper dir, and records the sandbox in a JSON state file. ``exec``
 runs a command in it (runtime.run_in_rootfs), ``commit`` reads its upper dir as a Tree to publish as a
-layer (stack.upper_to_tree; build it with erofs_builder.build.build_tree), ``down`` takes it apart.
+layer (stack.upper_to_tree, privileged parts dropped; build it with erofs_builder.build.build_tree), ``down`` takes it apart.
 
 State directory (one manager per directory, held with flock)::
 
@@ -58,9 +58,10 @@ from dsec_fs.errors import ConflictError, CorruptError, DsecError, InputError, N
 from dsec_fs.layer import resolve, utc_now
 from dsec_fs.store.base import Store
 from erofs_builder.export import export_layer
+from erofs_builder.privileged import Dropped, drop_privileged
 from erofs_builder.tree import Tree
 
-from .runtime import RunResult, reap_containers, run_in_rootfs
+from .runtime import RunResult, containers_frozen, reap_containers, run_in_rootfs
 from .stack import StackOptions, mount_stack, unmount_stack, upper_to_tree
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,13 @@ class SandboxState:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptError(f"not a sandbox state: {exc}", where=source) from None
         return state
+
+
+@dataclass(frozen=True)
+class Commit:
+    tree: Tree  # the upper dir, ready to build (erofs_builder.build.build_tree)
+    dropped: Dropped  # the privileged parts left out (all zero with keep_privileged)
+    published: object = None  # what commit's ``publish`` returned
 
 
 @dataclass(frozen=True)
@@ -259,16 +267,32 @@ class SandboxManager:
             options.setdefault("runc_root", self.runc_root)
         return run_in_rootfs(state.rootfs, argv, **options)
 
-    def commit(self, key: str) -> Tree:
-        """The sandbox's changes as a Tree (stack.upper_to_tree): a layer to stack over the ones it ran on.
+    def commit(self, key: str, publish: Callable[[Tree], object] | None = None, *,
+               keep_privileged: bool = False) -> Commit:
+        """The sandbox's changes as a Tree (stack.upper_to_tree): a layer to stack over the ones it ran on,
+        without setuid/setgid bits, device nodes and file capabilities unless ``keep_privileged``
+        (erofs_builder.privileged; whiteouts stay). ``publish(tree)`` (a build_tree call, which reads the
+        files) runs before the sandbox goes on; its result is ``Commit.published``.
 
-        Commit a sandbox no command is writing to (a running one between commands, or a stopped one).
+        The walk and the reads see the upper dir only, whatever runs in the sandbox meanwhile (walk_dir):
+        a command that changes the upper dir then can make the commit fail with InputError, never reach
+        outside. The sandbox's runc containers are frozen until ``publish`` returns
+        (runtime.containers_frozen), so a command of the runc runtime cannot even do that.
         """
         with self._lock:
             state = self._find(key)
         if state.status not in ("running", "stopped"):
             raise UnavailableError(f"sandbox is {state.status}", where=f"sandbox {state.name}")
-        return upper_to_tree(state.upper)
+        with containers_frozen(self.runc_root, state.rootfs):
+            tree = upper_to_tree(state.upper)
+            dropped = Dropped()
+            if not keep_privileged:
+                dropped = drop_privileged(tree)
+                tree.finish()
+                if dropped.total():
+                    log.info("sandbox %s: commit dropped %s", state.id, dropped.to_dict())
+            published = publish(tree) if publish is not None else None
+        return Commit(tree, dropped, published)
 
     def down(self, key: str, *, keep: bool = False) -> None:
         """Unmount the sandbox and release its layers; ``keep`` leaves its upper dir and state (``stopped``).

@@ -135,6 +135,14 @@ def s3_url(moto_server, monkeypatch):
     return f"s3://{S3_TEST_BUCKET}/t-{secrets.token_hex(6)}"
 
 
+@pytest.fixture(params=["file", "s3"])
+def store_url(request, tmp_path):
+    """A local store's URL, then an S3 one's (moto over real HTTP): a test taking it runs on both."""
+    if request.param == "s3":
+        return request.getfixturevalue("s3_url")
+    return f"file://{tmp_path / 'store'}"
+
+
 @pytest.fixture(autouse=True, scope="session")
 def index_mirror_dir(tmp_path_factory):
     """Builds keep each store's index mirror (dsec_fs.index_mirror) under the session's temporary
