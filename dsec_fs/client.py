@@ -43,7 +43,9 @@ from .sandbox_client import Sandbox, SandboxInfo
 
 # Where a node daemon lives unless told otherwise (lazy_fetch/daemon.py uses these too).
 DEFAULT_SOCKET = "/run/dsecfs/daemon.sock"
-DEFAULT_STATE_DIR = "/run/dsecfs/state"
+# On disk, not in /run: a systemd machine's /run is tmpfs, where the kernel refuses the EROFS images of
+# kernel-mode mounts (lazy_fetch/layer_mount.py).
+DEFAULT_STATE_DIR = "/var/lib/dsecfs/state"
 DEFAULT_CACHE_DIR = "/var/cache/dsecfs/chunks"
 SOCKET_ENV = "DSECFS_SOCKET"
 STATE_DIR_ENV = "DSECFS_STATE_DIR"  # the CLI's --state-dir and --cache-dir read these too

@@ -200,6 +200,17 @@ def mounts_below(path: PathLike) -> list[str]:
     return [entry.mountpoint for entry in mount_table() if entry.mountpoint.startswith(prefix)]
 
 
+def filesystem_of(path: PathLike) -> MountEntry:
+    """The mount ``path`` (taken as it is) lies on: the one at its longest mountpoint prefix, topmost."""
+    path = os.fsdecode(path)
+    found = None
+    for entry in mount_table():
+        if is_below(path, entry.mountpoint) and (found is None or len(entry.mountpoint) >= len(found.mountpoint)):
+            found = entry
+    assert found is not None  # "/" holds every path
+    return found
+
+
 def is_below(path: str, directory: str) -> bool:
     """``path`` is ``directory`` or inside it, comparing normalised absolute paths (nothing resolved)."""
     path, directory = os.path.normpath(path), os.path.normpath(directory)

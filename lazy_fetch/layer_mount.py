@@ -68,7 +68,8 @@ import trio
 from dsec_fs import mounts
 from dsec_fs.api import BINDINGS, MODES
 from dsec_fs.files import lock_directory, private_dir, write_atomic
-from dsec_fs.errors import ConflictError, DsecError, InputError, IntegrityError, NotFoundError, UnavailableError
+from dsec_fs.errors import (ConflictError, DsecError, InputError, IntegrityError, NotFoundError, UnavailableError,
+                            UnsupportedError)
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
 from erofs_builder.reader import ErofsImage
@@ -78,7 +79,6 @@ from .fs_core import Blob, LayerTree, SessionTree
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STATE_DIR = "/run/dsecfs"
 SESSION_FILE = "fuse-session.json"  # raw: what a daemon needs to take the FUSE session over
 HOLDER_SOCKET = "fuse-holder.sock"  # raw: where the FUSE fd holder listens
 DEFAULT_READ_AHEAD = 1 << 20  # bytes the kernel reads ahead in a layer's file, both modes (open_mounter)
@@ -288,7 +288,7 @@ class LayerMounter:
 
 
 @contextlib.asynccontextmanager
-async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "raw",
+async def open_mounter(state_dir: str, *, binding: str = "raw",
                        adopt: Callable[[LayerMounter], Awaitable[None]] | None = None,
                        read_ahead: int = DEFAULT_READ_AHEAD) -> AsyncIterator[LayerMounter]:
     """Own ``state_dir``, serve its FUSE session as a task of the calling trio loop, and yield a
@@ -429,6 +429,19 @@ def _end_raw_session(mounter: LayerMounter, holder) -> None:
             log.warning("unmounting the FUSE session: %s", exc)
 
 
+# Filesystems whose files the kernel's file-backed EROFS refuses as an image (ENOTBLK): no direct I/O.
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def _check_image_filesystem(meta_path: str) -> None:
+    fstype = mounts.filesystem_of(meta_path).fstype
+    if fstype in MEMORY_FILESYSTEMS:
+        raise UnsupportedError(f"kernel-mode mounts need the daemon's state directory on a disk filesystem, not "
+                               f"{fstype}: the kernel's file-backed EROFS refuses an image there (ENOTBLK). Start "
+                               f"the daemon with --state-dir on a disk (the default /var/lib/dsecfs/state is), or "
+                               f"mount in fuse mode", where=os.path.dirname(meta_path))
+
+
 def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str, read_ahead: int) -> None:
     """mount_erofs with ``directio``: the kernel reads the blob file straight from the daemon, only the
     ranges EROFS asks for, instead of through the blob file's own page cache. File data is then cached
@@ -442,6 +455,7 @@ def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str, read_ah
     requests bigger and fewer. Readahead stays inside the file being read (so inside its own chunks),
     and a page fault of a mapped file reads around it as far: a little more of a big library may be
     fetched than it touches."""
+    _check_image_filesystem(meta_path)
     options = mounts.erofs_options([blob_path])
     try:
         mounts.mount(meta_path, mountpoint, "erofs", mounts.LAYER_FLAGS, f"{options},directio")

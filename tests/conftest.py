@@ -21,6 +21,8 @@ import subprocess
 
 import pytest
 
+from dsec_fs.store import init_store
+
 from tests.s3server import MotoServer
 
 DEBIAN_ROOTFS = os.environ.get("DSECFS_TEST_ROOTFS", "/var/cache/dsecfs-test/debian-minbase")
@@ -140,7 +142,9 @@ def store_url(request, tmp_path):
     """A local store's URL, then an S3 one's (moto over real HTTP): a test taking it runs on both."""
     if request.param == "s3":
         return request.getfixturevalue("s3_url")
-    return f"file://{tmp_path / 'store'}"
+    url = f"file://{tmp_path / 'store'}"
+    init_store(url)[0].close()
+    return url
 
 
 @pytest.fixture(autouse=True, scope="session")

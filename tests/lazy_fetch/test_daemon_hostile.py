@@ -24,7 +24,7 @@ from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
-from tests.lazy_fetch.daemon_support import DSECFS, mount_dirs
+from tests.lazy_fetch.daemon_support import DSECFS, Daemons, mount_dirs
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -162,3 +162,28 @@ def test_thousands_of_idle_connections_neither_stop_nor_block_the_daemon(store_d
         for sock in idle:
             sock.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_state_dir_on_tmpfs_refuses_kernel_mode_clearly_and_fuse_mode_works(store_dir, tmp_path):
+    """/run is tmpfs on a systemd machine, and the kernel refuses a file-backed EROFS image there (ENOTBLK):
+    a kernel-mode mount says so and what to do, a fuse-mode one works."""
+    from dsec_fs.errors import UnsupportedError
+    from dsec_fs.mounts import mount, umount
+
+    memory = tmp_path / "run"
+    memory.mkdir()
+    mount("tmpfs", str(memory), "tmpfs")
+    daemons = Daemons(tmp_path)
+    daemons.state_dir = str(memory / "state")
+    try:
+        node = daemons.start(store_dir).node
+        kernel_mnt, fuse_mnt = mount_dirs(tmp_path, "kernel", "fuse")
+        with pytest.raises(UnsupportedError, match="disk filesystem") as error:
+            node.mount("t/hostile:1", kernel_mnt, mode="kernel")
+        assert "--state-dir" in error.value.message and node.mounts() == []
+        node.mount("t/hostile:1", fuse_mnt, mode="fuse")
+        assert _read(os.path.join(fuse_mnt, "top.txt")) == FILES["top.txt"]
+        node.umount(fuse_mnt)
+    finally:
+        daemons.stop_all()
+        umount(str(memory), lazy=True)
