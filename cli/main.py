@@ -16,8 +16,9 @@ from dsec_fs.errors import DsecError, InputError
 from dsec_fs.store import open_store
 from dsec_fs.units import human_size, parse_size
 
-from . import daemon_cmds, diff_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
+from . import daemon_cmds, diff_cmds, oci_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
 from .common import CHUNK_SIZE_HELP, emit, json_option, store_option
+from .oci_cmds import plain_http_option, registry_options
 
 class DsecGroup(click.Group):
     """Turns DsecError into one clear line and the error class's exit code."""
@@ -49,18 +50,21 @@ def main() -> None:
 @click.option("--oci-layers", is_flag=True,
               help="one layer per OCI image layer (refs NAME:TAG-l0, -l1, ...) with overlay whiteouts, "
                    "instead of one flattened layer")
+@plain_http_option
 @json_option
 def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, parent: str | None,
-          lenient: bool, platform: str, oci_layers: bool, as_json: bool) -> None:
+          lenient: bool, platform: str, oci_layers: bool, plain_http: bool, as_json: bool) -> None:
     """Build SOURCE into a layer in the store.
 
     SOURCE is a directory, a tar file (plain, gzip or zstd; - for standard input), an OCI image layout
-    directory, or an OCI or docker-archive tar."""
+    directory, an OCI or docker-archive tar, oci:DIR:TAG (one image of a layout), or
+    docker://HOST[:PORT]/REPO[:TAG|@DIGEST] (an image in a registry, streamed)."""
     from erofs_builder.build import build_image_layers, build_layer
 
     if oci_layers and parent:
         raise InputError("--parent builds a directory; --oci-layers builds an image: not both")
-    options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform)
+    options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform,
+                   registry=registry_options(plain_http))
     with open_store(store_url) as store:
         def run(**extra):
             if oci_layers:
@@ -210,6 +214,7 @@ main.add_command(daemon_cmds.umount)
 main.add_command(daemon_cmds.status)
 main.add_command(daemon_cmds.cache)
 main.add_command(sandbox_cmds.sandbox)
+main.add_command(oci_cmds.convert)
 trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
 
 if __name__ == "__main__":

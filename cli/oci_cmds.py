@@ -1,0 +1,55 @@
+"""``dsecfs convert`` and the registry options that ``build`` shares: images to and from OCI registries."""
+
+from __future__ import annotations
+
+import click
+
+from dsec_fs.store import open_store
+from dsec_fs.units import human_size, parse_size
+
+from .common import CHUNK_SIZE_HELP, emit, json_option, store_option
+
+plain_http_option = click.option(
+    "--plain-http", is_flag=True,
+    help="talk to docker:// registries over plain HTTP (a local registry without TLS)",
+)
+
+
+def registry_options(plain_http: bool):
+    """How to reach registries, from the command's options (credentials: the auth files, see docs/guide.md)."""
+    from erofs_builder.registry import RegistryOptions
+
+    return RegistryOptions(plain_http=plain_http)
+
+
+@click.command()
+@click.argument("source")
+@click.argument("target")
+@store_option
+@click.option("--name", "ref", metavar="NAME:TAG", help="also publish the layers as refs NAME:TAG-l0, -l1, ...")
+@click.option("--platform", default="linux/amd64", show_default=True, help="which image of an OCI index")
+@click.option("--chunk-size", default="1MiB", show_default=True, help=CHUNK_SIZE_HELP)
+@plain_http_option
+@json_option
+def convert(source: str, target: str, store_url: str | None, ref: str | None, platform: str, chunk_size: str,
+            plain_http: bool, as_json: bool) -> None:
+    """Convert image SOURCE into dsecfs layers and push it to TARGET (docker://HOST[:PORT]/REPO:TAG).
+
+    SOURCE is any image `dsecfs build` takes (docker://..., oci:DIR:TAG, a layout or an image archive).
+    The pushed image keeps SOURCE's config; each layer's blob is the dsecfs layer's meta.erofs, its
+    annotations name the layer and the store (containerd.io/snapshot/dsecfs.*)."""
+    from erofs_builder.convert import convert_image
+
+    with open_store(store_url) as store:
+        result = convert_image(source, target, store, platform=platform, chunk_size=parse_size(chunk_size),
+                               registry=registry_options(plain_http), name=ref)
+    data = {"target": result.target, "manifest": result.manifest_digest, "store": store.url,
+            "pushed_blobs": result.pushed_blobs,
+            "layers": [{"layer": r.digest, "stats": r.manifest.stats} for r in result.layers]}
+
+    def text() -> str:
+        lines = [f"layer {k}  {r.digest}  new {human_size(r.manifest.stats['new_bytes'])}"
+                 for k, r in enumerate(result.layers)]
+        return "\n".join(lines + [f"pushed      {result.pushed_blobs} blobs", f"image       {result.target}"])
+
+    emit(as_json, data, text)
