@@ -206,17 +206,6 @@ class RegistryClient:
         """A stream of a blob's bytes (not verified here: see walk_oci.VerifiedBlob)."""
         return BlobStream(self, repository, digest, size)
 
-    def read_blob(self, repository: str, digest: str, limit: int) -> bytes:
-        """A small blob (a config), checked against its digest; at most ``limit`` bytes."""
-        where = f"{self.host}/{repository}@{digest}"
-        with self._blob_response(repository, digest, 0, where) as response:
-            data = response.read(limit + 1)
-        if len(data) > limit:
-            raise InputError(f"blob of more than {limit} bytes", where=where)
-        if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
-            raise IntegrityError(f"blob's sha256 is {hashlib.sha256(data).hexdigest()}", where=where)
-        return data
-
     def has_blob(self, repository: str, digest: str) -> bool:
         where = f"{self.host}/{repository}@{digest}"
         try:

@@ -47,11 +47,20 @@ class RegistrySource:
         return data
 
     def read_blob(self, descriptor: Descriptor, what: str) -> bytes:
-        return self.client.read_blob(self.ref.repository, descriptor.digest, MAX_JSON_SIZE)
+        if descriptor.size > MAX_JSON_SIZE:
+            raise InputError(f"{what} of {descriptor.size} bytes: more than {MAX_JSON_SIZE}", where=self.where)
+        with self._open(descriptor, what) as blob:
+            parts = []
+            while part := blob.read(1 << 20):  # a resumed stream answers in pieces
+                parts.append(part)
+            return b"".join(parts)
 
     def open_layer(self, descriptor: Descriptor) -> VerifiedBlob:
+        return self._open(descriptor, f"layer {descriptor.digest}")
+
+    def _open(self, descriptor: Descriptor, what: str) -> VerifiedBlob:
         stream = self.client.open_blob(self.ref.repository, descriptor.digest, descriptor.size)
-        return VerifiedBlob(stream, descriptor.digest, descriptor.size, f"{self.where}: layer {descriptor.digest}")
+        return VerifiedBlob(stream, descriptor.digest, descriptor.size, f"{self.where}: {what}")
 
 
 def open_registry_image(ref: ImageRef, platform: str = "linux/amd64",

@@ -184,3 +184,22 @@ def test_bad_credentials_are_refused_clearly_and_publish_nothing(auth_registry, 
     assert result.returncode == 5 and "not accepted" in result.stderr, result.stderr
     assert "wrong-password" not in result.stderr + result.stdout
     assert published(store) == ({}, [])
+
+
+def test_retries_redirects_and_a_broken_blob_stream_resumed(auth_registry, tmp_path):
+    """503 on the manifest, every blob redirected to another host (which must not get the credentials),
+    and each blob's first answer cut half-way: the build still gives the layout's layer."""
+    from registryproxy import FaultyFront
+
+    layout = single_image(tmp_path / "big", *LAYERS)
+    auth_registry.push(layout.root, "private/big:v1", creds="alice:s3cret")
+    with FaultyFront(auth_registry) as front:
+        files = (str(auth_file(tmp_path / "auth.json", front.address, "alice", "s3cret")),)
+        options = RegistryOptions(plain_http=True, auth_files=files, base_delay=0.01)
+        result = build_layer(f"docker://{front.address}/private/big:v1", store_at(tmp_path / "s"), registry=options)
+    assert result.digest == build_layer(layout.root, store_at(tmp_path / "t")).digest
+    assert any(path.endswith("/manifests/v1") for path in front.manifest_failures)
+    assert any("Authorization" in headers for _path, headers in front.front_requests)
+    assert front.storage_requests and not any("Authorization" in headers for _path, headers in front.storage_requests)
+    resumed = [headers["Range"] for _path, headers in front.storage_requests if "Range" in headers]
+    assert len(resumed) >= len(LAYERS)  # every layer (and the config) resumed after its cut
