@@ -262,6 +262,9 @@ class RegistryClient:
         while True:
             try:
                 response = self._send_following(method, target, scope, headers or {}, body, where)
+            except ssl.SSLError as exc:  # retrying a failed handshake or a bad certificate does not help
+                raise UnavailableError(f"{what}: TLS failed ({exc.reason or exc}); a registry without TLS needs "
+                                       "--plain-http", where=where, transient=False) from None
             except (OSError, http.client.HTTPException) as exc:
                 response, problem = None, f"{type(exc).__name__}: {exc}"
             else:

@@ -2,6 +2,7 @@
 
     with DockerRegistry(tmp_path / "registry") as registry:          # htpasswd={"user": "pw"} for basic auth
         registry.push(layout_dir, "test/img:v1")                      # skopeo copy oci:... docker://...
+        # or token=TokenServer(...) (tests/tokenserver.py) for the bearer flow
         build_layer(f"docker://{registry.address}/test/img:v1", store, registry=RegistryOptions(plain_http=True))
 
 The registry keeps its blobs under ``root`` (``blob_path`` finds one, for corruption tests) and logs
@@ -34,9 +35,11 @@ def have_registry_tools() -> bool:
 
 
 class DockerRegistry:
-    def __init__(self, root: Path, htpasswd: dict[str, str] | None = None):
+    def __init__(self, root: Path, htpasswd: dict[str, str] | None = None, token=None):
+        """``htpasswd`` {user: password} for basic auth; ``token`` a tokenserver.TokenServer for bearer."""
         self.root = root
         self.htpasswd = htpasswd
+        self.token = token
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile(prefix="docker-registry-")
@@ -53,6 +56,11 @@ class DockerRegistry:
                                     text=True).stdout.strip() for user, password in self.htpasswd.items()]
             (self.root / "htpasswd").write_text("\n".join(lines) + "\n")
             auth = f"auth:\n  htpasswd:\n    realm: dsecfs-test\n    path: {self.root / 'htpasswd'}\n"
+        if self.token is not None:
+            from tokenserver import ISSUER, SERVICE
+
+            auth = (f"auth:\n  token:\n    realm: {self.token.realm}\n    service: {SERVICE}\n"
+                    f"    issuer: {ISSUER}\n    rootcertbundle: {self.token.certificate}\n")
         config = self.root / "config.yml"
         config.write_text(
             "version: 0.1\n"

@@ -203,3 +203,28 @@ def test_retries_redirects_and_a_broken_blob_stream_resumed(auth_registry, tmp_p
     assert front.storage_requests and not any("Authorization" in headers for _path, headers in front.storage_requests)
     resumed = [headers["Range"] for _path, headers in front.storage_requests if "Range" in headers]
     assert len(resumed) >= len(LAYERS)  # every layer (and the config) resumed after its cut
+
+
+def test_the_bearer_token_flow(tmp_path):
+    """The registry's 401 names a token realm; the login goes there (only), the token to the registry."""
+    from tokenserver import TokenServer
+
+    with TokenServer(tmp_path / "tokens", users={"bob": "t0ken-pw"}) as tokens, \
+            DockerRegistry(tmp_path / "registry", token=tokens) as registry:
+        layout = single_image(tmp_path / "img", *LAYERS[:2])
+        registry.push(layout.root, "team/app:v1", creds="bob:t0ken-pw")
+        ref = f"docker://{registry.address}/team/app:v1"
+        with pytest.raises(UnavailableError, match="token server .* refused a token") as refused:
+            build_layer(ref, store_at(tmp_path / "s"), registry=RegistryOptions(plain_http=True, auth_files=()))
+        assert not refused.value.transient
+        with pytest.raises(UnavailableError, match="TLS failed .*WRONG_VERSION_NUMBER.*--plain-http") as tls:
+            build_layer(ref, store_at(tmp_path / "s"), registry=RegistryOptions(auth_files=()))
+        assert not tls.value.transient
+        asked = len(tokens.requests)
+        good = RegistryOptions(plain_http=True, auth_files=(str(auth_file(tmp_path / "a.json", registry.address,
+                                                                             "bob", "t0ken-pw")),))
+        result = build_layer(ref, store_at(tmp_path / "s"), registry=good)
+        assert result.digest == build_layer(layout.root, store_at(tmp_path / "t")).digest
+        ours = tokens.requests[asked:]
+        assert len(ours) == 1 and "scope=repository%3Ateam%2Fapp%3Apull" in ours[0][0]  # one token, reused
+        assert ours[0][1]["Authorization"] == "Basic " + base64.b64encode(b"bob:t0ken-pw").decode()

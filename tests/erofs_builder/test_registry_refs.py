@@ -60,3 +60,14 @@ def test_a_broken_auth_file_is_an_input_error_naming_it(tmp_path):
     broken.write_text(json.dumps({"auths": {"reg.example": {"auth": "%%%"}}}))
     with pytest.raises(InputError, match="not base64"):
         load_credentials("reg.example", [str(broken)])
+
+
+def test_a_plain_http_token_realm_is_refused_for_a_tls_registry():
+    """The login would go over plain HTTP: refused before anything is sent (the realm's port is closed)."""
+    from dsec_fs.errors import UnavailableError
+    from erofs_builder.registry import RegistryClient, RegistryOptions
+
+    client = RegistryClient("reg.example", RegistryOptions(credentials=("user", "pw")))
+    with pytest.raises(UnavailableError, match="token realm 'http://127.0.0.1:9/token' is not https") as refused:
+        client._token({"realm": "http://127.0.0.1:9/token", "service": "s"}, "repository:a:pull", "reg.example")
+    assert not refused.value.transient
