@@ -16,33 +16,26 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from tests.s3server import _die_with_parent, free_port
+from tests.s3server import ServerProcess, _die_with_parent, free_port, wait_for_http
 
 REGISTRY = "/usr/bin/docker-registry"
 SKOPEO = "/usr/bin/skopeo"
-STARTUP_TIMEOUT = 30.0
-_http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def have_registry_tools() -> bool:
     return os.path.exists(REGISTRY) and os.path.exists(SKOPEO) and shutil.which("htpasswd") is not None
 
 
-class DockerRegistry:
+class DockerRegistry(ServerProcess):
     def __init__(self, root: Path, htpasswd: dict[str, str] | None = None, token=None):
         """``htpasswd`` {user: password} for basic auth; ``token`` a tokenserver.TokenServer for bearer."""
+        super().__init__("docker-registry-")
         self.root = root
         self.htpasswd = htpasswd
         self.token = token
         self.port: int | None = None
-        self.process: subprocess.Popen | None = None
-        self._log = tempfile.TemporaryFile(prefix="docker-registry-")
 
     @property
     def address(self) -> str:
@@ -81,35 +74,7 @@ class DockerRegistry:
         raise RuntimeError(f"docker-registry did not start; its output:\n{self.output()}")
 
     def _wait_until_up(self) -> bool:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return False
-            try:
-                with _http.open(f"http://{self.address}/v2/", timeout=1):
-                    return True
-            except urllib.error.HTTPError:
-                return True  # 401: it answers, and wants a login
-            except OSError:
-                time.sleep(0.05)
-        return False
-
-    def stop(self) -> None:
-        """Stop the registry by its PID (SIGTERM, then SIGKILL after 5 s); safe to call twice."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-
-    def output(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+        return wait_for_http(self.process, f"http://{self.address}/v2/")  # 401 too: it wants a login
 
     def access_log(self) -> list[str]:
         """The request lines the registry served so far, e.g. 'GET /v2/test/img/blobs/sha256:... HTTP/1.1'."""
@@ -132,22 +97,11 @@ class DockerRegistry:
 
     def inspect_raw(self, name: str, creds: str | None = None) -> dict:
         """The manifest NAME:TAG (or @digest) as skopeo reads it from here."""
-        command = [SKOPEO, "--policy", str(skopeo_policy(self.root)), "inspect", "--raw", "--tls-verify=false"] + ([f"--creds={creds}"] if creds else [])
+        command = [SKOPEO, "--policy", str(skopeo_policy(self.root)), "inspect", "--raw", "--tls-verify=false"]
+        command += [f"--creds={creds}"] if creds else []
         result = subprocess.run(command + [f"docker://{self.address}/{name}"], capture_output=True, text=True,
                                 env=skopeo_env(self.root), timeout=60, check=True)
         return json.loads(result.stdout)
-
-    def __enter__(self) -> DockerRegistry:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-        self._log.close()
 
 
 def skopeo_env(home: Path) -> dict[str, str]:
