@@ -48,8 +48,12 @@ def convert(source: str, target: str, store_url: str | None, ref: str | None, pl
             "layers": [{"layer": r.digest, "stats": r.manifest.stats} for r in result.layers]}
 
     def text() -> str:
-        lines = [f"layer {k}  {r.digest}  new {human_size(r.manifest.stats['new_bytes'])}"
-                 for k, r in enumerate(result.layers)]
-        return "\n".join(lines + [f"pushed      {result.pushed_blobs} blobs", f"image       {result.target}"])
+        lines = [f"layer {k}  {r.digest}  {r.manifest.stats['files']:,} files" for k, r in enumerate(result.layers)]
+        build = result.layers[0].manifest.stats if result.layers else {"new_bytes": 0, "new_chunks": 0}
+        return "\n".join(lines + [
+            f"new         {human_size(build['new_bytes'])} in {build['new_chunks']:,} chunks",
+            f"pushed      {result.pushed_blobs} blobs",
+            f"image       {result.target}",
+        ])
 
     emit(as_json, data, text)

@@ -171,8 +171,9 @@ def build_image_layers(
     def walk(on_file: OnFile) -> list[Tree]:
         return walk_layers(image.layers, on_file=on_file, flatten=False, lenient=lenient)
 
+    described = image.where if isinstance(source, OciImage) else _describe(source)
     with _cycle_collector_paused():
-        return _build_streamed(walk, store, names, chunk_size, progress, workers, image.where)
+        return _build_streamed(walk, store, names, chunk_size, progress, workers, described)
 
 
 def source_kind(source: str | bytes | os.PathLike) -> str:

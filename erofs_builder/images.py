@@ -42,5 +42,5 @@ def open_image(source: str | os.PathLike, platform: str = "linux/amd64",
         return open_registry_image(parse_image_ref(text), platform, registry or RegistryOptions())
     if text.startswith(LAYOUT_PREFIX):
         directory, tag = split_layout_ref(text)
-        return open_oci_image(directory, platform, tag)
-    return open_oci_image(text, platform)
+        return open_oci_image(os.path.abspath(directory), platform, tag)
+    return open_oci_image(os.path.abspath(text), platform)

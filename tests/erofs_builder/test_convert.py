@@ -112,3 +112,32 @@ def test_a_failed_conversion_pushes_no_manifest(registry, tmp_path):
     assert list_refs(store) == {} and list(store.list("layers/")) == []
     with pytest.raises(subprocess.CalledProcessError):
         registry.inspect_raw("app/out:v1")
+
+
+@pytest.mark.slow
+def test_the_debian_rootfs_image_converts_and_its_next_version_uploads_only_new_chunks(registry, debian_rootfs,
+                                                                                        tmp_path):
+    base = tmp_path / "rootfs.tar"
+    subprocess.run(["tar", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--format=posix", "-C",
+                    debian_rootfs, "-cf", str(base), "."], check=True)
+    app_v1 = layer_tar(member("opt/app/run", b"#!/bin/sh\necho v1\n", mode=0o755), member("opt/app/data", bytes(5000)))
+    app_v2 = layer_tar(member("opt/app/run", b"#!/bin/sh\necho v2\n", mode=0o755), member("opt/app/data", bytes(5000)))
+    store = FilesystemStore(str(tmp_path / "store"))
+    results = {}
+    for version, app in (("v1", app_v1), ("v2", app_v2)):
+        layout = single_image(tmp_path / version, (TAR, base.read_bytes()), (TAR_ZSTD, app))
+        registry.push(layout.root, f"debian/app:{version}")
+        results[version] = convert_image(f"docker://{registry.address}/debian/app:{version}",
+                                         f"docker://{registry.address}/debian/app:{version}-dsecfs", store,
+                                         registry=PLAIN)
+        expected = [r.digest for r in build_image_layers(layout.root, FilesystemStore(str(tmp_path / f"c{version}")))]
+        assert [r.digest for r in results[version].layers] == expected
+    v1, v2 = results["v1"], results["v2"]
+    assert v1.layers[0].stats.files > 5000 and v1.layers[0].stats.new_bytes > 50 << 20
+    # The converted images live beside their sources: the config blob is there already, only metas go up.
+    assert v1.pushed_blobs == 2
+    # v2 shares the rootfs layer: one new chunk (the new script), one new blob (the app layer's meta).
+    assert v2.layers[0].digest == v1.layers[0].digest and v2.layers[1].digest != v1.layers[1].digest
+    assert v2.layers[0].stats.new_chunks == 1 and v2.pushed_blobs == 1
+    converted = registry.inspect_raw("debian/app:v2-dsecfs")
+    assert [d["annotations"][LAYER_ANNOTATION] for d in converted["layers"]] == [r.digest for r in v2.layers]
