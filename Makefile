@@ -4,7 +4,7 @@
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 DSECFS    := $(VENV)/bin/dsecfs
-APT_PKGS  := erofs-utils mmdebstrap fuse3 libfuse3-dev libfuse2 pkg-config runc zstd attr acl chromium strace docker-registry skopeo apache2-utils
+APT_PKGS  := erofs-utils mmdebstrap fuse3 libfuse3-dev libfuse2 pkg-config runc zstd attr acl chromium strace docker-registry skopeo apache2-utils containerd
 ROOTFS    ?= /var/cache/dsecfs-test/debian-minbase
 STORE     ?= /var/lib/dsecfs/store
 DEMO_DIR  ?= /tmp/dsecfs-demo

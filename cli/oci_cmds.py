@@ -57,3 +57,35 @@ def convert(source: str, target: str, store_url: str | None, ref: str | None, pl
         ])
 
     emit(as_json, data, text)
+
+
+@click.command()
+@click.option("--root", default="/var/lib/dsecfs/snapshotter", show_default=True, type=click.Path(path_type=str),
+              help="where snapshots and their metadata live")
+@click.option("--socket", "socket_path", default="/run/dsecfs/snapshotter.sock", show_default=True,
+              type=click.Path(path_type=str), help="the unix socket containerd's proxy_plugins entry names")
+@click.option("--daemon-socket", default=None, type=click.Path(path_type=str),
+              help="the node daemon that mounts dsecfs layers (default $DSECFS_SOCKET or /run/dsecfs/daemon.sock)")
+@click.option("--allow-store", "allowed_stores", multiple=True, metavar="URL",
+              help="a store converted images may name (containerd.io/snapshot/dsecfs.store); repeatable")
+def snapshotter(root: str, socket_path: str, daemon_socket: str | None, allowed_stores: tuple[str, ...]) -> None:
+    """Serve containerd's Snapshots API (a proxy snapshotter plugin): converted images' layers are mounted
+    through the node daemon, other images are unpacked by containerd as usual."""
+    import logging
+
+    from dsec_fs.client import Node
+    from dsec_fs.store import open_store
+    from overlay.snapshotter import Snapshots
+    from overlay.snapshotter_grpc import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Stores as the store option spells them (a path becomes file://...), the form convert records.
+    stores = tuple(open_store(url).url for url in allowed_stores)
+    snapshots = Snapshots(root, Node(daemon_socket), stores)
+    try:
+        remounted = snapshots.remount_layers()
+        if remounted:
+            logging.getLogger(__name__).info("mounted %d remote layers again", remounted)
+        serve(snapshots, socket_path)
+    finally:
+        snapshots.close()
