@@ -216,6 +216,7 @@ main.add_command(daemon_cmds.cache)
 main.add_command(sandbox_cmds.sandbox)
 main.add_command(oci_cmds.convert)
 main.add_command(oci_cmds.snapshotter)
+main.add_command(oci_cmds.image)
 trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
 
 if __name__ == "__main__":

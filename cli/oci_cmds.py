@@ -89,3 +89,34 @@ def snapshotter(root: str, socket_path: str, daemon_socket: str | None, allowed_
         serve(snapshots, socket_path)
     finally:
         snapshots.close()
+
+
+@click.group()
+def image() -> None:
+    """Images in containerd, unpacked by the dsecfs snapshotter."""
+
+
+@image.command("pull")
+@click.argument("ref")
+@click.option("--address", default="/run/containerd/containerd.sock", show_default=True,
+              type=click.Path(path_type=str), help="containerd's gRPC socket")
+@click.option("--namespace", default="default", show_default=True, help="containerd namespace (k8s.io for kubelet)")
+@click.option("--snapshotter", "snapshotter_name", default="dsecfs", show_default=True,
+              help="the proxy_plugins name of dsecfs snapshotter in containerd's config")
+@click.option("--platform", default="linux/amd64", show_default=True, help="which image of an OCI index")
+@plain_http_option
+@json_option
+def image_pull(ref: str, address: str, namespace: str, snapshotter_name: str, platform: str, plain_http: bool,
+               as_json: bool) -> None:
+    """Pull converted image REF (docker://HOST/REPO:TAG, from `dsecfs convert`) into containerd: its layers
+    become snapshots the dsecfs snapshotter mounts; no layer blob is downloaded."""
+    from overlay.containerd_client import ContainerdClient
+    from overlay.image_pull import pull_image
+
+    with ContainerdClient(address, namespace) as containerd:
+        result = pull_image(ref, containerd, snapshotter=snapshotter_name, platform=platform,
+                            registry=registry_options(plain_http))
+    data = {"image": result.name, "manifest": result.manifest_digest, "snapshots": result.chain_ids,
+            "mounted": result.prepared}
+    emit(as_json, data, lambda: f"{result.name}  {result.manifest_digest}\n"
+                                f"{len(result.chain_ids)} layers, {result.prepared} mounted now")

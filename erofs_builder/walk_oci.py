@@ -431,6 +431,12 @@ def image_from_index(source: ImageSource, index, what: str, want: tuple[str, str
                      tag: str | None = None) -> OciImage:
     """The image for ``want`` that an index leads to; with ``tag``, among the index's entries of that
     ref name only (a layout's tags)."""
+    return image_from_manifest(source, manifest_in_index(source, index, what, want, tag), want)
+
+
+def manifest_in_index(source: ImageSource, index, what: str, want: tuple[str, str, str | None],
+                      tag: str | None = None) -> Descriptor:
+    """The descriptor of the image manifest for ``want`` (and ``tag``) that an index leads to."""
     where = f"{source.where}: {what}"
     entries = [parse_descriptor(entry, where) for entry in _field(index, "manifests", list, where)]
     if tag is not None:
@@ -439,8 +445,7 @@ def image_from_index(source: ImageSource, index, what: str, want: tuple[str, str
             tags = sorted({d.ref_name for d in entries if d.ref_name is not None})
             raise NotFoundError(f"no image tagged {tag!r}; the tags are {tags or 'none'}", where=source.where)
         entries = tagged
-    return image_from_manifest(source, _choose_manifest(source, _candidates(source, entries, where, 0, set()),
-                                                        want), want)
+    return _choose_manifest(source, _candidates(source, entries, where, 0, set()), want)
 
 
 def image_from_manifest(source: ImageSource, descriptor: Descriptor, want: tuple[str, str, str | None]) -> OciImage:

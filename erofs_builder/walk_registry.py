@@ -16,8 +16,8 @@ from dsec_fs.errors import InputError, UnsupportedError
 
 from .registry import ImageRef, RegistryClient, RegistryOptions
 from .walk_oci import (
-    INDEX_TYPES, MANIFEST_TYPES, MAX_JSON_SIZE, OCI_INDEX, Descriptor, OciImage, VerifiedBlob, image_from_index,
-    image_from_manifest, parse_json, parse_platform,
+    INDEX_TYPES, MANIFEST_TYPES, MAX_JSON_SIZE, OCI_INDEX, OCI_MANIFEST, Descriptor, OciImage, VerifiedBlob,
+    image_from_manifest, manifest_in_index, parse_json, parse_platform,
 )
 
 ACCEPTED_MANIFESTS = sorted(INDEX_TYPES | MANIFEST_TYPES)
@@ -44,6 +44,7 @@ class RegistrySource:
         if data is None:
             data, _media_type, _digest = self.client.get_manifest(self.ref.repository, descriptor.digest,
                                                                   ACCEPTED_MANIFESTS)
+            self._documents[descriptor.digest] = data
         return data
 
     def read_blob(self, descriptor: Descriptor, what: str) -> bytes:
@@ -66,6 +67,14 @@ class RegistrySource:
 def open_registry_image(ref: ImageRef, platform: str = "linux/amd64",
                         options: RegistryOptions = RegistryOptions()) -> OciImage:
     """The image for ``platform`` that ``ref`` names; its layers stream from the registry when opened."""
+    source, descriptor = resolve_manifest(ref, platform, options)
+    return image_from_manifest(source, descriptor, parse_platform(platform))
+
+
+def resolve_manifest(ref: ImageRef, platform: str = "linux/amd64",
+                     options: RegistryOptions = RegistryOptions()) -> tuple[RegistrySource, Descriptor]:
+    """The source and the image manifest's descriptor for ``platform`` that ``ref`` names (an index
+    followed to it); the manifest is fetched already (``read_document`` gives it without a request)."""
     want = parse_platform(platform)
     source = RegistrySource(ref, RegistryClient(ref.host, options))
     data, media_type, digest = source.top()
@@ -77,7 +86,9 @@ def open_registry_image(ref: ImageRef, platform: str = "linux/amd64",
     if kind is None and "manifests" in document:
         kind = OCI_INDEX
     if kind in INDEX_TYPES:
-        return image_from_index(source, document, f"index {digest}", want)
+        descriptor = manifest_in_index(source, document, f"index {digest}", want)
+        source.read_document(descriptor, f"manifest {descriptor.digest}")  # fetched once, kept
+        return source, descriptor
     if kind is not None and kind not in MANIFEST_TYPES:
         raise UnsupportedError(f"manifest of media type {kind!r}", where=source.where)
-    return image_from_manifest(source, Descriptor(kind or "", digest, len(data), None), want)
+    return source, Descriptor(kind or OCI_MANIFEST, digest, len(data), None)

@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import field_mask_pb2 as google_dot_protobuf_dot_field__mask__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$overlay/containerd_api/content.proto\x12\x1e\x63ontainerd.services.content.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf5\x01\n\x04Info\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12.\n\ncreated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12@\n\x06labels\x18\x05 \x03(\x0b\x32\x30.containerd.services.content.v1.Info.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"B\n\x0cInfoResponse\x12\x32\n\x04info\x18\x01 \x01(\x0b\x32$.containerd.services.content.v1.Info\"\x9e\x02\n\x13WriteContentRequest\x12;\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32+.containerd.services.content.v1.WriteAction\x12\x0b\n\x03ref\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x03\x12\x10\n\x08\x65xpected\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12O\n\x06labels\x18\x07 \x03(\x0b\x32?.containerd.services.content.v1.WriteContentRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe2\x01\n\x14WriteContentResponse\x12;\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32+.containerd.services.content.v1.WriteAction\x12.\n\nstarted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\r\n\x05total\x18\x05 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t*.\n\x0bWriteAction\x12\x08\n\x04STAT\x10\x00\x12\t\n\x05WRITE\x10\x01\x12\n\n\x06\x43OMMIT\x10\x02\x32\xe4\x01\n\x07\x43ontent\x12\x61\n\x04Info\x12+.containerd.services.content.v1.InfoRequest\x1a,.containerd.services.content.v1.InfoResponse\x12v\n\x05Write\x12\x33.containerd.services.content.v1.WriteContentRequest\x1a\x34.containerd.services.content.v1.WriteContentResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$overlay/containerd_api/content.proto\x12\x1e\x63ontainerd.services.content.v1\x1a google/protobuf/field_mask.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf5\x01\n\x04Info\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12.\n\ncreated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12@\n\x06labels\x18\x05 \x03(\x0b\x32\x30.containerd.services.content.v1.Info.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"B\n\x0cInfoResponse\x12\x32\n\x04info\x18\x01 \x01(\x0b\x32$.containerd.services.content.v1.Info\"t\n\rUpdateRequest\x12\x32\n\x04info\x18\x01 \x01(\x0b\x32$.containerd.services.content.v1.Info\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\"D\n\x0eUpdateResponse\x12\x32\n\x04info\x18\x01 \x01(\x0b\x32$.containerd.services.content.v1.Info\"\x9e\x02\n\x13WriteContentRequest\x12;\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32+.containerd.services.content.v1.WriteAction\x12\x0b\n\x03ref\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x03\x12\x10\n\x08\x65xpected\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12O\n\x06labels\x18\x07 \x03(\x0b\x32?.containerd.services.content.v1.WriteContentRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe2\x01\n\x14WriteContentResponse\x12;\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32+.containerd.services.content.v1.WriteAction\x12.\n\nstarted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\r\n\x05total\x18\x05 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t*.\n\x0bWriteAction\x12\x08\n\x04STAT\x10\x00\x12\t\n\x05WRITE\x10\x01\x12\n\n\x06\x43OMMIT\x10\x02\x32\xcd\x02\n\x07\x43ontent\x12\x61\n\x04Info\x12+.containerd.services.content.v1.InfoRequest\x1a,.containerd.services.content.v1.InfoResponse\x12g\n\x06Update\x12-.containerd.services.content.v1.UpdateRequest\x1a..containerd.services.content.v1.UpdateResponse\x12v\n\x05Write\x12\x33.containerd.services.content.v1.WriteContentRequest\x1a\x34.containerd.services.content.v1.WriteContentResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,22 +37,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFO_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_WRITECONTENTREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_WRITECONTENTREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_WRITEACTION']._serialized_start=970
-  _globals['_WRITEACTION']._serialized_end=1016
-  _globals['_INFO']._serialized_start=106
-  _globals['_INFO']._serialized_end=351
-  _globals['_INFO_LABELSENTRY']._serialized_start=306
-  _globals['_INFO_LABELSENTRY']._serialized_end=351
-  _globals['_INFOREQUEST']._serialized_start=353
-  _globals['_INFOREQUEST']._serialized_end=382
-  _globals['_INFORESPONSE']._serialized_start=384
-  _globals['_INFORESPONSE']._serialized_end=450
-  _globals['_WRITECONTENTREQUEST']._serialized_start=453
-  _globals['_WRITECONTENTREQUEST']._serialized_end=739
-  _globals['_WRITECONTENTREQUEST_LABELSENTRY']._serialized_start=306
-  _globals['_WRITECONTENTREQUEST_LABELSENTRY']._serialized_end=351
-  _globals['_WRITECONTENTRESPONSE']._serialized_start=742
-  _globals['_WRITECONTENTRESPONSE']._serialized_end=968
-  _globals['_CONTENT']._serialized_start=1019
-  _globals['_CONTENT']._serialized_end=1247
+  _globals['_WRITEACTION']._serialized_start=1192
+  _globals['_WRITEACTION']._serialized_end=1238
+  _globals['_INFO']._serialized_start=140
+  _globals['_INFO']._serialized_end=385
+  _globals['_INFO_LABELSENTRY']._serialized_start=340
+  _globals['_INFO_LABELSENTRY']._serialized_end=385
+  _globals['_INFOREQUEST']._serialized_start=387
+  _globals['_INFOREQUEST']._serialized_end=416
+  _globals['_INFORESPONSE']._serialized_start=418
+  _globals['_INFORESPONSE']._serialized_end=484
+  _globals['_UPDATEREQUEST']._serialized_start=486
+  _globals['_UPDATEREQUEST']._serialized_end=602
+  _globals['_UPDATERESPONSE']._serialized_start=604
+  _globals['_UPDATERESPONSE']._serialized_end=672
+  _globals['_WRITECONTENTREQUEST']._serialized_start=675
+  _globals['_WRITECONTENTREQUEST']._serialized_end=961
+  _globals['_WRITECONTENTREQUEST_LABELSENTRY']._serialized_start=340
+  _globals['_WRITECONTENTREQUEST_LABELSENTRY']._serialized_end=385
+  _globals['_WRITECONTENTRESPONSE']._serialized_start=964
+  _globals['_WRITECONTENTRESPONSE']._serialized_end=1190
+  _globals['_CONTENT']._serialized_start=1241
+  _globals['_CONTENT']._serialized_end=1574
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,11 @@ class ContentStub:
                 request_serializer=overlay_dot_containerd__api_dot_content__pb2.InfoRequest.SerializeToString,
                 response_deserializer=overlay_dot_containerd__api_dot_content__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Update = channel.unary_unary(
+                '/containerd.services.content.v1.Content/Update',
+                request_serializer=overlay_dot_containerd__api_dot_content__pb2.UpdateRequest.SerializeToString,
+                response_deserializer=overlay_dot_containerd__api_dot_content__pb2.UpdateResponse.FromString,
+                _registered_method=True)
         self.Write = channel.stream_stream(
                 '/containerd.services.content.v1.Content/Write',
                 request_serializer=overlay_dot_containerd__api_dot_content__pb2.WriteContentRequest.SerializeToString,
@@ -50,6 +55,12 @@ class ContentServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Update(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,6 +79,11 @@ def add_ContentServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=overlay_dot_containerd__api_dot_content__pb2.InfoRequest.FromString,
                     response_serializer=overlay_dot_containerd__api_dot_content__pb2.InfoResponse.SerializeToString,
+            ),
+            'Update': grpc.unary_unary_rpc_method_handler(
+                    servicer.Update,
+                    request_deserializer=overlay_dot_containerd__api_dot_content__pb2.UpdateRequest.FromString,
+                    response_serializer=overlay_dot_containerd__api_dot_content__pb2.UpdateResponse.SerializeToString,
             ),
             'Write': grpc.stream_stream_rpc_method_handler(
                     servicer.Write,
@@ -102,6 +118,33 @@ class Content:
             '/containerd.services.content.v1.Content/Info',
             overlay_dot_containerd__api_dot_content__pb2.InfoRequest.SerializeToString,
             overlay_dot_containerd__api_dot_content__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Update(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/containerd.services.content.v1.Content/Update',
+            overlay_dot_containerd__api_dot_content__pb2.UpdateRequest.SerializeToString,
+            overlay_dot_containerd__api_dot_content__pb2.UpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,3 +57,47 @@ def test_an_ordinary_image_unpacks_into_the_snapshotter_and_runs(registry, debia
             run = ctrd.ctr("run", "--rm", "--snapshotter", "dsecfs", ref, "c2", "cat", "/etc/debian_version")
             assert run.stdout == expected
             ctrd.ctr("images", "rm", "--sync", ref)
+
+
+def test_a_converted_image_runs_from_dsecfs_layers(registry, debian_image, debian_rootfs, tmp_path):
+    """convert, dsecfs image pull, ctr run: no layer blob is read from the registry during pull and run,
+    and the node daemon fetched a small part of the image's chunks."""
+    from dsec_fs.client import Node
+    from dsec_fs.store import FilesystemStore
+    from erofs_builder.convert import convert_image
+    from erofs_builder.registry import RegistryOptions
+    from overlay.containerd_client import ContainerdClient
+    from overlay.image_pull import pull_image
+
+    ref, _layout = debian_image
+    store = FilesystemStore(str(tmp_path / "store"))
+    converted = convert_image(f"docker://{ref}", f"docker://{registry.address}/debian/app:v1-dsecfs", store,
+                              registry=RegistryOptions(plain_http=True, auth_files=()))
+    source_layers = [d["digest"] for d in registry.inspect_raw("debian/app:v1")["layers"]]
+    meta_blobs = [d["digest"] for d in registry.inspect_raw("debian/app:v1-dsecfs")["layers"]]
+    daemon = Node.start_daemon(str(tmp_path / "d.sock"), state_dir=str(tmp_path / "dstate"),
+                               cache_dir=str(tmp_path / "dcache"), store=store.url,
+                               log_file=str(tmp_path / "daemon.log"))
+    try:
+        with SnapshotterProcess(tmp_path / "snap", allow_store=store.url, daemon_socket=str(tmp_path / "d.sock")) as snap, \
+                Containerd(tmp_path / "ctrd", snapshotter_socket=snap.socket) as ctrd:
+            before = len(registry.access_log())
+            with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
+                pulled = pull_image(f"docker://{registry.address}/debian/app:v1-dsecfs", client,
+                                    registry=RegistryOptions(plain_http=True, auth_files=()))
+            assert pulled.prepared == 2 and len(pulled.chain_ids) == 2
+            run = ctrd.ctr("run", "--rm", "--snapshotter", "dsecfs", pulled.name, "c1", "/bin/sh", "-c",
+                           "cat /etc/debian_version; /opt/app/hello")
+            assert run.stdout == Path(debian_rootfs, "etc/debian_version").read_text() + "hello from the app layer\n"
+            blob_gets = [line for line in registry.access_log()[before:] if "/blobs/" in line]
+            assert not [line for line in blob_gets if any(d in line for d in source_layers + meta_blobs)], blob_gets
+            base = next(layer for layer in daemon.node.status().layers if layer.layer == converted.layers[0].digest)
+            assert 0 < base.chunks_fetched < converted.layers[0].stats.distinct_chunks / 10
+            # Pulled again: the snapshots are there, nothing is mounted twice.
+            with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
+                assert pull_image(f"docker://{registry.address}/debian/app:v1-dsecfs", client,
+                                  registry=RegistryOptions(plain_http=True, auth_files=())).prepared == 0
+            ctrd.ctr("images", "rm", "--sync", pulled.name)
+            assert daemon.node.mounts() == []  # gc removed the snapshots, and the snapshotter the mounts
+    finally:
+        daemon.stop()
