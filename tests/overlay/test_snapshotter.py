@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -99,5 +99,62 @@ def test_a_converted_image_runs_from_dsecfs_layers(registry, debian_image, debia
                                   registry=RegistryOptions(plain_http=True, auth_files=())).prepared == 0
             ctrd.ctr("images", "rm", "--sync", pulled.name)
             assert daemon.node.mounts() == []  # gc removed the snapshots, and the snapshotter the mounts
+    finally:
+        daemon.stop()
+
+
+def _largest_files(rootfs: str, directory: str, count: int) -> list[str]:
+    paths = [os.path.join(directory, name) for name in os.listdir(os.path.join(rootfs, directory))]
+    regular = [p for p in paths if os.path.isfile(os.path.join(rootfs, p)) and not os.path.islink(os.path.join(rootfs, p))]
+    return sorted(regular, key=lambda p: os.path.getsize(os.path.join(rootfs, p)), reverse=True)[:count]
+
+
+def test_a_running_container_reads_on_across_restarts(registry, debian_image, debian_rootfs, tmp_path):
+    """A container of a converted image keeps reading files it never read before while the snapshotter is
+    restarted and while the node daemon is killed and a new one takes its mounts over."""
+    import hashlib
+
+    from dsec_fs.client import Node
+    from dsec_fs.store import FilesystemStore
+    from erofs_builder.convert import convert_image
+    from erofs_builder.registry import RegistryOptions
+    from overlay.containerd_client import ContainerdClient
+    from overlay.image_pull import pull_image
+
+    ref, _layout = debian_image
+    plain = RegistryOptions(plain_http=True, auth_files=())
+    store = FilesystemStore(str(tmp_path / "store"))
+    target = f"docker://{registry.address}/debian/app:restarts"
+    convert_image(f"docker://{ref}", target, store, registry=plain)
+    first, second = _largest_files(debian_rootfs, "usr/bin", 2)
+    expected = {path: hashlib.sha256(Path(debian_rootfs, path).read_bytes()).hexdigest() for path in (first, second)}
+    options = dict(state_dir=str(tmp_path / "dstate"), cache_dir=str(tmp_path / "dcache"), store=store.url,
+                   log_file=str(tmp_path / "daemon.log"))
+    daemon = Node.start_daemon(str(tmp_path / "d.sock"), **options)
+    try:
+        with SnapshotterProcess(tmp_path / "snap", allow_store=store.url, daemon_socket=str(tmp_path / "d.sock")) as snap, \
+                Containerd(tmp_path / "ctrd", snapshotter_socket=snap.socket) as ctrd:
+            with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
+                name = pull_image(target, client, registry=plain).name
+            ctrd.ctr("run", "-d", "--snapshotter", "dsecfs", name, "long", "sleep", "600")
+            try:
+                def digest_in_container(path: str, exec_id: str) -> str:
+                    out = ctrd.ctr("task", "exec", "--exec-id", exec_id, "long", "sha256sum", "/" + path).stdout
+                    return out.split()[0]
+
+                snap.stop()
+                snap.start()
+                assert digest_in_container(first, "e1") == expected[first]
+                daemon.kill()
+                daemon = Node.start_daemon(str(tmp_path / "d.sock"), **options)
+                assert digest_in_container(second, "e2") == expected[second]
+            finally:
+                ctrd.ctr("task", "kill", "-s", "KILL", "long", check=False)
+                for _ in range(50):
+                    if ctrd.ctr("task", "rm", "long", check=False).returncode == 0:
+                        break
+                    time.sleep(0.1)
+                ctrd.ctr("containers", "rm", "long", check=False)
+            ctrd.ctr("images", "rm", "--sync", name)
     finally:
         daemon.stop()
