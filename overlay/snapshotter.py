@@ -225,21 +225,14 @@ class Snapshots:
             raise InputError(f"label {LAYER_LABEL} is not a layer digest", where=where)
         if store not in self.allowed_stores:
             raise InputError(f"store {store!r} is not one this snapshotter may read (--allow-store)", where=where)
-        if self._find(key) is not None:
-            raise ConflictError(f"snapshot {key!r} exists", where=self.root)
-        if parent:
-            self._committed_parent(parent)
-        now = time.time()
-        cursor = self._db.execute(
-            "INSERT INTO snapshots (name, parent, kind, labels, created, updated, layer) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (key, parent, COMMITTED, json.dumps(labels), now, now, layer))
-        layer_dir = os.path.join(self._dir(cursor.lastrowid), "layer")
+        snapshot_id = self._insert(key, parent, COMMITTED, labels, layer)
+        layer_dir = os.path.join(self._dir(snapshot_id), "layer")
         try:
             os.makedirs(layer_dir)
             self._mount_layer(layer, store, layer_dir)
         except BaseException:
-            self._db.execute("DELETE FROM snapshots WHERE id = ?", (cursor.lastrowid,))
-            shutil.rmtree(self._dir(cursor.lastrowid), ignore_errors=True)
+            self._db.execute("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
+            shutil.rmtree(self._dir(snapshot_id), ignore_errors=True)
             raise
         log.info("remote snapshot %s: layer %s mounted at %s", key, layer, layer_dir)
         raise ConflictError(f"target snapshot {target!r} exists", where=self.root)
@@ -259,6 +252,13 @@ class Snapshots:
         umount_or_detach(layer_dir)
 
     def _create(self, key: str, parent: str, kind: int, labels: dict[str, str]) -> _Row:
+        directory = self._dir(self._insert(key, parent, kind, labels, None))
+        for sub in ("fs", "work"):
+            os.makedirs(os.path.join(directory, sub), exist_ok=True)
+        return self._get(key)
+
+    def _insert(self, key: str, parent: str, kind: int, labels: dict[str, str], layer: str | None) -> int:
+        """Record a new snapshot (a new key over a committed parent, or none); its id."""
         if not key:
             raise InputError("a snapshot needs a key", where=self.root)
         if self._find(key) is not None:
@@ -267,12 +267,9 @@ class Snapshots:
             self._committed_parent(parent)
         now = time.time()
         cursor = self._db.execute(
-            "INSERT INTO snapshots (name, parent, kind, labels, created, updated) VALUES (?, ?, ?, ?, ?, ?)",
-            (key, parent, kind, json.dumps(labels), now, now))
-        directory = self._dir(cursor.lastrowid)
-        for sub in ("fs", "work"):
-            os.makedirs(os.path.join(directory, sub), exist_ok=True)
-        return self._get(key)
+            "INSERT INTO snapshots (name, parent, kind, labels, created, updated, layer) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (key, parent, kind, json.dumps(labels), now, now, layer))
+        return cursor.lastrowid
 
     def _committed_parent(self, parent: str) -> _Row:
         row = self._find(parent)
