@@ -68,7 +68,10 @@ def convert(source: str, target: str, store_url: str | None, ref: str | None, pl
               help="the node daemon that mounts dsecfs layers (default $DSECFS_SOCKET or /run/dsecfs/daemon.sock)")
 @click.option("--allow-store", "allowed_stores", multiple=True, metavar="URL",
               help="a store converted images may name (containerd.io/snapshot/dsecfs.store); repeatable")
-def snapshotter(root: str, socket_path: str, daemon_socket: str | None, allowed_stores: tuple[str, ...]) -> None:
+@click.option("--prefetch-dir", default=None, type=click.Path(file_okay=False, path_type=str),
+              help="prefetch lists to mount layers with: DIR/<layer digest>.json (dsecfs prefetch build)")
+def snapshotter(root: str, socket_path: str, daemon_socket: str | None, allowed_stores: tuple[str, ...],
+                prefetch_dir: str | None) -> None:
     """Serve containerd's Snapshots API (a proxy snapshotter plugin): converted images' layers are mounted
     through the node daemon, other images are unpacked by containerd as usual."""
     import logging
@@ -81,7 +84,7 @@ def snapshotter(root: str, socket_path: str, daemon_socket: str | None, allowed_
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Stores as the store option spells them (a path becomes file://...), the form convert records.
     stores = tuple(open_store(url).url for url in allowed_stores)
-    snapshots = Snapshots(root, Node(daemon_socket), stores)
+    snapshots = Snapshots(root, Node(daemon_socket), stores, prefetch_dir)
     try:
         remounted = snapshots.remount_layers()
         if remounted:

@@ -14,7 +14,9 @@ erofs_builder/convert.py) mounts that layer through the node daemon and records 
 carrying the labels, then answers ConflictError (gRPC ALREADY_EXISTS): containerd finds the committed
 snapshot by its snapshot.ref label and parent, downloads no layer blob and unpacks nothing. The layer's
 store (``containerd.io/snapshot/dsecfs.store``) must be one the snapshotter was told to allow: an image
-must not make a node read from a store of its choosing.
+must not make a node read from a store of its choosing. A prefetch list for the layer in ``prefetch_dir``
+(``<layer digest>.json``, as ``dsecfs prefetch build`` writes one from the node's traces) goes with the
+mount, so a cold start fetches the chunks containers of that layer read first ahead of them.
 
 Mounts: a snapshot without parents is a bind mount of its fs/; an active snapshot over parents is an
 overlay (upperdir fs/, lowerdir the parents' fs/ or layer/ dirs, top first); a view of one parent is a
@@ -82,12 +84,14 @@ class _Row:
 
 class Snapshots:
     """The snapshots under ``root``; remote layers are mounted by the node daemon ``node``, from the stores
-    in ``allowed_stores`` only."""
+    in ``allowed_stores`` only, with their prefetch lists in ``prefetch_dir`` if there are any."""
 
-    def __init__(self, root: str, node: Node | None = None, allowed_stores: tuple[str, ...] = ()):
+    def __init__(self, root: str, node: Node | None = None, allowed_stores: tuple[str, ...] = (),
+                 prefetch_dir: str | None = None):
         self.root = os.path.abspath(root)
         self.node = node
         self.allowed_stores = set(allowed_stores)
+        self.prefetch_dir = prefetch_dir
         os.makedirs(os.path.join(self.root, "snapshots"), mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(os.path.join(self.root, "metadata.db"), check_same_thread=False,
@@ -240,7 +244,9 @@ class Snapshots:
     def _mount_layer(self, layer: str, store: str, layer_dir: str) -> None:
         if self.node is None:
             raise InputError("remote layers need a node daemon (--daemon-socket)", where=self.root)
-        self.node.mount(layer, layer_dir, mode="kernel", store=store)
+        prefetch = os.path.join(self.prefetch_dir, f"{layer}.json") if self.prefetch_dir else None
+        self.node.mount(layer, layer_dir, mode="kernel", store=store,
+                        prefetch_list=prefetch if prefetch and os.path.isfile(prefetch) else None)
 
     def _umount_layer(self, layer_dir: str) -> None:
         if self.node is not None:

@@ -40,13 +40,15 @@ def _wait_for_socket(process: subprocess.Popen, path: Path, timeout: float = STA
 
 
 class SnapshotterProcess(ServerProcess):
-    def __init__(self, root: Path, *, allow_store: str | None = None, daemon_socket: str | None = None):
+    def __init__(self, root: Path, *, allow_store: str | None = None, daemon_socket: str | None = None,
+                 prefetch_dir: Path | None = None):
         super().__init__("dsecfs-snapshotter-")
         self.root = root
         self.socket = root / "snapshotter.sock"
         self.args = ["--root", str(root / "data"), "--socket", str(self.socket)]
         self.args += ["--allow-store", allow_store] if allow_store else []
         self.args += ["--daemon-socket", daemon_socket] if daemon_socket else []
+        self.args += ["--prefetch-dir", str(prefetch_dir)] if prefetch_dir else []
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

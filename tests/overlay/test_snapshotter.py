@@ -66,6 +66,8 @@ def test_a_converted_image_runs_from_dsecfs_layers(registry, debian_image, debia
     from dsec_fs.store import FilesystemStore
     from erofs_builder.convert import convert_image
     from erofs_builder.registry import RegistryOptions
+    from lazy_fetch.analysis import learn_prefetch_list
+    from lazy_fetch.prefetch_list import save
     from overlay.containerd_client import ContainerdClient
     from overlay.image_pull import pull_image
 
@@ -79,7 +81,10 @@ def test_a_converted_image_runs_from_dsecfs_layers(registry, debian_image, debia
                                cache_dir=str(tmp_path / "dcache"), store=store.url,
                                log_file=str(tmp_path / "daemon.log"))
     try:
-        with SnapshotterProcess(tmp_path / "snap", allow_store=store.url, daemon_socket=str(tmp_path / "d.sock")) as snap, \
+        prefetch_dir = tmp_path / "prefetch"
+        prefetch_dir.mkdir()
+        with SnapshotterProcess(tmp_path / "snap", allow_store=store.url, daemon_socket=str(tmp_path / "d.sock"),
+                                prefetch_dir=prefetch_dir) as snap, \
                 Containerd(tmp_path / "ctrd", snapshotter_socket=snap.socket) as ctrd:
             before = len(registry.access_log())
             with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
@@ -97,8 +102,21 @@ def test_a_converted_image_runs_from_dsecfs_layers(registry, debian_image, debia
             with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
                 assert pull_image(f"docker://{registry.address}/debian/app:v1-dsecfs", client,
                                   registry=RegistryOptions(plain_http=True, auth_files=())).prepared == 0
+            traces = {m.layer: m.trace for m in daemon.node.mounts()}
             ctrd.ctr("images", "rm", "--sync", pulled.name)
             assert daemon.node.mounts() == []  # gc removed the snapshots, and the snapshotter the mounts
+
+            # Prefetch lists learned from this node's traces go with the next mounts of those layers.
+            for layer, trace in traces.items():
+                save(learn_prefetch_list([trace], store), str(prefetch_dir / f"{layer}.json"))
+            with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
+                assert pull_image(f"docker://{registry.address}/debian/app:v1-dsecfs", client,
+                                  registry=RegistryOptions(plain_http=True, auth_files=())).prepared == 2
+            assert sorted(m.prefetch for m in daemon.node.mounts()) == \
+                sorted(str(prefetch_dir / f"{layer}.json") for layer in traces)
+            run = ctrd.ctr("run", "--rm", "--snapshotter", "dsecfs", pulled.name, "c2", "cat", "/etc/debian_version")
+            assert run.stdout == Path(debian_rootfs, "etc/debian_version").read_text()
+            ctrd.ctr("images", "rm", "--sync", pulled.name)
     finally:
         daemon.stop()
 
