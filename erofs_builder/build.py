@@ -180,9 +180,9 @@ def source_kind(source: str | bytes | os.PathLike) -> str:
     """"dir", "tar" or "oci" for a build source; InputError naming it when it is none of them.
 
     A docker:// or oci: reference is an image (images.py). A directory with an ``oci-layout`` file is an
-    OCI image layout. A file is an OCI or docker-archive
-    tar when it is an uncompressed tar whose top level holds ``manifest.json`` or ``oci-layout`` (how
-    `docker save` and `skopeo copy` write them); any other file, and "-", is a tar of a root filesystem.
+    OCI image layout. A file is an OCI or docker-archive tar when it is an uncompressed tar whose top
+    level holds ``manifest.json`` or ``oci-layout`` (how `docker save` and `skopeo copy` write them); any
+    other file, and "-", is a tar of a root filesystem.
     """
     path = os.fsdecode(source)
     if path == "-":

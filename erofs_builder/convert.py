@@ -88,8 +88,8 @@ def convert_image(
         pushed += uploaded
         return digest
 
-    config = {"mediaType": image.config_media_type, "digest": push(image.config_data),
-              "size": len(image.config_data)}
+    push(image.config_data)  # verified against image.config_digest when the image was opened
+    config = {"mediaType": image.config_media_type, "digest": image.config_digest, "size": len(image.config_data)}
     layers = []
     for result, source_layer in zip(results, image.layers):
         meta = open_layer(store, result.digest).meta  # verified against the digest on the way

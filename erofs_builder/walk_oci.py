@@ -113,10 +113,6 @@ class OciImage:
     config_data: bytes
     layers: list[OciLayer]
 
-    @property
-    def config(self) -> dict:
-        return json.loads(self.config_data)  # parsed (as a JSON object) when the image was opened
-
 
 class VerifiedBlob:
     """A blob read as a stream and hashed as it goes; ``verify`` reads what is left and checks it all."""
