@@ -85,7 +85,7 @@ from dsec_fs.store.wrappers import LatencyStore  # noqa: E402
 from dsec_fs import mounts  # noqa: E402
 from erofs_builder import build_layer  # noqa: E402
 from erofs_builder.export import export_layer  # noqa: E402
-from lazy_fetch.layer_mount import BINDINGS  # noqa: E402
+from dsec_fs.api import BINDINGS  # noqa: E402
 from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace  # noqa: E402
 from benchlib import drop_caches, log  # noqa: E402
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import click
 
+from dsec_fs import api
 from dsec_fs.errors import InputError
 from dsec_fs.store import default_store_url
 from dsec_fs.units import parse_duration
@@ -36,5 +37,6 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-def emit(as_json: bool, data: dict, text: Callable[[], str]) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else text())
+def emit(as_json: bool, data: object, text: Callable[[], str]) -> None:
+    """``data`` (a dict, or a type of dsec_fs/api.py) as JSON, or ``text()``."""
+    click.echo(json.dumps(api.to_builtins(data), indent=2, sort_keys=True) if as_json else text())

@@ -25,15 +25,12 @@ import logging
 
 import click
 
+from dsec_fs.api import BINDINGS, FILLS, MODES
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV, Node
 from dsec_fs.units import human_size, parse_size
 
 from .common import Duration, emit, json_option, store_option
 
-# lazy_fetch.layer_mount's choices, spelled out so that every dsecfs command does not import trio and the
-# FUSE code just to build its help; the daemon checks them again.
-BINDINGS = ("pyfuse3", "fusepy", "raw")  # raw: mounts survive a daemon restart (docs/architecture.md)
-MODES = ("kernel", "fuse")
 RUNTIMES = ("runc", "namespaces")  # overlay.runtime's
 
 socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, default=DEFAULT_SOCKET, show_default=True,
@@ -65,6 +62,11 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
               help="how far the kernel reads ahead in a layer's files, in one request to the daemon (0: the "
                    "kernel's default, 128KiB)")
 @click.option("--no-trace", is_flag=True, help="do not write access traces")
+@click.option("--no-profiles", is_flag=True,
+              help="do not learn access profiles from traces, share them through the store, or prefetch by them")
+@click.option("--fill", type=click.Choice(FILLS), default="profile", show_default=True,
+              help="what a new mount fetches in the background: nothing, its profile, or that and then the rest "
+                   "of the layer (until the cache bound); mounts and sandboxes may say otherwise")
 @click.option("--trace-keep-size", default="1GiB", show_default=True, metavar="SIZE",
               help="closed traces beyond this size in all are removed, oldest first")
 @click.option("--trace-keep-age", type=Duration(), default="7d", show_default=True, metavar="DURATION",
@@ -78,7 +80,8 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
               help="what runs sandbox commands unless `sandbox exec --runtime` says otherwise")
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
            store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: float | None,
-           fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
+           fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, no_profiles: bool, fill: str,
+           trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
            sandbox_runtime: str) -> None:
     """Run the node daemon: mounts layers, fetches and caches chunks, runs sandboxes, serves the API on the
     socket.
@@ -95,7 +98,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
         memory_cache_bytes=parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
         latency=None if latency is None else latency / 1000, bandwidth=None if bandwidth is None else bandwidth * 1e6,
         fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead),
-        read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, trace_keep_bytes=parse_size(trace_keep_size),
+        read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, profiles=not no_profiles, fill=fill,
+        trace_keep_bytes=parse_size(trace_keep_size),
         trace_keep_seconds=trace_keep_age)
     sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)
     run_daemon(options, extensions=[sandboxes])
@@ -108,19 +112,23 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
               help="kernel: the kernel's EROFS driver over a FUSE blob file; fuse: the whole tree over FUSE")
 @click.option("--prefetch", "prefetch_list", default=None, metavar="LIST",
               type=click.Path(exists=True, dir_okay=False, path_type=str),
-              help="a prefetch list (dsecfs prefetch build) to fetch in the background")
+              help="a prefetch list (dsecfs prefetch build) to fetch in the background, instead of the profile")
+@click.option("--no-profile", is_flag=True, help="do not prefetch by the layer's access profile from the store")
+@click.option("--fill", type=click.Choice(FILLS), default=None, help="none, profile or layer (default: the daemon's)")
 @store_option
 @click.option("--fuse-binding", type=click.Choice(BINDINGS), default=None,
               help="the FUSE binding of a daemon this command starts (and that a running one must use)")
 @socket_option
 @json_option
-def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, store_url: str | None,
-          fuse_binding: str | None, socket_path: str, as_json: bool) -> None:
-    """Mount LAYER (a ref or a digest) at DIRECTORY through the node daemon (started if none answers)."""
+def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, no_profile: bool, fill: str | None,
+          store_url: str | None, fuse_binding: str | None, socket_path: str, as_json: bool) -> None:
+    """Mount LAYER (a ref or a digest) at DIRECTORY through the node daemon (started if none answers).
+    Unless --prefetch or --no-profile, what sandboxes read of the layer before (its access profile, shared
+    through the store) is fetched in the background, first-needed first."""
     node = Node.ensure_running(socket_path, store=store_url, fuse_binding=fuse_binding)
     info = node.mount(layer, directory, mode=mode, store=store_url, prefetch_list=prefetch_list,
-                      fuse_binding=fuse_binding)
-    emit(as_json, vars(info), lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
+                      fuse_binding=fuse_binding, profile=not no_profile, fill=fill)
+    emit(as_json, info, lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
                                        f"mode" + (f"; trace {info.trace}" if info.trace else ""))
 
 
@@ -138,8 +146,6 @@ def umount(directory: str, lazy: bool, socket_path: str) -> None:
 @json_option
 def status(socket_path: str, as_json: bool) -> None:
     """The node daemon: its mounts, layers, cache and prefetches."""
-    from dataclasses import asdict
-
     st = Node(socket_path).status()
 
     def text() -> str:
@@ -161,7 +167,7 @@ def status(socket_path: str, as_json: bool) -> None:
                   f"{human_size(p.done_bytes)}, {p.failed_chunks} failed" for p in st.prefetches]
         return "\n".join(lines)
 
-    emit(as_json, asdict(st), text)
+    emit(as_json, st, text)
 
 
 @click.group()
@@ -175,7 +181,7 @@ def cache() -> None:
 def cache_stats(socket_path: str, as_json: bool) -> None:
     """Size, entries, hits and misses of the chunk cache (disk and memory)."""
     info = Node(socket_path).cache_stats()
-    emit(as_json, vars(info), lambda: _cache_text(info))
+    emit(as_json, info, lambda: _cache_text(info))
 
 
 @cache.command("evict")
@@ -186,7 +192,7 @@ def cache_stats(socket_path: str, as_json: bool) -> None:
 def cache_evict(to_size: str, socket_path: str, as_json: bool) -> None:
     """Evict chunks from the cache (disk and memory)."""
     info = Node(socket_path).cache_evict(parse_size(to_size))
-    emit(as_json, vars(info), lambda: f"evicted {info.evicted:,} chunks\n" + _cache_text(info))
+    emit(as_json, info, lambda: f"evicted {info.evicted:,} chunks\n" + _cache_text(info))
 
 
 def _cache_text(info) -> str:
@@ -207,5 +213,5 @@ def _cache_text(info) -> str:
 def prefetch_start(directory: str, prefetch_list: str, socket_path: str, as_json: bool) -> None:
     """Fetch LIST in the background for the layer the node daemon mounted at DIRECTORY."""
     info = Node(socket_path).prefetch(directory, prefetch_list)
-    emit(as_json, vars(info), lambda: f"prefetching {info.chunks:,} chunks ({human_size(info.bytes)}) of layer "
+    emit(as_json, info, lambda: f"prefetching {info.chunks:,} chunks ({human_size(info.bytes)}) of layer "
                                        f"{info.layer[:12]}")

@@ -12,10 +12,10 @@ cli/main.py registers the group: ``main.add_command(sandbox_cmds.sandbox)``.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
 
 import click
 
+from dsec_fs.api import FILLS
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError
 from dsec_fs.sandbox_client import Sandbox
@@ -36,16 +36,22 @@ def sandbox() -> None:
 @click.option("--toolkit", "toolkits", multiple=True, metavar="LAYER",
               help="a toolkit layer; may be given again, the first on top")
 @click.option("--name", metavar="NAME", help="a name to use instead of the id (default: the id)")
+@click.option("--no-profile", is_flag=True,
+              help="layers this sandbox mounts first do not prefetch by their access profiles")
+@click.option("--fill", type=click.Choice(FILLS), default=None,
+              help="what layers this sandbox mounts first fetch in the background (default: the daemon's)")
 @store_option
 @socket_option
 @json_option
-def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name: str | None,
-       store_url: str | None, socket_path: str, as_json: bool) -> None:
+def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name: str | None, no_profile: bool,
+       fill: str | None, store_url: str | None, socket_path: str, as_json: bool) -> None:
     """Start a sandbox; prints its id and the path of its root filesystem. Any layer may be left out
-    (not all); the stack is toolkits, workspace, base, top first."""
+    (not all); the stack is toolkits, workspace, base, top first. A layer this node has not mounted yet
+    prefetches what sandboxes read of it before (its access profile, learned on any node, in the store)."""
     node = Node.ensure_running(socket_path, store=store_url)
-    info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url)
-    emit(as_json, asdict(info), lambda: f"{info.id} {info.rootfs}")
+    info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url, profile=not no_profile,
+                           fill=fill)
+    emit(as_json, info, lambda: f"{info.id} {info.rootfs}")
 
 
 @sandbox.command("exec")
@@ -107,7 +113,7 @@ def ls(socket_path: str, as_json: bool) -> None:
                   + " ".join(f"{layer.role}={layer.ref}" for layer in i.layers) for i in infos]
         return "\n".join(lines)
 
-    emit(as_json, {"sandboxes": [asdict(info) for info in infos]}, text)
+    emit(as_json, {"sandboxes": infos}, text)
 
 
 @sandbox.command("commit")
@@ -119,4 +125,4 @@ def ls(socket_path: str, as_json: bool) -> None:
 def commit(key: str, ref: str, store_url: str | None, socket_path: str, as_json: bool) -> None:
     """Publish SANDBOX's changes (its upper dir, whiteouts included) as a layer; prints its digest."""
     result = Sandbox(Node(socket_path), key).commit(ref, store=store_url)
-    emit(as_json, asdict(result), lambda: result.layer)
+    emit(as_json, result, lambda: result.layer)

@@ -26,12 +26,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from dsec_fs.errors import ConflictError, DsecError, FormatError, UnavailableError, UnsupportedError
+from dsec_fs.files import write_atomic
 from dsec_fs.layer import open_layer
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
@@ -150,23 +150,9 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 
 def _write_atomically(path: str, fill: Callable[[int], None]) -> None:
-    """Create a temporary file beside ``path``, ``fill(fd)`` it, fsync, and rename it to ``path``."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}")
+    """``fill(fd)`` a new file that then replaces ``path`` in one rename (dsec_fs.files.write_atomic)."""
     with _os_errors(path):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            try:
-                fill(fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_atomic(path, fill, mode=0o644)
 
 
 class _Extractor:

@@ -34,7 +34,6 @@ an eviction sees a missing file and re-checks under ``_lock`` before calling any
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import secrets
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 import xxhash
 
 from dsec_fs.digest import is_hex_digest, short, to_hex
+from dsec_fs.files import lock_directory
 from dsec_fs.errors import CorruptError, InputError, UnavailableError
 
 from .lmdb_index import DEFAULT_MAP_SIZE, CacheIndex, IndexEntry
@@ -97,14 +97,8 @@ class ChunkCache:
             raise
 
     def _lock_directory(self) -> int:
-        fd = os.open(os.path.join(self.directory, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise UnavailableError("the chunk cache is in use by another ChunkCache (this or another process)",
-                                   where=self.directory, transient=False) from None
-        return fd
+        return lock_directory(self.directory, what="another ChunkCache (this or another process)",
+                              error=lambda message, where: UnavailableError(message, where=where, transient=False))
 
     def _open_index(self, map_size: int) -> CacheIndex:
         """Open the index; a damaged one is a cache we can afford to lose, so it starts again empty."""

@@ -40,7 +40,6 @@ and name reservations; it is never held across a mount, a provider call or a com
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -54,6 +53,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dsec_fs import mounts
+from dsec_fs.files import lock_directory, write_atomic
 from dsec_fs.errors import ConflictError, CorruptError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import resolve, utc_now
 from dsec_fs.store.base import Store
@@ -78,8 +78,10 @@ class LayerHandle:
 class LayerProvider(Protocol):
     """Reference-counted layer mounts: a layer stays mounted while anyone holds it."""
 
-    def acquire(self, layer_ref: str) -> LayerHandle:
-        """Mount the layer (a ref or a digest) if no one holds it yet; count one more user."""
+    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
+        """Mount the layer (a ref or a digest) if no one holds it yet (prefetching by its access profile
+        unless ``profile`` is False, and filling as ``fill`` says, where the provider fetches lazily);
+        count one more user."""
 
     def release(self, digest: str) -> None:
         """One user fewer; the last one unmounts the layer."""
@@ -97,6 +99,8 @@ class SandboxSpec:
     workspace: str | None = None
     toolkits: Sequence[str] = ()  # the first is the top layer
     name: str | None = None  # default: the sandbox id
+    profile: bool = True  # layers mounted for it prefetch by their access profiles (lazy_fetch/profile.py)
+    fill: str | None = None  # and fetch this in the background (none | profile | layer); None: the daemon's
 
     def layers(self) -> list[tuple[str, str]]:
         """(role, ref) of every layer, top first."""
@@ -160,12 +164,7 @@ class SandboxManager:
         self.stack_options = stack_options
         self._lock = threading.Lock()
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.state_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise ConflictError("another sandbox manager uses this state directory", where=self.state_dir) from None
+        self._lock_fd = lock_directory(self.state_dir, what="another sandbox manager")
         self._sandboxes: dict[str, SandboxState] = {state.id: state for state in self._load_states()}
 
     def close(self) -> None:
@@ -227,7 +226,7 @@ class SandboxManager:
                 os.mkdir(path, mode=0o755)
             state = self._save(state)
             for role, ref in layer_refs:
-                handle = self.layers.acquire(ref)
+                handle = self.layers.acquire(ref, profile=spec.profile, fill=spec.fill)
                 undo.append(lambda digest=handle.digest: self.layers.release(digest))
                 state = self._save(dataclasses.replace(
                     state, layers=state.layers + (SandboxLayer(role, ref, handle.digest, handle.mountpoint),)))
@@ -331,11 +330,7 @@ class SandboxManager:
 
     def _save(self, state: SandboxState) -> SandboxState:
         """Write ``state`` to its file (atomically) and to the table; returns it."""
-        path = self._state_path(state.id)
-        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-        with open(tmp, "wb") as f:
-            f.write(state.to_json())
-        os.rename(tmp, path)
+        write_atomic(self._state_path(state.id), state.to_json(), sync=False, tmp_prefix="")
         with self._lock:
             self._sandboxes[state.id] = state
         return state
@@ -428,7 +423,9 @@ class ExportedLayers:
         self._users: dict[str, int] = {}  # digest -> holders
         self._mountpoints: dict[str, str] = {}  # digest -> where it is mounted
 
-    def acquire(self, layer_ref: str) -> LayerHandle:
+    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
+        """Export the layer to local files (nothing is fetched lazily: ``profile`` and ``fill`` have no use
+        here)."""
         digest = resolve(self.store, layer_ref)
         with self._lock:
             if digest not in self._users:

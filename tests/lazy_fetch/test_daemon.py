@@ -31,7 +31,8 @@ from dsec_fs.pack import decode_index
 from dsec_fs.store import FilesystemStore, keys, open_store
 from erofs_builder import build_layer
 from erofs_builder.reader import ErofsImage
-from lazy_fetch.daemon import PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES, PRELOAD_AFTER_BYTES, _prefetch_groups
+from lazy_fetch.prefetcher import PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES, prefetch_groups
+from lazy_fetch.traced_blob import PRELOAD_AFTER_BYTES
 from lazy_fetch.prefetch_list import PrefetchEntry
 from lazy_fetch.trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, read_trace
 from tests.lazy_fetch.daemon_support import DSECFS, drop_caches, file_chunks, layer_metric, metrics, mount_dirs
@@ -403,7 +404,7 @@ def test_a_prefetch_asks_for_a_small_first_group_then_large_ones():
     mib = 1 << 20
     entries = [PrefetchEntry(chunk=n, digest=bytes(32), offset=n * mib, length=mib, first_read_us=n, traces=1)
                for n in range(PREFETCH_GROUP_BYTES // mib + 10)]
-    groups = list(_prefetch_groups(entries))
+    groups = list(prefetch_groups(entries))
     first = PREFETCH_FIRST_GROUP_BYTES // mib
     assert [len(group) for group in groups] == [first, PREFETCH_GROUP_BYTES // mib, 10 - first]
     assert [entry for group in groups for entry in group] == entries  # in list order
