@@ -111,8 +111,9 @@ def image() -> None:
 @json_option
 def image_pull(ref: str, address: str, namespace: str, snapshotter_name: str, platform: str, plain_http: bool,
                as_json: bool) -> None:
-    """Pull converted image REF (docker://HOST/REPO:TAG, from `dsecfs convert`) into containerd: its layers
-    become snapshots the dsecfs snapshotter mounts; no layer blob is downloaded."""
+    """Pull image REF (docker://HOST/REPO:TAG) into containerd, unpacked by the dsecfs snapshotter: the layers
+    of a converted image (`dsecfs convert`) are mounted lazily, without downloading them; other layers are
+    downloaded and unpacked as containerd would."""
     from overlay.containerd_client import ContainerdClient
     from overlay.image_pull import pull_image
 
@@ -120,6 +121,6 @@ def image_pull(ref: str, address: str, namespace: str, snapshotter_name: str, pl
         result = pull_image(ref, containerd, snapshotter=snapshotter_name, platform=platform,
                             registry=registry_options(plain_http))
     data = {"image": result.name, "manifest": result.manifest_digest, "snapshots": result.chain_ids,
-            "mounted": result.prepared}
-    emit(as_json, data, lambda: f"{result.name}  {result.manifest_digest}\n"
-                                f"{len(result.chain_ids)} layers, {result.prepared} mounted now")
+            "mounted": result.mounted, "unpacked": result.unpacked}
+    emit(as_json, data, lambda: f"{result.name}  {result.manifest_digest}\n{len(result.chain_ids)} layers: "
+                                f"{result.mounted} dsecfs layers mounted, {result.unpacked} unpacked now")

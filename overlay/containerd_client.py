@@ -1,5 +1,5 @@
-"""The calls ``dsecfs image pull`` makes to containerd's gRPC API (leases, content, snapshots, images): the
-client-side adapter that imports grpcio (stubs in overlay/containerd_api/).
+"""The calls ``dsecfs image pull`` makes to containerd's gRPC API (leases, content, snapshots, diff, images):
+the client-side adapter that imports grpcio (stubs in overlay/containerd_api/).
 
 Every call names containerd's namespace in the ``containerd-namespace`` metadata, and, inside
 ``lease()``, the lease in ``containerd-lease``, so that containerd's gc keeps what the calls create
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 from google.protobuf import field_mask_pb2
@@ -23,8 +23,8 @@ from google.protobuf import field_mask_pb2
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
 
 from .containerd_api import (
-    content_pb2, content_pb2_grpc, images_pb2, images_pb2_grpc, leases_pb2, leases_pb2_grpc, snapshots_pb2,
-    snapshots_pb2_grpc, types_pb2,
+    content_pb2, content_pb2_grpc, diff_pb2, diff_pb2_grpc, images_pb2, images_pb2_grpc, leases_pb2,
+    leases_pb2_grpc, snapshots_pb2, snapshots_pb2_grpc, types_pb2,
 )
 
 DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
@@ -42,6 +42,7 @@ class ContainerdClient:
         self._content = content_pb2_grpc.ContentStub(self._channel)
         self._snapshots = snapshots_pb2_grpc.SnapshotsStub(self._channel)
         self._images = images_pb2_grpc.ImagesStub(self._channel)
+        self._diff = diff_pb2_grpc.DiffStub(self._channel)
         self._lease: str | None = None
 
     def close(self) -> None:
@@ -78,14 +79,22 @@ class ContainerdClient:
             return False
         return True
 
-    def write_content(self, digest: str, data: bytes, labels: dict[str, str]) -> None:
-        """Put a small blob into the content store (in one commit), with its gc labels; one that is there
-        already keeps its content and gets the labels."""
-        request = content_pb2.WriteContentRequest(action=content_pb2.COMMIT, ref=f"dsecfs-{digest}",
-                                                  total=len(data), expected=digest, offset=0, data=data,
-                                                  labels=labels)
+    def write_content(self, digest: str, size: int, pieces: Iterable[bytes], labels: dict[str, str]) -> None:
+        """Put a blob into the content store, streamed from ``pieces``, with its gc labels (containerd checks
+        its size and digest at the commit); one that is there already keeps its content and gets the labels."""
+        ref = f"dsecfs-{digest}"
+
+        def requests() -> Iterator[content_pb2.WriteContentRequest]:
+            offset = 0
+            for piece in pieces:
+                yield content_pb2.WriteContentRequest(action=content_pb2.WRITE, ref=ref, total=size,
+                                                      expected=digest, offset=offset, data=piece)
+                offset += len(piece)
+            yield content_pb2.WriteContentRequest(action=content_pb2.COMMIT, ref=ref, total=size, expected=digest,
+                                                  offset=offset, labels=labels)
+
         try:
-            self._call(f"write content {digest}", self._content.Write, iter([request]), stream=True)
+            self._call(f"write content {digest}", self._content.Write, requests(), stream=True)
         except ConflictError:
             info = content_pb2.Info(digest=digest, labels=labels)
             mask = field_mask_pb2.FieldMask(paths=[f"labels.{key}" for key in labels])
@@ -101,6 +110,16 @@ class ContainerdClient:
     def stat(self, snapshotter: str, key: str) -> snapshots_pb2.Info:
         request = snapshots_pb2.StatSnapshotRequest(snapshotter=snapshotter, key=key)
         return self._call(f"stat snapshot {key}", self._snapshots.Stat, request).info
+
+    def commit(self, snapshotter: str, name: str, key: str) -> None:
+        request = snapshots_pb2.CommitSnapshotRequest(snapshotter=snapshotter, name=name, key=key)
+        self._call(f"commit snapshot {key} as {name}", self._snapshots.Commit, request)
+
+    def apply(self, layer: types_pb2.Descriptor, mounts: list[types_pb2.Mount]) -> types_pb2.Descriptor:
+        """Unpack the layer blob (in the content store) into ``mounts``; the descriptor of what was applied
+        (its digest is the uncompressed layer's: the diff_id)."""
+        request = diff_pb2.ApplyRequest(diff=layer, mounts=mounts)
+        return self._call(f"apply layer {layer.digest}", self._diff.Apply, request).applied
 
     def remove(self, snapshotter: str, key: str) -> None:
         request = snapshots_pb2.RemoveSnapshotRequest(snapshotter=snapshotter, key=key)

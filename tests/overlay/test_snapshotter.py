@@ -59,6 +59,32 @@ def test_an_ordinary_image_unpacks_into_the_snapshotter_and_runs(registry, debia
             ctrd.ctr("images", "rm", "--sync", ref)
 
 
+def test_dsecfs_image_pull_unpacks_an_ordinary_image(registry, debian_image, debian_rootfs, tmp_path):
+    """Layers that are not dsecfs layers: downloaded once each, applied by containerd's differ into the
+    snapshotter's snapshots, committed under their chain IDs; the image runs."""
+    from erofs_builder.registry import RegistryOptions
+    from overlay.containerd_client import ContainerdClient
+    from overlay.image_pull import pull_image
+
+    ref, _layout = debian_image
+    layers = [d["digest"] for d in registry.inspect_raw("debian/app:v1")["layers"]]
+    with SnapshotterProcess(tmp_path / "snap") as snap, \
+            Containerd(tmp_path / "ctrd", snapshotter_socket=snap.socket) as ctrd:
+        before = len(registry.access_log())
+        with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
+            pulled = pull_image(f"docker://{ref}", client, registry=RegistryOptions(plain_http=True, auth_files=()))
+            assert (pulled.mounted, pulled.unpacked) == (0, 2)
+            gets = [line for line in registry.access_log()[before:] if line.startswith("GET ")]
+            assert [sum(digest in line for line in gets) for digest in layers] == [1, 1]
+            again = pull_image(f"docker://{ref}", client, registry=RegistryOptions(plain_http=True, auth_files=()))
+            assert (again.mounted, again.unpacked) == (0, 0)
+        run = ctrd.ctr("run", "--rm", "--snapshotter", "dsecfs", pulled.name, "c1", "/bin/sh", "-c",
+                       "cat /etc/debian_version; /opt/app/hello")
+        assert run.stdout == Path(debian_rootfs, "etc/debian_version").read_text() + "hello from the app layer\n"
+        assert ctrd.ctr("snapshots", "--snapshotter", "dsecfs", "ls").stdout.count("Committed") == 2
+        ctrd.ctr("images", "rm", "--sync", pulled.name)
+
+
 def test_a_converted_image_runs_from_dsecfs_layers(registry, debian_image, debian_rootfs, tmp_path):
     """convert, dsecfs image pull, ctr run: no layer blob is read from the registry during pull and run,
     and the node daemon fetched a small part of the image's chunks."""
@@ -90,7 +116,7 @@ def test_a_converted_image_runs_from_dsecfs_layers(registry, debian_image, debia
             with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
                 pulled = pull_image(f"docker://{registry.address}/debian/app:v1-dsecfs", client,
                                     registry=RegistryOptions(plain_http=True, auth_files=()))
-            assert pulled.prepared == 2 and len(pulled.chain_ids) == 2
+            assert pulled.mounted == 2 and len(pulled.chain_ids) == 2
             run = ctrd.ctr("run", "--rm", "--snapshotter", "dsecfs", pulled.name, "c1", "/bin/sh", "-c",
                            "cat /etc/debian_version; /opt/app/hello")
             assert run.stdout == Path(debian_rootfs, "etc/debian_version").read_text() + "hello from the app layer\n"
@@ -101,7 +127,7 @@ def test_a_converted_image_runs_from_dsecfs_layers(registry, debian_image, debia
             # Pulled again: the snapshots are there, nothing is mounted twice.
             with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
                 assert pull_image(f"docker://{registry.address}/debian/app:v1-dsecfs", client,
-                                  registry=RegistryOptions(plain_http=True, auth_files=())).prepared == 0
+                                  registry=RegistryOptions(plain_http=True, auth_files=())).mounted == 0
             traces = {m.layer: m.trace for m in daemon.node.mounts()}
             ctrd.ctr("images", "rm", "--sync", pulled.name)
             assert daemon.node.mounts() == []  # gc removed the snapshots, and the snapshotter the mounts
@@ -111,7 +137,7 @@ def test_a_converted_image_runs_from_dsecfs_layers(registry, debian_image, debia
                 save(learn_prefetch_list([trace], store), str(prefetch_dir / f"{layer}.json"))
             with ContainerdClient(str(ctrd.socket), "dsecfs-test") as client:
                 assert pull_image(f"docker://{registry.address}/debian/app:v1-dsecfs", client,
-                                  registry=RegistryOptions(plain_http=True, auth_files=())).prepared == 2
+                                  registry=RegistryOptions(plain_http=True, auth_files=())).mounted == 2
             assert sorted(m.prefetch for m in daemon.node.mounts()) == \
                 sorted(str(prefetch_dir / f"{layer}.json") for layer in traces)
             run = ctrd.ctr("run", "--rm", "--snapshotter", "dsecfs", pulled.name, "c2", "cat", "/etc/debian_version")
