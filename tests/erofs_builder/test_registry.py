@@ -228,3 +228,11 @@ def test_the_bearer_token_flow(tmp_path):
         ours = tokens.requests[asked:]
         assert len(ours) == 1 and "scope=repository%3Ateam%2Fapp%3Apull" in ours[0][0]  # one token, reused
         assert ours[0][1]["Authorization"] == "Basic " + base64.b64encode(b"bob:t0ken-pw").decode()
+        # Pushing asks for a pull,push token of the target repository.
+        from erofs_builder.convert import convert_image
+
+        converted = convert_image(ref, f"docker://{registry.address}/team/app:v1-dsecfs", store_at(tmp_path / "s"),
+                                  registry=good)
+        assert registry.inspect_raw("team/app:v1-dsecfs", creds="bob:t0ken-pw")["layers"][0]["digest"] == \
+            "sha256:" + converted.layers[0].digest
+        assert any("scope=repository%3Ateam%2Fapp%3Apull%2Cpush" in path for path, _ in tokens.requests[asked:])
