@@ -6,7 +6,8 @@ composed in one trio loop.
 is what ``dsecfs daemon`` runs. The parts, one module each::
 
     HttpApi (http_api.py) on the unix socket, its routes (routes.py) typed by dsec_fs/api.py; /metrics (metrics.py)
-      NodeDaemon (here): composition, mount and unmount, adoption after a crash, status
+      NodeDaemon (here): composition, mount and unmount, adoption after a crash; DaemonOptions
+        (daemon_options.py); what it reports (node_status.py)
         LayerMounter (layer_mount.py): the one FUSE session; kernel-mode and fuse-mode mounts
         MountTable (mount_table.py): the live mounts and their persisted copy, state_dir/mounts.json
         request_paths.py: every path a request names, resolved in a worker thread, never on our own mounts
@@ -71,15 +72,12 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from importlib import metadata
 
 import trio
 
 from dsec_fs import api
-from dsec_fs.api import BINDINGS, FILLS, MODES
+from dsec_fs.api import FILLS, MODES
 from dsec_fs.chunks import ChunkIndex
-from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.files import private_dir
@@ -89,16 +87,17 @@ from dsec_fs.store import default_store_url, open_store
 from dsec_fs.store.base import Store
 from dsec_fs.store.wrappers import wrap_store
 
-from . import request_paths, routes
+from . import node_status, request_paths, routes
 from .blob_reader import LayerBlob, open_layer_blob
 from .cache import ChunkCache
-from .fetcher import DEFAULT_MAX_CONCURRENT, DEFAULT_TIMEOUT, ChunkFetcher, FetchStats, Priority
+from .fetcher import ChunkFetcher
 from .http_api import HttpApi, raise_fd_limit
-from .layer_mount import DEFAULT_READ_AHEAD, LayerMounter, open_mounter
-from .memory_cache import DEFAULT_MEMORY_CACHE_BYTES, MemoryChunkCache, MemoryFrontedFetcher
-from .metrics import LayerFigures, MetricsPage, NodeFigures
+from .layer_mount import LayerMounter, open_mounter
+from .memory_cache import MemoryChunkCache, MemoryFrontedFetcher
+from .metrics import MetricsPage, NodeFigures
 from .mount_table import Mount, MountTable, is_ours
-from .miss_readahead import DEFAULT_WINDOW, FileChunks, MissReadahead
+from .miss_readahead import FileChunks, MissReadahead
+from .daemon_options import DaemonOptions
 from .prefetch_list import PrefetchList
 from .prefetcher import PrefetchJob, Prefetcher, with_fill
 from .profile_keeper import FoundProfile, ProfileKeeper, layer_index
@@ -108,60 +107,12 @@ from .traced_blob import LayerUsage, StoreFetchLog, TracedBlob
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_BYTES = 10 << 30
-DEFAULT_STORE_CONCURRENCY = 16  # store calls at once (fetches, index loads, layer opens), per store
 FAULTS_ENV = "DSECFS_FAULTS"  # FaultStore rules for every store the daemon opens (tests)
 TRACE_DIR = "traces"
 TRACE_FLUSH_SECONDS = 5.0  # so a live trace can be read while its mount lives
 TRACE_PRUNE_SECONDS = 600.0  # how often old traces are pruned (and once at start)
-DEFAULT_TRACE_KEEP_BYTES = 1 << 30
-DEFAULT_TRACE_KEEP_SECONDS = 7 * 86400.0
 MAX_PREFETCH_LIST_BYTES = 64 << 20  # about 400,000 entries: 400 GB of 1 MiB chunks
 FILL_CACHE_SHARE = 0.9  # a prefetch stops before the disk cache would hold more than this share of its bound
-
-
-@dataclass
-class DaemonOptions:
-    socket_path: str = DEFAULT_SOCKET
-    state_dir: str = DEFAULT_STATE_DIR
-    cache_dir: str = DEFAULT_CACHE_DIR
-    cache_bytes: int = DEFAULT_CACHE_BYTES
-    store_url: str | None = None  # store of mounts that name none; None: $DSECFS_STORE, else the default
-    fuse_binding: str = "raw"
-    latency: float | None = None  # seconds added to every store request (benchmarks)
-    bandwidth: float | None = None  # bytes per second of the emulated link to the store (benchmarks)
-    faults: str | None = None  # FaultStore rules; None: $DSECFS_FAULTS
-    fetch_timeout: float = DEFAULT_TIMEOUT
-    fetch_concurrency: int = DEFAULT_MAX_CONCURRENT
-    store_concurrency: int = DEFAULT_STORE_CONCURRENCY
-    memory_cache_bytes: int = DEFAULT_MEMORY_CACHE_BYTES
-    # The window a miss brings along while a reader walks files in blob order (miss_readahead.py), beside
-    # the rest of the file it reads; 0: no readahead at all.
-    miss_readahead_bytes: int = DEFAULT_WINDOW
-    read_ahead_bytes: int = DEFAULT_READ_AHEAD  # the kernel's readahead in a layer's files (layer_mount.py)
-    trace: bool = True
-    profiles: bool = True  # learn access profiles from traces, share them through the store, prefetch by them
-    fill: str = "profile"  # what a new mount fetches in the background (FILLS); a mount may say otherwise
-    trace_keep_bytes: int | None = DEFAULT_TRACE_KEEP_BYTES  # closed traces beyond this go, oldest first
-    trace_keep_seconds: float | None = DEFAULT_TRACE_KEEP_SECONDS  # closed traces older than this go
-
-    def check(self) -> None:
-        if self.fuse_binding not in BINDINGS:
-            raise InputError(f"unknown FUSE binding {self.fuse_binding!r} (one of {', '.join(BINDINGS)})",
-                             where="daemon options")
-        for name in ("cache_bytes", "fetch_timeout", "fetch_concurrency", "store_concurrency"):
-            if getattr(self, name) <= 0:
-                raise InputError(f"{name} must be positive, got {getattr(self, name)}", where="daemon options")
-        for name in ("miss_readahead_bytes", "read_ahead_bytes"):
-            if getattr(self, name) < 0:
-                raise InputError(f"{name} must not be negative, got {getattr(self, name)}", where="daemon options")
-        for name in ("trace_keep_bytes", "trace_keep_seconds"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise InputError(f"{name} must not be negative, got {getattr(self, name)}", where="daemon options")
-        if self.fill not in FILLS:
-            raise InputError(f"unknown fill policy {self.fill!r} (one of {', '.join(FILLS)})", where="daemon options")
-        if self.memory_cache_bytes < 0:
-            raise InputError("memory_cache_bytes must not be negative", where="daemon options")
 
 
 class NodeDaemon:
@@ -181,16 +132,16 @@ class NodeDaemon:
         self._stop = trio.Event()
         self._lock = trio.Lock()
         self._stores_lock = trio.Lock()
-        self._stores: dict[str, StoreContext] = {}
-        self._layers: dict[str, Layer] = {}
-        self._usage: dict[str, LayerUsage] = {}
+        self.stores: dict[str, StoreContext] = {}
+        self.layers: dict[str, Layer] = {}
+        self.usage: dict[str, LayerUsage] = {}
         self._served: dict[tuple[str, str], Served] = {}
-        self._started = utc_now()
-        self._cache: ChunkCache | None = None
+        self.started = utc_now()
+        self.cache: ChunkCache | None = None
         self._fetch_log: StoreFetchLog | None = None
         self._mounter: LayerMounter | None = None
         self._flights: trio.Nursery | None = None
-        self._prefetcher: Prefetcher | None = None
+        self.prefetcher: Prefetcher | None = None
         self._background: trio.Nursery | None = None  # profile publishing; None once the daemon stops
         self.profiles: ProfileKeeper | None = None
         self.on_start: list[Callable[[], Awaitable[None]]] = []  # see "Extensions" in the module docstring
@@ -211,8 +162,8 @@ class NodeDaemon:
         if options.profiles:
             self.profiles = ProfileKeeper(self.state_dir)
         async with contextlib.AsyncExitStack() as stack:
-            self._cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
-            self._fetch_log = StoreFetchLog(self._cache)
+            self.cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
+            self._fetch_log = StoreFetchLog(self.cache)
             stack.callback(self._close_stores)
             stack.callback(self._close_traces)
             self._flights = await stack.enter_async_context(_nursery_cancelled_on_exit())
@@ -225,14 +176,14 @@ class NodeDaemon:
             await self._clean_stale_mounts()
             await self._prune_traces()
             async with _nursery_cancelled_on_exit() as nursery:
-                self._prefetcher = Prefetcher(self.memory, self._fetch_log, nursery, self._cache_room)
+                self.prefetcher = Prefetcher(self.memory, self._fetch_log, nursery, self._cache_room)
                 self._background = nursery
                 for hook in self.on_start:
                     await hook()
                 await nursery.start(self.api.serve, options.socket_path)
                 nursery.start_soon(self._flush_traces_now_and_then)
                 log.info("dsecfs daemon %d serving on %s (state %s, cache %s, FUSE %s)", os.getpid(),
-                         options.socket_path, self.state_dir, self._cache.directory, options.fuse_binding)
+                         options.socket_path, self.state_dir, self.cache.directory, options.fuse_binding)
                 task_status.started()
                 try:
                     await self._stop.wait()
@@ -261,7 +212,7 @@ class NodeDaemon:
     async def _store_context(self, url: str | None) -> StoreContext:
         url = url or self.options.store_url or default_store_url()
         async with self._stores_lock:
-            context = self._stores.get(url)
+            context = self.stores.get(url)
             if context is None:
                 options = self.options
                 backend = await trio.to_thread.run_sync(open_store, url)
@@ -273,7 +224,7 @@ class NodeDaemon:
                                        timeout=options.fetch_timeout)
                 context = StoreContext(url, store, ChunkIndex(), fetcher,
                                        MemoryFrontedFetcher(fetcher, self.memory, self._flights))
-                self._stores[url] = context
+                self.stores[url] = context
                 log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
         return context
 
@@ -305,8 +256,8 @@ class NodeDaemon:
         return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
 
     def _add_layer(self, files: LayerFiles, store: StoreContext, blob: LayerBlob) -> Layer:
-        usage = self._usage.get(files.digest) or self._usage.setdefault(files.digest, LayerUsage(blob))
-        layer = self._layers[files.digest] = Layer(files, blob, store, usage)
+        usage = self.usage.get(files.digest) or self.usage.setdefault(files.digest, LayerUsage(blob))
+        layer = self.layers[files.digest] = Layer(files, blob, store, usage)
         if self.options.miss_readahead_bytes and self._background is not None:
             layer.readahead = MissReadahead(blob, self.options.miss_readahead_bytes)
             self._background.start_soon(self._map_files, layer)
@@ -387,11 +338,11 @@ class NodeDaemon:
         store = await self._store_context(store_url)
         want_profile = plist is None and profile and fill != "none" and self.profiles is not None
         files, found = await self._open_layer(store, ref, profile_of=ref_name, want_profile=want_profile)
-        blob = None if files.digest in self._layers else await self._open_blob(files, store)
+        blob = None if files.digest in self.layers else await self._open_blob(files, store)
         async with self._lock:
             if mountpoint in self.table.mounts:
                 raise ConflictError("a layer is already mounted here", where=mountpoint)
-            layer = self._layers.get(files.digest)
+            layer = self.layers.get(files.digest)
             if layer is None:  # new, or its last mount went while we opened its blob
                 blob = blob or await self._open_blob(files, store)
             if plist is not None:
@@ -423,7 +374,7 @@ class NodeDaemon:
                                        created=utc_now(), prefetch_chunks=len(plist.entries) if plist else 0)
             self.table.save()
             log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
-        return _mount_info(mount)
+        return mount_info(mount)
 
     async def unmount(self, mountpoint: str, *, lazy: bool = False) -> str:
         """Unmount what this daemon mounted at ``mountpoint`` (returned as the table names it). A busy
@@ -443,7 +394,7 @@ class NodeDaemon:
         return mountpoint
 
     def _release(self, mount: Mount) -> None:
-        layer = self._layers[mount.layer]
+        layer = self.layers[mount.layer]
         key = served_key(mount.mode, layer.files)
         served = self._served[key]
         served.mounts -= 1
@@ -455,7 +406,7 @@ class NodeDaemon:
                                            served.ref_name)
         layer.mounts -= 1
         if not layer.mounts:
-            del self._layers[mount.layer]
+            del self.layers[mount.layer]
             if layer.prefetch is not None:
                 layer.prefetch.cancel_scope.cancel()
 
@@ -506,7 +457,7 @@ class NodeDaemon:
         if not served.mounts:
             served.close_trace(remove=True)
         if not layer.mounts:
-            del self._layers[layer.digest]
+            del self.layers[layer.digest]
 
     # -- adoption and stale mounts (see mount_table.py)
 
@@ -535,7 +486,7 @@ class NodeDaemon:
         mountpoint, mode = entry["mountpoint"], entry["mode"]
         store = await self._store_context(entry["store"])
         files, _profile = await self._open_layer(store, entry["layer"])
-        layer = self._layers.get(files.digest) or self._add_layer(files, store, await self._open_blob(files, store))
+        layer = self.layers.get(files.digest) or self._add_layer(files, store, await self._open_blob(files, store))
         key, served = self._served_for(layer, mode, entry.get("ref", files.digest))
         try:
             await self._mounter.adopt_layer(files, served.blob, mountpoint, mode=mode)
@@ -577,13 +528,13 @@ class NodeDaemon:
     # -- prefetch
 
     def _cache_room(self) -> int:
-        stats = self._cache.stats()
+        stats = self.cache.stats()
         return int(stats.max_bytes * FILL_CACHE_SHARE) - stats.bytes
 
     def _start_prefetch(self, layer: Layer, plist: PrefetchList, path: str, served: Served) -> PrefetchJob:
         if layer.prefetch is not None and layer.prefetch.state == "running":
             raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
-        layer.prefetch = self._prefetcher.start(layer.digest, plist, path, layer.store.fetcher,
+        layer.prefetch = self.prefetcher.start(layer.digest, plist, path, layer.store.fetcher,
                                                 layer.blob.location, lambda: served.blob.trace,
                                                 landed=layer.usage.note_prefetched)
         return layer.prefetch
@@ -596,13 +547,13 @@ class NodeDaemon:
             mount = self.table.mounts.get(mountpoint)
             if mount is None:
                 raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
-            layer = self._layers[mount.layer]
+            layer = self.layers[mount.layer]
             plist.verify(layer.blob.blob_map, layer=layer.digest)
             served = self._served[served_key(mount.mode, layer.files)]
             return api.PrefetchInfo(**self._start_prefetch(layer, plist, path, served).to_json())
 
     def prefetches(self) -> list[api.PrefetchInfo]:
-        jobs = self._prefetcher.jobs if self._prefetcher else []
+        jobs = self.prefetcher.jobs if self.prefetcher else []
         return [api.PrefetchInfo(**job.to_json()) for job in jobs]
 
     # -- traces
@@ -638,87 +589,35 @@ class NodeDaemon:
         self._served.clear()
 
     def _close_stores(self) -> None:
-        for context in self._stores.values():
+        for context in self.stores.values():
             context.store.close()
-        self._stores.clear()
+        self.stores.clear()
 
-    # -- status, cache, metrics
+    # -- status, cache, metrics (node_status.py)
 
     def mounts(self) -> list[api.MountInfo]:
-        return [_mount_info(mount) for mount in self.table.mounts.values()]
+        return [mount_info(mount) for mount in self.table.mounts.values()]
 
     def cache_status(self, *, evicted: int = 0) -> api.CacheInfo:
-        stats = asdict(self._cache.stats())
-        memory = asdict(self.memory.figures())
-        return api.CacheInfo(directory=self._cache.directory, evicted=evicted, **stats,
-                             **{f"memory_{k}": v for k, v in memory.items()})
+        return node_status.cache_info(self, evicted=evicted)
 
     async def evict(self, to_bytes: int) -> api.CacheInfo:
         """Evict the disk cache (least recently used first) and the memory cache down to ``to_bytes``."""
         if to_bytes < 0:
             raise InputError(f"cannot evict to a negative size ({to_bytes})", where="cache evict")
-        evicted = await trio.to_thread.run_sync(self._cache.evict_to, to_bytes)
+        evicted = await trio.to_thread.run_sync(self.cache.evict_to, to_bytes)
         self.memory.shrink_to(to_bytes)
         log.info("evicted %d chunks from the cache (down to %d bytes)", evicted, to_bytes)
         return self.cache_status(evicted=evicted)
 
-    def _fetch_stats(self) -> dict[str, FetchStats]:
-        """FetchStats by layer, summed over the stores' fetchers."""
-        merged: dict[str, FetchStats] = {}
-        for context in self._stores.values():
-            for label, stats in context.fetcher.all_stats().items():
-                merged[label] = _add_stats(merged.get(label), stats)
-        return merged
-
     def figures(self) -> NodeFigures:
-        fetch = self._fetch_stats()
-        layers = []
-        for digest in sorted(set(fetch) | set(self._usage)):
-            usage = self._usage.get(digest)
-            layers.append(LayerFigures(
-                layer=digest, fetch=fetch.get(digest) or FetchStats(digest),
-                data_bytes=usage.data_bytes if usage else 0, used_bytes=usage.used_bytes if usage else 0,
-                reads=usage.reads if usage else 0, read_errors=usage.read_errors if usage else 0))
-        fetchers = [context.fetcher for context in self._stores.values()]
-        mounts = self.table.mounts.values()
-        return NodeFigures(
-            layers=layers, cache=self._cache.stats(), memory=self.memory.figures(),
-            mounts={mode: sum(m.mode == mode for m in mounts) for mode in MODES},
-            prefetch_running=self._prefetcher.running if self._prefetcher else 0,
-            store_reads_running=sum(f.store_reads_running for f in fetchers),
-            store_reads_waiting={p.name.lower(): sum(f.waiting(p) for f in fetchers) for p in Priority})
+        return node_status.figures(self)
 
     def status(self) -> api.NodeStatus:
-        fetch = self._fetch_stats()
-        layers = []
-        for digest, usage in sorted(self._usage.items()):
-            stats = fetch.get(digest) or FetchStats(digest)
-            layers.append(api.LayerStatus(
-                layer=digest, mounts=sum(m.layer == digest for m in self.table.mounts.values()),
-                data_bytes=usage.data_bytes, used_bytes=usage.used_bytes,
-                fetched_ratio=usage.used_bytes / usage.data_bytes if usage.data_bytes else 0.0,
-                reads=usage.reads, read_errors=usage.read_errors,
-                chunks_fetched=stats.chunks_fetched, bytes_fetched=stats.bytes_fetched,
-                cache_hits=stats.hits, cache_misses=stats.misses, fetch_errors=stats.errors,
-                corrupt=stats.corrupt, timeouts=stats.timeouts, abandoned=stats.abandoned, refused=stats.refused,
-                **usage.prediction(),
-                miss_readahead=self._readahead_state(digest)))
-        return api.NodeStatus(
-            pid=os.getpid(), version=_version(), started=self._started, socket=self.options.socket_path,
-            state_dir=self.state_dir, cache_dir=self._cache.directory,
-            store=self.options.store_url or default_store_url(), fuse_binding=self.options.fuse_binding,
-            mounts=self.mounts(), layers=layers, prefetches=self.prefetches(), cache=self.cache_status(),
-            cleaned=list(self.cleaned), connections=self.api.connections)
+        return node_status.status(self)
 
 
-    def _readahead_state(self, digest: str) -> str:
-        layer = self._layers.get(digest)
-        if layer is None or layer.readahead is None:
-            return ""
-        return "ready" if layer.readahead.files is not None else "pending"
-
-
-def _mount_info(mount: Mount) -> api.MountInfo:
+def mount_info(mount: Mount) -> api.MountInfo:
     return api.MountInfo(**mount.to_json())
 
 
@@ -730,24 +629,6 @@ async def _nursery_cancelled_on_exit() -> AsyncIterator[trio.Nursery]:
             yield nursery
         finally:
             nursery.cancel_scope.cancel()
-
-
-def _add_stats(total: FetchStats | None, stats: FetchStats) -> FetchStats:
-    if total is None:
-        return stats
-    summed = FetchStats(stats.label)
-    for name in ("hits", "misses", "coalesced", "chunks_fetched", "bytes_fetched", "store_reads", "errors",
-                 "corrupt", "timeouts", "abandoned", "refused", "readahead", "latency_sum"):
-        setattr(summed, name, getattr(total, name) + getattr(stats, name))
-    summed.latency_counts = [a + b for a, b in zip(total.latency_counts, stats.latency_counts)]
-    return summed
-
-
-def _version() -> str:
-    try:
-        return metadata.version("dsecfs")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 async def serve_until_signalled(daemon: NodeDaemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

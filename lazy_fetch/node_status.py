@@ -1,0 +1,110 @@
+"""What the node daemon reports, from its tables: ``status`` (the API's /v1/status, dsec_fs/api.py's
+types) and ``figures`` (what metrics.py renders on /metrics).
+
+Threads: the daemon's trio thread, which owns every table read here; the fetchers' counters are read as
+they are (FetchStats: plain integers the trio thread updates).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+from dsec_fs import api
+from dsec_fs.api import MODES
+from dsec_fs.store import default_store_url
+
+from .fetcher import FetchStats, Priority
+from .metrics import LayerFigures, NodeFigures
+
+if TYPE_CHECKING:
+    from .daemon import NodeDaemon
+    from .served_layers import StoreContext
+
+SUMMED = ("hits", "misses", "coalesced", "chunks_fetched", "bytes_fetched", "store_reads", "errors", "corrupt",
+          "timeouts", "abandoned", "refused", "readahead", "latency_sum")
+
+
+def fetch_stats(stores: dict[str, StoreContext]) -> dict[str, FetchStats]:
+    """FetchStats by layer, summed over the stores' fetchers (a layer read through two stores)."""
+    merged: dict[str, FetchStats] = {}
+    for context in stores.values():
+        for label, stats in context.fetcher.all_stats().items():
+            merged[label] = _add(merged.get(label), stats)
+    return merged
+
+
+def _add(total: FetchStats | None, stats: FetchStats) -> FetchStats:
+    if total is None:
+        return stats
+    summed = FetchStats(stats.label)
+    for name in SUMMED:
+        setattr(summed, name, getattr(total, name) + getattr(stats, name))
+    summed.latency_counts = [a + b for a, b in zip(total.latency_counts, stats.latency_counts)]
+    return summed
+
+
+def cache_info(daemon: NodeDaemon, *, evicted: int = 0) -> api.CacheInfo:
+    stats = asdict(daemon.cache.stats())
+    memory = asdict(daemon.memory.figures())
+    return api.CacheInfo(directory=daemon.cache.directory, evicted=evicted, **stats,
+                         **{f"memory_{k}": v for k, v in memory.items()})
+
+
+def figures(daemon: NodeDaemon) -> NodeFigures:
+    fetch = fetch_stats(daemon.stores)
+    layers = []
+    for digest in sorted(set(fetch) | set(daemon.usage)):
+        usage = daemon.usage.get(digest)
+        layers.append(LayerFigures(
+            layer=digest, fetch=fetch.get(digest) or FetchStats(digest),
+            data_bytes=usage.data_bytes if usage else 0, used_bytes=usage.used_bytes if usage else 0,
+            reads=usage.reads if usage else 0, read_errors=usage.read_errors if usage else 0))
+    fetchers = [context.fetcher for context in daemon.stores.values()]
+    mounts = daemon.table.mounts.values()
+    return NodeFigures(
+        layers=layers, cache=daemon.cache.stats(), memory=daemon.memory.figures(),
+        mounts={mode: sum(m.mode == mode for m in mounts) for mode in MODES},
+        prefetch_running=daemon.prefetcher.running if daemon.prefetcher else 0,
+        store_reads_running=sum(f.store_reads_running for f in fetchers),
+        store_reads_waiting={p.name.lower(): sum(f.waiting(p) for f in fetchers) for p in Priority})
+
+
+def status(daemon: NodeDaemon) -> api.NodeStatus:
+    fetch = fetch_stats(daemon.stores)
+    mounts = daemon.table.mounts.values()
+    layers = []
+    for digest, usage in sorted(daemon.usage.items()):
+        stats = fetch.get(digest) or FetchStats(digest)
+        layers.append(api.LayerStatus(
+            layer=digest, mounts=sum(m.layer == digest for m in mounts),
+            data_bytes=usage.data_bytes, used_bytes=usage.used_bytes,
+            fetched_ratio=usage.used_bytes / usage.data_bytes if usage.data_bytes else 0.0,
+            reads=usage.reads, read_errors=usage.read_errors,
+            chunks_fetched=stats.chunks_fetched, bytes_fetched=stats.bytes_fetched,
+            cache_hits=stats.hits, cache_misses=stats.misses, fetch_errors=stats.errors,
+            corrupt=stats.corrupt, timeouts=stats.timeouts, abandoned=stats.abandoned, refused=stats.refused,
+            **usage.prediction(), miss_readahead=_readahead_state(daemon, digest)))
+    options = daemon.options
+    return api.NodeStatus(
+        pid=os.getpid(), version=_version(), started=daemon.started, socket=options.socket_path,
+        state_dir=daemon.state_dir, cache_dir=daemon.cache.directory,
+        store=options.store_url or default_store_url(), fuse_binding=options.fuse_binding,
+        mounts=daemon.mounts(), layers=layers, prefetches=daemon.prefetches(), cache=cache_info(daemon),
+        cleaned=list(daemon.cleaned), connections=daemon.api.connections)
+
+
+def _readahead_state(daemon: NodeDaemon, digest: str) -> str:
+    layer = daemon.layers.get(digest)
+    if layer is None or layer.readahead is None:
+        return ""
+    return "ready" if layer.readahead.files is not None else "pending"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("dsecfs")
+    except metadata.PackageNotFoundError:
+        return "unknown"
