@@ -9,6 +9,10 @@ cover most of them:
 - **The rest of the file.** A read names the chunks of its file after it as readahead (at most
   FILE_BYTES): the file comes in the GETs its first miss makes anyway (its chunks lie side by side in its
   pack), and the reader's next reads of it hit the cache.
+- **A directory's small files.** Once a reader has read two files of one directory (an import of a
+  package, a scan), a read names the directory's other files of at most SMALL_FILE_BYTES, nearest in the
+  blob first, up to DIRECTORY_BYTES: the build lays them out side by side, so they come in the GETs of one
+  miss. A reader of one file never gets them.
 - **A walk in blob order.** The build lays a directory's files out one after another in the blob. When a
   read starts a new file right where the previous file read ended (within WALK_GAP entries), the reader
   is walking: the window of chunks named after the file doubles with each new file, from WINDOW_START up
@@ -19,7 +23,8 @@ cover most of them:
 The fetcher fetches readahead only when a wanted chunk missed and only within the runs it reads for
 the miss (fetcher.py): it costs link bytes, never a round trip. A walk whose reads hit (the window came
 with an earlier miss) has the rest of its window fetched in the background at prefetch priority
-(``window_to_warm``), so the walk does not stop at the window's end. The map of which chunks belong to which
+(``to_warm``), so the walk does not stop at the window's end; so are a directory's neighbours that
+no miss brought. The map of which chunks belong to which
 file comes from the layer's image (``FileChunks.of``, about 0.3 s for 8,000 files, so it is built in a
 worker thread once the layer is mounted; reads before it is ready get no readahead).
 
@@ -39,30 +44,46 @@ FILE_BYTES = 16 << 20  # readahead of a file's own chunks on its first read
 WINDOW_START = 256 << 10
 DEFAULT_WINDOW = 4 << 20
 WALK_GAP = 2  # blob entries between one file's last read chunk and the next file's first: still a walk
+SMALL_FILE_BYTES = 256 << 10  # a directory's files up to this size come along as its neighbours
+DIRECTORY_BYTES = 2 << 20  # at most this much of a directory's small files named at once
 
 
 class FileChunks:
-    """For each blob-map entry, the file it belongs to (its first holder in the image's walk order), and
-    each file's chunks in file order."""
+    """For each blob-map entry, the file it belongs to (its first holder in the image's walk order); each
+    file's chunks in file order and its directory; each directory's small files."""
 
-    def __init__(self, owner: array, files: list[tuple[int, ...]]):
+    def __init__(self, owner: array, files: list[tuple[int, ...]], directory: array, small: list[list[int]]):
         self.owner = owner  # entry -> file number, -1 for none
         self.files = files  # file number -> its blob entries, in file order, no holes, no repeats
+        self.directory = directory  # file number -> directory number
+        self.small = small  # directory number -> its files of at most SMALL_FILE_BYTES, in blob order
 
     @classmethod
     def of(cls, index: LayerIndex) -> FileChunks:
-        owner = array("i", [-1]) * len(index.blob_map.entries)
+        lengths = [length for _blkaddr, _digest, length in index.blob_map.entries]
+        owner = array("i", [-1]) * len(lengths)
         files: list[tuple[int, ...]] = []
+        directory = array("i")
+        directories: dict[str, int] = {}
+        small: list[list[int]] = []
         for file in index.files.values():
             entries = tuple(dict.fromkeys(entry for entry in file.chunks if entry is not None))
             if not entries:
                 continue
             number = len(files)
             files.append(entries)
+            parent = directories.setdefault(file.path.rpartition("/")[0], len(directories))
+            if parent == len(small):
+                small.append([])
+            directory.append(parent)
+            if sum(lengths[entry] for entry in entries) <= SMALL_FILE_BYTES:
+                small[parent].append(number)
             for entry in entries:
                 if owner[entry] < 0:
                     owner[entry] = number
-        return cls(owner, files)
+        for members in small:
+            members.sort(key=lambda number: files[number][0])
+        return cls(owner, files, directory, small)
 
 
 class MissReadahead:
@@ -77,6 +98,9 @@ class MissReadahead:
         self._warmed_to = -1  # the last entry a walk's window was warmed up to
         self._last_file = -1
         self._last_end = -1  # the last blob entry of the latest read
+        self._read_files: set[int] = set()  # files read so far
+        self._directory_reads: dict[int, int] = {}  # directory -> files of it read so far
+        self._neighbours: list[int] = []  # the directory neighbours the latest read named
 
     def ready(self, files: FileChunks) -> None:
         self.files = files
@@ -105,21 +129,41 @@ class MissReadahead:
                        self._window)
         self._window_entries = list(window)
         ahead.update(window)
+        neighbours: dict[int, None] = {}
+        if number >= 0 and number not in self._read_files:
+            self._read_files.add(number)
+            parent = files.directory[number]
+            self._directory_reads[parent] = self._directory_reads.get(parent, 0) + 1
+            if self._directory_reads[parent] == 2:  # a reader of several files of this directory
+                self._take(neighbours, self._near(files, parent, number), DIRECTORY_BYTES)
+        self._neighbours += neighbours  # until to_warm takes them
+        ahead.update(neighbours)
         wanted = {chunk.entry for chunk in chunks}
         entries = self.blob.blob_map.entries
         return [(entries[entry][1], self.blob.location(entry, entries[entry][1])) for entry in ahead
                 if entry not in wanted]
 
-    def window_to_warm(self) -> list[tuple[bytes, ChunkLocation]]:
-        """After a read that hit while walking: the part of its window no earlier call gave, to fetch in
-        the background (the fetcher brings readahead only with a miss, and a walk whose window arrived
-        reads hit after hit until it runs past it: as the kernel's async readahead, the next window is
-        asked for before the reader gets there)."""
+    def to_warm(self) -> list[tuple[bytes, ChunkLocation]]:
+        """After a read: what it named that its GETs may not have brought, to fetch in the background (the
+        fetcher skips what is cached or in the air). The fetcher brings readahead only with a miss and
+        only in the runs of the miss, and a walk whose window arrived reads hit after hit until it runs
+        past it: as the kernel's async readahead, the part of the window no earlier call gave is asked
+        for before the reader gets there; and the directory neighbours a read named."""
         entries = self.blob.blob_map.entries
         fresh = [entry for entry in self._window_entries if entry > self._warmed_to]
         if fresh:
             self._warmed_to = fresh[-1]
+        fresh += self._neighbours
+        self._neighbours = []
         return [(entries[entry][1], self.blob.location(entry, entries[entry][1])) for entry in fresh]
+
+    def _near(self, files: FileChunks, parent: int, number: int):
+        """The chunks of the directory's small files not read yet, nearest in the blob to ``number`` first."""
+        start = files.files[number][0]
+        members = sorted((n for n in files.small[parent] if n not in self._read_files),
+                         key=lambda n: abs(files.files[n][0] - start))
+        for member in members:
+            yield from files.files[member]
 
     def _take(self, ahead: dict[int, None], candidates, budget: int) -> None:
         entries = self.blob.blob_map.entries

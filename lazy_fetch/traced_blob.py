@@ -142,20 +142,18 @@ class TracedBlob:
         except DsecError:
             self._note(offset, length, chunks, mark, started, failed=True)
             raise
-        missed = self._note(offset, length, chunks, mark, started, failed=False)
-        if not missed and self.readahead is not None:
-            self.blob.fetcher.warm_soon(self.readahead.window_to_warm(), self.blob.label)
+        self._note(offset, length, chunks, mark, started, failed=False)
+        if self.readahead is not None:
+            self.blob.fetcher.warm_soon(self.readahead.to_warm(), self.blob.label)
         return data
 
     def _note(self, offset: int, length: int, chunks: list[BlobChunk], mark: int, started: int, *,
-              failed: bool) -> bool:
-        """Count and trace one read; whether it waited for the store."""
+              failed: bool) -> None:
         self.usage.note(chunks, failed)
-        missed = self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks))
         if self.trace is None:
-            return missed
+            return
         flags = FLAG_ERROR if failed else 0
-        if missed:
+        if self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks)):
             flags |= FLAG_MISS
         file_read = FILE_READ.get()  # set by LayerTree (fuse mode): the file and offset being read
         if file_read is None:
@@ -165,4 +163,3 @@ class TracedBlob:
             nid, position = file_read
         self.trace.record(nid=nid, offset=position, length=length, chunk=chunks[0].entry if chunks else NO_CHUNK,
                           latency_us=(time.monotonic_ns() - started) // 1000, flags=flags)
-        return missed

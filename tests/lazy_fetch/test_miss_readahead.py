@@ -37,13 +37,19 @@ def _chunks(*entries):
     return [BlobChunk(e, bytes([e]) * 32, e * CHUNK, CHUNK) for e in entries]
 
 
-def _planner(files, lengths, max_window=4 * CHUNK):
+def _planner(files, lengths, max_window=4 * CHUNK, directories=None):
+    """A planner over ``files`` (their blob entries); ``directories``: each file's directory number
+    (default: each file a directory of its own)."""
     planner = MissReadahead(_Blob(lengths), max_window)
     owner = array("i", [-1]) * len(lengths)
     for number, entries in enumerate(files):
         for entry in entries:
             owner[entry] = number
-    planner.ready(FileChunks(owner, [tuple(f) for f in files]))
+    directories = directories or list(range(len(files)))
+    small = [[] for _ in range(max(directories) + 1)]
+    for number, parent in enumerate(directories):
+        small[parent].append(number)
+    planner.ready(FileChunks(owner, [tuple(f) for f in files], array("i", directories), small))
     return planner
 
 
@@ -65,6 +71,16 @@ def test_a_walk_in_blob_order_grows_a_window_and_a_jump_resets_it():
     assert ahead == list(range(6, 6 + 2 * WINDOW_START // CHUNK))  # the next file: the window doubled
     assert [loc for _d, loc in planner.plan(_chunks(20))] == [21]  # a jump: the rest of its file only
     assert [loc for _d, loc in planner.plan(_chunks(8))] == [9]
+
+
+def test_the_second_file_read_of_a_directory_names_its_other_small_files_nearest_first():
+    # directory 0: files 0, 1, 2, 3 (entries 0..3); directory 1: file 4 (entry 4), file 5 far away (9)
+    planner = _planner([[0], [1], [2], [3], [4], [9]], [CHUNK] * 10, directories=[0, 0, 0, 0, 1, 1])
+    assert planner.plan(_chunks(2)) == [] and planner.to_warm() == []  # one file: nothing else
+    assert [loc for _d, loc in planner.plan(_chunks(0))] == [1, 3]  # the second: the rest, nearest first
+    assert [loc for _d, loc in planner.to_warm()] == [1, 3]  # and once more, in the background
+    assert planner.to_warm() == []
+    assert planner.plan(_chunks(3)) == []  # the directory was named already (and 3 is no walk from 0)
 
 
 @pytest.fixture
