@@ -225,20 +225,24 @@ def build_tree(
 
     with _cycle_collector_paused():
         return _build_streamed(feed, store, [name], chunk_size, progress, workers, source, known=known,
-                               total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns)[0]
+                               total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns,
+                               read_in_workers=True)[0]
 
 
 def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: list[str | None], chunk_size: int,
                     progress: Progress | None, workers: int | None, source: str, *, known: KnownChunks | None = None,
-                    total_bytes: int = 0, scanned_at_ns: int | None = None) -> list[BuildResult]:
+                    total_bytes: int = 0, scanned_at_ns: int | None = None,
+                    read_in_workers: bool = False) -> list[BuildResult]:
     """Steps 2 to 6 for the trees ``walk`` makes, calling its ``on_file`` argument for each regular file
-    while the file's content is readable; ``names[k]`` names the layer of tree k."""
+    while the file's content is readable; ``names[k]`` names the layer of tree k. With
+    ``read_in_workers`` (files readable until the build ends: a directory) the chunker's workers read
+    small files."""
     # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
     with Lease(store, purpose=f"build {names[0] or source}") as lease:
         with load_chunk_index(store) as index:
             with ChunkUploader(store, index) as uploader:
                 with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                             known=known, total_bytes=total_bytes) as chunker:
+                             known=known, total_bytes=total_bytes, read_in_workers=read_in_workers) as chunker:
                     trees = walk(chunker.add_file)
                     stats = chunker.finish()
                 uploader.flush()
@@ -326,7 +330,7 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
         with load_chunk_index(store) as index:
             with ChunkUploader(store, index) as uploader:
                 with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                             total_bytes=sum(node.size for node in files)) as chunker:
+                             total_bytes=sum(node.size for node in files), read_in_workers=True) as chunker:
                     for node in files:
                         chunker.add_file(node)
                     read = chunker.finish()
