@@ -133,19 +133,22 @@ def node_of(path: bytes, st: os.stat_result, shared: dict[int, int]) -> Node:
     """The Node of the entry at ``path`` whose lstat is ``st``: reads its xattrs, and a symlink's target.
     ``shared`` maps each int value seen to one object (see Memory above); pass {} for a lone node."""
     mode = shared.setdefault(st.st_mode, st.st_mode)
+    # stat_identity(st), with the shared objects; each st_* read makes a new int object, so the node's
+    # mtime and size are the identity's own.
+    identity = (shared.setdefault(st.st_dev, st.st_dev), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                mode)
     node = Node(
         mode=mode,
         uid=shared.setdefault(st.st_uid, st.st_uid),
         gid=shared.setdefault(st.st_gid, st.st_gid),
-        mtime_ns=st.st_mtime_ns,
+        mtime_ns=identity[3],
         xattrs=_xattrs(path),
-        identity=(shared.setdefault(st.st_dev, st.st_dev), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
-                  mode),  # stat_identity(st), with the shared objects
+        identity=identity,
         source=path.decode(_FS_ENCODING, _FS_ERRORS),  # os.fsdecode, without its checks: once per entry
     )
     if stat.S_ISREG(mode):
-        node.size = st.st_size
-        node.reader = _FileReader(node.source, node.identity)
+        node.size = identity[2]
+        node.reader = _FileReader(node.source, identity)
     elif stat.S_ISDIR(mode):
         node.children = {}
     elif stat.S_ISLNK(mode):
