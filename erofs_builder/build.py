@@ -239,23 +239,33 @@ def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: l
     small files."""
     # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
     with Lease(store, purpose=f"build {names[0] or source}") as lease:
-        with load_chunk_index(store) as index:
-            with ChunkUploader(store, index) as uploader:
-                with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                             known=known, total_bytes=total_bytes, read_in_workers=read_in_workers) as chunker:
-                    trees = walk(chunker.add_file)
-                    stats = chunker.finish()
-                uploader.flush()
-            layers = []
-            for tree in trees:
-                files = regular_files(tree)
-                packs = _packs_of(_digests(files), index)
-                index.confirm(store, _digests(files), packs)
-                layers.append((tree, files, packs))
-        # The chunk index holds an object per chunk: it is gone before blob maps and images are made.
-        return [_publish(store, lease, tree, files, packs, _layer_stats(stats, files, chunk_size, len(trees)),
+        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes, read_in_workers)
+        return [_publish(store, lease, tree, files, packs, _layer_stats(stats, files, chunk_size, len(layers)),
                          name, chunk_size, source, scanned_at_ns)
                 for (tree, files, packs), name in zip(layers, names)]
+
+
+def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size: int, progress: Progress | None,
+                 workers: int | None, known: KnownChunks | None, total_bytes: int,
+                 read_in_workers: bool) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
+    """Steps 2 to 4: chunk and upload the trees ``walk`` makes, and confirm their packs; returns the
+    statistics and, per tree, (tree, regular files, sorted pack ids). The chunk index, the uploader and the
+    chunker hold an object per chunk: they are gone when this returns, before blob maps and images are
+    made (a function of its own, so that no name of the caller still holds them)."""
+    with load_chunk_index(store) as index:
+        with ChunkUploader(store, index) as uploader:
+            with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
+                         known=known, total_bytes=total_bytes, read_in_workers=read_in_workers) as chunker:
+                trees = walk(chunker.add_file)
+                stats = chunker.finish()
+            uploader.flush()
+        layers = []
+        for tree in trees:
+            files = regular_files(tree)
+            packs = _packs_of(_digests(files), index)
+            index.confirm(store, _digests(files), packs)
+            layers.append((tree, files, packs))
+    return stats, layers
 
 
 def _layer_stats(build: ChunkStats, files: list[Node], chunk_size: int, trees: int) -> ChunkStats:
