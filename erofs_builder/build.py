@@ -18,7 +18,8 @@ Steps, each finished before the next starts:
 
 Memory: for a tree of many small files each step needs tens of MB besides the Tree, so they run one
 after another (the flush of step 3 could run beside step 5, but their peaks would add up), and what one
-step holds per chunk (the chunk index, the blob map) lives only as long as it is needed.
+step holds per chunk (the chunk index, the blob map) lives only as long as it is needed: steps 2 to 4
+run in ``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns.
 
 Incremental builds: with ``parent`` (a layer built earlier from the same directory), a scan of the source
 is compared with the parent's build info first (patch.py). If only regular files' contents changed, in

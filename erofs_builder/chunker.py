@@ -15,13 +15,13 @@ Pipeline and threads:
   compresses and uploads each piece of its batch. hashlib and zstandard release the GIL, so on two cores
   both stay busy. A batch, not a piece, is the unit of work: a Future and a GIL hand-over per small file
   would cost far more than naming it.
-- Files under INLINE_BYTES (of one piece) are not split into pieces at all. With ``read_in_workers``
-  (a directory tree, whose files can be read at any time until the build ends) they go to the workers
-  whole, in batches of up to FILES_PER_BATCH, and a worker opens, reads, hashes, compresses and uploads
-  each: the main thread only queues them, so the two workers' system calls, hashing and compression
-  (all outside the GIL) overlap each other's Python code. A stream (tar, OCI) must be read while its
-  member goes past: its small files are then read and named in the main thread at once, since for so
-  few bytes a worker would save less time than handing them over costs.
+- With ``read_in_workers`` (a directory tree, whose files can be read at any time until the build ends)
+  files under INLINE_BYTES (of one piece) go to the workers whole, in batches of up to FILES_PER_BATCH,
+  and a worker opens, reads, hashes, compresses and uploads each: the main thread only queues them, so
+  the two workers' system calls, hashing and compression (all outside the GIL) overlap each other's
+  Python code. A stream (tar, OCI) must be read while its member goes past: the main thread reads every
+  file, and its pieces, small or not, go to the workers in batches while the main thread parses the
+  stream on (naming small pieces in the main thread instead cost as much CPU and more wall time).
 - The main thread alone settles results (fills a node's chunk list at the piece's position, adds up the
   statistics), so those need no lock; the BlobMap is laid out from the final tree afterwards.
 - ``_Claims`` is the only state the workers share: ``_lock`` guards the set of digests some thread has
@@ -50,7 +50,7 @@ from .tree import Node, Tree
 DEFAULT_CHUNK_SIZE = 1 << 20
 # A batch goes to a worker once it holds this much; with small chunks a batch holds many pieces.
 BATCH_BYTES = 1 << 20
-# Files smaller than this are named in the main thread (see the module docstring).
+# With read_in_workers, files smaller than this are read by a worker (see the module docstring).
 INLINE_BYTES = 16 << 10
 # Small files a worker reads and names per batch (``read_in_workers``): enough that the hand-over is cheap
 # next to them, few enough that both workers start at once.
@@ -184,9 +184,8 @@ class Chunker:
 
     def _read(self, node: Node, pieces: Iterator[bytes | None]) -> None:
         """Take a file's pieces from its reader, checking that they add up to exactly ``node.size`` bytes,
-        and name a small file's pieces at once, or add each to the batch for a worker."""
+        and add each to the batch for a worker."""
         chunks, size, chunk_size = node.chunks, node.size, self.chunk_size
-        inline = size < INLINE_BYTES
         for number in range(len(chunks)):
             piece = next(pieces, _END)
             length = _piece_length(size, number, chunk_size)
@@ -196,10 +195,6 @@ class Chunker:
                 raise InputError(f"content ends after {number} of {len(chunks)} chunks", where=node.source)
             elif len(piece) != length:
                 raise InputError(f"chunk {number} is {len(piece)} bytes, expected {length}", where=node.source)
-            elif inline:
-                digest, stored = self._name(piece, length)
-                chunks[number] = digest
-                self._settle(length, digest, stored)
             else:
                 self._batch.append((chunks, number, length, piece))
                 self._batch_size += length
