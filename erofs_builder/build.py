@@ -226,29 +226,25 @@ def build_tree(
 
     with _cycle_collector_paused():
         return _build_streamed(feed, store, [name], chunk_size, progress, workers, source, known=known,
-                               total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns,
-                               read_in_workers=True)[0]
+                               total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns)[0]
 
 
 def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: list[str | None], chunk_size: int,
                     progress: Progress | None, workers: int | None, source: str, *, known: KnownChunks | None = None,
-                    total_bytes: int = 0, scanned_at_ns: int | None = None,
-                    read_in_workers: bool = False) -> list[BuildResult]:
+                    total_bytes: int = 0, scanned_at_ns: int | None = None) -> list[BuildResult]:
     """Steps 2 to 6 for the trees ``walk`` makes, calling its ``on_file`` argument for each regular file
-    while the file's content is readable; ``names[k]`` names the layer of tree k. With
-    ``read_in_workers`` (files readable until the build ends: a directory) the chunker's workers read
-    small files."""
+    while the file's content is readable; ``names[k]`` names the layer of tree k."""
     # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
     with Lease(store, purpose=f"build {names[0] or source}") as lease:
-        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes, read_in_workers)
+        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes)
         return [_publish(store, lease, tree, files, packs, _layer_stats(stats, files, chunk_size, len(layers)),
                          name, chunk_size, source, scanned_at_ns)
                 for (tree, files, packs), name in zip(layers, names)]
 
 
 def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size: int, progress: Progress | None,
-                 workers: int | None, known: KnownChunks | None, total_bytes: int,
-                 read_in_workers: bool) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
+                 workers: int | None, known: KnownChunks | None,
+                 total_bytes: int) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
     """Steps 2 to 4: chunk and upload the trees ``walk`` makes, and confirm their packs; returns the
     statistics and, per tree, (tree, regular files, sorted pack ids). The chunk index, the uploader and the
     chunker hold an object per chunk: they are gone when this returns, before blob maps and images are
@@ -256,7 +252,7 @@ def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size:
     with load_chunk_index(store) as index:
         with ChunkUploader(store, index) as uploader:
             with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                         known=known, total_bytes=total_bytes, read_in_workers=read_in_workers) as chunker:
+                         known=known, total_bytes=total_bytes) as chunker:
                 trees = walk(chunker.add_file)
                 stats = chunker.finish()
             uploader.flush()
@@ -341,7 +337,7 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
         with load_chunk_index(store) as index:
             with ChunkUploader(store, index) as uploader:
                 with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                             total_bytes=sum(node.size for node in files), read_in_workers=True) as chunker:
+                             total_bytes=sum(node.size for node in files)) as chunker:
                     for node in files:
                         chunker.add_file(node)
                     read = chunker.finish()

@@ -15,13 +15,9 @@ Pipeline and threads:
   compresses and uploads each piece of its batch. hashlib and zstandard release the GIL, so on two cores
   both stay busy. A batch, not a piece, is the unit of work: a Future and a GIL hand-over per small file
   would cost far more than naming it.
-- With ``read_in_workers`` (a directory tree, whose files can be read at any time until the build ends)
-  files under INLINE_BYTES (of one piece) go to the workers whole, in batches of up to FILES_PER_BATCH,
-  and a worker opens, reads, hashes, compresses and uploads each: the main thread only queues them, so
-  the two workers' system calls, hashing and compression (all outside the GIL) overlap each other's
-  Python code. A stream (tar, OCI) must be read while its member goes past: the main thread reads every
-  file, and its pieces, small or not, go to the workers in batches while the main thread parses the
-  stream on (naming small pieces in the main thread instead cost as much CPU and more wall time).
+- Files under INLINE_BYTES are named in the main thread at once: for so few bytes a worker would save
+  less time than handing them over costs, since the main thread's reads and the worker's Python code
+  would take turns at the GIL.
 - The main thread alone settles results (fills a node's chunk list at the piece's position, adds up the
   statistics), so those need no lock; the BlobMap is laid out from the final tree afterwards.
 - ``_Claims`` is the only state the workers share: ``_lock`` guards the set of digests some thread has
@@ -50,11 +46,8 @@ from .tree import Node, Tree
 DEFAULT_CHUNK_SIZE = 1 << 20
 # A batch goes to a worker once it holds this much; with small chunks a batch holds many pieces.
 BATCH_BYTES = 1 << 20
-# With read_in_workers, files smaller than this are read by a worker (see the module docstring).
+# Files smaller than this are named in the main thread (see the module docstring).
 INLINE_BYTES = 16 << 10
-# Small files a worker reads and names per batch (``read_in_workers``): enough that the hand-over is cheap
-# next to them, few enough that both workers start at once.
-FILES_PER_BATCH = 256
 # Read-ahead beyond two batches per worker adds memory, not speed; with large chunks fewer batches fit.
 INFLIGHT_BYTES = 64 << 20
 _END = object()  # sentinel for next(): the reader has no more pieces
@@ -115,7 +108,7 @@ class Chunker:
 
     def __init__(self, uploader: ChunkUploader, index: ChunkIndex, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  workers: int | None = None, progress: Progress | None = None, known: KnownChunks | None = None,
-                 total_bytes: int = 0, read_in_workers: bool = False):
+                 total_bytes: int = 0):
         check_chunk_size(chunk_size)
         self.chunk_size = chunk_size
         self.stats = ChunkStats()
@@ -134,12 +127,8 @@ class Chunker:
         self._pool = ThreadPoolExecutor(max_workers=min(workers, self._max_batches), thread_name_prefix="chunker")
         self._batch: list[_Slot] = []  # pieces read, not yet handed to a worker
         self._batch_size = 0  # their bytes
-        # read_in_workers: small files not read yet, for a worker to read and name whole (one piece each).
-        self._small_files: list[Node] | None = [] if read_in_workers else None
-        # Batches handed to workers, in order, with the Future of their results: a batch of pieces (a
-        # list of _Slot) or of small files (a tuple of Nodes).
-        self._pending: collections.deque[tuple[list[_Slot] | tuple[Node, ...], Future[list[_Named]]]] = \
-            collections.deque()
+        # Batches handed to workers, in order, with the Future of their results.
+        self._pending: collections.deque[tuple[list[_Slot], Future[list[_Named]]]] = collections.deque()
 
     def __enter__(self) -> "Chunker":
         return self
@@ -169,11 +158,6 @@ class Chunker:
         if node.size:
             if node.reader is None:
                 raise InputError("regular file has no content reader", where=node.source)
-            if self._small_files is not None and node.size < INLINE_BYTES and len(node.chunks) == 1:
-                self._small_files.append(node)
-                if len(self._small_files) >= FILES_PER_BATCH:
-                    self._submit_small_files()
-                return
             pieces = node.reader(self.chunk_size)
             try:
                 self._read(node, pieces)
@@ -184,8 +168,9 @@ class Chunker:
 
     def _read(self, node: Node, pieces: Iterator[bytes | None]) -> None:
         """Take a file's pieces from its reader, checking that they add up to exactly ``node.size`` bytes,
-        and add each to the batch for a worker."""
+        and name a small file's pieces at once, or add each to the batch for a worker."""
         chunks, size, chunk_size = node.chunks, node.size, self.chunk_size
+        inline = size < INLINE_BYTES
         for number in range(len(chunks)):
             piece = next(pieces, _END)
             length = _piece_length(size, number, chunk_size)
@@ -195,6 +180,10 @@ class Chunker:
                 raise InputError(f"content ends after {number} of {len(chunks)} chunks", where=node.source)
             elif len(piece) != length:
                 raise InputError(f"chunk {number} is {len(piece)} bytes, expected {length}", where=node.source)
+            elif inline:
+                digest, stored = self._name(piece, length)
+                chunks[number] = digest
+                self._settle(length, digest, stored)
             else:
                 self._batch.append((chunks, number, length, piece))
                 self._batch_size += length
@@ -205,8 +194,6 @@ class Chunker:
 
     def finish(self) -> ChunkStats:
         """Wait for every queued piece; the caller then flushes the uploader."""
-        if self._small_files:
-            self._submit_small_files()
         if self._batch:
             self._submit()
         while self._pending:
@@ -229,46 +216,14 @@ class Chunker:
         name = self._name
         return [name(piece, length) for _chunks, _number, length, piece in batch]
 
-    def _name_small_files(self, nodes: tuple[Node, ...]) -> list[_Named]:
-        """In a worker: read and name each file of a batch of one-piece files."""
-        named = []
-        for node in nodes:
-            pieces = node.reader(self.chunk_size)
-            try:
-                piece = next(pieces, _END)
-                if piece is _END:
-                    raise InputError(f"content ends after 0 of 1 chunks", where=node.source)
-                if piece is not None and len(piece) != node.size:
-                    raise InputError(f"chunk 0 is {len(piece)} bytes, expected {node.size}", where=node.source)
-                if next(pieces, _END) is not _END:
-                    raise InputError(f"content runs past the file's size {node.size}", where=node.source)
-            finally:
-                close = getattr(pieces, "close", None)
-                if close is not None:
-                    close()
-            named.append((None, None) if piece is None else self._name(piece, node.size))
-        return named
-
     def _submit(self) -> None:
         batch, self._batch, self._batch_size = self._batch, [], 0
-        self._hand_over(batch, self._name_batch)
-
-    def _submit_small_files(self) -> None:
-        nodes, self._small_files = tuple(self._small_files), []
-        self._hand_over(nodes, self._name_small_files)
-
-    def _hand_over(self, batch, name: Callable) -> None:
         while len(self._pending) >= self._max_batches:
             self._settle_oldest()
-        self._pending.append((batch, self._pool.submit(name, batch)))
+        self._pending.append((batch, self._pool.submit(self._name_batch, batch)))
 
     def _settle_oldest(self) -> None:
         batch, future = self._pending.popleft()
-        if type(batch) is tuple:  # small files, one piece each
-            for node, (digest, stored) in zip(batch, future.result()):
-                node.chunks[0] = digest
-                self._settle(node.size, digest, stored)
-            return
         for (chunks, number, length, _piece), (digest, stored) in zip(batch, future.result()):
             chunks[number] = digest
             self._settle(length, digest, stored)
@@ -299,7 +254,6 @@ def chunk_tree(
     workers: int | None = None,
     progress: Progress | None = None,
     known: KnownChunks | None = None,
-    read_in_workers: bool = False,
 ) -> tuple[BlobMap, ChunkStats]:
     """Fill ``node.chunks`` of every regular file of a finished tree, upload new chunks, and return the blob
     map and statistics: ``chunk_files`` on the tree's ``regular_files``, then ``blob_map_of`` them.
@@ -309,7 +263,7 @@ def chunk_tree(
     """
     files = regular_files(tree)
     stats = chunk_files(files, uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                        known=known, read_in_workers=read_in_workers)
+                        known=known)
     blob_map = blob_map_of(files, chunk_size)
     stats.distinct_chunks = len(blob_map)
     return blob_map, stats
@@ -324,7 +278,6 @@ def chunk_files(
     workers: int | None = None,
     progress: Progress | None = None,
     known: KnownChunks | None = None,
-    read_in_workers: bool = False,
 ) -> ChunkStats:
     """Fill ``node.chunks`` of each regular file of ``files`` (distinct nodes) and upload new chunks;
     ``stats.distinct_chunks`` is left to whoever lays out the blob map.
@@ -334,7 +287,7 @@ def chunk_files(
     exactly as if the file had been read.
     """
     with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress, known=known,
-                 total_bytes=sum(node.size for node in files), read_in_workers=read_in_workers) as chunker:
+                 total_bytes=sum(node.size for node in files)) as chunker:
         for node in files:
             chunker.add_file(node)
         return chunker.finish()

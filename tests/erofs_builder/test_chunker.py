@@ -163,35 +163,3 @@ def test_stats_are_plain_numbers(store):
     tree.add(b"f", mem_file(b"hello"))
     _blob_map, stats, _ = run(tree, store)
     assert all(type(v) is int for v in dataclasses.asdict(stats).values())
-
-
-def test_small_files_read_by_the_workers_give_what_reading_them_inline_gives(tmp_path):
-    """read_in_workers (directory builds): the workers open and name small files; the chunk lists, the
-    blob map and the statistics are those of reading every file in the calling thread."""
-    src = tmp_path / "src"
-    src.mkdir()
-    shared = os.urandom(700)
-    for i in range(1500):  # several batches of FILES_PER_BATCH, repeats, zeros, a hole, and larger files
-        data = shared if i % 7 == 0 else bytes(300) if i % 11 == 0 else os.urandom(1 + i % 3000)
-        (src / f"f{i:04d}").write_bytes(data * (6 if i % 97 == 0 else 1))
-    results = []
-    for read_in_workers in (False, True):
-        tree = walk_directory(str(src))
-        blob_map, stats, _index = run(tree, FilesystemStore(str(tmp_path / f"store-{read_in_workers}"), fsync=False),
-                                      read_in_workers=read_in_workers, workers=2)
-        chunks = {path: node.chunks for path, node in tree.walk() if node.is_reg}
-        results.append((blob_map.encode(), dataclasses.asdict(stats), chunks))
-    assert results[0] == results[1]
-    assert results[1][1]["hole_chunks"] > 0 and results[1][1]["dedup_bytes"] > 0
-
-
-def test_a_small_file_that_changed_since_the_walk_is_an_input_error_from_a_worker(tmp_path, store):
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(600):
-        (src / f"f{i:04d}").write_bytes(b"x" * (i + 1))
-    tree = walk_directory(str(src))
-    (src / "f0450").write_bytes(b"changed since the walk")
-    with pytest.raises(InputError) as info:
-        run(tree, store, read_in_workers=True, workers=2)
-    assert info.value.where.endswith("f0450")
