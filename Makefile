@@ -2,9 +2,11 @@
 # the whole test suite. Both install what they need on a fresh Debian 12 machine (as root).
 
 VENV      ?= .venv
+# Debian's own python3 (3.11.2 on Debian 12), so that the suite runs on what a fresh machine has.
+PYTHON    ?= /usr/bin/python3
 PY        := $(VENV)/bin/python
 DSECFS    := $(VENV)/bin/dsecfs
-APT_PKGS  := erofs-utils mmdebstrap fuse3 libfuse3-dev libfuse2 pkg-config runc zstd attr acl chromium strace
+APT_PKGS  := python3-venv python3-dev gcc erofs-utils mmdebstrap fuse3 libfuse3-dev libfuse2 pkg-config runc zstd attr acl chromium strace
 ROOTFS    ?= /var/cache/dsecfs-test/debian-minbase
 STORE     ?= /var/lib/dsecfs/store
 DEMO_DIR  ?= /tmp/dsecfs-demo
@@ -24,7 +26,7 @@ apt:
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
@@ -38,14 +40,10 @@ $(ROOTFS):
 test: setup $(ROOTFS)
 	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
 
-# The main job on the embedded default (a local directory store): build the real Debian rootfs into a
-# layer, check it, export it and mount it with the kernel's EROFS driver, and show what was stored.
+# The main job on the embedded default (a local directory store): the whole system, docs/demo.sh. Build
+# the real Debian rootfs and a toolkit into layers, check them; `sandbox up` starts a node daemon that
+# mounts them lazily, commands run in the sandbox, the daemon shows how much it fetched; stop, write a
+# trace report; export the layer and mount it with the kernel's EROFS driver alone.
 demo: setup $(ROOTFS)
-	$(DSECFS) build $(ROOTFS) --store $(STORE) --name base/debian:12
-	$(DSECFS) inspect base/debian:12 --store $(STORE)
-	$(DSECFS) fsck base/debian:12 --store $(STORE)
-	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)/mnt
-	$(DSECFS) export base/debian:12 $(DEMO_DIR)/export --store $(STORE)
-	$(DSECFS) extract base/debian:12 $(DEMO_DIR)/extract --store $(STORE)
-	$(DSECFS) mount-export $(DEMO_DIR)/export $(DEMO_DIR)/mnt -- chroot $(DEMO_DIR)/mnt /usr/bin/dpkg-query -W -f '$${Package}\n' | wc -l
-	@echo "extracted tree: $$(find $(DEMO_DIR)/extract | wc -l) entries, $$(du -sh --apparent-size $(DEMO_DIR)/extract | cut -f1)"
+	DSECFS=$(abspath $(DSECFS)) PYTHON=$(abspath $(PY)) ROOTFS=$(ROOTFS) STORE=$(STORE) DEMO_DIR=$(DEMO_DIR) \
+		sh docs/demo.sh

@@ -14,7 +14,7 @@ and in coldstart/ the combined tree, a 500 MB random file, and the store (the la
 the 500 MB file, and the tree as one tar.zst object). setup.json there says what was built; delete
 coldstart/store to rebuild the layers (after a format change, say).
 
-The remote store is emulated: the node daemon runs with ``--latency 20 --bandwidth 100`` (LatencyStore:
+The remote store is emulated: the node daemon runs with ``--latency 20 --bandwidth 100MB`` (LatencyStore:
 20 ms per request, one shared link of 100 MB/s), and the full pull reads its tarball through the same
 LatencyStore in one GET. The store's files are on this machine's disk, and every cold run starts after
 ``drop_caches``, so both sides also pay real disk reads of the store.
@@ -85,7 +85,7 @@ from dsec_fs.store.wrappers import LatencyStore  # noqa: E402
 from dsec_fs import mounts  # noqa: E402
 from erofs_builder import build_layer  # noqa: E402
 from erofs_builder.export import export_layer  # noqa: E402
-from lazy_fetch.layer_mount import BINDINGS  # noqa: E402
+from dsec_fs.api import BINDINGS  # noqa: E402
 from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace  # noqa: E402
 from benchlib import drop_caches, log  # noqa: E402
 

@@ -29,7 +29,7 @@ Series, N sandboxes each:
   right after (the daemon's chunk cache full, the tars in the page cache). One at a time, each sandbox
   is followed by an untimed sync.
 - ``dsecfs remote`` (unless --skip-remote): the same cold and warm series on a second fresh daemon that
-  reads the store through LatencyStore (``--latency 20 --bandwidth 100``: 20 ms per request, one 100 MB/s
+  reads the store through LatencyStore (``--latency 20 --bandwidth 100MB``: 20 ms per request, one 100 MB/s
   link), emulating a remote store. The baseline's tars stay local, which favours it.
 - with ``--concurrency C``: every series again, C sandboxes at a time, each side on its own.
 

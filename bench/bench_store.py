@@ -33,7 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -52,6 +51,7 @@ from dsec_fs.store.wrappers import CountingStore  # noqa: E402
 from dsec_fs.store_stats import store_stats  # noqa: E402
 from erofs_builder.build import BuildResult, build_layer  # noqa: E402
 from tests.s3server import MotoServer  # noqa: E402
+from tests.tarextract import extract_tar  # noqa: E402
 
 DEFAULT_TREE = "/var/cache/dsecfs-test/debian-minbase"
 PYPI_CACHE = "/var/cache/dsecfs-test/pypi"
@@ -264,8 +264,7 @@ def sdist(project: str, version: str) -> str:
 
 def extract(archive: str, into: str) -> str:
     """Unpack a .tar.gz sdist and return its top directory (name-version/)."""
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
+    extract_tar(archive, into)
     (top,) = os.listdir(into)
     return os.path.join(into, top)
 

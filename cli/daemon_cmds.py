@@ -11,8 +11,9 @@ cli/main.py registers them:
     main.add_command(daemon_cmds.cache)
     trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
 
-Every command but ``daemon`` is a call through dsec_fs.client.Node; ``mount`` starts a daemon (with the
-default directories, its log in the state directory) when none answers on the socket.
+Every command but ``daemon`` is a call through dsec_fs.client.Node; ``mount`` starts a daemon (with its
+--state-dir and --cache-dir, which the environment and the configuration file set as they set the
+daemon's own, its log in the state directory) when none answers on the socket.
 
 ``daemon`` is where the node daemon is composed: lazy_fetch's NodeDaemon, extended with overlay's
 sandboxes (overlay.node_service.attach), so that lazy_fetch imports nothing above it.
@@ -25,26 +26,27 @@ import logging
 
 import click
 
-from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV, Node
+from dsec_fs.api import BINDINGS, FILLS, MODES
+from dsec_fs.client import (CACHE_DIR_ENV, DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV,
+                             STATE_DIR_ENV, Node)
 from dsec_fs.units import human_size, parse_size
 
 from .common import Duration, emit, json_option, store_option
 
-# lazy_fetch.layer_mount's choices, spelled out so that every dsecfs command does not import trio and the
-# FUSE code just to build its help; the daemon checks them again.
-BINDINGS = ("pyfuse3", "fusepy", "raw")  # raw: mounts survive a daemon restart (docs/architecture.md)
-MODES = ("kernel", "fuse")
 RUNTIMES = ("runc", "namespaces")  # overlay.runtime's
 
 socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, default=DEFAULT_SOCKET, show_default=True,
-                             metavar="PATH", help=f"the daemon's API socket (also ${SOCKET_ENV})")
+                             metavar="PATH", help="the daemon's API socket")
+state_dir_option = click.option("--state-dir", envvar=STATE_DIR_ENV, default=DEFAULT_STATE_DIR, show_default=True,
+                                metavar="DIR", help="the daemon's mount state, FUSE session, traces (traces/)")
+cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEFAULT_CACHE_DIR, show_default=True,
+                                metavar="DIR", help="the daemon's chunk cache")
 
 
 @click.command()
 @socket_option
-@click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, metavar="DIR",
-              help="mount state, FUSE session, traces (traces/)")
-@click.option("--cache-dir", default=DEFAULT_CACHE_DIR, show_default=True, metavar="DIR", help="the chunk cache")
+@state_dir_option
+@cache_dir_option
 @click.option("--cache-size", default="10GiB", show_default=True, metavar="SIZE", help="bound of the chunk cache")
 @click.option("--memory-cache", default="64MiB", show_default=True, metavar="SIZE",
               help="in-memory cache of recently read chunks")
@@ -54,17 +56,23 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
                    "fusepy: through libfuse, and its mounts die with it")
 @click.option("--latency", type=float, default=None, metavar="MS",
               help="emulate a remote store: add MS milliseconds to every store request")
-@click.option("--bandwidth", type=float, default=None, metavar="MBPS",
-              help="emulate a remote store: a shared link of MBPS megabytes (10^6) per second")
+@click.option("--bandwidth", default=None, metavar="SIZE",
+              help="emulate a remote store: a shared link of SIZE per second (e.g. 100MB: 10^8 bytes)")
 @click.option("--fetch-timeout", type=float, default=30.0, show_default=True, metavar="SECONDS",
               help="a store read that takes longer fails (the reader gets EIO)")
-@click.option("--miss-readahead", default="0", show_default=True, metavar="SIZE",
-              help="a read that misses the cache also fetches up to SIZE of the chunks stored after it, in the "
-                   "same request (e.g. 256KiB; 0: fetch only what is read)")
+@click.option("--miss-readahead", default="4MiB", show_default=True, metavar="SIZE",
+              help="a read that misses the cache also fetches the rest of its file, and, while a reader walks files "
+                   "stored one after another, up to SIZE of the chunks after them, in the same requests "
+                   "(0: fetch only what is read)")
 @click.option("--read-ahead", default="1MiB", show_default=True, metavar="SIZE",
               help="how far the kernel reads ahead in a layer's files, in one request to the daemon (0: the "
                    "kernel's default, 128KiB)")
 @click.option("--no-trace", is_flag=True, help="do not write access traces")
+@click.option("--no-profiles", is_flag=True,
+              help="do not learn access profiles from traces, share them through the store, or prefetch by them")
+@click.option("--fill", type=click.Choice(FILLS), default="profile", show_default=True,
+              help="what a new mount fetches in the background: nothing, its profile, or that and then the rest "
+                   "of the layer (until the cache bound); mounts and sandboxes may say otherwise")
 @click.option("--trace-keep-size", default="1GiB", show_default=True, metavar="SIZE",
               help="closed traces beyond this size in all are removed, oldest first")
 @click.option("--trace-keep-age", type=Duration(), default="7d", show_default=True, metavar="DURATION",
@@ -77,8 +85,9 @@ socket_option = click.option("--socket", "socket_path", envvar=SOCKET_ENV, defau
 @click.option("--sandbox-runtime", type=click.Choice(RUNTIMES), default="runc", show_default=True,
               help="what runs sandbox commands unless `sandbox exec --runtime` says otherwise")
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
-           store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: float | None,
-           fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
+           store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: str | None,
+           fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, no_profiles: bool, fill: str,
+           trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
            sandbox_runtime: str) -> None:
     """Run the node daemon: mounts layers, fetches and caches chunks, runs sandboxes, serves the API on the
     socket.
@@ -93,9 +102,11 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
     options = DaemonOptions(
         socket_path=socket_path, state_dir=state_dir, cache_dir=cache_dir, cache_bytes=parse_size(cache_size),
         memory_cache_bytes=parse_size(memory_cache), store_url=store_url, fuse_binding=fuse_binding,
-        latency=None if latency is None else latency / 1000, bandwidth=None if bandwidth is None else bandwidth * 1e6,
+        latency=None if latency is None else latency / 1000,
+        bandwidth=None if bandwidth is None else parse_size(bandwidth),
         fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead),
-        read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, trace_keep_bytes=parse_size(trace_keep_size),
+        read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, profiles=not no_profiles, fill=fill,
+        trace_keep_bytes=parse_size(trace_keep_size),
         trace_keep_seconds=trace_keep_age)
     sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)
     run_daemon(options, extensions=[sandboxes])
@@ -108,29 +119,44 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
               help="kernel: the kernel's EROFS driver over a FUSE blob file; fuse: the whole tree over FUSE")
 @click.option("--prefetch", "prefetch_list", default=None, metavar="LIST",
               type=click.Path(exists=True, dir_okay=False, path_type=str),
-              help="a prefetch list (dsecfs prefetch build) to fetch in the background")
+              help="a prefetch list (dsecfs prefetch build) to fetch in the background, instead of the profile")
+@click.option("--no-profile", is_flag=True, help="do not prefetch by the layer's access profile from the store")
+@click.option("--fill", type=click.Choice(FILLS), default=None, help="none, profile or layer (default: the daemon's)")
 @store_option
 @click.option("--fuse-binding", type=click.Choice(BINDINGS), default=None,
               help="the FUSE binding of a daemon this command starts (and that a running one must use)")
 @socket_option
+@state_dir_option
+@cache_dir_option
 @json_option
-def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, store_url: str | None,
-          fuse_binding: str | None, socket_path: str, as_json: bool) -> None:
-    """Mount LAYER (a ref or a digest) at DIRECTORY through the node daemon (started if none answers)."""
-    node = Node.ensure_running(socket_path, store=store_url, fuse_binding=fuse_binding)
+def mount(layer: str, directory: str, mode: str, prefetch_list: str | None, no_profile: bool, fill: str | None,
+          store_url: str | None, fuse_binding: str | None, socket_path: str, state_dir: str, cache_dir: str,
+          as_json: bool) -> None:
+    """Mount LAYER (a ref, a digest or a digest prefix) at DIRECTORY through the node daemon (one is started,
+    with --state-dir and --cache-dir, if none answers). Unless --prefetch or --no-profile, what sandboxes
+    read of the layer before (its access profile, shared through the store) is fetched in the background,
+    first-needed first."""
+    node = Node.ensure_running(socket_path, store=store_url, fuse_binding=fuse_binding, state_dir=state_dir,
+                               cache_dir=cache_dir)
     info = node.mount(layer, directory, mode=mode, store=store_url, prefetch_list=prefetch_list,
-                      fuse_binding=fuse_binding)
-    emit(as_json, vars(info), lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
-                                       f"mode" + (f"; trace {info.trace}" if info.trace else ""))
+                      fuse_binding=fuse_binding, profile=not no_profile, fill=fill)
+    emit(as_json, info, lambda: f"mounted {info.ref} ({info.layer[:12]}) at {info.mountpoint}, {info.mode} "
+                                       f"mode" + (f"; trace {info.trace}" if info.trace else ""),
+         result=info.mountpoint)
 
 
 @click.command()
 @click.argument("directory", type=click.Path(path_type=str))
 @click.option("--lazy", is_flag=True, help="detach even if busy; files open on it keep working")
 @socket_option
-def umount(directory: str, lazy: bool, socket_path: str) -> None:
+@json_option
+def umount(directory: str, lazy: bool, socket_path: str, as_json: bool) -> None:
     """Unmount a layer the node daemon mounted at DIRECTORY."""
+    import os
+
     Node(socket_path).umount(directory, lazy=lazy)
+    mountpoint = os.path.abspath(directory)
+    emit(as_json, {"mountpoint": mountpoint, "lazy": lazy}, lambda: f"unmounted {mountpoint}")
 
 
 @click.command()
@@ -138,8 +164,6 @@ def umount(directory: str, lazy: bool, socket_path: str) -> None:
 @json_option
 def status(socket_path: str, as_json: bool) -> None:
     """The node daemon: its mounts, layers, cache and prefetches."""
-    from dataclasses import asdict
-
     st = Node(socket_path).status()
 
     def text() -> str:
@@ -161,7 +185,7 @@ def status(socket_path: str, as_json: bool) -> None:
                   f"{human_size(p.done_bytes)}, {p.failed_chunks} failed" for p in st.prefetches]
         return "\n".join(lines)
 
-    emit(as_json, asdict(st), text)
+    emit(as_json, st, text)
 
 
 @click.group()
@@ -175,7 +199,7 @@ def cache() -> None:
 def cache_stats(socket_path: str, as_json: bool) -> None:
     """Size, entries, hits and misses of the chunk cache (disk and memory)."""
     info = Node(socket_path).cache_stats()
-    emit(as_json, vars(info), lambda: _cache_text(info))
+    emit(as_json, info, lambda: _cache_text(info))
 
 
 @cache.command("evict")
@@ -186,7 +210,7 @@ def cache_stats(socket_path: str, as_json: bool) -> None:
 def cache_evict(to_size: str, socket_path: str, as_json: bool) -> None:
     """Evict chunks from the cache (disk and memory)."""
     info = Node(socket_path).cache_evict(parse_size(to_size))
-    emit(as_json, vars(info), lambda: f"evicted {info.evicted:,} chunks\n" + _cache_text(info))
+    emit(as_json, info, lambda: f"evicted {info.evicted:,} chunks\n" + _cache_text(info))
 
 
 def _cache_text(info) -> str:
@@ -207,5 +231,5 @@ def _cache_text(info) -> str:
 def prefetch_start(directory: str, prefetch_list: str, socket_path: str, as_json: bool) -> None:
     """Fetch LIST in the background for the layer the node daemon mounted at DIRECTORY."""
     info = Node(socket_path).prefetch(directory, prefetch_list)
-    emit(as_json, vars(info), lambda: f"prefetching {info.chunks:,} chunks ({human_size(info.bytes)}) of layer "
+    emit(as_json, info, lambda: f"prefetching {info.chunks:,} chunks ({human_size(info.bytes)}) of layer "
                                        f"{info.layer[:12]}")

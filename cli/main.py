@@ -1,39 +1,83 @@
 """The ``dsecfs`` command: thin, every command a call into the packages below.
 
-Errors: a DsecError is printed as one line naming its kind and where it happened, and the process exits
-with the error class's own exit code (2 input, 3 corrupt, 4 unsupported, 5 unavailable, 6 not found,
-7 conflict); anything else is a bug and keeps its traceback.
+Errors: a DsecError is printed as one line naming its kind and where it happened (under --json, one JSON
+object on stdout: class, kind, message, where, exit_code), and the process exits with the error class's
+own exit code (2 input, 3 corrupt, 4 unsupported, 5 unavailable, 6 not found, 7 conflict); Ctrl-C exits
+130; anything else is a bug and keeps its traceback.
+
+Options: every command has --json, -q and --log-level (cli/common.py); every option can also be set by
+an environment variable (shown in --help: DSECFS_STORE, DSECFS_SOCKET, ... or DSECFS_<COMMAND>_<OPTION>)
+and in the configuration file (cli/config.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import click
 
 from dsec_fs.errors import DsecError, InputError
-from dsec_fs.store import open_store
+from dsec_fs.store import init_store, open_store
 from dsec_fs.units import human_size, parse_size
 
-from . import daemon_cmds, diff_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
-from .common import CHUNK_SIZE_HELP, emit, json_option, store_option
+from . import daemon_cmds, diff_cmds, ref_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
+from .common import (CHUNK_SIZE_HELP, ENV_PREFIX, JSON_META, add_common_options, emit, json_option, note,
+                     store_option)
+from .config import CONFIG_ENV, DEFAULT_CONFIG, config_path, load_default_map
+
+ARGV_META = "dsecfs.argv"
+SIGINT_EXIT = 130  # 128 + SIGINT, as shells report a command Ctrl-C stopped
+
 
 class DsecGroup(click.Group):
-    """Turns DsecError into one clear line and the error class's exit code."""
+    """Turns DsecError (and, under --json, click's usage errors) into one clear line or one JSON object and
+    the error class's exit code; Ctrl-C into exit 130."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta[ARGV_META] = list(args)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except DsecError as exc:
-            click.echo(f"dsecfs: {exc.kind} error: {exc}", err=True)
-            sys.exit(exc.exit_code)
+            _fail(ctx, type(exc).__name__, exc.kind, exc.message, exc.where, exc.exit_code)
+        except click.ClickException as exc:
+            if not _wants_json(ctx):
+                raise
+            _fail(ctx, type(exc).__name__, "usage", exc.format_message(), None, exc.exit_code)
+        except KeyboardInterrupt:
+            _fail(ctx, "KeyboardInterrupt", "interrupted", "interrupted", None, SIGINT_EXIT)
 
 
-@click.group(cls=DsecGroup)
+def _wants_json(ctx: click.Context) -> bool:
+    argv = ctx.meta.get(ARGV_META, [])
+    return bool(ctx.meta.get(JSON_META)) or "--json" in argv[:argv.index("--") if "--" in argv else None]
+
+
+def _fail(ctx: click.Context, cls: str, kind: str, message: str, where: str | None, exit_code: int) -> None:
+    if _wants_json(ctx):
+        click.echo(json.dumps({"error": {"class": cls, "kind": kind, "message": message, "where": where,
+                                         "exit_code": exit_code}}, indent=2, sort_keys=True))
+    elif kind == "interrupted":
+        click.echo("dsecfs: interrupted", err=True)
+    else:
+        click.echo(f"dsecfs: {kind} error: {f'{where}: {message}' if where else message}", err=True)
+    sys.exit(exit_code)
+
+
+@click.group(cls=DsecGroup, context_settings={"auto_envvar_prefix": ENV_PREFIX})
+@click.option("--config", "config_file", envvar=CONFIG_ENV, metavar="FILE", show_envvar=True,
+              help=f"the configuration file (default {DEFAULT_CONFIG} if it exists)")
 @click.version_option(package_name="dsecfs")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context, config_file: str | None) -> None:
     """Layered EROFS images with content-addressed, lazily fetched chunks."""
+    path = config_path(config_file)
+    if path:
+        ctx.default_map = load_default_map(main, path)
 
 
 @main.command()
@@ -49,9 +93,17 @@ def main() -> None:
 @click.option("--oci-layers", is_flag=True,
               help="one layer per OCI image layer (refs NAME:TAG-l0, -l1, ...) with overlay whiteouts, "
                    "instead of one flattened layer")
+@click.option("--max-size", default="256GiB", show_default=True,
+              help="refuse a layer whose files add up to more (logical size: holes count)")
+@click.option("--max-meta-size", default="256MiB", show_default=True,
+              help="refuse a layer whose metadata (inodes, names, chunk indexes) would be larger")
+@click.option("--tar-limit", "tar_limit", multiple=True, metavar="NAME=VALUE",
+              help="raise a tar input limit: max_file_size, max_header_size, max_sparse_segments, "
+                   "max_tar_bytes, max_expansion, expansion_allowance (repeatable)")
 @json_option
 def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, parent: str | None,
-          lenient: bool, platform: str, oci_layers: bool, as_json: bool) -> None:
+          lenient: bool, platform: str, oci_layers: bool, max_size: str, max_meta_size: str,
+          tar_limit: tuple[str, ...], as_json: bool) -> None:
     """Build SOURCE into a layer in the store.
 
     SOURCE is a directory, a tar file (plain, gzip or zstd; - for standard input), an OCI image layout
@@ -60,8 +112,15 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
 
     if oci_layers and parent:
         raise InputError("--parent builds a directory; --oci-layers builds an image: not both")
-    options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform)
-    with open_store(store_url) as store:
+    from erofs_builder.limits import LayerLimits, tar_limits_with
+
+    options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform,
+                   limits=LayerLimits(parse_size(max_size), parse_size(max_meta_size)),
+                   tar_limits=tar_limits_with(list(tar_limit)))
+    store, created = init_store(store_url)
+    if created:
+        note(f"created store {store.url}")
+    with store:
         def run(**extra):
             if oci_layers:
                 return build_image_layers(source, store, **options, **extra)
@@ -80,7 +139,8 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
         data = {"layers": [{"layer": r.digest, "ref": f"{ref}-l{k}" if ref else None, "stats": r.manifest.stats}
                            for k, r in enumerate(results)], "store": store.url}
         emit(as_json, data, lambda: "\n".join(f"layer {k}  {r.digest}" + (f"  ({ref}-l{k})" if ref else "")
-                                               for k, r in enumerate(results)))
+                                               for k, r in enumerate(results)),
+             result="\n".join(r.digest for r in results))
         return
     result = results[0]
     stats = result.manifest.stats
@@ -100,7 +160,7 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
             f"layer        {result.digest}" + (f"  ({ref})" if ref else ""),
         ])
 
-    emit(as_json, data, text)
+    emit(as_json, data, text, result=result.digest)
 
 
 @main.command()
@@ -108,27 +168,37 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
 @store_option
 @json_option
 def inspect(layer: str, store_url: str | None, as_json: bool) -> None:
-    """Show a layer's manifest: sizes, chunk statistics, packs."""
-    from dsec_fs.layer import open_layer
-    from erofs_builder.reader import ErofsImage
+    """Show a layer: its files, chunks, what they take in the store and how much of that other layers share;
+    its manifest (sizes, packs) and the figures of the build that made it."""
+    from erofs_builder.layer_figures import layer_figures
 
     with open_store(store_url) as store:
-        files = open_layer(store, layer)
-    image = ErofsImage(files.meta, source=f"layer {files.digest[:12]} meta.erofs")
+        files, figures = layer_figures(store, layer)
     m = files.manifest
     data = {
         "layer": files.digest, "blob_id": m.blob_id, "chunk_size": m.chunk_size, "block_size": m.block_size,
         "meta_size": m.meta_size, "blobmap_size": m.blobmap_size, "blob_blocks": m.blob_blocks,
-        "packs": m.packs, "stats": m.stats, "created": m.created, "source": m.source,
-        "inodes": image.superblock.inos,
+        "packs": m.packs, "created": m.created, "source": m.source, "figures": figures.to_dict(),
+        "build_stats": m.stats,
     }
 
     def text() -> str:
+        f = figures
+        if f.shared_chunks:
+            shared = (f"{f.shared_chunks:,} chunks ({human_size(f.shared_stored_bytes)} stored) with some of the "
+                      f"{f.other_layers:,} other layers")
+        else:
+            shared = f"nothing with the {f.other_layers:,} other layers" if f.other_layers else "nothing (no others)"
         lines = [f"layer       {files.digest}", f"created     {m.created}", f"source      {m.source}",
-                 f"inodes      {image.superblock.inos:,}", f"meta.erofs  {human_size(m.meta_size)}",
+                 f"files       {f.files:,} ({human_size(f.bytes)}), {f.entries:,} entries, {f.inodes:,} inodes",
+                 f"chunks      {f.chunks:,} ({human_size(f.chunk_bytes)}), chunk size {human_size(m.chunk_size)}",
+                 f"stored      {human_size(f.stored_bytes)} in {len(m.packs)} packs"
+                 + (f", {f.missing_chunks:,} chunks in none of them" if f.missing_chunks else ""),
+                 f"shared      {shared}; its own: {human_size(f.own_stored_bytes)}",
+                 f"meta.erofs  {human_size(m.meta_size)}",
                  f"blob        {human_size(m.blob_blocks * m.block_size)} (virtual, id {m.blob_id[:16]}...)",
-                 f"chunk size  {human_size(m.chunk_size)}", f"packs       {len(m.packs)}"]
-        lines += [f"  {k:<16}{v:,}" if isinstance(v, int) else f"  {k:<16}{v}" for k, v in sorted(m.stats.items())]
+                 "built with  " + ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
+                                            for k, v in sorted(m.stats.items()))]
         return "\n".join(lines)
 
     emit(as_json, data, text)
@@ -155,26 +225,42 @@ def fsck(layer: str, store_url: str | None, metadata_only: bool, as_json: bool) 
 @click.argument("layer")
 @click.argument("out_dir", type=click.Path(path_type=str))
 @store_option
-def export(layer: str, out_dir: str, store_url: str | None) -> None:
+@json_option
+def export(layer: str, out_dir: str, store_url: str | None, as_json: bool) -> None:
     """Write OUT_DIR/meta.erofs and OUT_DIR/blob (the materialised virtual blob)."""
+    from dsec_fs.layer import resolve
     from erofs_builder.export import export_layer
 
     with open_store(store_url) as store:
-        export_layer(store, layer, out_dir)
-    click.echo(f"mount with: device={os.path.join(os.path.abspath(out_dir), 'blob')} "
-               f"{os.path.join(os.path.abspath(out_dir), 'meta.erofs')}")
+        digest = resolve(store, layer)
+        export_layer(store, digest, out_dir)
+    meta, blob = (os.path.join(os.path.abspath(out_dir), name) for name in ("meta.erofs", "blob"))
+    emit(as_json, {"layer": digest, "store": store.url, "meta": meta, "blob": blob},
+         lambda: f"mount with: device={blob} {meta}")
 
 
 @main.command()
 @click.argument("layer")
 @click.argument("out_dir", type=click.Path(path_type=str))
 @store_option
-def extract(layer: str, out_dir: str, store_url: str | None) -> None:
+@click.option("--keep-privileged", is_flag=True,
+              help="as root, also recreate setuid/setgid bits, device nodes and file capabilities, as tar -p "
+                   "does (left out by default)")
+@json_option
+def extract(layer: str, out_dir: str, store_url: str | None, keep_privileged: bool, as_json: bool) -> None:
     """Recreate the layer's tree in OUT_DIR (must be empty or absent)."""
+    from dsec_fs.layer import resolve
     from erofs_builder.export import extract_layer
 
     with open_store(store_url) as store:
-        extract_layer(store, layer, out_dir)
+        digest = resolve(store, layer)
+        stats = extract_layer(store, digest, out_dir, keep_privileged=keep_privileged or None)
+    dropped = {kind: count for kind, count in stats.dropped.to_dict().items() if count}
+    if dropped:
+        note("left out (--keep-privileged keeps them): " + ", ".join(f"{count} {kind}" for kind, count in dropped.items()))
+    directory = os.path.abspath(out_dir)
+    emit(as_json, {"layer": digest, "store": store.url, "directory": directory, "dropped": dropped},
+         lambda: f"extracted layer {digest[:12]} into {directory}")
 
 
 @main.command("mount-export")
@@ -182,7 +268,8 @@ def extract(layer: str, out_dir: str, store_url: str | None) -> None:
 @click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.argument("command", nargs=-1, required=True)
 def mount_export(export_dir: str, mountpoint: str, command: tuple[str, ...]) -> None:
-    """Mount an exported layer with the kernel's EROFS driver, run COMMAND, unmount.
+    """Mount an exported layer with the kernel's EROFS driver, run COMMAND, unmount; exits with COMMAND's
+    exit code (its output is its own, also under --json).
 
     util-linux mount would put meta.erofs on a loop device and then refuse a regular file as device=,
     so this calls mount(2) itself (file-backed EROFS).
@@ -210,7 +297,9 @@ main.add_command(daemon_cmds.umount)
 main.add_command(daemon_cmds.status)
 main.add_command(daemon_cmds.cache)
 main.add_command(sandbox_cmds.sandbox)
+main.add_command(ref_cmds.ref)
 trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
+add_common_options(main)
 
 if __name__ == "__main__":
     main()

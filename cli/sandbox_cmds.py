@@ -1,8 +1,8 @@
 """``dsecfs sandbox up|exec|down|ls|commit``: sandboxes on this node, through the node daemon.
 
 Each command is a call of the SDK (dsec_fs.client.Node, dsec_fs.sandbox_client.Sandbox). ``up`` starts a
-daemon (default directories, its log in the state directory) when none answers on the socket, as
-``mount`` does. ``exec`` writes the command's stdout and stderr as they came, bytes unchanged, and exits
+daemon (with its --state-dir and --cache-dir, its log in the state directory) when none answers on the
+socket, as ``mount`` does. ``exec`` writes the command's stdout and stderr as they came, bytes unchanged, and exits
 with its exit code; dsecfs's own errors exit with their class's code (2 to 7, see cli/main.py), so a
 script that needs to tell them apart from the command's should use the SDK.
 
@@ -12,17 +12,17 @@ cli/main.py registers the group: ``main.add_command(sandbox_cmds.sandbox)``.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
 
 import click
 
+from dsec_fs.api import FILLS
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError
 from dsec_fs.sandbox_client import Sandbox
 from dsec_fs.units import parse_size
 
 from .common import emit, json_option, store_option
-from .daemon_cmds import RUNTIMES, socket_option
+from .daemon_cmds import RUNTIMES, cache_dir_option, socket_option, state_dir_option
 
 
 @click.group()
@@ -36,19 +36,56 @@ def sandbox() -> None:
 @click.option("--toolkit", "toolkits", multiple=True, metavar="LAYER",
               help="a toolkit layer; may be given again, the first on top")
 @click.option("--name", metavar="NAME", help="a name to use instead of the id (default: the id)")
+@click.option("--no-profile", is_flag=True,
+              help="layers this sandbox mounts first do not prefetch by their access profiles")
+@click.option("--fill", type=click.Choice(FILLS), default=None,
+              help="what layers this sandbox mounts first fetch in the background (default: the daemon's)")
 @store_option
 @socket_option
+@state_dir_option
+@cache_dir_option
 @json_option
-def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name: str | None,
-       store_url: str | None, socket_path: str, as_json: bool) -> None:
+def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name: str | None, no_profile: bool,
+       fill: str | None, store_url: str | None, socket_path: str, state_dir: str, cache_dir: str,
+       as_json: bool) -> None:
     """Start a sandbox; prints its id and the path of its root filesystem. Any layer may be left out
-    (not all); the stack is toolkits, workspace, base, top first."""
-    node = Node.ensure_running(socket_path, store=store_url)
-    info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url)
-    emit(as_json, asdict(info), lambda: f"{info.id} {info.rootfs}")
+    (not all); the stack is toolkits, workspace, base, top first. A node daemon is started (with
+    --state-dir and --cache-dir) if none answers on the socket. A layer this node has not mounted yet
+    prefetches what sandboxes read of it before (its access profile, learned on any node, in the store)."""
+    node = Node.ensure_running(socket_path, store=store_url, state_dir=state_dir, cache_dir=cache_dir)
+    info = node.sandbox_up(base, workspace, toolkits, name=name, store=store_url, profile=not no_profile,
+                           fill=fill)
+    emit(as_json, info, lambda: f"{info.id} {info.rootfs}", result=info.id)
 
 
-@sandbox.command("exec")
+class CommandLineCommand(click.Command):
+    """A command whose last argument (nargs=-1) is a command line to run: the first word after its other
+    arguments starts that command line, so ``exec SANDBOX ls -la`` needs no ``--`` (options before that
+    word are still this command's; a command line that starts with a dash needs ``--``)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" not in args:
+            args = self._separated(args)
+        return super().parse_args(ctx, args)
+
+    def _separated(self, args: list[str]) -> list[str]:
+        takes_value = {opt for param in self.params if isinstance(param, click.Option) and not param.is_flag
+                       and not param.count for opt in param.opts + param.secondary_opts}
+        before = sum(1 for param in self.params if isinstance(param, click.Argument) and param.nargs != -1)
+        k = 0
+        while k < len(args):
+            word = args[k]
+            if word.startswith("-") and word != "-":
+                k += 2 if word in takes_value else 1  # --opt VALUE, or a flag, --opt=VALUE, -eVALUE
+                continue
+            if before == 0:
+                return [*args[:k], "--", *args[k:]]
+            before -= 1
+            k += 1
+        return args
+
+
+@sandbox.command("exec", cls=CommandLineCommand)
 @click.argument("key", metavar="SANDBOX")
 @click.argument("command", nargs=-1, required=True)
 @click.option("--runtime", type=click.Choice(RUNTIMES), default=None,
@@ -62,10 +99,12 @@ def up(base: str | None, workspace: str | None, toolkits: tuple[str, ...], name:
 @click.option("--timeout", type=float, default=None, metavar="SECONDS", help="kill the command after this")
 @click.option("-i", "--stdin", "with_stdin", is_flag=True, help="hand this command's stdin to the command")
 @socket_option
+@json_option
 def exec_(key: str, command: tuple[str, ...], runtime: str | None, env: tuple[str, ...], cwd: str, network: bool,
           memory: str | None, cpus: float | None, pids_limit: int | None, timeout: float | None, with_stdin: bool,
-          socket_path: str) -> None:
-    """Run COMMAND in SANDBOX (an id or a name): dsecfs sandbox exec SANDBOX -- CMD ARGS..."""
+          socket_path: str, as_json: bool) -> None:
+    """Run COMMAND in SANDBOX (an id or a name): dsecfs sandbox exec [OPTIONS] SANDBOX CMD ARGS... (put
+    -- before CMD if it starts with a dash)."""
     variables = {}
     for item in env:
         name, equals, value = item.partition("=")
@@ -76,6 +115,11 @@ def exec_(key: str, command: tuple[str, ...], runtime: str | None, env: tuple[st
         list(command), env=variables, cwd=cwd, network=network,
         memory_bytes=None if memory is None else parse_size(memory), cpus=cpus, pids_limit=pids_limit,
         timeout=timeout, runtime=runtime, stdin=click.get_binary_stream("stdin").read() if with_stdin else None)
+    if as_json:  # the output as text (undecodable bytes replaced); the SDK has the bytes
+        emit(True, {"exit_code": result.exit_code, "timed_out": result.timed_out,
+                    "stdout": result.stdout.decode(errors="replace"), "stderr": result.stderr.decode(errors="replace")},
+             lambda: "")
+        sys.exit(result.exit_code)
     for stream, data in (("stdout", result.stdout), ("stderr", result.stderr)):
         out = click.get_binary_stream(stream)
         out.write(data)
@@ -89,9 +133,11 @@ def exec_(key: str, command: tuple[str, ...], runtime: str | None, env: tuple[st
 @click.argument("key", metavar="SANDBOX")
 @click.option("--keep", is_flag=True, help="keep the upper dir (the sandbox's changes) for commit")
 @socket_option
-def down(key: str, keep: bool, socket_path: str) -> None:
+@json_option
+def down(key: str, keep: bool, socket_path: str, as_json: bool) -> None:
     """Take SANDBOX down: unmount it, drop its layers, remove its changes unless --keep."""
     Sandbox(Node(socket_path), key).down(keep=keep)
+    emit(as_json, {"sandbox": key, "kept": keep}, lambda: f"{key} down" + (", changes kept" if keep else ""))
 
 
 @sandbox.command("ls")
@@ -107,16 +153,23 @@ def ls(socket_path: str, as_json: bool) -> None:
                   + " ".join(f"{layer.role}={layer.ref}" for layer in i.layers) for i in infos]
         return "\n".join(lines)
 
-    emit(as_json, {"sandboxes": [asdict(info) for info in infos]}, text)
+    emit(as_json, {"sandboxes": infos}, text)
 
 
 @sandbox.command("commit")
 @click.argument("key", metavar="SANDBOX")
 @click.option("--name", "ref", required=True, metavar="NAME:TAG", help="the ref of the new layer")
+@click.option("--keep-privileged", is_flag=True,
+              help="keep setuid/setgid bits, device nodes and file capabilities (dropped by default)")
 @store_option
 @socket_option
 @json_option
-def commit(key: str, ref: str, store_url: str | None, socket_path: str, as_json: bool) -> None:
+def commit(key: str, ref: str, keep_privileged: bool, store_url: str | None, socket_path: str,
+           as_json: bool) -> None:
     """Publish SANDBOX's changes (its upper dir, whiteouts included) as a layer; prints its digest."""
-    result = Sandbox(Node(socket_path), key).commit(ref, store=store_url)
-    emit(as_json, asdict(result), lambda: result.layer)
+    result = Sandbox(Node(socket_path), key).commit(ref, store=store_url, keep_privileged=keep_privileged)
+    dropped = {kind: count for kind, count in result.dropped.items() if count}
+    if dropped and not as_json:
+        click.echo("dsecfs: left out of the layer (--keep-privileged keeps them): "
+                   + ", ".join(f"{count} {kind}" for kind, count in dropped.items()), err=True)
+    emit(as_json, result, lambda: result.layer)

@@ -1,10 +1,10 @@
-"""Store maintenance commands: ``dsecfs gc`` and ``dsecfs store stats``."""
+"""Store maintenance commands: ``dsecfs gc``, ``dsecfs store init`` and ``dsecfs store stats``."""
 
 from __future__ import annotations
 
 import click
 
-from dsec_fs.store import open_store
+from dsec_fs.store import init_store, open_store
 from dsec_fs.units import human_size
 
 from .common import Duration, emit, json_option, store_option
@@ -36,7 +36,20 @@ def gc_command(store_url: str | None, grace_seconds: float, dry_run: bool, keep_
 
 @click.group("store")
 def store_group() -> None:
-    """Inspect a chunk store."""
+    """Create or inspect a chunk store."""
+
+
+@store_group.command("init")
+@click.argument("url", required=False, metavar="[URL]")
+@store_option
+@json_option
+def init_command(url: str | None, store_url: str | None, as_json: bool) -> None:
+    """Create the store at URL (default: --store): its directory, or its S3 bucket. An existing store is
+    left as it is. No other command creates a store, but `build`, which makes one on first use."""
+    store, created = init_store(url or store_url)
+    with store:
+        emit(as_json, {"store": store.url, "created": created},
+             lambda: f"{'created' if created else 'already there:'} store {store.url}", result=store.url)
 
 
 @store_group.command("stats")

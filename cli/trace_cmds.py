@@ -19,7 +19,7 @@ from dsec_fs.store import open_store
 from dsec_fs.units import human_size, parse_size
 from lazy_fetch.trace import TRACE_SUFFIX
 
-from .common import Duration, emit, json_option, store_option
+from .common import Duration, emit, json_option, quiet, store_option
 
 FLAG_LETTERS = "MBEP"  # miss, blob (kernel mode), error, prefetch: FLAG_* bits 0..3 of a record
 
@@ -67,17 +67,15 @@ def report_cmd(traces: tuple[str, ...], out_dir: str, store_url: str | None, as_
     layers = [{"layer": r.layer, "name": r.name, "traces": r.traces, "byte_fraction_median": r.byte_fraction.median,
                "file_fraction_median": r.file_fraction.median, "stalled_ms_median": r.stalled_ms.median}
               for r in report.layers]
-    if as_json:
-        click.echo(json.dumps({"html": html_path, "json": json_path, "traces": len(report.traces),
-                               "layers": layers, "notes": report.notes}, indent=2))
-        return
-    for r in report.layers:
-        click.echo(f"{r.name:<32} {r.traces:>5} traces  bytes read {r.byte_fraction.median * 100:5.1f}% "
-                   f"(median of {human_size(r.layer_bytes)})  files {r.file_fraction.median * 100:5.1f}%  "
-                   f"stalled {r.stalled_ms.median:,.1f} ms")
-    for note in report.notes:
-        click.echo(f"note: {note}")
-    click.echo(f"wrote {html_path} and {json_path}")
+    def text() -> str:
+        lines = [f"{r.name:<32} {r.traces:>5} traces  bytes read {r.byte_fraction.median * 100:5.1f}% "
+                 f"(median of {human_size(r.layer_bytes)})  files {r.file_fraction.median * 100:5.1f}%  "
+                 f"stalled {r.stalled_ms.median:,.1f} ms" for r in report.layers]
+        lines += [f"note: {note}" for note in report.notes]
+        return "\n".join([*lines, f"wrote {html_path} and {json_path}"])
+
+    emit(as_json, {"html": html_path, "json": json_path, "traces": len(report.traces), "layers": layers,
+                   "notes": report.notes}, text, result=html_path)
 
 
 @trace.command("ls")
@@ -104,7 +102,7 @@ def ls_cmd(paths: tuple[str, ...], as_json: bool) -> None:
                      "duration_ms": (t.records[-1].time_ns / 1e6) if t.records else 0.0, "truncated": t.truncated})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
-    else:
+    elif not quiet():
         click.echo(f"{'TRACE':<40} {'LAYER':<12} {'ROLE':<9} {'MODE':<6} {'READS':>7} {'ASKED':>10} {'WAITS':>6} "
                    f"{'WAIT MS':>9} {'DURATION':>10}")
         for row in rows:
@@ -221,8 +219,6 @@ def build_cmd(traces: tuple[str, ...], out_path: str, min_fraction: float, store
     save(plist, out_path)
     data = {"path": out_path, "layer": plist.layer, "traces": plist.traces, "min_fraction": plist.min_fraction,
             "chunks": len(plist.entries), "bytes": plist.bytes}
-    if as_json:
-        click.echo(json.dumps(data, indent=2))
-    else:
-        click.echo(f"{len(plist.entries):,} chunks ({human_size(plist.bytes)}) of layer {plist.layer[:12]}, learned from "
-                   f"{plist.traces} traces, written to {out_path}")
+    emit(as_json, data, lambda: f"{len(plist.entries):,} chunks ({human_size(plist.bytes)}) of layer "
+                                f"{plist.layer[:12]}, learned from {plist.traces} traces, written to {out_path}",
+         result=out_path)

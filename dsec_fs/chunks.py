@@ -3,10 +3,15 @@ back verified (read_chunk, read_chunks; or plan_runs and read_run, for callers t
 
 A chunk is named by the sha256 of its plain bytes and stored as one zstd frame inside a pack (pack.py).
 The store is not trusted: every chunk read is decompressed with its promised size and re-hashed before it
-is returned.
+is returned. Nor is any one index object: in a shared store a writer may put an index that claims other
+layers' chunks in its own pack. So ChunkIndex keeps every location given for a chunk, first seen first,
+and ``locations(digest, prefer)`` puts those in the packs a layer's manifest names first (a reader tries
+them in turn, the next after an integrity failure); ``verify_pack`` reads a whole pack and checks every
+chunk its index claims (what a build checks before it deduplicates against a pack it did not write).
 
 Threads:
-- ChunkIndex: any thread may call any method; ``_lock`` guards the digest -> location dict.
+- ChunkIndex: any thread may call any method; ``_lock`` guards the digest -> location dicts and the set
+  of packs loaded.
 - ChunkUploader: builder worker threads call ``add`` concurrently; one thread calls ``flush`` (or
   ``close``) after every ``add`` has returned. ``_lock`` guards the open pack, the set of queued digests,
   the statistics, the list of written packs and the first upload error. Uploads run on the uploader's own
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -37,6 +42,9 @@ MERGE_GAP = 64 * 1024
 # few hundred MB has tens of packs, and loading their indexes is on the path of its first mount: 16 at
 # once (the daemon's store concurrency) makes that two or three round trips.
 INDEX_LOAD_THREADS = 16
+# verify_pack reads a pack in ranged GETs of at most this many bytes, so a pack whose index claims huge
+# frames costs bounded memory.
+VERIFY_READ_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +56,48 @@ class ChunkLocation:
 
 
 class ChunkIndex:
-    """Chunk digest (32 raw bytes) -> ChunkLocation, filled from index objects and from new uploads."""
+    """Chunk digest (32 raw bytes) -> ChunkLocation, filled from index objects and from new uploads.
+
+    ``get`` answers the first location recorded; ``locations`` all of them (see the module docstring).
+    A chunk held by one pack, the usual case, costs one dict entry."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._locations: dict[bytes, ChunkLocation] = {}
+        self._more: dict[bytes, list[ChunkLocation]] = {}  # digest -> its later locations, in other packs
+        self._packs: set[str] = set()  # packs recorded with add_pack
 
     def get(self, digest: bytes) -> ChunkLocation | None:
         with self._lock:
             return self._locations.get(digest)
+
+    def locations(self, digest: bytes, prefer: Container[str] = ()) -> list[ChunkLocation]:
+        """Every location of ``digest``: those in the packs ``prefer`` names first, each group first seen
+        first."""
+        with self._lock:
+            first = self._locations.get(digest)
+            every = [] if first is None else [first, *self._more.get(digest, ())]
+        return sorted(every, key=lambda location: location.pack_id not in prefer)  # stable: order kept
+
+    def demote(self, digest: bytes, location: ChunkLocation) -> None:
+        """Put ``location`` of ``digest`` last (a read from it failed where another succeeded), so that
+        ``get`` answers a location that works. It is kept: its failure may have been the store's once."""
+        with self._lock:
+            more = self._more.get(digest)
+            if not more:
+                return
+            if self._locations.get(digest) == location:
+                self._locations[digest] = more.pop(0)
+            elif location in more:
+                more.remove(location)
+            else:
+                return
+            more.append(location)
+
+    def has_packs(self, pack_ids: Iterable[str]) -> bool:
+        """Whether every one of these packs has been recorded."""
+        with self._lock:
+            return all(pack_id in self._packs for pack_id in pack_ids)
 
     def __contains__(self, digest: bytes) -> bool:
         with self._lock:
@@ -67,10 +108,17 @@ class ChunkIndex:
             return len(self._locations)
 
     def add_pack(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
-        """Record a pack's chunks. A chunk already known keeps its first location, so lookups are stable."""
+        """Record a pack's chunks. A chunk already known keeps its first location, so ``get`` is stable;
+        a location in another pack is kept after it."""
         with self._lock:
+            self._packs.add(pack_id)
             for entry in entries:
-                self._locations.setdefault(entry.digest, ChunkLocation(pack_id, entry.offset, entry.clen, entry.ulen))
+                location = ChunkLocation(pack_id, entry.offset, entry.clen, entry.ulen)
+                first = self._locations.setdefault(entry.digest, location)
+                if first.pack_id != pack_id:
+                    more = self._more.setdefault(entry.digest, [])
+                    if all(other.pack_id != pack_id for other in more):
+                        more.append(location)
 
     def load(self, store: Store) -> int:
         """Read every index object of ``store``; returns how many were read."""
@@ -270,6 +318,15 @@ def read_chunks(store: Store, wanted: Iterable[tuple[bytes, ChunkLocation]]) -> 
     for run in plan_runs(wanted):
         chunks.update(read_run(store, run))
     return chunks
+
+
+def verify_pack(store: Store, pack_id: str, entries: Iterable[PackEntry]) -> None:
+    """Read every chunk ``entries`` (a pack's index) claims the pack holds, in ranged GETs of at most
+    VERIFY_READ_BYTES, and check each one's size and sha256: CorruptError (naming the chunk) at the first
+    that does not match, NotFoundError if the pack is gone. Memory: one GET at a time."""
+    wanted = [(entry.digest, ChunkLocation(pack_id, entry.offset, entry.clen, entry.ulen)) for entry in entries]
+    for run in plan_runs(wanted, max_bytes=VERIFY_READ_BYTES):
+        read_run(store, run)
 
 
 def _get_range(store: Store, key: str, offset: int, length: int, *, what: str) -> bytes:

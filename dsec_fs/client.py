@@ -1,4 +1,4 @@
-"""The SDK client of the node daemon (``dsecfs daemon``): its HTTP API over a unix socket, standard library only.
+"""The SDK client of the node daemon (``dsecfs daemon``): its HTTP API over a unix socket.
 
     node = Node()                                   # $DSECFS_SOCKET, else /run/dsecfs/daemon.sock
     info = node.mount("base/debian:12", "/mnt/debian", mode="kernel")
@@ -8,8 +8,8 @@
     with node.sandbox(base="base/debian:12", workspace="ws/task:1") as sb:   # see sandbox_client.py
         sb.exec(["/bin/sh", "-c", "ls /workspace"]).stdout
 
-Every call is one HTTP request with a JSON body; results come back as the dataclasses below (fields the
-daemon adds later are ignored, so an older client keeps working). An error the daemon reports is raised
+Every call is one HTTP request with a JSON body; requests and results are the types of api.py, which the
+daemon uses too (fields the daemon adds later are ignored, so an older client keeps working). An error the daemon reports is raised
 again as the DsecError class of its kind (the classes the CLI maps to exit codes), with the daemon's
 message and where; a daemon that does not answer is UnavailableError naming the socket. Paths (mount
 points, local stores, prefetch lists) are made absolute here, since the daemon's working directory is
@@ -33,143 +33,28 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-from .errors import (
-    ConflictError,
-    CorruptError,
-    DsecError,
-    InputError,
-    NotFoundError,
-    UnavailableError,
-    UnsupportedError,
-)
-
-if TYPE_CHECKING:
-    from .sandbox_client import Sandbox, SandboxInfo
+from . import api
+from .api import CacheInfo, LayerStatus, MountInfo, NodeStatus, PrefetchInfo  # noqa: F401 (the SDK's types)
+from .errors import ConflictError, UnavailableError
+from .files import private_dir
+from .sandbox_client import Sandbox, SandboxInfo
 
 # Where a node daemon lives unless told otherwise (lazy_fetch/daemon.py uses these too).
 DEFAULT_SOCKET = "/run/dsecfs/daemon.sock"
-DEFAULT_STATE_DIR = "/run/dsecfs/state"
+# On disk, not in /run: a systemd machine's /run is tmpfs, where the kernel refuses the EROFS images of
+# kernel-mode mounts (lazy_fetch/layer_mount.py).
+DEFAULT_STATE_DIR = "/var/lib/dsecfs/state"
 DEFAULT_CACHE_DIR = "/var/cache/dsecfs/chunks"
 SOCKET_ENV = "DSECFS_SOCKET"
+STATE_DIR_ENV = "DSECFS_STATE_DIR"  # the CLI's --state-dir and --cache-dir read these too
+CACHE_DIR_ENV = "DSECFS_CACHE_DIR"
 DEFAULT_TIMEOUT = 120.0  # seconds for one call: a mount may wait for a slow store
 START_TIMEOUT = 30.0  # seconds for a daemon we started to answer
 LOG_TAIL = 4096  # bytes of a failed daemon's log quoted in the error
-
-_ERROR_CLASSES: dict[str, type[DsecError]] = {
-    cls.kind: cls for cls in (InputError, NotFoundError, ConflictError, UnsupportedError, UnavailableError,
-                              CorruptError)
-}
-
-
-@dataclass(frozen=True)
-class MountInfo:
-    mountpoint: str
-    mode: str  # kernel | fuse
-    layer: str  # layer digest
-    ref: str = ""  # how the mount named the layer (a ref or the digest)
-    store: str = ""
-    blob_id: str = ""
-    trace: str = ""  # the mount's access trace file ("" when tracing is off)
-    prefetch: str = ""  # the prefetch list it was mounted with, if any
-    created: str = ""
-    chunks: int = 0  # distinct chunks of the layer
-    data_bytes: int = 0  # their bytes
-
-
-@dataclass(frozen=True)
-class LayerStatus:
-    layer: str
-    mounts: int = 0
-    data_bytes: int = 0
-    used_bytes: int = 0  # of data_bytes, bytes served to readers since the daemon started
-    fetched_ratio: float = 0.0  # used_bytes / data_bytes
-    reads: int = 0
-    read_errors: int = 0
-    chunks_fetched: int = 0  # from the store
-    bytes_fetched: int = 0
-    cache_hits: int = 0  # chunk lookups the disk cache answered
-    cache_misses: int = 0
-    fetch_errors: int = 0
-    corrupt: int = 0
-    timeouts: int = 0
-
-
-@dataclass(frozen=True)
-class PrefetchInfo:
-    layer: str
-    list: str
-    chunks: int = 0
-    bytes: int = 0
-    state: str = ""  # running | done | cancelled | failed
-    done_chunks: int = 0
-    done_bytes: int = 0
-    failed_chunks: int = 0
-    started: str = ""
-    finished: str = ""
-
-
-@dataclass(frozen=True)
-class CacheInfo:
-    directory: str = ""
-    entries: int = 0
-    bytes: int = 0
-    max_bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    rotten: int = 0
-    reconciled: int = 0
-    memory_entries: int = 0
-    memory_bytes: int = 0
-    memory_max_bytes: int = 0
-    memory_hits: int = 0
-    memory_misses: int = 0
-    evicted: int = 0  # chunks the call that returned this evicted (cache_evict)
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    pid: int
-    version: str = ""
-    started: str = ""
-    socket: str = ""
-    state_dir: str = ""
-    cache_dir: str = ""
-    store: str = ""  # the daemon's default store
-    fuse_binding: str = ""
-    mounts: list[MountInfo] = field(default_factory=list)
-    layers: list[LayerStatus] = field(default_factory=list)
-    prefetches: list[PrefetchInfo] = field(default_factory=list)
-    cache: CacheInfo = field(default_factory=CacheInfo)
-    cleaned: list[str] = field(default_factory=list)  # stale mountpoints detached when the daemon started
-
-
-def _typed(cls, obj: dict):
-    """``cls`` from a JSON object, ignoring fields this client does not know."""
-    if not isinstance(obj, dict):
-        raise UnavailableError(f"the daemon answered {type(obj).__name__} where an object was expected",
-                               where=cls.__name__, transient=False)
-    names = {f.name for f in fields(cls)}
-    return cls(**{name: value for name, value in obj.items() if name in names})
-
-
-def _status(obj: dict) -> NodeStatus:
-    status = _typed(NodeStatus, obj)
-    return NodeStatus(**{
-        **{f.name: getattr(status, f.name) for f in fields(NodeStatus)},
-        "mounts": [_typed(MountInfo, m) for m in status.mounts],
-        "layers": [_typed(LayerStatus, layer) for layer in status.layers],
-        "prefetches": [_typed(PrefetchInfo, p) for p in status.prefetches],
-        "cache": _typed(CacheInfo, status.cache) if isinstance(status.cache, dict) else status.cache,
-    })
-
-
-def _absolute_store(url: str | None) -> str | None:
-    return url if url is None or "://" in url else os.path.abspath(url)
-
+CONNECT_RETRY_SECONDS = 0.01
+T = TypeVar("T")
 
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float):
@@ -177,14 +62,25 @@ class _UnixConnection(http.client.HTTPConnection):
         self._path = path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+        """Connect; a full listen backlog (EAGAIN: a unix socket never waits for room, whatever the
+        timeout) is tried again until the timeout, since the daemon drains it as it accepts."""
+        deadline = time.monotonic() + (self.timeout if self.timeout is not None else DEFAULT_TIMEOUT)
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self._path)
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(CONNECT_RETRY_SECONDS)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+            return
 
 
 class Node:
@@ -208,73 +104,79 @@ class Node:
         return True
 
     def status(self) -> NodeStatus:
-        return _status(self.request("GET", "/v1/status"))
+        return self.call("GET", "/v1/status", answer=NodeStatus)
 
     def mounts(self) -> list[MountInfo]:
-        return [_typed(MountInfo, m) for m in self.request("GET", "/v1/mounts")["mounts"]]
+        return self.call("GET", "/v1/mounts", answer=api.MountList).mounts
 
     def mount(self, layer: str, mountpoint: str, *, mode: str = "kernel", store: str | None = None,
-              prefetch_list: str | None = None, fuse_binding: str | None = None) -> MountInfo:
+              prefetch_list: str | None = None, fuse_binding: str | None = None, profile: bool = True,
+              name: str | None = None, fill: str | None = None) -> MountInfo:
         """Mount ``layer`` (a ref or a digest) at the existing directory ``mountpoint``. ``store``: the
         store to read it from (default: the daemon's); ``prefetch_list``: a list to fetch in the
-        background; ``fuse_binding``: fail (ConflictError) unless the daemon serves FUSE with it."""
-        body = {"layer": layer, "mountpoint": os.path.abspath(mountpoint), "mode": mode,
-                "store": _absolute_store(store), "fuse_binding": fuse_binding,
-                "prefetch": os.path.abspath(prefetch_list) if prefetch_list else None}
-        return _typed(MountInfo, self.request("POST", "/v1/mounts", body))
+        background, instead of the layer's access profile (``profile`` False: neither); ``name``: the
+        layer's ref name when ``layer`` is a digest (whose profile to use); ``fill``: none, profile or
+        layer (default: the daemon's); ``fuse_binding``: fail (ConflictError) unless the daemon serves
+        FUSE with it."""
+        body = api.MountRequest(layer=layer, mountpoint=os.path.abspath(mountpoint), mode=mode,
+                                store=api.absolute_store(store), fuse_binding=fuse_binding,
+                                prefetch=os.path.abspath(prefetch_list) if prefetch_list else None,
+                                profile=profile, name=name, fill=fill)
+        return self.call("POST", "/v1/mounts", body, answer=MountInfo)
 
     def umount(self, mountpoint: str, *, lazy: bool = False) -> None:
         """Unmount; a busy mount is UnavailableError (transient) unless ``lazy`` detaches it."""
-        self.request("POST", "/v1/umount", {"mountpoint": os.path.abspath(mountpoint), "lazy": lazy})
+        self.call("POST", "/v1/umount", api.UmountRequest(os.path.abspath(mountpoint), lazy=lazy), answer=api.UmountInfo)
 
     def prefetch(self, mountpoint: str, prefetch_list: str) -> PrefetchInfo:
         """Fetch ``prefetch_list`` in the background for the layer mounted at ``mountpoint``."""
-        body = {"mountpoint": os.path.abspath(mountpoint), "list": os.path.abspath(prefetch_list)}
-        return _typed(PrefetchInfo, self.request("POST", "/v1/prefetch", body))
+        body = api.PrefetchRequest(os.path.abspath(mountpoint), os.path.abspath(prefetch_list))
+        return self.call("POST", "/v1/prefetch", body, answer=PrefetchInfo)
 
     def prefetches(self) -> list[PrefetchInfo]:
-        return [_typed(PrefetchInfo, p) for p in self.request("GET", "/v1/prefetch")["prefetches"]]
+        return self.call("GET", "/v1/prefetch", answer=api.PrefetchList).prefetches
 
     def cache_stats(self) -> CacheInfo:
-        return _typed(CacheInfo, self.request("GET", "/v1/cache"))
+        return self.call("GET", "/v1/cache", answer=CacheInfo)
 
     def cache_evict(self, to_bytes: int = 0) -> CacheInfo:
         """Evict least recently used chunks until at most ``to_bytes`` stay cached (disk and memory)."""
-        return _typed(CacheInfo, self.request("POST", "/v1/cache/evict", {"to": to_bytes}))
+        return self.call("POST", "/v1/cache/evict", api.EvictRequest(to_bytes), answer=CacheInfo)
 
     def metrics_text(self) -> str:
         """The Prometheus exposition text of ``/metrics``."""
         return self.request("GET", "/metrics")
 
-    # -- sandboxes (sandbox_client.py: the Sandbox handle and the result types; imported here when used,
-    # since it imports this module)
+    # -- sandboxes (sandbox_client.py: the Sandbox handle and the result types)
 
     def sandbox_up(self, base: str | None = None, workspace: str | None = None, toolkit: str | Sequence[str] = (),
-                   *, name: str | None = None, store: str | None = None) -> SandboxInfo:
+                   *, name: str | None = None, store: str | None = None, profile: bool = True,
+                   fill: str | None = None) -> SandboxInfo:
         """Start a sandbox of these layers (refs or digests; any may be left out, not all; ``toolkit`` one or
         a list, the first on top) named ``name`` (default: its id). ``store`` must be the daemon's own
-        store if given (ConflictError otherwise)."""
-        from .sandbox_client import SandboxInfo
-
+        store if given (ConflictError otherwise). ``profile`` False: layers it mounts first do not
+        prefetch by their access profiles; ``fill``: none, profile or layer (default: the daemon's)."""
         toolkits = [toolkit] if isinstance(toolkit, str) else list(toolkit)
-        body = {"base": base, "workspace": workspace, "toolkits": toolkits, "name": name,
-                "store": _absolute_store(store)}
-        return SandboxInfo.from_json(self.request("POST", "/v1/sandboxes", body))
+        body = api.SandboxUpRequest(base=base, workspace=workspace, toolkits=toolkits, name=name,
+                                    store=api.absolute_store(store), profile=profile, fill=fill)
+        return self.call("POST", "/v1/sandboxes", body, answer=SandboxInfo)
 
     def sandbox(self, base: str | None = None, workspace: str | None = None, toolkit: str | Sequence[str] = (),
-                *, name: str | None = None, store: str | None = None) -> Sandbox:
+                *, name: str | None = None, store: str | None = None, profile: bool = True,
+                fill: str | None = None) -> Sandbox:
         """``sandbox_up``, as a handle to use the sandbox with; a with-block on it ends with ``down()``."""
-        from .sandbox_client import Sandbox
-
-        info = self.sandbox_up(base, workspace, toolkit, name=name, store=store)
+        info = self.sandbox_up(base, workspace, toolkit, name=name, store=store, profile=profile, fill=fill)
         return Sandbox(self, info.id, info=info)
 
     def sandboxes(self) -> list[SandboxInfo]:
-        from .sandbox_client import SandboxInfo
-
-        return [SandboxInfo.from_json(s) for s in self.request("GET", "/v1/sandboxes")["sandboxes"]]
+        return self.call("GET", "/v1/sandboxes", answer=api.SandboxList).sandboxes
 
     # -- HTTP
+
+    def call(self, method: str, path: str, body: Any = None, *, answer: type[T], timeout: float | None = None) -> T:
+        """``request`` with a request type of api.py as the body, the answer decoded as ``answer``."""
+        value = self.request(method, path, None if body is None else api.to_builtins(body), timeout=timeout)
+        return api.decode(value, answer, where=f"{method} {path} on {self.socket_path}")
 
     def request(self, method: str, path: str, body: dict | None = None, *, timeout: float | None = None) -> Any:
         """One request to any route of the daemon's API (those other packages add too): the parsed JSON
@@ -301,7 +203,7 @@ class Node:
             raise UnavailableError(f"{method} {path}: the daemon answered HTTP {response.status} that is not "
                                    f"valid: {exc}", where=self.socket_path, transient=False) from None
         if response.status >= 400:
-            raise _error(value, response.status, f"{method} {path}")
+            raise api.error_from_body(value, response.status, f"{method} {path}")
         return value
 
     # -- starting a daemon
@@ -320,14 +222,19 @@ class Node:
         socket_path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
         args = [*(command or _dsecfs_command()), "daemon", "--socket", socket_path]
         for option, value in (("--state-dir", state_dir), ("--cache-dir", cache_dir), ("--cache-size", cache_size),
-                              ("--store", _absolute_store(store)), ("--fuse-binding", fuse_binding),
-                              ("--latency", latency_ms), ("--bandwidth", bandwidth_mbps),
+                              ("--store", api.absolute_store(store)), ("--fuse-binding", fuse_binding),
+                              ("--latency", latency_ms),
+                              ("--bandwidth", None if bandwidth_mbps is None else f"{bandwidth_mbps}MB"),
                               ("--fetch-timeout", fetch_timeout)):
             if value is not None:
                 args += [option, os.path.abspath(value) if option.endswith("-dir") else str(value)]
         args += list(extra_args)
         if log_file:
-            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+            log_dir = os.path.dirname(os.path.abspath(log_file))
+            if log_dir == os.path.abspath(state_dir or DEFAULT_STATE_DIR):
+                private_dir(log_dir)  # made here first, it is still the daemon's: 0700 (dsec_fs.files)
+            else:
+                os.makedirs(log_dir, exist_ok=True)
             output = open(log_file, "ab")
         else:
             output = subprocess.DEVNULL
@@ -344,10 +251,14 @@ class Node:
     @classmethod
     def ensure_running(cls, socket_path: str | None = None, **start_options) -> Node:
         """A Node whose daemon answers: the one on the socket, else one started with ``start_options``
-        (those of ``start_daemon``; ``log_file`` defaults to daemon.log in its state directory)."""
+        (those of ``start_daemon``; ``state_dir`` and ``cache_dir`` default to $DSECFS_STATE_DIR and
+        $DSECFS_CACHE_DIR, ``log_file`` to daemon.log in its state directory)."""
         node = cls(socket_path)
         if node.ping():
             return node
+        for option, env in (("state_dir", STATE_DIR_ENV), ("cache_dir", CACHE_DIR_ENV)):
+            if not start_options.get(option) and os.environ.get(env):
+                start_options[option] = os.environ[env]
         start_options.setdefault("log_file", os.path.join(start_options.get("state_dir") or DEFAULT_STATE_DIR,
                                                           "daemon.log"))
         try:
@@ -411,19 +322,6 @@ class DaemonProcess:
                 return "; its log ends:\n" + f.read().decode(errors="replace")
         except OSError:
             return ""
-
-
-def _error(value: Any, status: int, request: str) -> DsecError:
-    """The DsecError a daemon's error answer stands for."""
-    if not isinstance(value, dict):
-        return UnavailableError(f"{request}: HTTP {status}: {str(value)[:200]}", where="daemon", transient=False)
-    kind, message, where = value.get("error"), str(value.get("message", "")), value.get("where")
-    cls = _ERROR_CLASSES.get(kind)
-    if cls is UnavailableError:
-        return UnavailableError(message, where=where, transient=bool(value.get("transient", True)))
-    if cls is None:
-        return DsecError(f"{message} (daemon error {kind!r}, HTTP {status})", where=where)
-    return cls(message, where=where)
 
 
 def _dsecfs_command() -> list[str]:

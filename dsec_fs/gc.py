@@ -35,7 +35,7 @@ Why a build running meanwhile loses nothing:
    gc, after deleting indexes, reads every manifest again and restores the index of any trashed pack one
    names; the build, after publishing its manifest, restores any missing index of its packs
    (``ensure_pack_indexes``). Whichever runs second sees the other's write. Before publishing, the build
-   also confirms against the index objects themselves that its packs hold its chunks (index_mirror.py).
+   also confirms against the index objects themselves that its packs hold its chunks (dedup_index.py).
 3. One gc at a time: a run holds an exclusive lease under ``gc-locks/``.
 Times of leases and markers come from different hosts' clocks; "started before" always allows
 ``leases.CLOCK_SKEW`` of disagreement in the safe direction.

@@ -9,6 +9,8 @@ Databases of the environment:
     packs    pack id (32 raw bytes) -> PACK_HEADER + count x pack.INDEX_ENTRY: the pack's index entries
     chunks   chunk digest (32 raw bytes) -> LOCATION, once per mirrored pack holding the chunk
              (dupsort, fixed-size values: a chunk two builds uploaded at once lives in two packs)
+    trust    pack id (32 raw bytes) -> TRUSTED (every chunk its index claims was read and hashed, or this
+             host uploaded it) or FORGED (a claimed chunk did not verify); no record: not checked yet
     meta     b"version" -> VERSION; b"store" -> store_identity() (UTF-8); b"synced" -> SYNCED
 
 Sync (``IndexMirror.sync``, at the start of every build): list ``index/``, fetch in parallel the index
@@ -22,9 +24,12 @@ Why the answers are safe to build on (see gc.py for the other side):
   never brings back a pack a newer one dropped. A pack a build uploads itself is added at once: it is
   surely indexed now; and a sync drops only packs added before its listing began.
 - The mirror only ever says "this chunk exists, in that pack"; the layer records pack ids, and before
-  publishing, ``MirroredChunkIndex.confirm`` checks against the index objects themselves that the layer's
+  publishing, ``MirroredChunkIndex.confirm`` (dedup_index.py, the chunk index a build uses) checks against the index objects themselves that the layer's
   packs hold every chunk of its blob map. A mirror that answered wrongly (damaged on disk, a bug) is then
   reset and the build fails before publishing anything.
+- An index object says what its writer claims, and in a shared store a writer may lie: the mirror keeps
+  every location of a chunk, and ``trust`` the verdicts of this host's checks; dedup_index.py answers a
+  build only from trusted packs.
 - A mirror whose files are not a sound LMDB environment, whose version is unknown or whose records do
   not decode is emptied and rebuilt from the store.
 
@@ -32,7 +37,6 @@ Threads and processes: LMDB may be opened only once per process, so every IndexM
 shares one environment (``_Shared``, counted; ``_registry_lock`` guards the registry). Any thread may
 call any method at the same time: each method is one LMDB transaction, writers are serialised by LMDB's
 lock (across processes too: builds on one host share the mirror), readers never block.
-MirroredChunkIndex adds ChunkIndex's own lock, which guards the answers it has already given.
 """
 
 from __future__ import annotations
@@ -50,10 +54,9 @@ from dataclasses import dataclass
 
 import lmdb
 
-from .chunks import INDEX_LOAD_THREADS, ChunkIndex, ChunkLocation
+from .chunks import INDEX_LOAD_THREADS, ChunkLocation
 from .digest import DIGEST_SIZE, is_hex_digest, to_hex
 from .errors import CorruptError, NotFoundError, UnavailableError
-from .gc import restore_pack_index
 from .pack import INDEX_ENTRY, PackEntry, decode_index
 from .paths import default_dir
 from .store import keys
@@ -82,6 +85,7 @@ LOCATION = struct.Struct(
     "I"  # ulen: bytes of the chunk
 )
 
+TRUSTED, FORGED = b"t", b"f"  # values of the trust database
 VERSION = struct.Struct("<I")  # MIRROR_VERSION; any other value: the mirror is rebuilt
 SYNCED = struct.Struct("<Q")  # time.time_ns() when the newest committed sync began listing index/
 
@@ -125,9 +129,10 @@ class _Shared:
         self.path = path
         self.users = 0
         os.makedirs(path, exist_ok=True)
-        self.env = lmdb.open(path, map_size=map_size, max_dbs=3, readahead=False)
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False)
         self.packs = self.env.open_db(b"packs")
         self.chunks = self.env.open_db(b"chunks", dupsort=True, dupfixed=True)
+        self.trust = self.env.open_db(b"trust")
         self.meta = self.env.open_db(b"meta")
 
 
@@ -203,7 +208,7 @@ class IndexMirror:
         log.warning("index mirror %s is damaged or foreign; rebuilding it from the store", self.path)
 
         def empty(txn: lmdb.Transaction) -> None:
-            for db in (self._shared.packs, self._shared.chunks, self._shared.meta):
+            for db in (self._shared.packs, self._shared.chunks, self._shared.trust, self._shared.meta):
                 txn.drop(db, delete=False)
             self._stamp(txn)
 
@@ -292,27 +297,58 @@ class IndexMirror:
     # -- reading and writing packs
 
     def add_pack(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
-        """Add a pack just uploaded (its index object is in the store). A pack already here is left as is."""
+        """Add a pack this host just uploaded (its index object is in the store), trusted. A pack already
+        here keeps its entries. A failure is logged, not raised: the mirror is a cache, the next sync
+        catches up."""
         entries = list(entries)
-        self._write(lambda txn: self._add(txn, bytes.fromhex(pack_id), entries, added=time.time_ns()))
+        raw = bytes.fromhex(pack_id)
 
-    def lookup(self, digest: bytes) -> ChunkLocation | None:
-        """Where the mirror says chunk ``digest`` is, or None. A record that does not decode is a miss,
-        and the next sync rebuilds the mirror."""
+        def add(txn: lmdb.Transaction) -> None:
+            self._add(txn, raw, entries, added=time.time_ns())
+            txn.put(raw, TRUSTED, db=self._shared.trust)
+
+        try:
+            self._write(add)
+        except (lmdb.Error, UnavailableError) as exc:
+            log.warning("could not add pack %s to the index mirror: %s", pack_id, exc)
+
+    def locations(self, digest: bytes) -> list[ChunkLocation]:
+        """Every location the mirror knows for chunk ``digest``, in pack id order. A record that does not
+        decode is left out, and the next sync rebuilds the mirror."""
         try:
             with self._shared.env.begin(db=self._shared.chunks) as txn:
-                value = txn.get(digest)
+                cursor = txn.cursor()
+                values = list(cursor.iternext_dup()) if cursor.set_key(digest) else []
         except _BROKEN as exc:
             log.warning("index mirror %s: %s", self.path, exc)
             self._damaged = True
+            return []
+        locations = []
+        for value in values:
+            if len(value) != LOCATION.size:
+                self._damaged = True
+                continue
+            pack_id, offset, clen, ulen = LOCATION.unpack(value)
+            locations.append(ChunkLocation(to_hex(pack_id), offset, clen, ulen))
+        return locations
+
+    def trust(self, pack_id: str) -> bytes | None:
+        """TRUSTED, FORGED, or None for a pack not checked yet (see the module docstring)."""
+        with self._shared.env.begin(db=self._shared.trust) as txn:
+            return txn.get(bytes.fromhex(pack_id))
+
+    def set_trust(self, pack_id: str, verdict: bytes) -> None:
+        self._write(lambda txn: txn.put(bytes.fromhex(pack_id), verdict, db=self._shared.trust))
+
+    def pack_entries(self, pack_id: str) -> list[PackEntry] | None:
+        """The mirrored index entries of a pack; None if it is not mirrored."""
+        raw = bytes.fromhex(pack_id)
+        with self._shared.env.begin(db=self._shared.packs) as txn:
+            record = txn.get(raw)
+        if record is None:
             return None
-        if value is None:
-            return None
-        if len(value) != LOCATION.size:
-            self._damaged = True
-            return None
-        pack_id, offset, clen, ulen = LOCATION.unpack(value)
-        return ChunkLocation(to_hex(pack_id), offset, clen, ulen)
+        self._decode_header(raw, record)
+        return [PackEntry(*fields) for fields in INDEX_ENTRY.iter_unpack(record[PACK_HEADER.size:])]
 
     def pack_ids(self) -> set[str]:
         with self._shared.env.begin(db=self._shared.packs) as txn:
@@ -338,6 +374,7 @@ class IndexMirror:
         for digest, offset, clen, ulen in INDEX_ENTRY.iter_unpack(record[PACK_HEADER.size:]):
             txn.delete(digest, LOCATION.pack(pack_id, offset, clen, ulen), db=self._shared.chunks)
         txn.delete(pack_id, db=self._shared.packs)
+        txn.delete(pack_id, db=self._shared.trust)
 
     def _decode_header(self, pack_id: bytes, record: bytes) -> tuple[int, int]:
         """(added, count) of a pack record; CorruptError (which rebuilds the mirror) if it is malformed."""
@@ -356,100 +393,3 @@ class IndexMirror:
         except lmdb.MapFullError:
             raise UnavailableError(f"the index mirror is full ({DEFAULT_MAP_SIZE} bytes); remove the directory",
                                    where=self.path, transient=False) from None
-
-
-class MirroredChunkIndex(ChunkIndex):
-    """A ChunkIndex answered from an IndexMirror: what ChunkUploader, the chunker and the builder use.
-
-    Every answer the mirror gives is remembered, so the chunker, the uploader and the manifest see the
-    same location for a chunk even if another process's sync changes the mirror meanwhile; packs this
-    build uploads are remembered and added to the mirror. ``close()`` releases the mirror.
-    """
-
-    def __init__(self, mirror: IndexMirror):
-        super().__init__()
-        self.mirror = mirror
-
-    def get(self, digest: bytes) -> ChunkLocation | None:
-        location = super().get(digest)
-        if location is None:
-            location = self.mirror.lookup(digest)
-            if location is not None:
-                super().add_pack(location.pack_id, [PackEntry(digest, location.offset, location.clen,
-                                                              location.ulen)])
-                location = super().get(digest)
-        return location
-
-    def __contains__(self, digest: bytes) -> bool:
-        return self.get(digest) is not None
-
-    def __len__(self) -> int:
-        return self.mirror.chunk_count()
-
-    def add_pack(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
-        entries = list(entries)
-        super().add_pack(pack_id, entries)
-        try:
-            self.mirror.add_pack(pack_id, entries)
-        except (lmdb.Error, UnavailableError) as exc:  # the mirror is a cache: the next sync catches up
-            log.warning("could not add pack %s to the index mirror: %s", pack_id, exc)
-
-    def confirm(self, store: Store, digests: Iterable[bytes], pack_ids: Iterable[str]) -> list[str]:
-        """Check against the store that the packs ``pack_ids`` exist and that their index objects list
-        every chunk in ``digests``, before a layer naming them is published. An index object that is
-        missing (soft-deleted by a gc meanwhile) or unreadable is put again from its pack. Returns the
-        packs so restored.
-
-        NotFoundError if a pack is gone; CorruptError, after resetting the mirror, if a chunk the mirror
-        promised is in none of the packs.
-        """
-        # Memory: one set of the layer's distinct digests, which each pack's index, read and decoded one
-        # at a time per thread, strikes out under ``lock``; no set of every pack's digests at once.
-        missing = set(digests)
-        lock = threading.Lock()
-
-        def read(pack_id: str) -> bool:
-            if not store.exists(keys.pack(pack_id)):
-                raise NotFoundError("a pack this layer needs is gone; nothing was published",
-                                    where=keys.pack(pack_id))
-            key = keys.index(pack_id)
-            try:
-                entries, restored = decode_index(store.get(key), source=key), False
-            except (NotFoundError, CorruptError):
-                entries, restored = restore_pack_index(store, pack_id), True
-            held = [e.digest for e in entries]
-            with lock:
-                missing.difference_update(held)
-            return restored
-
-        pack_ids = list(pack_ids)
-        with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="confirm") as pool:
-            results = list(pool.map(read, pack_ids))
-        if missing:
-            self.mirror.reset()
-            raise CorruptError(
-                f"{len(missing)} chunks the index mirror said were stored are in none of the layer's packs; "
-                "the mirror was reset and nothing was published: build again",
-                where=f"chunk {to_hex(min(missing))}",
-            )
-        return [pack_id for pack_id, restored in zip(pack_ids, results) if restored]
-
-    def close(self) -> None:
-        self.mirror.close()
-
-    def __enter__(self) -> "MirroredChunkIndex":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def load_chunk_index(store: Store, *, index_root: str | None = None) -> MirroredChunkIndex:
-    """Sync the store's index mirror and return a ChunkIndex answered from it; the caller closes it."""
-    mirror = IndexMirror.for_store(store, index_root)
-    try:
-        mirror.sync(store)
-    except BaseException:
-        mirror.close()
-        raise
-    return MirroredChunkIndex(mirror)

@@ -49,11 +49,14 @@ STORED_ENCODING = "zstd"
 META, BLOBMAP = "meta.erofs", "blobmap"  # the names of the two objects in ``Manifest.stored``
 DEFAULT_TAG = "latest"
 MAX_REF_LENGTH = 255
+DIGEST_PREFIX = "sha256:"  # a layer may be named sha256:<digest or prefix>, as OCI spells digests
+MIN_DIGEST_PREFIX = 4  # shortest digest prefix accepted; dsecfs prints 12 characters
 
 # A name is slash-separated components; each starts with a letter or digit, so none is "." or a hidden
 # temporary name, and none can be empty. A tag follows the OCI rule.
 _NAME_COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_HEX_WORD = re.compile(f"[0-9A-Fa-f]{{{MIN_DIGEST_PREFIX},64}}")
 
 
 def utc_now() -> str:
@@ -332,16 +335,58 @@ def set_ref(store: Store, ref: str, digest: str) -> None:
 
 
 def resolve(store: Store, ref_or_digest: str) -> str:
-    """A layer digest (64 hex characters) is returned as is, lowercased; anything else is read as a ref."""
-    if is_hex_digest(ref_or_digest.lower()):
-        return ref_or_digest.lower()
-    name, tag = parse_ref(ref_or_digest)
+    """The digest of the layer ``ref_or_digest`` names: a digest (64 hex characters), a unique prefix of
+    one (at least MIN_DIGEST_PREFIX characters, such as the 12 dsecfs prints), either with ``sha256:``
+    before it, or a ``name[:tag]`` ref. A bare hex word could be a ref name too: both are looked up, and
+    if they name different layers that is an error, as is a prefix of more than one layer's digest."""
+    text = ref_or_digest.strip()
+    hex_part = text[len(DIGEST_PREFIX):] if text.lower().startswith(DIGEST_PREFIX) else None
+    if hex_part is not None or _HEX_WORD.fullmatch(text):
+        word = (text if hex_part is None else hex_part).lower()
+        if is_hex_digest(word):
+            return word
+        if hex_part is not None and not _HEX_WORD.fullmatch(word):
+            raise InputError(f"expected {MIN_DIGEST_PREFIX} to 64 hex characters after {DIGEST_PREFIX!r}",
+                             where=f"layer {text!r}")
+        candidates = {digest: f"layer {digest}" for digest in layers_with_prefix(store, word)}
+        if hex_part is None:  # also a ref name
+            try:
+                digest = read_ref(store, text)
+                candidates.setdefault(digest, f"ref {text}:{DEFAULT_TAG} -> layer {digest}")
+            except NotFoundError:
+                pass
+        if len(candidates) == 1:
+            return next(iter(candidates))
+        if not candidates:
+            also = "" if hex_part is not None else f" and there is no ref {text}:{DEFAULT_TAG}"
+            raise NotFoundError(f"no published layer's digest starts with {word}{also}",
+                                where=f"store {store.url}")
+        listed = sorted(candidates.values())
+        more = f" and {len(listed) - 10} more" if len(listed) > 10 else ""
+        raise InputError(f"ambiguous: {text!r} could be any of: {'; '.join(listed[:10])}{more} "
+                         "(give more characters of the digest)", where=f"store {store.url}")
+    return read_ref(store, text)
+
+
+def read_ref(store: Store, ref: str) -> str:
+    """The layer digest ``ref`` (``name[:tag]``) points at (NotFoundError naming the ref and the store)."""
+    name, tag = parse_ref(ref)
     key = keys.ref(name, tag)
     try:
         data = store.get(key)
     except NotFoundError:
-        raise NotFoundError("no such ref", where=f"ref {name}:{tag}") from None
+        raise NotFoundError(f"no such ref in store {store.url}", where=f"ref {name}:{tag}") from None
     return _decode_ref(data, source=key)
+
+
+def layers_with_prefix(store: Store, prefix: str = "") -> list[str]:
+    """The digests of the published layers (those with a manifest) that start with ``prefix``, sorted."""
+    found = set()
+    for key in store.list(keys.LAYERS + prefix):
+        digest = key[len(keys.LAYERS):].split("/", 1)[0]
+        if is_hex_digest(digest) and key == keys.layer_manifest(digest):
+            found.add(digest)
+    return sorted(found)
 
 
 def list_refs(store: Store) -> dict[str, str]:
@@ -365,7 +410,7 @@ def delete_ref(store: Store, ref: str) -> None:
     name, tag = parse_ref(ref)
     key = keys.ref(name, tag)
     if not store.exists(key):
-        raise NotFoundError("no such ref", where=f"ref {name}:{tag}")
+        raise NotFoundError(f"no such ref in store {store.url}", where=f"ref {name}:{tag}")
     store.delete(key)
 
 

@@ -23,6 +23,7 @@ import fcntl
 import os
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError, UnsupportedError
 
@@ -134,40 +135,86 @@ def _write_read_ahead(device_info: str, size: int) -> bool:
     return True
 
 
-def _unescape(field: bytes) -> bytes:
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of /proc/self/mountinfo (proc(5)), its paths unescaped."""
+
+    mount_id: int
+    parent_id: int
+    device: str  # "major:minor" (st_dev of files on it)
+    root: str  # the directory of the filesystem mounted here (not "/" for a bind mount of a subtree)
+    mountpoint: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: bytes) -> str:
     """/proc/self/mountinfo escapes space, tab, newline and backslash as \\ooo."""
-    return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field)
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field))
+
+
+def mount_table() -> list[MountEntry]:
+    """Every mount this process sees, in /proc/self/mountinfo order (parents before what is mounted on
+    them, and at one mountpoint the topmost last). The only parser of mountinfo in dsecfs. It reads
+    /proc alone: it sends no request to any filesystem (a FUSE session nobody serves would hang a stat)."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        lines = f.read().splitlines()
+    entries = []
+    for line in lines:
+        fields = line.split(b" ")
+        separator = fields.index(b"-", 6)  # optional fields end with a lone "-"
+        entries.append(MountEntry(mount_id=int(fields[0]), parent_id=int(fields[1]), device=fields[2].decode(),
+                                  root=_unescape(fields[3]), mountpoint=_unescape(fields[4]),
+                                  fstype=_unescape(fields[separator + 1]), source=_unescape(fields[separator + 2])))
+    return entries
+
+
+def top_mount(path: PathLike) -> MountEntry | None:
+    """The topmost mount exactly at ``path`` (taken as it is: no symlinks resolved), or None."""
+    path = os.fsdecode(path)
+    found = None
+    for entry in mount_table():
+        if entry.mountpoint == path:
+            found = entry
+    return found
 
 
 def is_mountpoint(path: PathLike) -> bool:
     """True if something is mounted exactly at ``path`` (symlinks resolved), per /proc/self/mountinfo."""
-    wanted = os.path.realpath(os.fsencode(path))
-    with open("/proc/self/mountinfo", "rb") as f:
-        return any(_unescape(line.split(b" ")[4]) == wanted for line in f)
+    return top_mount(os.path.realpath(os.fsdecode(path))) is not None
 
 
 def mount_device(path: PathLike) -> str | None:
     """"major:minor" of the topmost mount exactly at ``path``, or None, per /proc/self/mountinfo. Only
     the parent directory is resolved (symlinks), never ``path`` itself, so this sends no request to the
     filesystem mounted there (a FUSE session nobody serves would hang a stat)."""
-    path = os.fsencode(path)
-    wanted = os.path.join(os.path.realpath(os.path.dirname(path) or b"."), os.path.basename(path))
-    found = None
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split(b" ")
-            if _unescape(fields[4]) == wanted:
-                found = fields[2].decode()
-    return found
+    path = os.fsdecode(path)
+    entry = top_mount(os.path.join(os.path.realpath(os.path.dirname(path) or "."), os.path.basename(path)))
+    return None if entry is None else entry.device
 
 
 def mounts_below(path: PathLike) -> list[str]:
     """The mount points strictly below ``path`` (symlinks resolved), in /proc/self/mountinfo order (the
     order they were mounted in). For checks that a test or a benchmark left nothing mounted."""
-    prefix = os.path.realpath(os.fsencode(path)) + b"/"
-    with open("/proc/self/mountinfo", "rb") as f:
-        targets = [_unescape(line.split(b" ")[4]) for line in f]
-    return [os.fsdecode(target) for target in targets if target.startswith(prefix)]
+    prefix = os.path.realpath(os.fsdecode(path)) + "/"
+    return [entry.mountpoint for entry in mount_table() if entry.mountpoint.startswith(prefix)]
+
+
+def filesystem_of(path: PathLike) -> MountEntry:
+    """The mount ``path`` (taken as it is) lies on: the one at its longest mountpoint prefix, topmost."""
+    path = os.fsdecode(path)
+    found = None
+    for entry in mount_table():
+        if is_below(path, entry.mountpoint) and (found is None or len(entry.mountpoint) >= len(found.mountpoint)):
+            found = entry
+    assert found is not None  # "/" holds every path
+    return found
+
+
+def is_below(path: str, directory: str) -> bool:
+    """``path`` is ``directory`` or inside it, comparing normalised absolute paths (nothing resolved)."""
+    path, directory = os.path.normpath(path), os.path.normpath(directory)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def umount_or_detach(target: PathLike) -> None:

@@ -3,6 +3,7 @@
 An environment variable names the directory outright; otherwise root (a node daemon, image CI) uses a
 system path under /var, and any other user the XDG base directory of the same kind, so that a user's
 builds and tests neither need root nor write into the node's state.
+(dsec_fs.files.private_dir makes one that only its owner may enter.)
 """
 
 from __future__ import annotations

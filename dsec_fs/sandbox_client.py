@@ -28,58 +28,19 @@ Threads: a Sandbox holds its node and its key only, so it is as thread-safe as N
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from .client import Node, _absolute_store, _typed
+from . import api
+from .api import CommitResult, ExecResult, SandboxInfo, SandboxLayerInfo  # noqa: F401 (the SDK's types)
 from .errors import InputError
+
+if TYPE_CHECKING:
+    from .client import Node
 
 EXEC_ANSWER_GRACE = 60.0  # seconds an exec's answer may take beyond its command's timeout
 EXEC_WAIT_UNBOUNDED = 7 * 86400.0  # how long an exec without a timeout is waited for
-
-
-@dataclass(frozen=True)
-class SandboxLayerInfo:
-    role: str  # toolkit | workspace | base
-    ref: str  # as the sandbox was asked for it
-    digest: str
-    mountpoint: str = ""  # where the daemon mounts the layer, shared by every sandbox using it
-
-
-@dataclass(frozen=True)
-class SandboxInfo:
-    id: str
-    name: str = ""
-    status: str = ""  # running; stopped (down with keep, or the daemon stopped); creating; stopping
-    rootfs: str = ""  # the sandbox's root, on the node
-    upper: str = ""  # its writes
-    created: str = ""
-    layers: tuple[SandboxLayerInfo, ...] = ()  # top first
-
-    @classmethod
-    def from_json(cls, obj: dict) -> "SandboxInfo":
-        info = _typed(cls, obj)
-        return dataclasses.replace(info, layers=tuple(_typed(SandboxLayerInfo, layer) for layer in info.layers))
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    exit_code: int  # the command's; 128 + N when signal N killed it (137 after the timeout)
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool = False
-
-
-@dataclass(frozen=True)
-class CommitResult:
-    sandbox: str  # id
-    layer: str  # digest of the new layer
-    ref: str
-    store: str
-    stats: dict = field(default_factory=dict)  # the build's statistics (files, bytes, chunks, ...)
 
 
 class Sandbox:
@@ -112,7 +73,7 @@ class Sandbox:
         return (self.started or self.info()).rootfs
 
     def info(self) -> SandboxInfo:
-        return SandboxInfo.from_json(self.node.request("GET", self._path()))
+        return self.node.call("GET", self._path(), answer=SandboxInfo)
 
     def exec(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
              stdin: bytes | None = None, timeout: float | None = None, network: bool = False,
@@ -125,26 +86,25 @@ class Sandbox:
         if isinstance(argv, (str, bytes)):
             raise InputError("argv is a list of strings; for a shell line use ['/bin/sh', '-c', line]",
                              where=f"exec in sandbox {self.key}")
-        body = {"argv": list(argv), "env": dict(env or {}), "cwd": cwd, "network": network,
-                "memory_bytes": memory_bytes, "cpus": cpus, "pids_limit": pids_limit, "timeout": timeout,
-                "runtime": runtime, "stdin": None if stdin is None else base64.b64encode(stdin).decode("ascii")}
+        body = api.ExecRequest(argv=list(argv), env=dict(env or {}), cwd=cwd, network=network,
+                               memory_bytes=memory_bytes, cpus=cpus, pids_limit=pids_limit, timeout=timeout,
+                               runtime=runtime, stdin=stdin)
         wait = EXEC_WAIT_UNBOUNDED if timeout is None else timeout + EXEC_ANSWER_GRACE
-        answer = self.node.request("POST", self._path("exec"), body, timeout=wait)
-        return ExecResult(exit_code=answer["exit_code"], stdout=base64.b64decode(answer["stdout"]),
-                          stderr=base64.b64decode(answer["stderr"]), timed_out=bool(answer.get("timed_out")))
+        return self.node.call("POST", self._path("exec"), body, answer=ExecResult, timeout=wait)
 
     def down(self, *, keep: bool = False) -> None:
         """Unmount the sandbox and drop its layers; its upper dir is removed unless ``keep`` (then it stays,
         ``stopped``, for commit; a later ``down`` removes it)."""
-        self.node.request("POST", self._path("down"), {"keep": keep})
+        self.node.call("POST", self._path("down"), api.DownRequest(keep=keep), answer=api.Empty)
         self._down = True
 
-    def commit(self, name: str, *, store: str | None = None) -> CommitResult:
+    def commit(self, name: str, *, store: str | None = None, keep_privileged: bool = False) -> CommitResult:
         """Publish the sandbox's changes (its upper dir, whiteouts and opaque directories kept) as a layer
         named ``name`` (NAME:TAG) in ``store`` (default: the daemon's); stack it over the layers the sandbox
-        ran on. Commit between commands, or after ``down(keep=True)``."""
-        body = {"name": name, "store": _absolute_store(store)}
-        return _typed(CommitResult, self.node.request("POST", self._path("commit"), body))
+        ran on. Setuid/setgid bits, device nodes and file capabilities are left out (counted in
+        ``dropped``) unless ``keep_privileged``. Commit between commands, or after ``down(keep=True)``."""
+        body = api.CommitRequest(name=name, store=api.absolute_store(store), keep_privileged=keep_privileged)
+        return self.node.call("POST", self._path("commit"), body, answer=CommitResult)
 
     def _path(self, action: str = "") -> str:
         return f"/v1/sandboxes/{quote(self.key, safe='')}" + (f"/{action}" if action else "")

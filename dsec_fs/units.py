@@ -1,8 +1,9 @@
-"""Byte sizes (binary units) and durations as people write and read them, for commands and reports."""
+"""Byte sizes and durations as people write and read them, for commands and reports."""
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from .errors import InputError
 
@@ -16,15 +17,24 @@ def human_size(n: float) -> str:
     raise AssertionError
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtpe])(i?)b?|b)?", re.IGNORECASE)
+_SIZE_POWERS = "kmgtpe"
+
+
 def parse_size(text: str) -> int:
-    """Bytes from '4096', '64K', '1MiB', '2g' (binary units)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    spelled = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = units.get(spelled[-1:], 1)
-    try:
-        return int(spelled[:-1] if scale > 1 else spelled) * scale
-    except ValueError:
-        raise InputError(f"not a size: {text!r} (use e.g. 4096, 64K, 1MiB, 2G)") from None
+    """Bytes in ``text``, one syntax for every size dsecfs reads (as GNU coreutils spells them): a number,
+    decimals allowed, then nothing or B (bytes), KB MB GB TB (powers of 1000), KiB MiB GiB TiB or K M G T
+    (powers of 1024); case does not matter. ``1.5G`` is 1.5 GiB, ``100MB`` is 10^8; rounded to a byte."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise InputError(f"not a size: {text!r} (use e.g. 4096, 64K, 1.5GiB, 100MB)")
+    number, letter, binary = match.groups()
+    scale = 1
+    if letter:
+        power = _SIZE_POWERS.index(letter.lower()) + 1
+        decimal = match.group(0).lower().endswith("b") and not binary
+        scale = 1000 ** power if decimal else 1024 ** power
+    return round(Decimal(number) * scale)
 
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

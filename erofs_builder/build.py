@@ -54,7 +54,7 @@ from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
-from dsec_fs.index_mirror import load_chunk_index
+from dsec_fs.dedup_index import load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
 from dsec_fs.store import keys
@@ -67,6 +67,7 @@ from .patch import Patched, Rescan, missing_packs, scan_changes
 from .tree import Node, Tree
 from .walk_dir import listing_order, walk_directory
 from .walk_oci import oci_layer_streams, walk_oci
+from .limits import DEFAULT_LAYER_LIMITS, DEFAULT_LIMITS, LayerBudget, LayerLimits, TarLimits, check_tree
 from .walk_tar import OnFile, walk_tar
 from .writer import write_image
 
@@ -91,6 +92,8 @@ def build_layer(
     parent: str | None = None,
     lenient: bool = False,
     platform: str = "linux/amd64",
+    limits: LayerLimits = DEFAULT_LAYER_LIMITS,
+    tar_limits: TarLimits = DEFAULT_LIMITS,
 ) -> BuildResult:
     """Build and publish the layer of ``source``; with ``name`` ("name:tag"), point that ref at it.
 
@@ -100,27 +103,31 @@ def build_layer(
     image layer instead. Tar input is read as a stream, each file chunked as it goes past.
 
     ``parent`` (a ref or digest, directories only) makes the build incremental: unchanged files are not
-    read. ``lenient`` skips hostile tar members with a warning instead of failing."""
+    read. ``lenient`` skips hostile tar members with a warning instead of failing. ``limits`` bounds the
+    layer, ``tar_limits`` the parsing of tar input (limits.py)."""
     _check_options(name, chunk_size)
     kind = source_kind(source)
     with _cycle_collector_paused():
         if kind == "dir":
-            return _build_directory(source, store, name, chunk_size, progress, workers, parent)
+            return _build_directory(source, store, name, chunk_size, progress, workers, parent, limits)
         if parent is not None:
             raise InputError("--parent needs a directory source (tar and OCI input have no inode identities)",
                              where=os.fsdecode(source))
         if kind == "tar":
             def walk(on_file: OnFile) -> list[Tree]:
                 stream = sys.stdin.buffer if os.fsdecode(source) == "-" else source
-                return [walk_tar(stream, on_file=on_file, lenient=lenient)]
+                return [walk_tar(stream, on_file=on_file, lenient=lenient, limits=tar_limits,
+                                 budget=LayerBudget(limits, chunk_size))]
         else:
             def walk(on_file: OnFile) -> list[Tree]:
-                return [walk_oci(source, on_file=on_file, platform=platform, lenient=lenient)]
+                return [walk_oci(source, on_file=on_file, platform=platform, lenient=lenient, limits=tar_limits,
+                                 budget=LayerBudget(limits, chunk_size))]
         return _build_streamed(walk, store, [name], chunk_size, progress, workers, _describe(source))[0]
 
 
 def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str | None, chunk_size: int,
-                     progress: Progress | None, workers: int | None, parent: str | None) -> BuildResult:
+                     progress: Progress | None, workers: int | None, parent: str | None,
+                     limits: LayerLimits) -> BuildResult:
     """build_layer for a directory, incremental with ``parent``: patched (patch.py) if the changes allow,
     else in full. Called with the cycle collector paused; what the build holds (the tree, the parent's
     image and build info) is freed when this returns, before the collector is back, so that its first
@@ -136,7 +143,7 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     tree = walk_directory(os.fspath(source))
     return build_tree(
         tree, store, name=name, chunk_size=chunk_size, progress=progress, workers=workers,
-        source=described, parent=base, scanned_at_ns=scanned_at_ns,
+        source=described, parent=base, scanned_at_ns=scanned_at_ns, limits=limits,
     )
 
 
@@ -150,6 +157,8 @@ def build_image_layers(
     workers: int | None = None,
     lenient: bool = False,
     platform: str = "linux/amd64",
+    limits: LayerLimits = DEFAULT_LAYER_LIMITS,
+    tar_limits: TarLimits = DEFAULT_LIMITS,
 ) -> list[BuildResult]:
     """One dsecfs layer per layer of the OCI image at ``source``, bottom first, with OCI whiteouts turned
     into overlay whiteouts and opaque directories, so OverlayFS applies them when the layers are stacked.
@@ -162,7 +171,8 @@ def build_image_layers(
             parse_ref(layer_name)
 
     def walk(on_file: OnFile) -> list[Tree]:
-        return walk_oci(source, on_file=on_file, platform=platform, flatten=False, lenient=lenient)
+        return walk_oci(source, on_file=on_file, platform=platform, flatten=False, lenient=lenient,
+                        limits=tar_limits, budget=LayerBudget(limits, chunk_size))
 
     with _cycle_collector_paused():
         return _build_streamed(walk, store, names, chunk_size, progress, workers, _describe(source))
@@ -208,14 +218,17 @@ def build_tree(
     source: str = "",
     parent: ParentLayer | None = None,
     scanned_at_ns: int | None = None,
+    limits: LayerLimits = DEFAULT_LAYER_LIMITS,
 ) -> BuildResult:
     """Build and publish the layer of a finished ``tree`` whose files can still be read (a directory walk);
     ``source`` is recorded in the manifest.
 
     For a walk_directory tree only: ``scanned_at_ns`` (wall clock when the walk started) gives the layer
     its build info, so that it can be a parent later; ``parent`` lends its chunk lists to unchanged files.
+    ``limits``: the tree is refused (InputError) before any file is read if it exceeds them.
     """
     _check_options(name, chunk_size)
+    check_tree(tree, limits, chunk_size)
     known = parent.reusable_chunks(tree).get if parent is not None else None
     files = regular_files(tree)
 

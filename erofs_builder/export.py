@@ -6,7 +6,10 @@ that ``mount -t erofs -o device=out_dir/blob out_dir/meta.erofs`` and ``fsck.ero
 without dsecfs. Each file is written under a temporary name and renamed into place.
 
 ``extract_layer`` / ``extract_image`` recreate the tree on disk: every inode kind, owners, modes with
-setuid/setgid/sticky, xattrs, symlinks as stored, hard links, sparse holes and nanosecond mtimes.
+setuid/setgid/sticky, xattrs, symlinks as stored, hard links, sparse holes and nanosecond mtimes. As root,
+by default without what the layer's author could use to gain privileges on this host (privileged.py:
+setuid/setgid bits, device nodes other than whiteouts, file capabilities), counted in
+``ExtractStats.dropped``; ``keep_privileged`` restores them too, as tar -p does.
 
 Safety: the layer is untrusted. Every file is created relative to an open descriptor of its parent
 directory (dir_fd) with O_NOFOLLOW / O_EXCL semantics, and each directory descriptor is opened from its
@@ -26,12 +29,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import stat
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dsec_fs.errors import ConflictError, DsecError, FormatError, UnavailableError, UnsupportedError
+from dsec_fs.files import write_atomic
 from dsec_fs.layer import open_layer
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
@@ -39,6 +42,7 @@ from dsec_fs.store.base import Store
 from .blob import BATCH_BYTES, StoreBlob, chunk_batches
 from .ondisk.chunk_index import HOLE
 from .ondisk.inode import LAYOUT_CHUNK_BASED
+from .privileged import Dropped, is_device, unprivileged_mode, unprivileged_xattrs
 from .reader import ErofsImage, Stat
 
 META_NAME = "meta.erofs"
@@ -62,6 +66,7 @@ class ExtractStats:
     files: int = 0  # regular-file inodes written (hard links count once)
     bytes: int = 0  # data bytes written (holes excluded)
     hard_links: int = 0  # names made with link() to an inode created before
+    dropped: Dropped = field(default_factory=Dropped)  # privileged parts left out (privileged.py)
 
 
 def export_layer(store: Store, ref_or_digest: str, out_dir: str | os.PathLike) -> ExportResult:
@@ -93,20 +98,22 @@ def export_layer(store: Store, ref_or_digest: str, out_dir: str | os.PathLike) -
 
 
 def extract_layer(store: Store, ref_or_digest: str, out_dir: str | os.PathLike, *, exist_ok: bool = False,
-                  same_owner: bool | None = None) -> ExtractStats:
+                  same_owner: bool | None = None, keep_privileged: bool | None = None) -> ExtractStats:
     """Recreate the layer's tree in ``out_dir``, fetching file data from the store (verified)."""
     files = open_layer(store, ref_or_digest)
     blob = StoreBlob.for_layer(store, files, readahead_bytes=READAHEAD_BYTES)
     image = ErofsImage(files.meta, blob=blob, source=keys.layer_meta(files.digest))
-    return extract_image(image, out_dir, exist_ok=exist_ok, same_owner=same_owner)
+    return extract_image(image, out_dir, exist_ok=exist_ok, same_owner=same_owner, keep_privileged=keep_privileged)
 
 
 def extract_image(image: ErofsImage, out_dir: str | os.PathLike, *, exist_ok: bool = False,
-                  same_owner: bool | None = None) -> ExtractStats:
+                  same_owner: bool | None = None, keep_privileged: bool | None = None) -> ExtractStats:
     """Recreate the tree of ``image`` in ``out_dir``; the image's root becomes ``out_dir`` itself.
 
     ``out_dir`` is created if missing and must be empty unless ``exist_ok`` (even then no name may
     already exist: ConflictError). ``same_owner`` (default: when running as root) sets uid and gid.
+    ``keep_privileged`` (default: when not running as root) keeps setuid/setgid bits, device nodes and
+    file capabilities (see the module docstring).
     """
     out_dir = os.fspath(out_dir)
     with _os_errors(out_dir):
@@ -117,7 +124,9 @@ def extract_image(image: ErofsImage, out_dir: str | os.PathLike, *, exist_ok: bo
             entries = os.listdir(root_fd)
         if entries and not exist_ok:
             raise ConflictError("output directory is not empty", where=out_dir)
-        extractor = _Extractor(image, root_fd, out_dir, os.geteuid() == 0 if same_owner is None else same_owner)
+        as_root = os.geteuid() == 0
+        extractor = _Extractor(image, root_fd, out_dir, as_root if same_owner is None else same_owner,
+                               not as_root if keep_privileged is None else keep_privileged)
         extractor.run()
         return extractor.stats
     finally:
@@ -150,34 +159,21 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 
 def _write_atomically(path: str, fill: Callable[[int], None]) -> None:
-    """Create a temporary file beside ``path``, ``fill(fd)`` it, fsync, and rename it to ``path``."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}")
+    """``fill(fd)`` a new file that then replaces ``path`` in one rename (dsec_fs.files.write_atomic)."""
     with _os_errors(path):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            try:
-                fill(fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_atomic(path, fill, mode=0o644)
 
 
 class _Extractor:
     """One extraction: walks the image depth first, keeping an open descriptor for each directory on the
     current path (so the number of open descriptors is the tree's depth)."""
 
-    def __init__(self, image: ErofsImage, root_fd: int, out_dir: str, same_owner: bool):
+    def __init__(self, image: ErofsImage, root_fd: int, out_dir: str, same_owner: bool, keep_privileged: bool):
         self.image = image
         self.root_fd = root_fd
         self.out_dir = out_dir
         self.same_owner = same_owner
+        self.keep_privileged = keep_privileged
         self.stats = ExtractStats()
         self.first_path: dict[int, bytes] = {}  # nid -> where its first name was created (non-directories)
 
@@ -212,6 +208,11 @@ class _Extractor:
             if stat.S_ISDIR(mode):
                 os.mkdir(name, 0o700, dir_fd=dir_fd)
                 return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            if not self.keep_privileged and is_device(mode, os.makedev(*st.rdev)):
+                if nid not in self.first_path:
+                    self.first_path[nid] = b""  # left out: its other names too, counted once
+                    self.stats.dropped.devices += 1
+                return None
             first = self.first_path.get(nid)
             if first is not None:
                 self._link(first, name, dir_fd)
@@ -280,20 +281,29 @@ class _Extractor:
                 ranges.append((start, length))
         return ranges
 
+    def _mode_and_xattrs(self, nid: int, st: Stat) -> tuple[int, dict[bytes, bytes]]:
+        """The permission bits and xattrs to give the inode, its privileged parts dropped unless kept."""
+        xattrs = self.image.xattrs(nid)
+        if self.keep_privileged:
+            return stat.S_IMODE(st.mode), xattrs
+        dropped = self.stats.dropped
+        return stat.S_IMODE(unprivileged_mode(st.mode, dropped)), unprivileged_xattrs(xattrs, dropped)
+
     def _set_attributes_fd(self, nid: int, st: Stat, fd: int) -> None:
         """Owner, xattrs, mode, mtime of an inode we hold open (regular files and directories)."""
         if self.same_owner:
             os.fchown(fd, st.uid, st.gid)
-        for xname, value in self.image.xattrs(nid).items():
+        mode, xattrs = self._mode_and_xattrs(nid, st)
+        for xname, value in xattrs.items():
             os.setxattr(fd, xname, value)
-        os.fchmod(fd, stat.S_IMODE(st.mode))
+        os.fchmod(fd, mode)
         os.utime(fd, ns=(st.mtime_ns, st.mtime_ns))
 
     def _set_attributes_at(self, nid: int, st: Stat, name: bytes, dir_fd: int) -> None:
         """The same for inodes that cannot be opened safely (symlinks, devices, FIFOs, sockets)."""
         if self.same_owner:
             os.chown(name, st.uid, st.gid, dir_fd=dir_fd, follow_symlinks=False)
-        xattrs = self.image.xattrs(nid)
+        mode, xattrs = self._mode_and_xattrs(nid, st)
         if xattrs:
             # setxattr has no dir_fd form; the /proc path resolves through our descriptor, and the last
             # component is not followed.
@@ -301,7 +311,7 @@ class _Extractor:
             for xname, value in xattrs.items():
                 os.setxattr(proc_path, xname, value, follow_symlinks=False)
         if not stat.S_ISLNK(st.mode):  # a symlink's mode is always 0777 on Linux
-            os.chmod(name, stat.S_IMODE(st.mode), dir_fd=dir_fd, follow_symlinks=False)
+            os.chmod(name, mode, dir_fd=dir_fd, follow_symlinks=False)
         os.utime(name, ns=(st.mtime_ns, st.mtime_ns), dir_fd=dir_fd, follow_symlinks=False)
 
     def _finish_dir(self, path: bytes, nid: int, fd: int) -> None:

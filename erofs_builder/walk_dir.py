@@ -4,9 +4,15 @@ The walk itself reads metadata only (one lstat and one listxattr per entry, a ge
 readlink for symlinks); file contents are read later, once, by the chunker through each regular file's
 ``Node.reader``. ``scan_directory`` is the listing part alone (one lstat per entry, in listing order):
 the walk is built on it, and its order is the one a layer's build info records (incremental.py).
-Nothing ever follows a symlink below the source: entries are lstat'ed, xattrs read with
-follow_symlinks=False and files opened with O_NOFOLLOW. The source itself may be given through a
-symlink. The root directory's own metadata becomes the layer root's.
+Nothing ever follows a symlink below the source, even while another process renames entries in it (a
+sandbox's upper dir during ``sandbox commit``): the root is opened once, each directory is opened
+beneath it with openat2 RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS|RESOLVE_NO_MAGICLINKS (dsec_fs.beneath)
+and must still be the inode the listing of its parent saw, its entries are lstat'ed, their xattrs and
+symlink targets read, through that directory's fd without following the name (dsec_fs.beneath), and
+a file is opened beneath the root (an O_PATH fd the walk's readers share) the same way. A
+directory swapped for a symlink (renameat2 RENAME_EXCHANGE) makes the walk fail with InputError, never
+read outside the source. The source itself may be given through a symlink. The root directory's own
+metadata becomes the layer root's.
 
 Hard links: non-directories with st_nlink > 1 that share (st_dev, st_ino) become one Node placed at
 every path. Links to the same inode from outside the source do not matter; a link count above the names
@@ -40,9 +46,11 @@ import operator
 import os
 import stat
 import sys
+import weakref
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
+from dsec_fs.beneath import get_xattr_at, list_xattrs_at, open_beneath
 from dsec_fs.errors import InputError
 
 from .tree import Node, Tree
@@ -61,14 +69,16 @@ def walk_directory(root: str | bytes | os.PathLike) -> Tree:
     links: dict[tuple[int, int], Node] = {}  # (st_dev, st_ino) -> Node, for inodes with several names
     directories: dict[bytes, Node] = {}  # tree path -> node of every directory listed so far
     tree: Tree | None = None
-    for directory, names in scan_directory(root):
+    source_root = SourceRoot(root)
+    for directory, dir_fd, names in scan_directory(root):
         for path, source, st in names:
+            at = None if dir_fd is None else (dir_fd, path.rpartition(b"/")[2])
             if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
                 node = links.get((st.st_dev, st.st_ino))
                 if node is None:
-                    node = links[st.st_dev, st.st_ino] = node_of(source, st, shared)
+                    node = links[st.st_dev, st.st_ino] = node_of(source, st, shared, at=at, root=source_root)
             else:
-                node = node_of(source, st, shared)
+                node = node_of(source, st, shared, at=at, root=source_root)
                 if node.children is not None:
                     directories[path] = node
             if directory is None:
@@ -79,35 +89,62 @@ def walk_directory(root: str | bytes | os.PathLike) -> Tree:
     return tree
 
 
-Listing = Iterator[tuple["bytes | None", list[tuple[bytes, bytes, os.stat_result]]]]
+Listing = Iterator[tuple["bytes | None", "int | None", list[tuple[bytes, bytes, os.stat_result]]]]
 
 
 def scan_directory(root: str | bytes | os.PathLike) -> Listing:
     """Every name under the directory ``root`` with its lstat, a directory at a time: metadata only, one
-    lstat per name. Yields (tree path of the directory listed, [(tree path, path on disk, lstat) of each
-    of its names, in byte order]): first (None, [the root itself: b"", ``root``, its stat (following a
-    symlink)]), then the root's names, then those of each directory in turn, depth first (a directory's
-    subdirectories right after it, in byte order). That order of names is ``listing_order``'s."""
+    lstat per name. Yields (tree path of the directory listed, its fd, [(tree path, path on disk, lstat)
+    of each of its names, in byte order]): first (None, None, [the root itself: b"", ``root``, its stat
+    (following a symlink)]), then the root's names, then those of each directory in turn, depth first (a
+    directory's subdirectories right after it, in byte order). That order of names is ``listing_order``'s.
+    The directory fd (see the module docstring) is valid until the generator resumes."""
     root = os.fsencode(root)
     try:
-        root_stat = os.stat(root)
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except NotADirectoryError:
+        raise InputError("the source is not a directory", where=os.fsdecode(root)) from None
     except OSError as exc:
         raise _input_error(exc, root) from None
-    if not stat.S_ISDIR(root_stat.st_mode):
-        raise InputError("the source is not a directory", where=os.fsdecode(root))
-    yield None, [(b"", root, root_stat)]
-    pending = [(b"", root)]  # directories still to list, the next one last
-    while pending:
-        path, directory = pending.pop()
-        prefix = path + b"/" if path else b""
-        try:
-            with os.scandir(directory) as entries:
-                names = [(prefix + entry.name, entry.path, entry.stat(follow_symlinks=False)) for entry in entries]
-        except OSError as exc:
-            raise _input_error(exc, exc.filename or directory) from None
-        names.sort()  # tree paths are unique: the stat results are never compared
-        yield path, names
-        pending += [(name, source) for name, source, st in reversed(names) if stat.S_ISDIR(st.st_mode)]
+    try:
+        root_stat = os.fstat(root_fd)
+        yield None, None, [(b"", root, root_stat)]
+        pending = [(b"", root, root_stat)]  # directories still to list, the next one last
+        while pending:
+            path, directory, listed = pending.pop()
+            fd = _open_listed_directory(root_fd, path, directory, listed)
+            try:
+                prefix = path + b"/" if path else b""
+                on_disk = directory if directory.endswith(b"/") else directory + b"/"
+                try:
+                    with os.scandir(fd) as entries:  # names are str for an fd: fsencode undoes it exactly
+                        names = [(prefix + name, on_disk + name, entry.stat(follow_symlinks=False))
+                                 for entry in entries for name in (os.fsencode(entry.name),)]
+                except OSError as exc:
+                    raise _input_error(exc, exc.filename or directory) from None
+                names.sort()  # tree paths are unique: the stat results are never compared
+                yield path, fd, names
+            finally:
+                os.close(fd)
+            pending += [entry for entry in reversed(names) if stat.S_ISDIR(entry[2].st_mode)]
+    finally:
+        os.close(root_fd)
+
+
+def _open_listed_directory(root_fd: int, path: bytes, where: bytes, listed: os.stat_result) -> int:
+    """An fd of the directory at tree path ``path``, which must be the inode its parent's listing saw."""
+    try:
+        fd = os.dup(root_fd) if not path else open_beneath(root_fd, path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR, errno.ENOENT):
+            raise InputError("directory replaced or removed while the source was scanned "
+                             f"({os.strerror(exc.errno)})", where=os.fsdecode(where)) from None
+        raise _input_error(exc, where) from None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (listed.st_dev, listed.st_ino):
+        os.close(fd)
+        raise InputError("directory replaced while the source was scanned", where=os.fsdecode(where))
+    return fd
 
 
 def listing_order(tree: Tree) -> Iterator[tuple[bytes, Node]]:
@@ -129,9 +166,13 @@ def listing_order(tree: Tree) -> Iterator[tuple[bytes, Node]]:
 stat_identity = operator.attrgetter("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns", "st_mode")
 
 
-def node_of(path: bytes, st: os.stat_result, shared: dict[int, int]) -> Node:
+def node_of(path: bytes, st: os.stat_result, shared: dict[int, int], *, at: tuple[int, bytes] | None = None,
+            root: SourceRoot | None = None) -> Node:
     """The Node of the entry at ``path`` whose lstat is ``st``: reads its xattrs, and a symlink's target.
-    ``shared`` maps each int value seen to one object (see Memory above); pass {} for a lone node."""
+    ``shared`` maps each int value seen to one object (see Memory above); pass {} for a lone node.
+    From a walk: ``at`` (its directory's fd, its name) is how the entry is reached (scan_directory), and
+    ``root`` (the source, whose path is a prefix of ``path``) is what the file reader opens it beneath
+    (see the module docstring). Without them ``path`` is used as it is (its last component not followed)."""
     mode = shared.setdefault(st.st_mode, st.st_mode)
     # stat_identity(st), with the shared objects; each st_* read makes a new int object, so the node's
     # mtime and size are the identity's own.
@@ -142,19 +183,21 @@ def node_of(path: bytes, st: os.stat_result, shared: dict[int, int]) -> Node:
         uid=shared.setdefault(st.st_uid, st.st_uid),
         gid=shared.setdefault(st.st_gid, st.st_gid),
         mtime_ns=identity[3],
-        xattrs=_xattrs(path),
+        xattrs=_xattrs(at, path),
         identity=identity,
         source=path.decode(_FS_ENCODING, _FS_ERRORS),  # os.fsdecode, without its checks: once per entry
     )
     if stat.S_ISREG(mode):
         node.size = identity[2]
-        node.reader = _FileReader(node.source, identity)
+        node.reader = _FileReader(node.source, identity, root)
     elif stat.S_ISDIR(mode):
         node.children = {}
     elif stat.S_ISLNK(mode):
         try:
-            node.target = os.readlink(path)
+            node.target = os.readlink(path) if at is None else os.readlink(at[1], dir_fd=at[0])
         except OSError as exc:
+            if exc.errno == errno.EINVAL:  # not a symlink (any more)
+                raise InputError("symlink replaced while the source was scanned", where=node.source) from None
             raise _input_error(exc, path) from None
         node.size = len(node.target)
     elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
@@ -164,37 +207,63 @@ def node_of(path: bytes, st: os.stat_result, shared: dict[int, int]) -> Node:
     return node
 
 
-def _xattrs(path: bytes) -> Mapping[bytes, bytes]:
-    """Every extended attribute of ``path`` itself, whatever its namespace; none where xattrs are unsupported."""
+def _xattrs(at: tuple[int, bytes] | None, path: bytes) -> Mapping[bytes, bytes]:
+    """Every extended attribute of the entry (reached through ``at`` if given, else ``path``; not followed),
+    whatever its namespace; none where xattrs are unsupported. Errors name ``path``."""
     try:
-        names = os.listxattr(path, follow_symlinks=False)
-        if not names:
-            return _NO_XATTRS
-        return {os.fsencode(name): os.getxattr(path, name, follow_symlinks=False) for name in names}
+        if at is None:
+            names = [os.fsencode(name) for name in os.listxattr(path, follow_symlinks=False)]
+            return {name: os.getxattr(path, name, follow_symlinks=False) for name in names} if names else _NO_XATTRS
+        names = list_xattrs_at(*at)
+        return {name: get_xattr_at(*at, name) for name in names} if names else _NO_XATTRS
     except OSError as exc:
         if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
             return _NO_XATTRS
         raise _input_error(exc, path) from None
 
 
+class SourceRoot:
+    """The source directory of a walk, opened once (O_PATH) for all its file readers; the fd is closed
+    when the last reader is gone."""
+
+    __slots__ = ("path", "fd", "__weakref__")
+
+    def __init__(self, path: str | bytes | os.PathLike):
+        self.path = os.fsencode(path)
+        try:
+            self.fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _input_error(exc, self.path) from None
+        weakref.finalize(self, os.close, self.fd)
+
+
 class _FileReader:
     """The ChunkReader of a walked file. It shares its node's path string and identity tuple instead of
     holding copies (the path is encoded again only when the file is read)."""
 
-    __slots__ = ("_source", "_identity")
+    __slots__ = ("_source", "_identity", "_root")
 
-    def __init__(self, source: str, identity: tuple):
+    def __init__(self, source: str, identity: tuple, root: SourceRoot | None):
         self._source = source
         self._identity = identity
+        self._root = root  # the walk's source, shared by every reader of the walk; None: open the path as is
 
     def __call__(self, chunk_size: int) -> Iterator[bytes | None]:
-        return _read_file(self._source, self._identity, chunk_size)
+        return _read_file(self._source, self._identity, chunk_size, self._root)
 
 
-def _read_file(where: str, identity: tuple, chunk_size: int) -> Iterator[bytes | None]:
+def _open_file(where: str, root: SourceRoot | None) -> int:
+    path = os.fsencode(where)
+    if root is None:
+        return os.open(path, _OPEN_FLAGS)
+    sys.audit("open", where, None, _OPEN_FLAGS)  # as os.open would: audit hooks see every file read
+    return open_beneath(root.fd, path[len(root.path):].lstrip(b"/"), _OPEN_FLAGS)
+
+
+def _read_file(where: str, identity: tuple, chunk_size: int, root: SourceRoot | None) -> Iterator[bytes | None]:
     """The file's content in ``chunk_size`` pieces, None for pieces in a hole (see the module docstring)."""
     try:
-        fd = os.open(os.fsencode(where), _OPEN_FLAGS)
+        fd = _open_file(where, root)
     except OSError as exc:
         raise _input_error(exc, where) from None
     try:

@@ -47,7 +47,8 @@ from typing import BinaryIO
 from dsec_fs.errors import InputError, IntegrityError, UnsupportedError
 
 from .tree import Node, Tree, make_dir
-from .walk_tar import DEFAULT_LIMITS, OnFile, TarLimits, fill_tree, tar_nodes
+from .limits import DEFAULT_LIMITS, LayerBudget, TarLimits
+from .walk_tar import OnFile, fill_tree, tar_nodes
 
 log = logging.getLogger(__name__)
 
@@ -488,11 +489,13 @@ class _LayerChanges:
     members: dict[int, Node] = field(default_factory=dict)
 
 
-def _walk_layer(layer: OciLayer, on_file: OnFile | None, lenient: bool, limits: TarLimits) -> _LayerChanges:
+def _walk_layer(layer: OciLayer, on_file: OnFile | None, lenient: bool, limits: TarLimits,
+                budget: LayerBudget | None) -> _LayerChanges:
     changes = _LayerChanges()
     with layer.open() as blob:
         nodes = tar_nodes(blob, source=blob.where, lenient=lenient, limits=limits)
-        fill_tree(changes.tree, _split_whiteouts(nodes, changes, lenient), on_file=on_file, lenient=lenient)
+        fill_tree(changes.tree, _split_whiteouts(nodes, changes, lenient), on_file=on_file, lenient=lenient,
+                  budget=budget)
     return changes
 
 
@@ -593,19 +596,21 @@ def walk_oci(
     flatten: bool = True,
     lenient: bool = False,
     limits: TarLimits = DEFAULT_LIMITS,
+    budget: LayerBudget | None = None,
 ) -> Tree | list[Tree]:
     """The image for ``platform`` in the OCI layout or docker-archive at ``path``: one finished Tree with
     whiteouts applied (``flatten``), or one finished Tree per layer, bottom first, with overlay whiteouts.
 
     ``on_file`` is called for each new regular file while its content is readable, exactly as in
-    walk_tar: a build passes the chunker's per-file function; None gives metadata-only Trees.
+    walk_tar: a build passes the chunker's per-file function; None gives metadata-only Trees. ``budget``
+    (see walk_tar.fill_tree) counts the entries of all the image's layers together.
     """
     layers = oci_layer_streams(path, platform)
     if flatten:
         merged = Tree()
         for layer in layers:
-            _apply(merged, _walk_layer(layer, on_file, lenient, limits))
+            _apply(merged, _walk_layer(layer, on_file, lenient, limits, budget))
         merged.finish()
         return merged
     lower_dirs: dict[bytes, Node] = {}
-    return [_overlay_layer(_walk_layer(layer, on_file, lenient, limits), lower_dirs) for layer in layers]
+    return [_overlay_layer(_walk_layer(layer, on_file, lenient, limits, budget), lower_dirs) for layer in layers]

@@ -24,7 +24,7 @@ Hostile input. Everything that breaks the archive's framing is fatal (InputError
 truncation anywhere ("truncated"), corrupt compression (a compressed input is read to its very end, past
 the tar's end marker, so gzip's CRC and zstd's checksums are checked), malformed PAX records, oversized
 extension headers, a header-only member (link, device, directory...) that claims data, data after a lone zero
-block, decompression beyond ``TarLimits``. A bad member whose extent is known raises ``MemberError`` (an
+block, decompression beyond ``TarLimits`` (limits.py), a layer beyond its ``LayerLimits`` (with a budget). A bad member whose extent is known raises ``MemberError`` (an
 InputError) naming the member and its header offset: '..' or NUL in a name, a hard link to a missing,
 directory or outside target, sizes over ``TarLimits.max_file_size``, absurd sparse maps (unsorted,
 overlapping, past the end, too many segments, not matching the data), bad ids, device numbers or xattrs,
@@ -55,6 +55,7 @@ import zstandard
 
 from dsec_fs.errors import InputError, UnsupportedError
 
+from .limits import DEFAULT_LIMITS, LayerBudget, TarLimits
 from .tree import Node, Tree
 
 log = logging.getLogger(__name__)
@@ -75,23 +76,6 @@ MAX_DECIMAL_DIGITS = 40
 
 REGULAR_TYPES = (b"0", b"\0", b"7")  # '7' (contiguous file) is a regular file everywhere
 HEADER_ONLY_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # their size field must be 0 (see _read_member)
-
-
-@dataclass(frozen=True)
-class TarLimits:
-    """Bounds that keep a hostile archive from exhausting memory or time; raise them for unusual inputs."""
-
-    max_file_size: int = 1 << 40  # logical size of one regular file (a sparse file's real size)
-    max_header_size: int = 1 << 20  # PAX records plus GNU long names of one member
-    max_sparse_segments: int = 1 << 16  # data segments in one sparse map
-    max_tar_bytes: int = 1 << 42  # uncompressed tar stream in total
-    # Decompression bomb: at most max_expansion uncompressed bytes per compressed input byte, once past
-    # expansion_allowance. gzip cannot exceed ~1032:1; zstd reaches ~32000:1 on long runs of zeros.
-    max_expansion: int = 10_000
-    expansion_allowance: int = 256 << 20
-
-
-DEFAULT_LIMITS = TarLimits()
 
 
 class MemberError(InputError):
@@ -139,15 +123,17 @@ class _TarStream:
         self.source = source
         self.limits = limits
         self.offset = 0  # uncompressed bytes consumed
+        self.zero_bytes = 0  # of them, in file pieces that were all zeros (holes of the layer)
 
-    def read(self, n: int, what: str, where: str) -> bytes:
-        """Exactly ``n`` bytes; the input ending first means the archive is truncated."""
-        data = self.read_some(n, where)
+    def read(self, n: int, what: str, where: str, *, piece: bool = False) -> bytes:
+        """Exactly ``n`` bytes; the input ending first means the archive is truncated. ``piece``: a whole
+        piece of a file, which the expansion limit does not count if it is all zeros."""
+        data = self.read_some(n, where, piece=piece)
         if len(data) < n:
             raise InputError(f"truncated: the input ends at offset {self.offset} inside {what}", where=where)
         return data
 
-    def read_some(self, n: int, where: str) -> bytes:
+    def read_some(self, n: int, where: str, *, piece: bool = False) -> bytes:
         """``n`` bytes, or fewer at the end of the input."""
         parts = []
         got = 0
@@ -165,8 +151,11 @@ class _TarStream:
             parts.append(piece)
             got += len(piece)
         self.offset += got
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if piece and data.count(0) == got:
+            self.zero_bytes += got
         self._check_limits(where)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return data
 
     def drain(self, where: str) -> None:
         """Decompress to the end of a compressed input, so gzip's CRC and zstd's checksums are verified
@@ -189,10 +178,11 @@ class _TarStream:
             )
         if self._counting is not None:
             allowed = limits.expansion_allowance + limits.max_expansion * self._counting.count
-            if self.offset > allowed:
+            if self.offset - self.zero_bytes > allowed:
                 raise InputError(
-                    f"decompression bomb: {self.offset} bytes from {self._counting.count} compressed bytes "
-                    f"(TarLimits.max_expansion {limits.max_expansion}:1 beyond {limits.expansion_allowance})",
+                    f"decompression bomb: {self.offset - self.zero_bytes} bytes besides all-zero file pieces from "
+                    f"{self._counting.count} compressed bytes (TarLimits.max_expansion {limits.max_expansion}:1 "
+                    f"beyond {limits.expansion_allowance}; raise it with --tar-limit max_expansion=N)",
                     where=where,
                 )
 
@@ -668,16 +658,16 @@ class _Content:
                 "(read it before advancing the iterator)"
             )
 
-    def _take(self, n: int) -> bytes:
+    def _take(self, n: int, *, piece: bool = False) -> bytes:
         self._check_open()
-        data = self._stream.read(n, "the member's data", self._member.where)
+        data = self._stream.read(n, "the member's data", self._member.where, piece=piece)
         self._member.data_left -= n
         return data
 
     def _pieces(self, chunk_size: int) -> Iterator[bytes]:
         size = self._node.size
         for start in range(0, size, chunk_size):
-            yield self._take(min(chunk_size, size - start))
+            yield self._take(min(chunk_size, size - start), piece=True)
 
     def _sparse_pieces(self, chunk_size: int) -> Iterator[bytes | None]:
         # The stored data is the segments' bytes back to back, in map order: read them as pieces need them.
@@ -860,12 +850,16 @@ def tar_nodes(
 
 
 def fill_tree(
-    tree: Tree, nodes: Iterable[tuple[bytes, Node]], *, on_file: OnFile | None, lenient: bool = False
+    tree: Tree, nodes: Iterable[tuple[bytes, Node]], *, on_file: OnFile | None, lenient: bool = False,
+    budget: LayerBudget | None = None,
 ) -> Tree:
     """Add streamed (path, Node) pairs to ``tree``, calling ``on_file(node)`` for each new regular file
-    while its content is readable (right after the node is placed, before the stream moves on)."""
+    while its content is readable (right after the node is placed, before the stream moves on). With
+    ``budget``, every entry is counted first: one beyond the layer's limits stops the walk (InputError)."""
     refused: set[int] = set()  # id() of nodes the tree refused (lenient): their hard links go too
     for path, node in nodes:
+        if budget is not None:  # a hard link carries no reader: its inode is counted already
+            budget.add(path.rpartition(b"/")[2], node, new_inode=not node.is_reg or node.reader is not None)
         try:
             if id(node) in refused:
                 raise InputError("hard link to a member that was skipped", where=node.source)
@@ -888,12 +882,13 @@ def walk_tar(
     lenient: bool = False,
     tree: Tree | None = None,
     limits: TarLimits = DEFAULT_LIMITS,
+    budget: LayerBudget | None = None,
 ) -> Tree:
     """The Tree of a tar file or stream (plain, gzip or zstd), added to ``tree`` if given; finished.
 
     ``on_file`` is required and explicit: a build passes the chunker's per-file function (it must read
     ``node.reader`` and fill ``node.chunks`` before returning); None gives a metadata-only Tree whose
-    regular files have no content.
+    regular files have no content. ``budget``: see fill_tree.
     """
     tree = tree if tree is not None else Tree()
     if isinstance(path_or_stream, (str, bytes, os.PathLike)):
@@ -908,6 +903,6 @@ def walk_tar(
         source = str(getattr(stream, "name", "<tar stream>"))
     with closing:
         nodes = tar_nodes(stream, source=source, lenient=lenient, limits=limits)
-        fill_tree(tree, nodes, on_file=on_file, lenient=lenient)
+        fill_tree(tree, nodes, on_file=on_file, lenient=lenient, budget=budget)
     tree.finish()
     return tree

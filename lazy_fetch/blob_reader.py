@@ -6,18 +6,18 @@ chunks a range covers in the blob map, fetches them all with one ``fetch_many`` 
 travel in one ranged GET), and cuts the range out, zero padding included. This is what the kernel-mode
 FUSE blob file and the fuse-mode file reads call.
 
-Readahead (off unless ``readahead_bytes`` is set; the daemon's ``--miss-readahead``). An on-demand read
-also names the chunks that follow its range in the blob, up to ``readahead_bytes`` of chunk data, as the
-fetcher's ``readahead``: the blob
-holds a file's chunks in order and the files of a directory side by side, so these are the rest of the
-file and the files stored after it, which a reader walking a directory or importing a package reads
-next. The fetcher fetches them only when the read missed the cache, and only within the GETs it makes
-for the miss (fetcher.py), so readahead costs bytes on the link, never a round trip. The bound is in
-uncompressed chunk bytes, the unit of "bytes fetched", and small: most of a cold start's reads are of
-small files, and what readahead brings that nobody reads is pure waste. 256 KiB did best on the
-cold-start bench without a prefetch list (docs/benchmarks.md). It is off by default because it breaks
-the rule that a node fetches only chunks that are read: with a prefetch list learned from traces, the
-way cold starts are meant to run, it brings nothing.
+Readahead. An on-demand read may name ``readahead``: chunks it expects to be read next, which the
+fetcher brings along only if the read misses and only within the GETs it makes for the miss (fetcher.py).
+What to name is the caller's choice (miss_readahead.py: the rest of the file, a growing window while a
+reader walks files in blob order). Prefetch reads name none.
+
+Locations. The chunk index may be shared by every layer of a store (the daemon's), and in a shared store
+one writer's index object may claim chunks of other layers in its own pack. A chunk is therefore read
+from the packs this layer's manifest names first, and if a read fails verification (or its pack is
+missing) from each other location the index knows, before the read fails: a forged index costs a
+failed GET, never a read error of an intact layer, and never a wrong byte (every chunk is verified).
+A location that failed where another worked is put last in the index (``ChunkIndex.demote``), so the
+index's first answer, which prefetches use, is one that works.
 
 Threads: a LayerBlob is used from the trio thread (its fetcher lives there). The blob map and the chunk
 index it reads are safe to share.
@@ -25,13 +25,12 @@ index it reads are safe to share.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
-
-import trio
 
 from dsec_fs.chunks import ChunkIndex, ChunkLocation
 from dsec_fs.digest import to_hex
-from dsec_fs.errors import CorruptError, FormatError, InputError, NotFoundError, UnavailableError
+from dsec_fs.errors import CorruptError, DsecError, FormatError, InputError, NotFoundError
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
 from dsec_fs.blobmap import BlobMap
@@ -52,12 +51,12 @@ class LayerBlob:
     """The virtual blob of one layer; ``chunk_index`` must locate every chunk of ``blob_map``."""
 
     def __init__(self, blob_map: BlobMap, chunk_index: ChunkIndex, fetcher: ChunkFetcher, *, label: str = "",
-                 readahead_bytes: int = 0):
+                 packs: Iterable[str] = ()):
         self.blob_map = blob_map
         self.chunk_index = chunk_index
+        self.packs = frozenset(packs)  # the layer's own packs (its manifest's): their locations go first
         self.fetcher = fetcher
         self.label = label
-        self.readahead_bytes = readahead_bytes
         self.size = blob_map.blocks * blob_map.block_size
 
     def chunks_for_range(self, offset: int, length: int) -> list[BlobChunk]:
@@ -79,18 +78,20 @@ class LayerBlob:
                 chunks.append(BlobChunk(number, digest, start, chunk_length))
         return chunks
 
-    async def read(self, offset: int, length: int, *, priority: Priority = ONDEMAND) -> bytes:
+    async def read(self, offset: int, length: int, *, priority: Priority = ONDEMAND,
+                   readahead: list[tuple[bytes, ChunkLocation]] = ()) -> bytes:
         """Bytes [offset, offset + length) of the blob, shorter when the range runs past its end (empty at
-        or beyond the end), as read(2) answers."""
+        or beyond the end), as read(2) answers; ``readahead``: see the module docstring."""
         chunks = self.chunks_for_range(offset, length)
         end = min(offset + length, self.size)
         if offset >= end:
             return b""
-        ahead = self.following(chunks[-1].entry, self.readahead_bytes) if chunks and priority == ONDEMAND else []
-        fetched = await self.fetcher.fetch_many(
-            [(chunk.digest, self._location(chunk.entry, chunk.digest)) for chunk in chunks], priority=priority,
-            label=self.label, readahead=ahead,
-        )
+        try:
+            fetched = await self.fetcher.fetch_many(
+                [(chunk.digest, self.location(chunk.entry, chunk.digest)) for chunk in chunks], priority=priority,
+                label=self.label, readahead=readahead if priority == ONDEMAND else ())
+        except (CorruptError, NotFoundError):
+            fetched = {chunk.digest: await self._fetch_anywhere(chunk, priority) for chunk in chunks}
         for chunk in chunks:
             got = len(fetched[chunk.digest])
             if got != chunk.length:
@@ -113,23 +114,43 @@ class LayerBlob:
             budget -= length
             if budget < 0:
                 break
-            ahead.append((digest, self._location(number, digest)))
+            ahead.append((digest, self.location(number, digest)))
         return ahead
 
-    def _location(self, entry: int, digest: bytes) -> ChunkLocation:
-        location = self.chunk_index.get(digest)
-        if location is None:
+    def location(self, entry: int, digest: bytes) -> ChunkLocation:
+        """The location to read first: in one of the layer's own packs if any."""
+        locations = self.chunk_index.locations(digest, self.packs)
+        if not locations:
             raise NotFoundError("the chunk index does not locate this chunk of the blob",
                                 where=f"chunk {to_hex(digest)} (blob entry {entry})")
-        return location
+        return locations[0]
+
+    async def _fetch_anywhere(self, chunk: BlobChunk, priority: Priority) -> bytes:
+        """The chunk from the first of its locations whose read verifies (see Locations above); the last
+        error if none does. One that was read already comes from the cache."""
+        error: DsecError | None = None
+        failed: list[ChunkLocation] = []
+        for location in self.chunk_index.locations(chunk.digest, self.packs):
+            try:
+                data = (await self.fetcher.fetch_many([(chunk.digest, location)], priority=priority,
+                                                      label=self.label))[chunk.digest]
+            except (CorruptError, NotFoundError) as exc:
+                error = exc
+                failed.append(location)
+                continue
+            for bad in failed:  # so that the index's first answer (prefetches, other layers) is one that works
+                self.chunk_index.demote(chunk.digest, bad)
+            return data
+        assert error is not None  # read() located every chunk it asks for (location)
+        raise error
 
 
 async def open_layer_blob(layer: LayerFiles, fetcher: ChunkFetcher, *, chunk_index: ChunkIndex | None = None,
-                          label: str | None = None, readahead_bytes: int = 0) -> LayerBlob:
+                          label: str | None = None) -> LayerBlob:
     """The blob of an opened layer (dsec_fs.layer.open_layer). Reads the index objects of the layer's packs
     into ``chunk_index`` (a new one by default; pass the daemon's shared one) unless it already locates
     every chunk, and checks that each chunk is located with the length the blob map gives it.
-    ``label`` (the FetchStats label) defaults to the layer digest; ``readahead_bytes``: see the module."""
+    ``label`` (the FetchStats label) defaults to the layer digest."""
     source = keys.layer_blobmap(layer.digest)
     blob_map = BlobMap.decode(layer.blobmap, source=source)
     manifest = layer.manifest
@@ -138,25 +159,21 @@ async def open_layer_blob(layer: LayerFiles, fetcher: ChunkFetcher, *, chunk_ind
                           f"{blob_map.blocks} blocks of {blob_map.block_size} bytes, the manifest says "
                           f"{manifest.blob_blocks} of {manifest.block_size}", source=source)
     chunk_index = ChunkIndex() if chunk_index is None else chunk_index
-    if any(digest not in chunk_index for _, digest, _ in blob_map.entries):
-        try:
-            with trio.fail_after(fetcher.timeout):
-                await trio.to_thread.run_sync(chunk_index.load_packs, fetcher.store, manifest.packs,
-                                              abandon_on_cancel=True)
-        except trio.TooSlowError:
-            raise UnavailableError(f"the store did not answer within {fetcher.timeout:g} s",
-                                   where=f"pack indexes of layer {layer.digest}", transient=True) from None
+    if not chunk_index.has_packs(manifest.packs):
+        await fetcher.call_store(f"pack indexes of layer {layer.digest}", chunk_index.load_packs, fetcher.store,
+                                 manifest.packs)
+    packs = frozenset(manifest.packs)
     for number, (_blkaddr, digest, length) in enumerate(blob_map.entries):
-        location = chunk_index.get(digest)
-        if location is None:
+        locations = chunk_index.locations(digest, packs)
+        if not locations:
             raise NotFoundError("no pack of the layer holds this chunk",
                                 where=f"chunk {to_hex(digest)} (blob entry {number} of layer {layer.digest})")
+        location = locations[0]
         if location.ulen != length:
             raise FormatError(f"blob map entry {number}", None,
                               f"chunk {to_hex(digest)} is {length} bytes here, {location.ulen} in its pack",
                               source=source)
-    return LayerBlob(blob_map, chunk_index, fetcher, label=layer.digest if label is None else label,
-                     readahead_bytes=readahead_bytes)
+    return LayerBlob(blob_map, chunk_index, fetcher, label=layer.digest if label is None else label, packs=packs)
 
 
 def _check_range(offset: int, length: int) -> None:

@@ -11,11 +11,25 @@ Layout of the cache directory::
 The rule that keeps it consistent after SIGKILL at any point: an index entry is only ever added for a file
 already renamed into place, and removed before its file is unlinked. A crash can therefore leave only
 files nobody indexes (temporary or complete), and the next open deletes them in one scan, together with
-index entries whose file has gone (someone deleted it). Chunk files are not fsynced: every read checks the
-size and xxh3_64 the index recorded, so bytes a power cut lost (or a disk rotted) are found on read; such
-a rotten entry is dropped and reported as a miss, and the fetcher fetches the chunk again. The index itself
-commits durably, which costs milliseconds a commit: ``put_many`` records a whole batch (the chunks of one
-store read) in one commit, after renaming all its files into place.
+index entries whose file has gone (someone deleted it) or is not the size the index says. Chunk files are
+not fsynced: every read checks the size and xxh3_64 the index recorded, so bytes a power cut lost (or a
+disk rotted) are found on read; such a rotten entry is dropped and reported as a miss, and the fetcher
+fetches the chunk again. The index itself commits durably, which costs milliseconds a commit:
+``put_many`` records a whole batch (the chunks of one store read) in one commit, after renaming all its
+files into place.
+
+Nothing left in the directory stops an open (``_reconcile``, ``_make_room``): under chunks/ whatever is
+not a regular file of an indexed chunk, with its name, in its fan-out directory and of its indexed size,
+is removed, be it a directory, a symlink (never followed), a FIFO, a socket or a file of the wrong name;
+so is a stray where ``chunks``, ``index``, ``lock`` or an LMDB file belongs (a damaged index starts
+again empty). A stray that cannot be removed (a mount point, a directory it may not write) is logged and
+left alone, and under chunks/ that costs only its chunks. Other names at the top are not the cache's
+and are left alone.
+
+Private: the directory is made 0700 (narrowed if found wider), chunk and lock files 0600 and the index
+files 0600 (lmdb_index.FILE_MODE); a chunk file or fan-out directory found wider, say from an older
+version, is narrowed at open. Chunk files are only ever opened O_NOFOLLOW | O_NONBLOCK and read if
+regular, so nothing put in their place can send a read elsewhere or make it block.
 
 ``max_bytes`` bounds the sum of the chunk sizes (not the disk blocks they occupy, nor the index). Hits
 move a chunk to the recent end of the LRU order; those moves are collected in memory and written in
@@ -34,10 +48,12 @@ an eviction sees a missing file and re-checks under ``_lock`` before calling any
 
 from __future__ import annotations
 
-import fcntl
+import errno
 import logging
 import os
 import secrets
+import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -47,12 +63,19 @@ import xxhash
 
 from dsec_fs.digest import is_hex_digest, short, to_hex
 from dsec_fs.errors import CorruptError, InputError, UnavailableError
+from dsec_fs.files import LOCK_NAME, lock_directory, private_dir
+from dsec_fs.mounts import is_mountpoint, mounts_below
 
 from .lmdb_index import DEFAULT_MAP_SIZE, CacheIndex, IndexEntry
 
 log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
+FAN_OUTS = frozenset(f"{n:02x}" for n in range(256))
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+# Chunk files are opened so: a symlink is not followed (ELOOP) and a FIFO does not block.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # Hits remembered before their LRU moves are written to the index in one transaction.
 TOUCH_BATCH = 64
 
@@ -66,7 +89,7 @@ class CacheStats:
     misses: int  # gets not answered (absent, raced an eviction, or rotten)
     evictions: int  # entries removed to stay under max_bytes
     rotten: int  # entries dropped because the file was missing, the wrong size or failed its xxh3 check
-    reconciled: int  # files deleted and entries dropped by the check at open
+    reconciled: int  # files (and strays) deleted and entries dropped by the check at open
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -86,7 +109,10 @@ class ChunkCache:
         self._counters_lock = threading.Lock()
         self._pending_touches: dict[bytes, int] = {}
         self._hits = self._misses = self._evictions = self._rotten = 0
-        os.makedirs(self._chunks_dir, exist_ok=True)
+        private_dir(self.directory)
+        _make_room(self._chunks_dir, directory=True)
+        os.makedirs(self._chunks_dir, mode=DIR_MODE, exist_ok=True)
+        _narrow_path(self._chunks_dir, DIR_MODE)
         self._lock_fd = self._lock_directory()
         try:
             self._index = self._open_index(map_size)
@@ -97,50 +123,62 @@ class ChunkCache:
             raise
 
     def _lock_directory(self) -> int:
-        fd = os.open(os.path.join(self.directory, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise UnavailableError("the chunk cache is in use by another ChunkCache (this or another process)",
-                                   where=self.directory, transient=False) from None
+        _make_room(os.path.join(self.directory, LOCK_NAME), directory=False)
+        fd = lock_directory(self.directory, what="another ChunkCache (this or another process)",
+                            error=lambda message, where: UnavailableError(message, where=where, transient=False))
+        _narrow(fd, FILE_MODE)
         return fd
 
     def _open_index(self, map_size: int) -> CacheIndex:
-        """Open the index; a damaged one is a cache we can afford to lose, so it starts again empty."""
+        """Open the index; a damaged one (or one LMDB will not open) is a cache we can afford to lose, so
+        it starts again empty. Anything in the index directory but LMDB's two files goes first."""
         index_dir = os.path.join(self.directory, "index")
+        _make_room(index_dir, directory=True)
+        os.makedirs(index_dir, mode=DIR_MODE, exist_ok=True)
+        _narrow_path(index_dir, DIR_MODE)
+        for entry in _scan(index_dir):
+            if entry.name in INDEX_FILES and entry.is_file(follow_symlinks=False):
+                _narrow_path(entry.path, FILE_MODE)
+            else:
+                _remove_stray(entry.path)
         try:
             return CacheIndex(index_dir, map_size)
-        except CorruptError as exc:
+        except (CorruptError, UnavailableError) as exc:
             log.warning("chunk cache %s: %s; starting with an empty cache", self.directory, exc)
         for name in os.listdir(index_dir):
             os.unlink(os.path.join(index_dir, name))
         return CacheIndex(index_dir, map_size)
 
     def _reconcile(self) -> int:
-        """Make files and index agree after a crash: one pass over the index, one over the chunk files."""
-        indexed = set(self._index.digests())
+        """Make files and index agree after a crash, and clear out strays: one pass over the index, one
+        over chunks/ (nothing in it is followed or opened)."""
+        sizes = self._index.sizes()
         present: set[bytes] = set()
         removed = 0
-        for fan_out in os.listdir(self._chunks_dir):
-            fan_out_dir = os.path.join(self._chunks_dir, fan_out)
-            if not os.path.isdir(fan_out_dir):
+        for fan_out in _scan(self._chunks_dir):
+            if fan_out.name not in FAN_OUTS or not fan_out.is_dir(follow_symlinks=False):
+                removed += _remove_stray(fan_out.path)
                 continue
-            for entry in os.scandir(fan_out_dir):
+            _narrow_path(fan_out.path, DIR_MODE)
+            for entry in _scan(fan_out.path):
                 name = entry.name
-                if is_hex_digest(name) and name.startswith(fan_out) and bytes.fromhex(name) in indexed:
-                    present.add(bytes.fromhex(name))
-                    continue
-                # A temporary file, a chunk whose put never reached the index, or one evicted from the
-                # index but not yet unlinked.
-                os.unlink(entry.path)
-                removed += 1
-        missing = indexed - present
+                digest = bytes.fromhex(name) if is_hex_digest(name) and name.startswith(fan_out.name) else None
+                if digest in sizes and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_size == sizes[digest]:
+                        if st.st_mode & 0o077:
+                            _narrow_path(entry.path, FILE_MODE)
+                        present.add(digest)
+                        continue
+                # A temporary file, a chunk whose put never reached the index, one evicted from the index
+                # but not yet unlinked, one truncated, or something that is not a chunk file at all.
+                removed += _remove_stray(entry.path)
+        missing = sizes.keys() - present
         if missing:
             self._index.delete(missing)
         if removed or missing:
-            log.info("chunk cache %s: removed %d unindexed files, dropped %d entries without a file",
-                     self.directory, removed, len(missing))
+            log.info("chunk cache %s: removed %d unindexed files or strays, dropped %d entries without a "
+                     "sound file", self.directory, removed, len(missing))
         return removed + len(missing)
 
     def _path(self, digest: bytes) -> str:
@@ -227,10 +265,15 @@ class ChunkCache:
     def _read_valid(self, digest: bytes, entry: IndexEntry) -> tuple[bytes | None, str]:
         """(bytes, "") when the file matches the index entry, else (None, why not)."""
         try:
-            with open(self._path(digest), "rb") as f:
-                data = f.read(entry.size + 1)  # one byte more shows a file that grew
+            fd = os.open(self._path(digest), _READ_FLAGS)
         except FileNotFoundError:
             return None, "file missing"
+        except OSError as exc:  # ELOOP: a symlink in its place; EACCES, ...
+            return None, f"cannot open it: {exc.strerror}"
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None, "not a regular file"
+            data = f.read(entry.size + 1)  # one byte more shows a file that grew
         if len(data) != entry.size:
             return None, f"{len(data)} bytes, the index says {entry.size}"
         if checksum(data) != entry.checksum:
@@ -278,10 +321,11 @@ class ChunkCache:
     def _write_temporary(self, digest: bytes, data: bytes | memoryview) -> str:
         """Write ``data`` to a new temporary file beside the chunk's place; returns its path."""
         directory = os.path.dirname(self._path(digest))
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
         tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
         try:
-            with open(tmp, "xb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+            with open(fd, "wb") as f:
                 f.write(data)
         except BaseException:
             _unlink_if_present(tmp)
@@ -297,3 +341,71 @@ def _unlink_if_present(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+# -- strays and modes: used at open, in the thread that opens the cache
+
+INDEX_FILES = ("data.mdb", "lock.mdb")
+
+
+def _scan(directory: str) -> list[os.DirEntry]:
+    """The entries of ``directory``; none (logged) when it cannot be listed."""
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except OSError as exc:
+        log.warning("chunk cache: cannot list %s, skipping it: %s", directory, exc)
+        return []
+
+
+def _make_room(path: str, *, directory: bool) -> None:
+    """Remove what is at ``path`` unless it is a real directory (``directory``) or a regular file (not
+    a symlink to one), so that the cache can make its own there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode):
+        return
+    log.warning("chunk cache: %s is not a %s; replacing it", path, "directory" if directory else "regular file")
+    _remove_stray(path)
+
+
+def _remove_stray(path: str) -> int:
+    """Remove a file, symlink (not its target), FIFO, socket or directory tree that does not belong in
+    the cache; 1 if removed, 0 (logged) when it cannot be, or holds a mount (whose files are not ours)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            if is_mountpoint(path) or mounts_below(path):
+                raise OSError(errno.EBUSY, "a mount point is in it")
+            shutil.rmtree(path)  # works on file descriptors: no symlink inside is followed
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        log.warning("chunk cache: cannot remove the stray %s, leaving it: %s", path, exc.strerror or exc)
+        return 0
+    log.debug("chunk cache: removed the stray %s", path)
+    return 1
+
+
+def _narrow(fd: int, mode: int) -> None:
+    """Take away the group and other bits ``mode`` does not have; a failure is logged, not fatal (the
+    cache directory, 0700, guards what is below it anyway)."""
+    try:
+        current = stat.S_IMODE(os.fstat(fd).st_mode)
+        if current & ~mode & 0o077:
+            os.fchmod(fd, current & mode)
+    except OSError as exc:
+        log.warning("chunk cache: cannot narrow the mode of its lock file: %s", exc.strerror)
+
+
+def _narrow_path(path: str, mode: int) -> None:
+    """_narrow by path (callers checked it is no symlink)."""
+    try:
+        current = stat.S_IMODE(os.lstat(path).st_mode)
+        if current & ~mode & 0o077:
+            os.chmod(path, current & mode)
+    except OSError as exc:
+        log.warning("chunk cache: cannot narrow the mode of %s: %s", path, exc.strerror)

@@ -31,64 +31,79 @@ How a request is served:
 - **Bounded concurrency with priorities.** At most ``max_concurrent`` store reads (GETs) run at once, and
   prefetch reads use at most ``prefetch_slots`` of them, so on-demand reads always find a slot soon. Queued
   on-demand reads go before queued prefetch reads; a queued prefetch that an on-demand request joins is
-  promoted. A slot is held until the worker thread really ends, so threads stuck in a hung store cannot
-  pile up beyond the limit.
-- **Timeout.** Each store read (waiting for a slot included) must finish within ``timeout`` seconds, else
-  its chunks fail with UnavailableError(transient=True); the worker thread is abandoned (its result, if it
-  ever comes, is still cached).
+  promoted.
+- **Per object.** At most ``object_reads`` reads of one store object (a pack) are in the air at once, its
+  abandoned ones (below) included, until it answers: while one of its reads came back within the last
+  second (store_slots.ANSWERING_WINDOW) and none was abandoned, it may have as many as there are slots.
+  Further reads of it queue without a slot, and reads of other objects go past them. So a pack read
+  hard is read as fast as before (128 reads at once of one pack behind 20 ms: 0.27 s before, 0.29 s
+  with the bound, side by side; 0.87 s with a fixed bound of 4), and one that does not answer gets
+  ``object_reads`` threads, not every slot.
+- **Timeout and abandoned threads.** Each store read (waiting for a slot or a place included) must finish within
+  ``timeout`` seconds, else its chunks fail with UnavailableError(transient=True). A thread still in the
+  store at its deadline cannot be stopped: it is *abandoned*. Its slot is given back at once (so an object
+  that never answers cannot take the slots of the healthy ones), but it keeps its place among its object's
+  ``object_reads`` until it really returns (its result, if it ever comes, is still cached). So one hung
+  object holds at most ``object_reads`` threads: once all of them are abandoned, reads of it fail at once
+  (UnavailableError naming the key) instead of starting threads that would hang too, and the first read
+  after one returns goes ahead, which is the recovery, without a restart. Once ``max_abandoned`` threads
+  are left behind over all objects, every new store read fails at once until some return (so at most
+  ``max_abandoned + max_concurrent`` store threads ever exist). Each abandonment is counted
+  (FetchStats.abandoned) and the first of an object's stall, and its end, logged with the key.
+  ``call_store`` runs a mount's other store calls (pack indexes, a layer's objects) by the same rules,
+  without a slot.
 
 Metrics: a FetchStats per label (a layer, normally), exported by the daemon's prometheus adapter.
 
 Threads: ChunkFetcher lives in the trio thread; every method but ``cached`` (worker threads), the
 flights, the slots and the FetchStats are used from there only, so they need no locks. Store reads and
-cache calls run in worker threads via trio.to_thread.run_sync. Flights run as tasks of the fetcher's own
-nursery (open_fetcher), not of the caller: a caller that is cancelled stops waiting, and the fetch goes on
-for the others and the cache.
+cache calls run in worker threads via trio.to_thread.run_sync: the trio thread never blocks on a store or
+the disk. A store read's worker thread may block in the store for ever; nothing waits for it but the
+flights of its own chunks, and those only until the deadline. Store-read threads are counted by the
+fetcher's own limiter (ThreadWatch), not trio's default one, so stuck ones never starve the daemon's other
+worker threads (cache lookups, layer opens). Flights run as tasks of the fetcher's own nursery
+(open_fetcher), not of the caller: a caller that is cancelled stops waiting, and the fetch goes on for the
+others and the cache.
 """
 
 from __future__ import annotations
 
-import bisect
-import enum
 import logging
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
 from dsec_fs.chunks import ChunkLocation, ChunkRun, plan_runs, read_chunk, read_run
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError
+from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .cache import ChunkCache
+from .store_slots import ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, ThreadWatch, Ticket
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Store reads at once. A store answers each GET after a round trip (tens of ms), so reads side by side are
 # what fills the link; by default a quarter of the slots are kept for on-demand reads.
 DEFAULT_MAX_CONCURRENT = 16
 DEFAULT_TIMEOUT = 30.0
+# Reads of one store object in the air at once, abandoned ones included (module docstring).
+DEFAULT_OBJECT_READS = 4
+# Threads left behind in the store at most, over all objects.
+DEFAULT_MAX_ABANDONED = 64
 # Compressed bytes per store read: large enough to merge a run of neighbours, small enough that a big
 # request is spread over several slots and its first chunks are not held up by its last.
 MAX_READ_BYTES = 4 * 1024 * 1024
 # Upper bounds (seconds) of the latency histogram's buckets; the last catches everything.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, math.inf)
 RECENT_LATENCIES = 1024
-
-
-class Priority(enum.IntEnum):
-    """Lower goes first."""
-
-    ONDEMAND = 0  # a reader is waiting for these bytes (a FUSE read)
-    PREFETCH = 1  # warming the cache ahead of need
-
-
-ONDEMAND = Priority.ONDEMAND
-PREFETCH = Priority.PREFETCH
 
 
 @dataclass
@@ -106,6 +121,8 @@ class FetchStats:
     errors: int = 0  # chunks whose fetch failed, for any reason
     corrupt: int = 0  # ... because the store returned bad bytes (CorruptError, IntegrityError)
     timeouts: int = 0  # ... because the store did not answer within the timeout
+    refused: int = 0  # ... at once, because their store object (or the store) has too many reads stuck
+    abandoned: int = 0  # store reads whose thread was still in the store at the deadline, left behind
     # Store read latency (queueing for a slot included): count per LATENCY_BUCKETS bucket (not
     # cumulative), their sum, and the most recent values.
     latency_counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
@@ -129,109 +146,7 @@ class _Flight:
         self.data: bytes | None = None
         self.error: BaseException | None = None
         self.priority = priority
-        self.ticket: _Ticket | None = None  # the store-slot claim of its run, once it has one
-
-
-class _Ticket:
-    """A store read's claim on a store slot."""
-
-    __slots__ = ("priority", "order", "queued", "granted", "as_prefetch", "event")
-
-    def __init__(self, priority: Priority, order: int):
-        self.priority = priority
-        self.order = order  # queues are kept in this order: the fetcher numbers store reads as it plans them
-        self.queued = False
-        self.granted = False
-        self.as_prefetch = False  # it was granted as a prefetch and counts against the prefetch limit
-        self.event = trio.Event()
-
-
-class _StoreSlots:
-    """At most ``total`` store reads at once, at most ``prefetch_limit`` of them prefetch; queued
-    on-demand reads are granted before queued prefetch reads, each queue in ticket ``order`` (the order
-    the reads were planned in, not the order trio happens to start their tasks in)."""
-
-    def __init__(self, total: int, prefetch_limit: int):
-        self.total = total
-        self.prefetch_limit = prefetch_limit
-        self.in_use = 0
-        self.prefetch_in_use = 0
-        self._queues: dict[Priority, list[_Ticket]] = {ONDEMAND: [], PREFETCH: []}
-
-    def waiting(self, priority: Priority) -> int:
-        return len(self._queues[priority])
-
-    async def acquire(self, ticket: _Ticket) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        queued_ahead = any(self._queues[p] for p in Priority if p <= ticket.priority)
-        if not queued_ahead and self._may_start(ticket.priority):
-            self._grant(ticket)
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return
-        self._enqueue(ticket)
-        try:
-            await ticket.event.wait()
-        except BaseException:  # cancelled (a timeout): give back what we hold, or leave the queue
-            if ticket.granted:
-                self.release(ticket)
-            else:
-                self._queues[ticket.priority].remove(ticket)
-                ticket.queued = False
-            raise
-
-    def release(self, ticket: _Ticket) -> None:
-        self.in_use -= 1
-        if ticket.as_prefetch:
-            self.prefetch_in_use -= 1
-        self._grant_queued()
-
-    def promote(self, ticket: _Ticket) -> None:
-        """Make a prefetch ticket on-demand; a queued one moves to the on-demand queue."""
-        if ticket.priority == ONDEMAND:
-            return
-        queued = ticket.queued
-        if queued:
-            self._queues[PREFETCH].remove(ticket)
-        ticket.priority = ONDEMAND
-        if queued:
-            self._enqueue(ticket)
-        self._grant_queued()
-
-    def _enqueue(self, ticket: _Ticket) -> None:
-        ticket.queued = True
-        bisect.insort(self._queues[ticket.priority], ticket, key=lambda t: t.order)
-
-    def _may_start(self, priority: Priority) -> bool:
-        return self.in_use < self.total and (priority == ONDEMAND or self.prefetch_in_use < self.prefetch_limit)
-
-    def _grant(self, ticket: _Ticket) -> None:
-        ticket.granted = True
-        ticket.queued = False
-        ticket.as_prefetch = ticket.priority == PREFETCH
-        self.in_use += 1
-        self.prefetch_in_use += ticket.as_prefetch
-        ticket.event.set()
-
-    def _grant_queued(self) -> None:
-        for priority in (ONDEMAND, PREFETCH):
-            queue = self._queues[priority]
-            while queue and self._may_start(priority):
-                self._grant(queue.pop(0))
-
-
-class _SlotLimiter:
-    """What trio.to_thread.run_sync needs of a limiter, for one ticket: the slot is taken before the
-    thread starts and given back when the thread has really finished, even after a timeout."""
-
-    def __init__(self, slots: _StoreSlots, ticket: _Ticket):
-        self._slots = slots
-        self._ticket = ticket
-
-    async def acquire_on_behalf_of(self, borrower: object) -> None:
-        await self._slots.acquire(self._ticket)
-
-    def release_on_behalf_of(self, borrower: object) -> None:
-        self._slots.release(self._ticket)
+        self.ticket: Ticket | None = None  # the store-slot claim of its run, once it has one
 
 
 class ChunkFetcher:
@@ -246,19 +161,25 @@ class ChunkFetcher:
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
         prefetch_slots: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        object_reads: int = DEFAULT_OBJECT_READS,
+        max_abandoned: int = DEFAULT_MAX_ABANDONED,
     ):
         prefetch_slots = max(1, max_concurrent * 3 // 4) if prefetch_slots is None else prefetch_slots
         if max_concurrent < 1 or not 0 < prefetch_slots <= max_concurrent:
             raise InputError(f"need 0 < prefetch_slots ({prefetch_slots}) <= max_concurrent ({max_concurrent})",
                              where="chunk fetcher")
+        if object_reads < 1 or max_abandoned < 1:
+            raise InputError(f"object_reads ({object_reads}) and max_abandoned ({max_abandoned}) must be positive",
+                             where="chunk fetcher")
         self.store = store
         self.cache = cache
         self.timeout = timeout
         self._nursery = nursery
-        self._slots = _StoreSlots(max_concurrent, prefetch_slots)
+        self._slots = StoreSlots(max_concurrent, prefetch_slots, object_reads, max_abandoned)
+        self._stalled_since: dict[str, float] = {}  # store key -> when its first read still stuck was abandoned
         self._flights: dict[bytes, _Flight] = {}
         self._stats: dict[str, FetchStats] = {}
-        self._reads_planned = 0  # numbers the store reads' tickets (see _StoreSlots)
+        self._reads_planned = 0  # numbers the store reads' tickets (see StoreSlots)
 
     def stats(self, label: str = "") -> FetchStats:
         """The counters of ``label`` (created on first use)."""
@@ -276,8 +197,17 @@ class ChunkFetcher:
 
     @property
     def store_reads_running(self) -> int:
-        """Store reads holding a slot (a gauge; threads abandoned after a timeout count until they end)."""
+        """Store reads holding a slot (a gauge; abandoned ones hold none)."""
         return self._slots.in_use
+
+    @property
+    def abandoned_reads(self) -> int:
+        """Store reads abandoned at their deadline whose thread is still in the store (a gauge)."""
+        return self._slots.abandoned_total
+
+    def stuck_objects(self) -> dict[str, int]:
+        """Store key -> its abandoned reads still in the store, for the keys that have any."""
+        return dict(self._slots.abandoned_of)
 
     @property
     def in_flight(self) -> int:
@@ -379,7 +309,8 @@ class ChunkFetcher:
                             flights.append(flight)
                             stats.readahead += 1
                     self._reads_planned += 1
-                    ticket = _Ticket(min(flight.priority for flight in flights), self._reads_planned)
+                    ticket = Ticket(keys.pack(run.pack_id), min(flight.priority for flight in flights),
+                                     self._reads_planned)
                     for flight in flights:
                         flight.ticket = ticket
                     nursery.start_soon(self._read_run, run, flights, ticket, stats)
@@ -391,26 +322,30 @@ class ChunkFetcher:
                     self._land(digest, flight, error=UnavailableError(
                         "the chunk fetcher stopped before the chunk arrived", where=f"chunk {to_hex(digest)}"))
 
-    async def _read_run(self, run: ChunkRun, flights: list[_Flight], ticket: _Ticket, stats: FetchStats) -> None:
+    async def _read_run(self, run: ChunkRun, flights: list[_Flight], ticket: Ticket, stats: FetchStats) -> None:
         """One store read: ``run``'s chunks (``flights`` are theirs, in the same order) land when it ends."""
         items = list(run.chunks)
         started_at = trio.current_time()
         stats.store_reads += 1
+        logged: set[int] = set()  # a whole-run error is logged once
         try:
             with trio.fail_after(self.timeout):
-                results = await trio.to_thread.run_sync(
-                    self._read_and_cache, run, abandon_on_cancel=True, limiter=_SlotLimiter(self._slots, ticket)
-                )
+                results = await self._store_read(run, ticket, stats)
         except trio.TooSlowError:
             stats.timeouts += len(items)
             error = UnavailableError(f"the store did not answer within {self.timeout:g} s",
                                      where=_chunks_name(items), transient=True)
             results = dict.fromkeys((digest for digest, _ in items), error)
+        except Refused as refused:  # counted, not logged: the stall was, once
+            stats.refused += len(items)
+            error = UnavailableError(str(refused), where=f"store object {ticket.key} ({_chunks_name(items)})",
+                                     transient=True)
+            logged.add(id(error))
+            results = dict.fromkeys((digest for digest, _ in items), error)
         except Exception as exc:  # whatever the store raised goes to the waiters
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
-        logged: set[int] = set()  # a whole-run error is logged once
         for (digest, _location), flight in zip(items, flights):
             result = results[digest]
             if isinstance(result, BaseException):
@@ -424,6 +359,60 @@ class ChunkFetcher:
                 stats.chunks_fetched += 1
                 stats.bytes_fetched += len(result)
                 self._land(digest, flight, data=result)
+
+    async def call_store(self, what: str, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)``: blocking store calls other than chunk reads (opening a layer, loading its pack
+        indexes) in a worker thread, within the fetcher's deadline, else UnavailableError(transient)
+        naming ``what``. They take no slot, but a thread still in the store at the deadline is left
+        behind, bounded and logged as a store read's is, with ``what`` as its object: calls for a
+        ``what`` whose places are all held by stuck threads fail at once, and none starts while
+        ``max_abandoned`` are stuck. Its thread is not one of trio's default limiter, which stuck ones
+        would exhaust for every other worker thread of the daemon."""
+        ticket = Ticket(what, ONDEMAND, 0)
+        refusal = self._slots.enter_unslotted(ticket)
+        if refusal is not None:
+            raise UnavailableError(refusal, where=what, transient=True)
+        watch = ThreadWatch(ticket, self._abandoned_read_returned)
+        try:
+            with trio.fail_after(self.timeout):
+                return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True, limiter=watch)
+        except trio.TooSlowError:
+            raise UnavailableError(f"the store did not answer within {self.timeout:g} s", where=what,
+                                   transient=True) from None
+        finally:
+            abandoned = watch.started and not watch.returned
+            self._slots.leave(ticket, abandoned=abandoned, answered=watch.returned)
+            if abandoned:
+                self._note_abandoned(ticket.key)
+
+    async def _store_read(self, run: ChunkRun, ticket: Ticket, stats: FetchStats) -> dict[bytes, bytes | Exception]:
+        """Read ``run`` in a worker thread once ``ticket`` is granted; a cancelled read whose thread is
+        still in the store gives its slot back and leaves the thread behind (the module docstring)."""
+        await self._slots.acquire(ticket)
+        watch = ThreadWatch(ticket, self._abandoned_read_returned)
+        try:
+            return await trio.to_thread.run_sync(self._read_and_cache, run, abandon_on_cancel=True, limiter=watch)
+        finally:
+            abandoned = watch.started and not watch.returned
+            self._slots.release(ticket, abandoned=abandoned, answered=watch.returned)
+            if abandoned:
+                stats.abandoned += 1
+                self._note_abandoned(ticket.key)
+
+    def _note_abandoned(self, key: str) -> None:
+        """Log the first abandoned call of a stall of ``key``, once."""
+        if key not in self._stalled_since:
+            self._stalled_since[key] = trio.current_time()
+            log.warning("store object %s did not answer within %g s: its call is abandoned (the thread stays "
+                        "in the store); once %d are, no call of it starts until one returns",
+                        key, self.timeout, self._slots.per_object)
+
+    def _abandoned_read_returned(self, ticket: Ticket) -> None:
+        self._slots.returned(ticket)
+        if ticket.key not in self._slots.abandoned_of:
+            stalled = trio.current_time() - self._stalled_since.pop(ticket.key)
+            log.warning("store object %s answered again, %.1f s after its first read was abandoned",
+                        ticket.key, stalled)
 
     def _land(self, digest: bytes, flight: _Flight, *, data: bytes | None = None,
               error: BaseException | None = None) -> None:
@@ -495,13 +484,15 @@ async def open_fetcher(
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     prefetch_slots: int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    object_reads: int = DEFAULT_OBJECT_READS,
+    max_abandoned: int = DEFAULT_MAX_ABANDONED,
 ) -> AsyncIterator[ChunkFetcher]:
     """A ChunkFetcher whose flights run in a nursery of its own; leaving the block cancels the flights
     still in the air (their waiters get UnavailableError). ``prefetch_slots`` defaults to three quarters
     of the slots."""
     async with trio.open_nursery() as nursery:
-        fetcher = ChunkFetcher(store, cache, nursery, max_concurrent=max_concurrent,
-                               prefetch_slots=prefetch_slots, timeout=timeout)
+        fetcher = ChunkFetcher(store, cache, nursery, max_concurrent=max_concurrent, prefetch_slots=prefetch_slots,
+                               timeout=timeout, object_reads=object_reads, max_abandoned=max_abandoned)
         try:
             yield fetcher
         finally:

@@ -59,6 +59,9 @@ from erofs_builder.reader import ErofsImage
 log = logging.getLogger(__name__)
 
 ROOT_INO = 1  # FUSE's root inode (pyfuse3.ROOT_INODE, FUSE_ROOT_ID)
+# A blob file holds every byte of its layer, 0600 files included: root's alone (the daemon mounts EROFS
+# on it as root; the kernel checks this mode, as the session is mounted default_permissions).
+BLOB_FILE_MODE = 0o400
 SLOT_SHIFT = 40  # SessionTree: the low 40 bits are the inode number inside a part (an EROFS nid < 2**40)
 CHUNK_MAPS_KEPT = 64  # files whose chunk map LayerTree keeps parsed: those being read right now
 # (nid, file offset) of the file bytes a LayerTree is reading from its blob right now, set around each
@@ -352,7 +355,7 @@ class BlobDirectory:
             with self._lock:
                 return _synthetic_dir(ROOT_INO, 2, self._mtime_ns)
         _name, blob = self._blob(ino)
-        return Attributes(ino=ino, mode=stat.S_IFREG | 0o444, nlink=1, uid=0, gid=0, size=blob.size,
+        return Attributes(ino=ino, mode=stat.S_IFREG | BLOB_FILE_MODE, nlink=1, uid=0, gid=0, size=blob.size,
                           mtime_ns=self._created_ns)
 
     def lookup(self, parent: int, name: bytes) -> Attributes:

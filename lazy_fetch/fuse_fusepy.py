@@ -104,7 +104,12 @@ class _Operations(fuse.Operations):
         return ino
 
     def readdir(self, path, fh):
-        return [_text(entry.name) for entry in self.fs.readdir(fh, 0)]
+        """The whole listing, each name with its inode number and type (libfuse2 fills d_ino and d_type from
+        the stat given; with a bare name getdents shows d_ino 0xffffffff and DT_UNKNOWN). Offsets 0: fusepy
+        does not pass the offset to continue from, so libfuse2 keeps the listing and answers each READDIR
+        from it, cut to the size the kernel asked for."""
+        return [(_text(entry.name), {"st_ino": entry.ino, "st_mode": self.fs.getattr(entry.ino).mode}, 0)
+                for entry in self.fs.readdir(fh, 0)]
 
     def open(self, path, flags):
         if flags & os.O_ACCMODE != os.O_RDONLY:

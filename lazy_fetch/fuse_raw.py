@@ -222,20 +222,32 @@ class _Session:
         self.destroyed = False
 
     def reply(self, unique: int, *parts: bytes) -> None:
-        length = OUT_HEADER.size + sum(len(part) for part in parts)
-        self._write([OUT_HEADER.pack(length, 0, unique), *parts])
+        """One writev of two iovecs, the header and ``parts`` joined: the kernel takes a reply in one write,
+        and one iovec per part (a READDIR answers with one part per name) fails EINVAL past IOV_MAX
+        (1,024). A READ's data, the one reply that can be big (up to MAX_PAGES pages), is one part: it
+        goes as it is, not copied. A reply the kernel refuses is answered EIO instead (``_write``)."""
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if not self._write([OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique), body]):
+            log.error("the kernel refused a reply of %d bytes to FUSE request %#x: answered EIO", len(body), unique)
+            self.reply_error(unique, errno.EIO)
 
     def reply_error(self, unique: int, err: int) -> None:
         self._write([OUT_HEADER.pack(OUT_HEADER.size, -err, unique)])
 
-    def _write(self, parts: list[bytes]) -> None:
+    def _write(self, parts: list[bytes]) -> bool:
+        """Write one reply (``parts``: the header and at most one body); False if the kernel refused it as
+        malformed (EINVAL: bigger than the request allows, say), which must not end the session: the
+        request still waits for an answer (if the kernel ended it already, the next answer finds nothing)."""
         try:
             os.writev(self.fd, parts)
         except FileNotFoundError:  # the request was interrupted, or aborted, meanwhile: nobody waits
             pass
         except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
             if exc.errno != errno.ENODEV:  # ENODEV: the connection is gone, which the read loop sees
                 raise
+        return True
 
     async def run(self, nursery: trio.Nursery) -> None:
         buffer = bytearray((self.params or SessionParams(FUSE_MINOR, 0, MAX_WRITE, MAX_PAGES)).buffer_size)

@@ -10,9 +10,10 @@ A handler is ``async def handler(request: Request) -> Response | JSON value``; a
 status 200. The daemon registers its routes (daemon.py), and packages above lazy_fetch (overlay's
 sandboxes) register theirs on the same table before serving starts.
 
-Errors: a handler that raises a DsecError answers ``{"error": kind, "message", "where"}`` (and
-``"transient"`` for UnavailableError) with the status ``STATUS_BY_KIND`` gives its kind, so a client can
-raise the same class again (dsec_fs/client.py). Anything else a handler raises is a bug: logged with its
+Bodies: a handler decodes its request with ``request.decode(RequestType)`` and returns a response type
+(both from dsec_fs/api.py, which the SDK client uses too) or any JSON value. Errors: a handler that
+raises a DsecError answers the one error format of dsec_fs/api.py (``error_body``), so a client can
+raise the same class again. Anything else a handler raises is a bug: logged with its
 traceback and answered 500 ``{"error": "internal"}``. Unknown paths answer 404, known paths with another
 method 405, malformed HTTP 400 (then the connection closes).
 
@@ -21,6 +22,14 @@ created 0600 (and chmod 0600 again before listen()), and its directory 0700 when
 existing one is left as it is: it may be /tmp), so only the owner (root) can connect. A socket file left
 by a dead daemon is replaced; one that still answers is refused (ConflictError). Nothing here logs request
 bodies or headers.
+
+Bounds: at most ``max_connections`` connections at once (MAX_CONNECTIONS; the daemon lowers it to a
+quarter of its descriptor limit) (when full, the connection idle the longest is
+closed for a new one; if none is idle, the new one is answered 503 and closed); a request must arrive
+whole within REQUEST_SECONDS of its first byte; bodies and headers are bounded (MAX_BODY, MAX_HEADER).
+When accept() fails for want of descriptors (EMFILE, ENFILE) or memory, the server closes the longest
+idle connection and tries again after ACCEPT_BACKOFF seconds: it never stops serving for it (the daemon
+also raises its RLIMIT_NOFILE to the hard limit at start, ``raise_fd_limit``).
 
 Threads: everything runs in the trio loop that calls ``serve``; each connection is a task, requests on one
 connection are answered in order (HTTP/1.1 keep-alive, no pipelining needed). Routes are added before
@@ -34,16 +43,19 @@ import json
 import logging
 import os
 import re
+import resource
 import socket
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import h11
 import trio
 
+from dsec_fs import api
 from dsec_fs.errors import ConflictError, DsecError, InputError
 
 log = logging.getLogger(__name__)
@@ -51,19 +63,14 @@ log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20  # bytes of a request body: the API's requests are small JSON objects
 MAX_HEADER = 64 << 10
 IDLE_TIMEOUT = 300.0  # seconds a kept-alive connection may sit between requests
+REQUEST_SECONDS = 30.0  # seconds from a request's first byte to its last
+MAX_CONNECTIONS = 512
+ACCEPT_BACKOFF = 0.1  # seconds to wait after accept() found no descriptor or memory
+_ACCEPT_CAPACITY_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 RECEIVE_SIZE = 64 << 10
 BACKLOG = 128
 SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes, the last one a NUL
 
-# HTTP status for each DsecError kind; a client maps the kind back to the class.
-STATUS_BY_KIND = {
-    "input": 400,
-    "not-found": 404,
-    "conflict": 409,
-    "unsupported": 422,
-    "corrupt": 500,
-    "unavailable": 503,
-}
 JSON_TYPE = "application/json"
 
 
@@ -75,6 +82,10 @@ class Request:
     headers: dict[str, str]  # lower-case names
     body: bytes
     params: dict[str, str] = field(default_factory=dict)  # {name} segments of the route
+
+    def decode(self, type_: type[T]) -> T:
+        """The body as a request type of dsec_fs/api.py; InputError naming the field at fault."""
+        return api.decode(self.body, type_, where=f"{self.method} {self.path}")
 
     def json(self) -> dict[str, Any]:
         """The body as a JSON object ({} when empty); InputError when it is not one."""
@@ -98,17 +109,36 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Any]]
+T = TypeVar("T")
 
 
 def json_response(value: Any, status: int = 200) -> Response:
-    return Response(status, (json.dumps(value, sort_keys=True) + "\n").encode())
+    """``value`` (a response type of dsec_fs/api.py, or any JSON value) as the body."""
+    return Response(status, api.encode(value))
 
 
 def error_response(exc: DsecError) -> Response:
-    body: dict[str, Any] = {"error": exc.kind, "message": exc.message, "where": exc.where}
-    if hasattr(exc, "transient"):
-        body["transient"] = exc.transient
-    return json_response(body, STATUS_BY_KIND.get(exc.kind, 500))
+    return json_response(api.error_body(exc), api.error_status(exc))
+
+
+def raise_fd_limit() -> int:
+    """Raise RLIMIT_NOFILE's soft limit to its hard limit (each API connection, chunk read and mount
+    takes descriptors); returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, target, exc)
+    return soft
+
+
+@dataclass(eq=False)
+class _Connection:
+    scope: trio.CancelScope
+    idle_since: float | None  # monotonic time it went idle between requests; None while in a request
 
 
 @dataclass(frozen=True)
@@ -130,8 +160,16 @@ def _compile(pattern: str) -> re.Pattern[str]:
 class HttpApi:
     """A route table and the server that answers from it."""
 
-    def __init__(self):
+    def __init__(self, *, max_connections: int = MAX_CONNECTIONS):
         self._routes: list[_Route] = []
+        self.max_connections = max_connections
+        self._connections: set[_Connection] = set()
+        self.refused_connections = 0  # answered 503 because every connection was busy
+        self.accept_failures = 0  # accept() calls that found no descriptor or memory
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
 
     def route(self, method: str, pattern: str, handler: Handler) -> None:
         """Answer ``method`` requests for paths matching ``pattern`` with ``handler``; ``{name}`` in the
@@ -180,43 +218,92 @@ class HttpApi:
             async with trio.SocketListener(sock) as listener, trio.open_nursery() as nursery:
                 task_status.started()
                 while True:
-                    stream = await listener.accept()
-                    nursery.start_soon(self._serve_connection, stream)
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:
+                        if exc.errno not in _ACCEPT_CAPACITY_ERRORS:
+                            raise
+                        self._accept_failed(exc)
+                        await trio.sleep(ACCEPT_BACKOFF)
+                        continue
+                    if len(self._connections) >= self.max_connections and not self._close_longest_idle():
+                        self.refused_connections += 1
+                        nursery.start_soon(self._refuse_connection, stream)
+                        continue
+                    connection = _Connection(trio.CancelScope(), time.monotonic())
+                    self._connections.add(connection)
+                    nursery.start_soon(self._serve_connection, stream, connection)
         finally:
             _remove_socket(socket_path, identity)
 
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+    def _accept_failed(self, exc: OSError) -> None:
+        self.accept_failures += 1
+        if self.accept_failures == 1 or self.accept_failures % 1000 == 0:
+            log.warning("accept() failed (%s, %d times so far; %d connections open): closing the longest idle "
+                        "one and waiting %g s", errno.errorcode.get(exc.errno, exc.errno), self.accept_failures,
+                        len(self._connections), ACCEPT_BACKOFF)
+        self._close_longest_idle()
+
+    def _close_longest_idle(self) -> bool:
+        idle = [c for c in self._connections if c.idle_since is not None and not c.scope.cancel_called]
+        if not idle:
+            return False
+        min(idle, key=lambda c: c.idle_since).scope.cancel()
+        return True
+
+    async def _refuse_connection(self, stream: trio.SocketStream) -> None:
+        with trio.move_on_after(1.0):
+            try:
+                await _send(h11.Connection(h11.SERVER), stream, json_response(
+                    {"error": "unavailable", "message": f"the daemon has {self.max_connections} connections open, "
+                     "all in requests; try again", "where": "http", "transient": True}, 503))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
+                pass
+        await stream.aclose()
+
+    async def _serve_connection(self, stream: trio.SocketStream, connection: _Connection) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER)
         try:
-            while True:
-                try:
-                    request = await _receive_request(conn, stream)
-                except h11.RemoteProtocolError as exc:
-                    if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                        await _send(conn, stream, json_response(
-                            {"error": "input", "message": f"bad HTTP request: {exc}", "where": "http"},
-                            exc.error_status_hint))
-                    return
-                if request is None:  # the client closed the connection, or stayed idle too long
-                    return
-                await _send(conn, stream, await self.dispatch(request))
-                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                    return  # a body we did not read, or the client asked to close
-                conn.start_next_cycle()
+            with connection.scope:
+                while True:
+                    connection.idle_since = time.monotonic()
+                    try:
+                        request = await _receive_request(conn, stream, connection)
+                    except h11.RemoteProtocolError as exc:
+                        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                            await _send(conn, stream, json_response(
+                                {"error": "input", "message": f"bad HTTP request: {exc}", "where": "http"},
+                                exc.error_status_hint))
+                        return
+                    if request is None:  # the client closed the connection, or was too slow
+                        return
+                    await _send(conn, stream, await self.dispatch(request))
+                    if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                        return  # a body we did not read, or the client asked to close
+                    conn.start_next_cycle()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away
         finally:
-            await stream.aclose()
+            self._connections.discard(connection)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
 
 
-async def _receive_request(conn: h11.Connection, stream: trio.SocketStream) -> Request | None:
+async def _receive_request(conn: h11.Connection, stream: trio.SocketStream,
+                           connection: _Connection) -> Request | None:
+    """The next request, or None when the client closes, stays idle past IDLE_TIMEOUT, or takes more than
+    REQUEST_SECONDS to send a request it began."""
     head: h11.Request | None = None
     body = bytearray()
+    deadline = trio.current_time() + IDLE_TIMEOUT
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            with trio.move_on_after(IDLE_TIMEOUT):
+            with trio.move_on_at(deadline):
                 data = await stream.receive_some(RECEIVE_SIZE)
+                if connection.idle_since is not None and data:  # a request begins
+                    connection.idle_since = None
+                    deadline = trio.current_time() + REQUEST_SECONDS
                 conn.receive_data(data)
                 continue
             return None
@@ -224,6 +311,7 @@ async def _receive_request(conn: h11.Connection, stream: trio.SocketStream) -> R
             return None
         if isinstance(event, h11.Request):
             head = event
+            connection.idle_since = None
             declared = dict(event.headers).get(b"content-length")
             if declared is not None and int(declared) > MAX_BODY:
                 raise h11.RemoteProtocolError(f"request body over {MAX_BODY} bytes", error_status_hint=413)

@@ -55,11 +55,9 @@ take turns, so the mount table and the use counts change one call at a time.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
-import secrets
 import shutil
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -68,7 +66,10 @@ from dataclasses import dataclass
 import trio
 
 from dsec_fs import mounts
-from dsec_fs.errors import ConflictError, DsecError, InputError, IntegrityError, NotFoundError, UnavailableError
+from dsec_fs.api import BINDINGS, MODES
+from dsec_fs.files import lock_directory, private_dir, write_atomic
+from dsec_fs.errors import (ConflictError, DsecError, InputError, IntegrityError, NotFoundError, UnavailableError,
+                            UnsupportedError)
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
 from erofs_builder.reader import ErofsImage
@@ -78,9 +79,6 @@ from .fs_core import Blob, LayerTree, SessionTree
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STATE_DIR = "/run/dsecfs"
-MODES = ("kernel", "fuse")
-BINDINGS = ("pyfuse3", "fusepy", "raw")
 SESSION_FILE = "fuse-session.json"  # raw: what a daemon needs to take the FUSE session over
 HOLDER_SOCKET = "fuse-holder.sock"  # raw: where the FUSE fd holder listens
 DEFAULT_READ_AHEAD = 1 << 20  # bytes the kernel reads ahead in a layer's file, both modes (open_mounter)
@@ -261,7 +259,7 @@ class LayerMounter:
 
     def _write_meta(self, layer: LayerFiles) -> None:
         """meta.erofs as a file for mount(2), written whole under a temporary name, then renamed."""
-        _write_atomically(self.meta_path(layer.digest), layer.meta, sync=False)
+        write_atomic(self.meta_path(layer.digest), layer.meta, sync=False)
 
     def save_session_state(self, **changes) -> None:
         """raw binding: update ``session_state`` with ``changes`` and the session's inode numbers, and
@@ -270,7 +268,7 @@ class LayerMounter:
         if self.session_state is None:
             return
         self.session_state.update(changes, numbers=self.session.numbers())
-        _write_atomically(os.path.join(self.state_dir, SESSION_FILE),
+        write_atomic(os.path.join(self.state_dir, SESSION_FILE),
                           json.dumps(self.session_state, indent=1).encode(), sync=True)
 
     async def close(self) -> None:
@@ -290,7 +288,7 @@ class LayerMounter:
 
 
 @contextlib.asynccontextmanager
-async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "raw",
+async def open_mounter(state_dir: str, *, binding: str = "raw",
                        adopt: Callable[[LayerMounter], Awaitable[None]] | None = None,
                        read_ahead: int = DEFAULT_READ_AHEAD) -> AsyncIterator[LayerMounter]:
     """Own ``state_dir``, serve its FUSE session as a task of the calling trio loop, and yield a
@@ -307,13 +305,9 @@ async def open_mounter(state_dir: str = DEFAULT_STATE_DIR, *, binding: str = "ra
     dead daemon had taken sent again. Otherwise (and with the other bindings) what a dead daemon left is
     detached and a new session mounted."""
     serve = _serve_function(binding)
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)  # layers and blobs below are the node's, not its users'
-    lock_fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    private_dir(state_dir)  # layers and blobs below are the node's, not its users'
+    lock_fd = lock_directory(state_dir, what="another daemon")
     try:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConflictError("another daemon uses this state directory", where=state_dir) from None
         mounter = LayerMounter(state_dir, SessionTree(), read_ahead=read_ahead)
         try:
             async with trio.open_nursery() as nursery:
@@ -435,15 +429,17 @@ def _end_raw_session(mounter: LayerMounter, holder) -> None:
             log.warning("unmounting the FUSE session: %s", exc)
 
 
-def _write_atomically(path: str, data: bytes, *, sync: bool) -> None:
-    """Write ``path`` whole under a temporary name, then rename it into place."""
-    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.rename(tmp, path)
+# Filesystems whose files the kernel's file-backed EROFS refuses as an image (ENOTBLK): no direct I/O.
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def _check_image_filesystem(meta_path: str) -> None:
+    fstype = mounts.filesystem_of(meta_path).fstype
+    if fstype in MEMORY_FILESYSTEMS:
+        raise UnsupportedError(f"kernel-mode mounts need the daemon's state directory on a disk filesystem, not "
+                               f"{fstype}: the kernel's file-backed EROFS refuses an image there (ENOTBLK). Start "
+                               f"the daemon with --state-dir on a disk (the default /var/lib/dsecfs/state is), or "
+                               f"mount in fuse mode", where=os.path.dirname(meta_path))
 
 
 def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str, read_ahead: int) -> None:
@@ -459,6 +455,7 @@ def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str, read_ah
     requests bigger and fewer. Readahead stays inside the file being read (so inside its own chunks),
     and a page fault of a mapped file reads around it as far: a little more of a big library may be
     fetched than it touches."""
+    _check_image_filesystem(meta_path)
     options = mounts.erofs_options([blob_path])
     try:
         mounts.mount(meta_path, mountpoint, "erofs", mounts.LAYER_FLAGS, f"{options},directio")

@@ -22,6 +22,7 @@ are trio worker threads (trio.to_thread.run_sync) doing ChunkCache's work; the t
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -34,6 +35,8 @@ from dsec_fs.errors import CorruptError, FormatError, UnavailableError
 
 # The map is a sparse file; its size only caps growth. 1 GiB holds several million entries.
 DEFAULT_MAP_SIZE = 1 << 30
+# data.mdb and lock.mdb: the index says which chunks this node has read, which is nobody else's business.
+FILE_MODE = 0o600
 
 ENTRY = struct.Struct(
     "<"
@@ -78,12 +81,15 @@ def unpack_entry(value: bytes, digest: bytes, *, source: str) -> IndexEntry:
 
 
 class CacheIndex:
-    """The LMDB environment at ``path`` (a directory, created if missing)."""
+    """The LMDB environment at ``path`` (a directory, created 0700 if missing); its files are made readable
+    by their owner only (FILE_MODE)."""
 
     def __init__(self, path: str, map_size: int = DEFAULT_MAP_SIZE):
         self.path = path
+        os.makedirs(path, mode=0o700, exist_ok=True)  # lmdb would make it with FILE_MODE: no x bit
         try:
-            self._env = lmdb.open(path, map_size=map_size, max_dbs=3, subdir=True, readahead=False)
+            self._env = lmdb.open(path, map_size=map_size, max_dbs=3, subdir=True, readahead=False, mode=FILE_MODE,
+                                  create=False)
         except _CORRUPT_ERRORS as exc:
             raise CorruptError(f"not a sound LMDB environment: {exc}", where=path) from None
         except lmdb.Error as exc:
@@ -180,10 +186,12 @@ class CacheIndex:
                 found.append((digest, unpack_entry(txn.get(digest, db=self._entries), digest, source=self.path)))
         return found
 
-    def digests(self) -> list[bytes]:
-        """Every indexed digest (one pass over the entries; used to reconcile the index with the files)."""
+    def sizes(self) -> dict[bytes, int]:
+        """Every indexed digest -> its chunk's size (one pass over the entries; used to reconcile the index
+        with the files)."""
         with self._transaction(write=False) as txn:
-            return list(txn.cursor(db=self._entries).iternext(keys=True, values=False))
+            return {digest: unpack_entry(value, digest, source=self.path).size
+                    for digest, value in txn.cursor(db=self._entries).iternext(keys=True, values=True)}
 
     def __len__(self) -> int:
         with self._transaction(write=False) as txn:

@@ -10,7 +10,10 @@ turns it into metric families:
     dsecfs_fetch_store_reads_total{layer}      store reads (batches of neighbouring chunks)
     dsecfs_fetch_coalesced_total{layer}        requests that joined a fetch already in the air
     dsecfs_fetch_readahead_chunks_total{layer} chunks of those fetched as miss readahead, not asked for
-    dsecfs_fetch_errors_total{layer,kind}      chunks whose fetch failed: kind corrupt | timeout | other
+    dsecfs_fetch_errors_total{layer,kind}      chunks whose fetch failed: kind corrupt | timeout | stuck
+                                               (refused at once: their store object has reads stuck) |
+                                               other
+    dsecfs_fetch_abandoned_reads_total{layer}  store reads left behind in the store at their deadline
     dsecfs_fetch_latency_seconds{layer}        histogram of store read latency (queueing included)
     dsecfs_layer_fetched_ratio{layer}          share of the layer's chunk bytes this node has served
                                                readers so far (from the store or the local caches)
@@ -115,6 +118,8 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
     readahead = _counter("dsecfs_fetch_readahead_chunks", "Chunks fetched as miss readahead, not asked for.",
                          by_layer)
     errors = _counter("dsecfs_fetch_errors", "Chunks whose fetch failed, by kind.", ["layer", "kind"])
+    abandoned = _counter("dsecfs_fetch_abandoned_reads", "Store reads whose thread was still in the store at "
+                         "the deadline, left behind.", by_layer)
     latency = HistogramMetricFamily("dsecfs_fetch_latency_seconds",
                                     "Store read latency, waiting for a fetcher slot included.", labels=by_layer)
     ratio = GaugeMetricFamily("dsecfs_layer_fetched_ratio",
@@ -131,17 +136,19 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
         store_reads.add_metric(label, stats.store_reads)
         coalesced.add_metric(label, stats.coalesced)
         readahead.add_metric(label, stats.readahead)
-        other = stats.errors - stats.corrupt - stats.timeouts
-        for kind, count in (("corrupt", stats.corrupt), ("timeout", stats.timeouts), ("other", other)):
+        other = stats.errors - stats.corrupt - stats.timeouts - stats.refused
+        for kind, count in (("corrupt", stats.corrupt), ("timeout", stats.timeouts), ("stuck", stats.refused),
+                            ("other", other)):
             errors.add_metric([figures.layer, kind], count)
+        abandoned.add_metric(label, stats.abandoned)
         latency.add_metric(label, _buckets(stats.latency_counts), stats.latency_sum)
         ratio.add_metric(label, figures.used_bytes / figures.data_bytes if figures.data_bytes else 0.0)
         reads.add_metric(label, figures.reads)
         read_errors.add_metric(label, figures.read_errors)
         hits.add_metric(label, stats.hits)
         misses.add_metric(label, stats.misses)
-    yield from (fetch_bytes, fetch_chunks, store_reads, coalesced, readahead, errors, latency, ratio, reads, read_errors,
-                hits, misses)
+    yield from (fetch_bytes, fetch_chunks, store_reads, coalesced, readahead, errors, abandoned, latency, ratio, reads,
+                read_errors, hits, misses)
 
 
 def _buckets(counts: list[int]) -> list[tuple[str, float]]:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from dsec_fs.digest import from_hex, is_hex_digest, short, to_hex
 from dsec_fs.errors import FormatError, InputError, IntegrityError, UnsupportedError
+from dsec_fs.files import write_atomic
 from dsec_fs.layer import utc_now
 from dsec_fs.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
 
@@ -213,11 +214,7 @@ def learn(uses: Sequence[ChunkUse], blob_map: BlobMap, *, layer: str,
 
 def save(plist: PrefetchList, path: str | os.PathLike) -> None:
     """Write atomically (temporary file, then rename), so the daemon never reads half a list."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(plist.to_json())
-    os.replace(tmp, path)
+    write_atomic(path, plist.to_json(), mode=0o644, sync=False)
 
 
 def load(path: str | os.PathLike) -> PrefetchList:

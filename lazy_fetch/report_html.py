@@ -31,6 +31,7 @@ from .analysis import PRODUCTION_BAND, LayerReport, Report  # noqa: E402
 ROLE_COLORS = {"base": "#4C72B0", "workspace": "#DD8452", "toolkit": "#55A868", "": "#8172B3"}
 PLOT_DPI = 100
 LABEL_CHARS = 48  # longer paths are shortened from the left in plot labels
+FRACTION_COLUMNS = 4  # panels per row of the layers' read-fraction plot
 
 
 # ---- formatting --------------------------------------------------------------------------------------
@@ -71,29 +72,40 @@ def _band(ax) -> None:
 
 
 def _fraction_plot(report: Report) -> str:
-    """Share of each layer's bytes and files each trace read: box plot plus the traces as dots."""
-    names = [layer.name for layer in report.layers]
+    return _png(_fraction_figure(report))
+
+
+def _fraction_figure(report: Report):
+    """Share of each layer's bytes and files each trace read: a panel per layer (box plots plus the traces
+    as dots), each scaled to its own layer, so that a small layer read in large part does not flatten the
+    boxes of the big ones."""
     by_layer = {layer.layer: ([], []) for layer in report.layers}
     for s in report.traces:
         by_layer[s.layer][0].append(s.byte_fraction * 100)
         by_layer[s.layer][1].append(s.file_fraction * 100)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), layout="constrained")
+    columns = min(len(report.layers), FRACTION_COLUMNS) or 1
+    rows = -(-len(report.layers) // columns) or 1
+    fig, axes = plt.subplots(rows, columns, figsize=(max(6.5, 2.6 * columns), 3.4 * rows), layout="constrained",
+                             squeeze=False)
     rng = random.Random(0)  # fixed jitter: the same report draws the same picture
-    for panel, (ax, title) in enumerate(zip(axes, ("bytes read, % of the layer's file bytes",
-                                                    "files read, % of the layer's regular files"))):
-        values = [by_layer[layer.layer][panel] for layer in report.layers]
+    low, high = PRODUCTION_BAND
+    for ax, layer in zip(axes.flat, report.layers):
+        values = by_layer[layer.layer]
         ax.boxplot(values, showfliers=False, widths=0.5)
-        for i, (layer, vals) in enumerate(zip(report.layers, values), start=1):
+        for i, vals in enumerate(values, start=1):
             ax.scatter([i + rng.uniform(-0.18, 0.18) for _ in vals], vals, s=8, alpha=0.35,
                        color=ROLE_COLORS.get(layer.roles[0], "#555"), zorder=3)
+        top = max([v for vals in values for v in vals] + [high * 100])
         _band(ax)
-        ax.set_xticks(range(1, len(names) + 1), [_short(n, 28) for n in names],
-                      rotation=30 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
-        ax.set_title(title, fontsize=11)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, top * 1.1)
+        ax.set_xticks([1, 2], ["bytes read", "files read"])
+        ax.set_ylabel("% of the layer", fontsize=9)
+        ax.set_title(_short(layer.name, 32), fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(loc="upper right", fontsize=9)
-    return _png(fig)
+    for ax in list(axes.flat)[len(report.layers):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(loc="upper right", fontsize=8)
+    return fig
 
 
 def _combination_plot(report: Report) -> str:
@@ -277,7 +289,7 @@ def _combinations_table(report: Report) -> str:
                    f"within {low * 100:.1f}–{high * 100:.1f}%"], rows)
 
 
-def _layer_section(layer: LayerReport, open_: bool) -> str:
+def _layer_section(layer: LayerReport) -> str:
     facts = [
         ("digest", layer.layer), ("traces", f"{layer.traces:,}"),
         ("file bytes / files", f"{human_size(layer.layer_bytes)} / {layer.layer_files:,}"),
@@ -327,7 +339,7 @@ def _layer_section(layer: LayerReport, open_: bool) -> str:
     else:
         parts.append("<p>Prefetch lists need at least two traces of the layer (one to learn, one to score).</p>")
     roles = ", ".join(r or "bare" for r in layer.roles)
-    return (f'<details class="layer"{" open" if open_ else ""}><summary><h2>{_esc(layer.name)} '
+    return (f'<details class="layer" open><summary><h2>{_esc(layer.name)} '
             f'<small>({_esc(roles)}, {layer.traces} traces)</small></h2></summary>{"".join(parts)}</details>')
 
 
@@ -416,8 +428,7 @@ def render_html(report: Report) -> str:
     parts += [f'<p class="note">{_esc(note)}</p>' for note in report.notes]
     parts += ["<h2>Layers</h2>", _fraction_plot(report), _layers_table(report)]
     parts += ["<h2>Combinations</h2>", _combination_plot(report), _combinations_table(report)]
-    open_all = len(report.layers) <= 3
-    parts += [_layer_section(layer, open_all) for layer in report.layers]
+    parts += [_layer_section(layer) for layer in report.layers]
     parts += ["<h2>Chunks shared across layers</h2>", _cross_layer_section(report)]
     parts += [f"<details><summary><h2>Traces <small>({n_traces})</small></h2></summary>", _traces_table(report),
               "</details>", f"<script>{JS}</script></body></html>"]

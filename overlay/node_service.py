@@ -24,7 +24,7 @@ Routes (JSON in and out; ``{sandbox}`` is a sandbox id or name; errors as every 
                                           timeout, stdin (base64)}  -> {exit_code, stdout, stderr (base64),
                                           timed_out}
     POST /v1/sandboxes/{sandbox}/down    {keep}  -> {}
-    POST /v1/sandboxes/{sandbox}/commit  {name, store}  -> {sandbox, layer, ref, store, stats}
+    POST /v1/sandboxes/{sandbox}/commit  {name, store, keep_privileged}  -> {sandbox, layer, ref, store, stats, dropped}
 
 A sandbox is SandboxState as JSON (overlay/sandbox.py). Sandbox layers come from the daemon's store; an
 ``up`` that names another store is refused (ConflictError) rather than quietly mixing stores. ``commit``
@@ -53,8 +53,6 @@ must never wait behind them for the default limiter, or an ``up`` would wait for
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import dataclasses
 import functools
@@ -67,15 +65,17 @@ from typing import Any
 
 import trio
 
-from dsec_fs import mounts
+from dsec_fs import api, mounts
+from dsec_fs.api import MODES
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
+from dsec_fs.digest import is_hex_digest
+from dsec_fs.files import private_dir
 from dsec_fs.layer import Manifest, parse_ref, resolve
 from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
 from erofs_builder.build import build_tree
 from lazy_fetch.daemon import NodeDaemon
 from lazy_fetch.http_api import Request
-from lazy_fetch.layer_mount import MODES
 
 from .runtime import RUNTIMES, reap_containers
 from .sandbox import LayerHandle, SandboxManager, SandboxSpec, SandboxState
@@ -124,8 +124,8 @@ class DaemonLayers:
 
     # -- the LayerProvider protocol, for worker threads
 
-    def acquire(self, layer_ref: str) -> LayerHandle:
-        return trio.from_thread.run(self.acquire_async, layer_ref, trio_token=self._token)
+    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
+        return trio.from_thread.run(self.acquire_async, layer_ref, profile, fill, trio_token=self._token)
 
     def release(self, digest: str) -> None:
         trio.from_thread.run(self.release_async, digest, trio_token=self._token)
@@ -139,13 +139,15 @@ class DaemonLayers:
         return [{"layer": digest, "mountpoint": held.mountpoint, "users": held.users}
                 for digest, held in sorted(self._held.items())]
 
-    async def acquire_async(self, layer_ref: str) -> LayerHandle:
+    async def acquire_async(self, layer_ref: str, profile: bool = True, fill: str | None = None) -> LayerHandle:
         store = await self.daemon.store()
         digest = await trio.to_thread.run_sync(resolve, store, layer_ref)
+        name = None if is_hex_digest(layer_ref.lower()) else parse_ref(layer_ref)[0]
         async with self._turn(digest):
             held = self._held.get(digest)
             if held is None:
-                held = self._held[digest] = _HeldLayer(await self._mount(store, digest))
+                held = self._held[digest] = _HeldLayer(await self._mount(store, digest, name=name, profile=profile,
+                                                                         fill=fill))
             held.users += 1
             return LayerHandle(digest, held.mountpoint)
 
@@ -178,17 +180,17 @@ class DaemonLayers:
             path = os.path.join(self.directory, name)
             if name in self._held:
                 continue
-            if mounts.is_mountpoint(path):
+            if mounts.top_mount(path) is not None:  # from mountinfo: a stat could be a FUSE request to ourselves
                 log.warning("%s is no layer of a sandbox, yet something is mounted there; leaving it", path)
                 continue
             _remove_dir(path)
 
-    async def _mount(self, store: Store, digest: str) -> str:
+    async def _mount(self, store: Store, digest: str, *, name: str | None, profile: bool, fill: str | None) -> str:
         await trio.to_thread.run_sync(_check_packs, store, digest)
         mountpoint = os.path.join(self.directory, digest)
         os.makedirs(mountpoint, exist_ok=True)
         try:
-            await self.daemon.mount(digest, mountpoint, mode=self.mode)
+            await self.daemon.mount(digest, mountpoint, mode=self.mode, name=name, profile=profile, fill=fill)
         except BaseException:
             _remove_dir(mountpoint)
             raise
@@ -206,7 +208,7 @@ class DaemonLayers:
         except NotFoundError:
             # Not this daemon's mount: one a dead daemon left (adopted by recover) that its successor did
             # not detach. It is ours all the same (our directory, a sandbox's recorded layer).
-            if await trio.to_thread.run_sync(mounts.is_mountpoint, mountpoint):
+            if mounts.top_mount(mountpoint) is not None:
                 await trio.to_thread.run_sync(mounts.umount, mountpoint, True)
         _remove_dir(mountpoint)
 
@@ -288,7 +290,7 @@ class SandboxService:
     async def start(self) -> None:
         self._lifecycle = trio.CapacityLimiter(LIFECYCLE_THREADS)
         self._execs = trio.CapacityLimiter(EXEC_THREADS)
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        private_dir(self.root)
         self.layers = DaemonLayers(self.daemon, os.path.join(self.root, LAYER_DIR), mode=self.layer_mode,
                                    token=trio.lowlevel.current_trio_token())
         self.manager = await self._in_thread(functools.partial(
@@ -328,13 +330,13 @@ class SandboxService:
 
     # -- routes
 
-    async def _post_up(self, request: Request) -> dict:
-        body = _Body(request)
-        spec = SandboxSpec(base=body.get("base", str), workspace=body.get("workspace", str),
-                           toolkits=tuple(body.strings("toolkits")), name=body.get("name", str))
-        store = body.get("store", str)
+    async def _post_up(self, request: Request) -> api.SandboxInfo:
+        body = request.decode(api.SandboxUpRequest)
+        spec = SandboxSpec(base=body.base, workspace=body.workspace, toolkits=tuple(body.toolkits), name=body.name,
+                           profile=body.profile, fill=body.fill)
+        store = body.store
         ours = self._store_url()
-        if store is not None and _absolute_store(store) != _absolute_store(ours):
+        if store is not None and api.absolute_store(store) != api.absolute_store(ours):
             raise ConflictError(f"this daemon's sandboxes read layers from {ours}; start a daemon with --store "
                                 "to use another store", where=f"store {store}")
         started = time.monotonic()
@@ -343,59 +345,52 @@ class SandboxService:
                  ", ".join(f"{layer.role} {layer.ref}" for layer in state.layers))
         return _state_json(state)
 
-    async def _get_list(self, request: Request) -> dict:
+    async def _get_list(self, request: Request) -> api.SandboxList:
         self._check_serving()
-        return {"sandboxes": [_state_json(state) for state in self.manager.list()], "layers": self.layers.held(),
-                "removed_at_start": self.removed_at_start}
+        return api.SandboxList([_state_json(state) for state in self.manager.list()], self.layers.held(),
+                               self.removed_at_start)
 
-    async def _get_one(self, request: Request) -> dict:
+    async def _get_one(self, request: Request) -> api.SandboxInfo:
         self._check_serving()
         return _state_json(self.manager.get(request.params["sandbox"]))
 
-    async def _post_exec(self, request: Request) -> dict:
+    async def _post_exec(self, request: Request) -> api.ExecResult:
         self._check_serving()
-        body = _Body(request)
-        argv = body.strings("argv")
-        if not argv:
-            raise InputError("the request needs a non-empty 'argv'", where="request body")
+        body = request.decode(api.ExecRequest)
         options: dict[str, Any] = dict(
-            env=body.environment("env"), cwd=body.get("cwd", str, "/"), network=body.get("network", bool, False),
-            memory_bytes=body.get("memory_bytes", int), cpus=body.get("cpus", (int, float)),
-            pids_limit=body.get("pids_limit", int), timeout=body.get("timeout", (int, float)),
-            stdin=_decode(body.get("stdin", str), "stdin"))
-        runtime = body.get("runtime", str)
-        if runtime is not None:
-            options["runtime"] = runtime
-        run = functools.partial(self.manager.exec, request.params["sandbox"], argv, **options)
+            env=body.env, cwd=body.cwd, network=body.network, memory_bytes=body.memory_bytes, cpus=body.cpus,
+            pids_limit=body.pids_limit, timeout=body.timeout, stdin=body.stdin)
+        if body.runtime is not None:
+            options["runtime"] = body.runtime
+        run = functools.partial(self.manager.exec, request.params["sandbox"], body.argv, **options)
         # Abandoned if the daemon stops meanwhile: a namespaces command cannot be killed from here.
         result = await trio.to_thread.run_sync(run, limiter=self._execs, abandon_on_cancel=True)
-        return {"exit_code": result.exit_code, "stdout": _encode(result.stdout), "stderr": _encode(result.stderr),
-                "timed_out": result.timed_out}
+        return api.ExecResult(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr,
+                              timed_out=result.timed_out)
 
-    async def _post_down(self, request: Request) -> dict:
-        keep = _Body(request).get("keep", bool, False)
+    async def _post_down(self, request: Request) -> api.Empty:
+        keep = request.decode(api.DownRequest).keep
         await self._lifecycle_call(functools.partial(self.manager.down, request.params["sandbox"], keep=keep))
-        return {}
+        return api.Empty()
 
-    async def _post_commit(self, request: Request) -> dict:
-        body = _Body(request)
-        name = body.get("name", str)
-        if name is None:
-            raise InputError("the request needs the field 'name' (NAME:TAG, the ref of the new layer)",
-                             where="request body")
-        parse_ref(name)
-        store = _absolute_store(body.get("store", str) or self._store_url())
-        return await self._lifecycle_call(self._commit, request.params["sandbox"], name, store)
+    async def _post_commit(self, request: Request) -> api.CommitResult:
+        body = request.decode(api.CommitRequest)
+        parse_ref(body.name)
+        store = api.absolute_store(body.store or self._store_url())
+        return await self._lifecycle_call(self._commit, request.params["sandbox"], body.name, store,
+                                          body.keep_privileged)
 
-    def _commit(self, key: str, name: str, store_url: str) -> dict:
+    def _commit(self, key: str, name: str, store_url: str, keep_privileged: bool) -> api.CommitResult:
         """Build the sandbox's upper dir into a layer of ``store_url`` named ``name`` (a worker thread)."""
         state = self.manager.get(key)
-        tree = self.manager.commit(state.id)
         with open_store(store_url) as store:
-            result = build_tree(tree, store, name=name, source=f"sandbox {state.id} ({state.name})")
+            commit = self.manager.commit(
+                state.id, lambda tree: build_tree(tree, store, name=name, source=f"sandbox {state.id} ({state.name})"),
+                keep_privileged=keep_privileged)
+        result = commit.published
         log.info("committed sandbox %s (%s) as %s, layer %s", state.id, state.name, name, result.digest)
-        return {"sandbox": state.id, "layer": result.digest, "ref": name, "store": store_url,
-                "stats": result.manifest.stats}
+        return api.CommitResult(sandbox=state.id, layer=result.digest, ref=name, store=store_url,
+                                stats=result.manifest.stats, dropped=commit.dropped.to_dict())
 
     # -- helpers
 
@@ -427,52 +422,7 @@ def attach(daemon: NodeDaemon, *, layer_mode: str = "kernel", runtime: str = "ru
     return service
 
 
-def _state_json(state: SandboxState) -> dict:
-    return dataclasses.asdict(state)
+def _state_json(state: SandboxState) -> api.SandboxInfo:
+    return api.decode(dataclasses.asdict(state), api.SandboxInfo, where=f"sandbox {state.id}")
 
 
-def _absolute_store(url: str) -> str:
-    return url if "://" in url else os.path.abspath(url)
-
-
-def _encode(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _decode(text: str | None, name: str) -> bytes | None:
-    if text is None:
-        return None
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise InputError(f"field {name!r} must be base64", where="request body") from None
-
-
-class _Body:
-    """A request's JSON object, read field by field, each checked to have its type (InputError naming it)."""
-
-    def __init__(self, request: Request):
-        self.values = request.json()
-
-    def get(self, name: str, kind: type | tuple[type, ...], default=None):
-        """The field (``default`` when missing or null), which must be a ``kind`` (bool only if asked)."""
-        value = self.values.get(name)
-        if value is None:
-            return default
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            wanted = " or ".join(k.__name__ for k in kinds)
-            raise InputError(f"field {name!r} must be a {wanted}, got {value!r:.80}", where="request body")
-        return value
-
-    def strings(self, name: str) -> list[str]:
-        value = self.get(name, list, [])
-        if not all(isinstance(item, str) for item in value):
-            raise InputError(f"field {name!r} must be a list of strings", where="request body")
-        return value
-
-    def environment(self, name: str) -> dict[str, str]:
-        value = self.get(name, dict, {})
-        if not all(isinstance(item, str) for item in value.values()):
-            raise InputError(f"field {name!r} must map names to strings", where="request body")
-        return value

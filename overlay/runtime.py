@@ -42,6 +42,7 @@ its own bundle, container id and pipes).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -58,7 +59,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -183,7 +184,8 @@ def _check_sandbox_path(path: str, where: str) -> None:
 def _require(program: str, runtime: str) -> str:
     path = shutil.which(program)
     if path is None:
-        hint = " (or use runtime='namespaces')" if runtime == "runc" else ""
+        hint = (" (apt-get install runc, or use the namespaces runtime: `dsecfs sandbox exec --runtime namespaces`, "
+                "runtime=\"namespaces\" in the SDK)") if runtime == "runc" else ""
         raise UnavailableError(f"{program} is not installed or not on PATH{hint}", where=f"runtime {runtime}",
                                transient=False)
     return path
@@ -316,16 +318,57 @@ def reap_containers(runc_root: str) -> list[str]:
     runc = shutil.which("runc")
     if runc is None or not os.path.isdir(runc_root):
         return []
+    ids = [entry["id"] for entry in _list_containers(runc, runc_root)]
+    for container in ids:
+        subprocess.run([runc, "--root", runc_root, "delete", "--force", container], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return ids
+
+
+@contextlib.contextmanager
+def containers_frozen(runc_root: str, rootfs: str) -> Iterator[list[str]]:
+    """Freeze (``runc pause``: the cgroup freezer) every running container of ``runc_root`` whose root is
+    ``rootfs`` for the duration of the block, and thaw them after; yields their ids.
+
+    A container started meanwhile, and commands of the namespaces runtime (no cgroup), are not frozen:
+    this keeps processes from changing the tree while it is read, it is not what makes reading it safe.
+    """
+    runc = shutil.which("runc")
+    if runc is None or not os.path.isdir(runc_root):
+        yield []
+        return
+    frozen = []
+    try:
+        for entry in _list_containers(runc, runc_root):
+            if entry.get("status") != "running" or _container_root(entry.get("bundle", "")) != rootfs:
+                continue
+            paused = subprocess.run([runc, "--root", runc_root, "pause", entry["id"]], stdin=subprocess.DEVNULL,
+                                    capture_output=True)
+            if paused.returncode == 0:  # else it ended meanwhile
+                frozen.append(entry["id"])
+        yield frozen
+    finally:
+        for container in frozen:
+            subprocess.run([runc, "--root", runc_root, "resume", container], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _list_containers(runc: str, runc_root: str) -> list[dict]:
     listed = subprocess.run([runc, "--root", runc_root, "list", "--format", "json"], stdin=subprocess.DEVNULL,
                             capture_output=True)
     if listed.returncode != 0:
         raise UnavailableError(f"runc list failed: {listed.stderr.decode(errors='replace').strip()}",
                                where=runc_root, transient=False)
-    ids = [entry["id"] for entry in json.loads(listed.stdout or b"null") or []]
-    for container in ids:
-        subprocess.run([runc, "--root", runc_root, "delete", "--force", container], stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return ids
+    return json.loads(listed.stdout or b"null") or []
+
+
+def _container_root(bundle: str) -> str | None:
+    """The root path of the container whose bundle (written by _run_runc) is ``bundle``."""
+    try:
+        with open(os.path.join(bundle, "config.json")) as f:
+            return json.load(f)["root"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the run ended and its bundle is gone
 
 
 # --- namespaces -------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ on its LayerMounter; ``ExportedLayers`` here mounts layers exported from a store
 use without a daemon and for tests), stacks them (stack.mount_stack, top first: toolkits in the order
 given, workspace, base) over a fresh upper dir, and records the sandbox in a JSON state file. ``exec``
 runs a command in it (runtime.run_in_rootfs), ``commit`` reads its upper dir as a Tree to publish as a
-layer (stack.upper_to_tree; build it with erofs_builder.build.build_tree), ``down`` takes it apart.
+layer (stack.upper_to_tree, privileged parts dropped; build it with erofs_builder.build.build_tree), ``down`` takes it apart.
 
 State directory (one manager per directory, held with flock)::
 
@@ -40,7 +40,6 @@ and name reservations; it is never held across a mount, a provider call or a com
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -54,13 +53,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dsec_fs import mounts
+from dsec_fs.files import lock_directory, write_atomic
 from dsec_fs.errors import ConflictError, CorruptError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import resolve, utc_now
 from dsec_fs.store.base import Store
 from erofs_builder.export import export_layer
+from erofs_builder.privileged import Dropped, drop_privileged
 from erofs_builder.tree import Tree
 
-from .runtime import RunResult, reap_containers, run_in_rootfs
+from .runtime import RunResult, containers_frozen, reap_containers, run_in_rootfs
 from .stack import StackOptions, mount_stack, unmount_stack, upper_to_tree
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,10 @@ class LayerHandle:
 class LayerProvider(Protocol):
     """Reference-counted layer mounts: a layer stays mounted while anyone holds it."""
 
-    def acquire(self, layer_ref: str) -> LayerHandle:
-        """Mount the layer (a ref or a digest) if no one holds it yet; count one more user."""
+    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
+        """Mount the layer (a ref or a digest) if no one holds it yet (prefetching by its access profile
+        unless ``profile`` is False, and filling as ``fill`` says, where the provider fetches lazily);
+        count one more user."""
 
     def release(self, digest: str) -> None:
         """One user fewer; the last one unmounts the layer."""
@@ -97,6 +100,8 @@ class SandboxSpec:
     workspace: str | None = None
     toolkits: Sequence[str] = ()  # the first is the top layer
     name: str | None = None  # default: the sandbox id
+    profile: bool = True  # layers mounted for it prefetch by their access profiles (lazy_fetch/profile.py)
+    fill: str | None = None  # and fetch this in the background (none | profile | layer); None: the daemon's
 
     def layers(self) -> list[tuple[str, str]]:
         """(role, ref) of every layer, top first."""
@@ -142,6 +147,13 @@ class SandboxState:
 
 
 @dataclass(frozen=True)
+class Commit:
+    tree: Tree  # the upper dir, ready to build (erofs_builder.build.build_tree)
+    dropped: Dropped  # the privileged parts left out (all zero with keep_privileged)
+    published: object = None  # what commit's ``publish`` returned
+
+
+@dataclass(frozen=True)
 class Recovery:
     live: list[SandboxState]  # still whole: kept, now held by this process
     removed: list[str]  # ids of the dead sandboxes that were taken apart
@@ -160,12 +172,7 @@ class SandboxManager:
         self.stack_options = stack_options
         self._lock = threading.Lock()
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.state_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise ConflictError("another sandbox manager uses this state directory", where=self.state_dir) from None
+        self._lock_fd = lock_directory(self.state_dir, what="another sandbox manager")
         self._sandboxes: dict[str, SandboxState] = {state.id: state for state in self._load_states()}
 
     def close(self) -> None:
@@ -227,7 +234,7 @@ class SandboxManager:
                 os.mkdir(path, mode=0o755)
             state = self._save(state)
             for role, ref in layer_refs:
-                handle = self.layers.acquire(ref)
+                handle = self.layers.acquire(ref, profile=spec.profile, fill=spec.fill)
                 undo.append(lambda digest=handle.digest: self.layers.release(digest))
                 state = self._save(dataclasses.replace(
                     state, layers=state.layers + (SandboxLayer(role, ref, handle.digest, handle.mountpoint),)))
@@ -260,16 +267,32 @@ class SandboxManager:
             options.setdefault("runc_root", self.runc_root)
         return run_in_rootfs(state.rootfs, argv, **options)
 
-    def commit(self, key: str) -> Tree:
-        """The sandbox's changes as a Tree (stack.upper_to_tree): a layer to stack over the ones it ran on.
+    def commit(self, key: str, publish: Callable[[Tree], object] | None = None, *,
+               keep_privileged: bool = False) -> Commit:
+        """The sandbox's changes as a Tree (stack.upper_to_tree): a layer to stack over the ones it ran on,
+        without setuid/setgid bits, device nodes and file capabilities unless ``keep_privileged``
+        (erofs_builder.privileged; whiteouts stay). ``publish(tree)`` (a build_tree call, which reads the
+        files) runs before the sandbox goes on; its result is ``Commit.published``.
 
-        Commit a sandbox no command is writing to (a running one between commands, or a stopped one).
+        The walk and the reads see the upper dir only, whatever runs in the sandbox meanwhile (walk_dir):
+        a command that changes the upper dir then can make the commit fail with InputError, never reach
+        outside. The sandbox's runc containers are frozen until ``publish`` returns
+        (runtime.containers_frozen), so a command of the runc runtime cannot even do that.
         """
         with self._lock:
             state = self._find(key)
         if state.status not in ("running", "stopped"):
             raise UnavailableError(f"sandbox is {state.status}", where=f"sandbox {state.name}")
-        return upper_to_tree(state.upper)
+        with containers_frozen(self.runc_root, state.rootfs):
+            tree = upper_to_tree(state.upper)
+            dropped = Dropped()
+            if not keep_privileged:
+                dropped = drop_privileged(tree)
+                tree.finish()
+                if dropped.total():
+                    log.info("sandbox %s: commit dropped %s", state.id, dropped.to_dict())
+            published = publish(tree) if publish is not None else None
+        return Commit(tree, dropped, published)
 
     def down(self, key: str, *, keep: bool = False) -> None:
         """Unmount the sandbox and release its layers; ``keep`` leaves its upper dir and state (``stopped``).
@@ -331,11 +354,7 @@ class SandboxManager:
 
     def _save(self, state: SandboxState) -> SandboxState:
         """Write ``state`` to its file (atomically) and to the table; returns it."""
-        path = self._state_path(state.id)
-        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-        with open(tmp, "wb") as f:
-            f.write(state.to_json())
-        os.rename(tmp, path)
+        write_atomic(self._state_path(state.id), state.to_json(), sync=False, tmp_prefix="")
         with self._lock:
             self._sandboxes[state.id] = state
         return state
@@ -428,7 +447,9 @@ class ExportedLayers:
         self._users: dict[str, int] = {}  # digest -> holders
         self._mountpoints: dict[str, str] = {}  # digest -> where it is mounted
 
-    def acquire(self, layer_ref: str) -> LayerHandle:
+    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
+        """Export the layer to local files (nothing is fetched lazily: ``profile`` and ``fill`` have no use
+        here)."""
         digest = resolve(self.store, layer_ref)
         with self._lock:
             if digest not in self._users:

@@ -1,8 +1,9 @@
 """The scheduler as a small HTTP service: node daemons register and report, clients ask for a placement,
 and kube-scheduler calls it as a scheduler extender.
 
-dsecfs API (JSON in, JSON out; errors answer ``{"error": message, "kind": kind}`` with 400 for bad input,
-404 for an unknown node, 503 when every node is full):
+dsecfs API (JSON in, JSON out; errors answer the one error format of dsec_fs/api.py, ``{"error": kind,
+"message", "where"}``, as the node daemon does: 400 for bad input, 404 for an unknown node, 503 when every
+node is full):
 
     POST /v1/nodes/register      {"name": "node-1", "capacity": 16}
     POST /v1/nodes/{name}/report {"capacity": 16, "running": 3, "cached": {layer: bytes}, "sizes": {layer: bytes}}
@@ -46,6 +47,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
+from dsec_fs import api
 from dsec_fs.errors import DsecError, InputError, NotFoundError, UnavailableError
 
 from .scheduler import Affinity, Scheduler
@@ -56,8 +58,6 @@ POD_LAYER_ANNOTATIONS = ("dsecfs.io/base", "dsecfs.io/workspace", "dsecfs.io/too
 MAX_BODY = 64 << 20  # an ExtenderArgs with a full NodeList of thousands of nodes runs to megabytes
 REF_TTL = 30.0  # seconds a resolved ref is trusted: a tag may move to a new layer
 
-_STATUS = {InputError: HTTPStatus.BAD_REQUEST, NotFoundError: HTTPStatus.NOT_FOUND,
-           UnavailableError: HTTPStatus.SERVICE_UNAVAILABLE}
 _REPORT = re.compile(r"/v1/nodes/([^/]+)/report")
 
 
@@ -286,8 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.OK, {"Nodes": None, "NodeNames": None, "FailedNodes": {},
                                            "FailedAndUnresolvableNodes": {}, "Error": str(exc)})
             else:
-                status = next((s for cls, s in _STATUS.items() if isinstance(exc, cls)), HTTPStatus.BAD_REQUEST)
-                self._send(status, {"error": str(exc), "kind": exc.kind})
+                self._send(HTTPStatus(api.error_status(exc)), api.error_body(exc))
             return
         self._send(HTTPStatus.OK, result)
 

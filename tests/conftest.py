@@ -21,6 +21,8 @@ import subprocess
 
 import pytest
 
+from dsec_fs.store import init_store
+
 from tests.s3server import MotoServer
 
 DEBIAN_ROOTFS = os.environ.get("DSECFS_TEST_ROOTFS", "/var/cache/dsecfs-test/debian-minbase")
@@ -133,6 +135,16 @@ def s3_url(moto_server, monkeypatch):
     for name, value in moto_server.env().items():
         monkeypatch.setenv(name, value)
     return f"s3://{S3_TEST_BUCKET}/t-{secrets.token_hex(6)}"
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_url(request, tmp_path):
+    """A local store's URL, then an S3 one's (moto over real HTTP): a test taking it runs on both."""
+    if request.param == "s3":
+        return request.getfixturevalue("s3_url")
+    url = f"file://{tmp_path / 'store'}"
+    init_store(url)[0].close()
+    return url
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -151,7 +151,7 @@ def crash_builds(url: str, tmp_path, *, runs: int, store_root: str | None) -> No
     build(src, url + "-calibration" if url.startswith("s3://") else str(tmp_path / "calibration"), "t/cal:1")
     delay_max = 1.3 * (time.monotonic() - started)
 
-    store = open_store(url)
+    store = open_store(url, create=True)  # the builds below may be killed before one creates it
     checked: set[str] = set()
     kills = 0
     for run in range(runs):

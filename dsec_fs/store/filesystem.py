@@ -5,6 +5,7 @@ Writes are atomic and durable: the object is written to a temporary file beside 
 renamed into place, and the directory fsynced, so a crash leaves either the old state or the new object,
 never a torn one. Temporary names start with ``.tmp-`` and are invisible to ``list``; ``gc`` removes old
 ones. Key components map to directories, so the fan-out in the key layout keeps directories small.
+Directories are made 0700 and objects 0600 (DIR_MODE, FILE_MODE): another local user reads nothing.
 
 Threads: any thread may call any method; the only shared state is the root path.
 """
@@ -20,6 +21,11 @@ from ..errors import CorruptError, InputError, NotFoundError, UnavailableError
 from .base import Store, check_key, check_range
 
 TMP_PREFIX = ".tmp-"
+# Packs hold every byte of every image, files the image keeps 0600 included: the store's owner's alone.
+# (Created so; a store made by an older version keeps its modes: a shared posix:// mount is its
+# operator's to set.)
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 
 
 def _unavailable(exc: OSError, key: str) -> UnavailableError:
@@ -28,15 +34,29 @@ def _unavailable(exc: OSError, key: str) -> UnavailableError:
     return UnavailableError(f"{os.strerror(exc.errno or 0)} ({exc.__class__.__name__})", where=key, transient=transient)
 
 
+def _make_dirs(directory: str) -> None:
+    """os.makedirs with every directory it makes DIR_MODE (makedirs gives that to the last one only)."""
+    missing = []
+    while not os.path.isdir(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:  # another writer made it meanwhile
+            pass
+
+
 class FilesystemStore(Store):
     def __init__(self, root: str, *, scheme: str = "file", create: bool = True, fsync: bool = True):
         self.root = os.path.abspath(root)
         self.url = f"{scheme}://{self.root}"
         self.fsync = fsync
         if create:
-            os.makedirs(self.root, exist_ok=True)
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)  # the store's parents are not its own
+            _make_dirs(self.root)
         elif not os.path.isdir(self.root):
-            raise UnavailableError("store directory does not exist", where=self.root, transient=False)
+            raise NotFoundError(f"no such store (create one with `dsecfs store init {self.url}`)", where=self.url)
 
     def _path(self, key: str) -> str:
         check_key(key, self.url)
@@ -79,8 +99,8 @@ class FilesystemStore(Store):
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
         try:
-            os.makedirs(directory, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            _make_dirs(directory)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             try:
                 view = memoryview(data)
                 while view:

@@ -10,6 +10,8 @@
     leases/<lease id>           JSON: a build in progress, which gc must not pull packs from under
     gc-locks/<lease id>         JSON: a gc run in progress; at most one runs at a time (leases.py)
     trash/<hh>/<pack id>        JSON: when gc soft-deleted the pack by removing its index (gc.py)
+    profiles/layers/<layer digest>/<node id>   JSON: what sandboxes on that node read of the layer first
+    profiles/names/<sha256 of a ref name>/<node id>   the same, under the layer's name (lazy_fetch/profile.py)
 
 <hh> is the first two hex characters of the id: a fan-out that keeps directories of POSIX stores small
 and spreads S3 key prefixes.
@@ -24,6 +26,7 @@ REFS = "refs/"
 LEASES = "leases/"
 GC_LOCKS = "gc-locks/"
 TRASH = "trash/"
+PROFILES = "profiles/"
 
 
 def pack(pack_id: str) -> str:
@@ -61,3 +64,13 @@ def trash(pack_id: str) -> str:
 def id_from_key(key: str) -> str:
     """The last path component: the pack id of a packs/ or index/ key."""
     return key.rsplit("/", 1)[-1]
+
+
+def layer_profiles(layer: str) -> str:
+    """The prefix of the profile objects of a layer (one per node)."""
+    return f"{PROFILES}layers/{layer}/"
+
+
+def name_profiles(name_id: str) -> str:
+    """The prefix of the profile objects of a ref name (one per node)."""
+    return f"{PROFILES}names/{name_id}/"

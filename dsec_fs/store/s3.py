@@ -1,8 +1,11 @@
 """A store in an S3 bucket (AWS or any S3-compatible endpoint: MinIO, Ceph, moto), through boto3.
 
 This is the only module of the project that imports boto3. ``S3Store.from_url("s3://bucket/prefix")``
-takes the endpoint from $DSECFS_S3_ENDPOINT or $AWS_ENDPOINT_URL, and region and credentials from boto3's
-standard chain (environment, shared config files, instance roles). A custom endpoint is addressed
+takes the endpoint from $DSECFS_S3_ENDPOINT or $AWS_ENDPOINT_URL (an http:// or https:// URL), the
+profile from $DSECFS_S3_PROFILE (else boto3's $AWS_PROFILE), the region from $DSECFS_S3_REGION or
+$AWS_REGION, and everything else from boto3's standard chain (environment, shared config files, instance
+roles). The CLI's --endpoint-url, --profile and --region set the DSECFS_S3_* variables, so that a daemon
+it starts reads the same store. A custom endpoint is addressed
 path-style (``http://host/bucket/key``), which S3-compatible servers expect.
 
 Policies live elsewhere: botocore's own retries are turned off (``RetryStore`` retries, with one policy
@@ -31,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -55,6 +59,8 @@ T = TypeVar("T")
 
 MiB = 1024 * 1024
 ENDPOINT_ENVS = ("DSECFS_S3_ENDPOINT", "AWS_ENDPOINT_URL")
+PROFILE_ENVS = ("DSECFS_S3_PROFILE",)  # boto3 reads AWS_PROFILE itself
+REGION_ENVS = ("DSECFS_S3_REGION", "AWS_REGION")  # boto3 reads AWS_DEFAULT_REGION itself
 DEFAULT_REGION = "us-east-1"
 # S3 allows at most 10,000 parts per upload; larger objects get larger parts.
 MAX_PARTS = 10_000
@@ -62,6 +68,7 @@ MAX_PARTS = 10_000
 _botocore_log = logging.getLogger("botocore")  # see the module docstring: credentials stay out of logs
 _botocore_log.setLevel(max(_botocore_log.level, logging.INFO))
 
+_ENDPOINT = re.compile(r"https?://[^/\s?#]+(/\S*)?")
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _ACCESS_DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
 _BAD_CREDENTIALS = {
@@ -94,6 +101,7 @@ class S3Store(Store):
         *,
         endpoint_url: str | None = None,
         region: str | None = None,
+        profile: str | None = None,
         concurrency: int = 16,
         connect_timeout: float = 5.0,
         read_timeout: float = 30.0,
@@ -110,6 +118,9 @@ class S3Store(Store):
                 f"concurrency={concurrency} must be positive",
                 where=f"s3://{bucket}",
             )
+        if endpoint_url is not None and not _ENDPOINT.fullmatch(endpoint_url):
+            raise InputError(f"the S3 endpoint must be an http:// or https:// URL, got {endpoint_url!r}",
+                             where=f"s3://{bucket}")
         prefix = prefix.strip("/")
         self.bucket = bucket
         self.prefix = f"{prefix}/" if prefix else ""
@@ -118,7 +129,10 @@ class S3Store(Store):
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
         self._bucket_seen = False
-        session = boto3.session.Session(region_name=region)
+        try:
+            session = boto3.session.Session(region_name=region, profile_name=profile)
+        except BotoCoreError as exc:  # ProfileNotFound and friends
+            raise InputError(f"{type(exc).__name__}: {exc}", where=f"s3://{bucket}") from None
         config = Config(
             max_pool_connections=concurrency,
             connect_timeout=connect_timeout,
@@ -145,9 +159,26 @@ class S3Store(Store):
         if not url.startswith("s3://"):
             raise InputError(f"not an s3:// URL: {url!r}")
         bucket, _, prefix = url[len("s3://"):].partition("/")
-        if "endpoint_url" not in options:
-            options["endpoint_url"] = next((os.environ[e] for e in ENDPOINT_ENVS if os.environ.get(e)), None)
+        for option, envs in (("endpoint_url", ENDPOINT_ENVS), ("profile", PROFILE_ENVS), ("region", REGION_ENVS)):
+            if option not in options:
+                options[option] = next((os.environ[e] for e in envs if os.environ.get(e)), None)
         return cls(bucket, prefix, **options)
+
+    def create_bucket_if_missing(self) -> bool:
+        """Create the bucket unless it exists (in the client's region); whether it was created."""
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+            return False
+        except ClientError as exc:
+            if _status(exc) != 404:
+                raise self._translate(exc, "") from None
+        except BotoCoreError as exc:
+            raise self._translate(exc, "") from None
+        region = self._client.meta.region_name
+        where = {} if region == DEFAULT_REGION else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+        self._call("", lambda: self._client.create_bucket(Bucket=self.bucket, **where))
+        self._bucket_seen = True
+        return True
 
     # -- the Store interface
 

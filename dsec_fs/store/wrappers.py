@@ -5,7 +5,8 @@ injection and counting. Each does one thing, so they compose, and every backend 
 
 builds, from the inside out: backend -> FaultStore -> LatencyStore -> LimitStore -> RetryStore.
 Faults sit on "the wire" so retries see them; emulated latency is paid by failed requests too; a limit
-slot is held for the whole (emulated) request but released while RetryStore sleeps between attempts.
+slot is held for the whole (emulated) request, or until it is stuck (LimitStore), but released while
+RetryStore sleeps between attempts.
 CountingStore is not part of that stack: wrap it wherever you want to count (outside RetryStore counts
 what callers asked for, inside it counts requests the store saw).
 
@@ -25,6 +26,8 @@ counters or clock and is never held while the inner store is called or while sle
 from __future__ import annotations
 
 import logging
+import math
+import os
 import random
 import threading
 import time
@@ -37,6 +40,10 @@ from ..errors import InputError, NotFoundError, UnavailableError
 from .base import Store
 
 log = logging.getLogger(__name__)
+
+# Seconds after which LimitStore stops counting a call still in the store: the node daemon's default fetch
+# deadline (lazy_fetch.fetcher.DEFAULT_TIMEOUT); pass the deadline the callers really use.
+DEFAULT_STUCK_AFTER = 30.0
 
 
 class StoreWrapper(Store):
@@ -136,18 +143,47 @@ class RetryStore(StoreWrapper):
 
 class LimitStore(StoreWrapper):
     """At most ``max_concurrent`` calls in the inner store at once; further callers block until a slot
-    frees. The semaphore is the only shared state."""
+    frees. A call that has been in the store for ``stuck_after`` seconds (None: never) is stuck and holds
+    its slot no more: its caller gave up at its own deadline (lazy_fetch/fetcher.py abandons such a
+    thread), and one object that never answers must not block every other call, in every thread, for
+    good. ``_room`` (a Condition) guards ``_started``, the start time of each call in the store."""
 
-    def __init__(self, inner: Store, max_concurrent: int):
+    def __init__(self, inner: Store, max_concurrent: int, stuck_after: float | None = DEFAULT_STUCK_AFTER):
         super().__init__(inner)
         if max_concurrent < 1:
             raise InputError(f"max_concurrent must be at least 1, got {max_concurrent}", where="LimitStore")
+        if stuck_after is not None and stuck_after <= 0:
+            raise InputError(f"stuck_after must be positive, got {stuck_after}", where="LimitStore")
         self.max_concurrent = max_concurrent
-        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self.stuck_after = stuck_after
+        self._room = threading.Condition()
+        self._started: dict[object, float] = {}  # a token per call in the store -> monotonic start, oldest first
 
     def _call(self, op, key, fn, sent=0):
-        with self._slots:
+        token = object()
+        with self._room:
+            while (wait := self._wait_for_slot()) > 0:
+                self._room.wait(None if math.isinf(wait) else wait)
+            self._started[token] = time.monotonic()
+        try:
             return fn()
+        finally:
+            with self._room:
+                del self._started[token]
+                self._room.notify()
+
+    def _wait_for_slot(self) -> float:
+        """With ``_room`` held: 0 when a call may start now, else how long until one may by becoming stuck
+        (infinity: only when one ends)."""
+        if len(self._started) < self.max_concurrent:
+            return 0.0
+        if self.stuck_after is None:
+            return math.inf
+        now = time.monotonic()
+        running = [start for start in self._started.values() if now - start < self.stuck_after]
+        if len(running) < self.max_concurrent:
+            return 0.0
+        return running[0] + self.stuck_after - now
 
 
 class LatencyStore(StoreWrapper):
@@ -241,7 +277,9 @@ class CountingStore(StoreWrapper):
 
 OPS = ("get", "put", "exists", "size", "mtime", "list", "delete")
 ERROR_ACTIONS = ("transient", "permanent", "notfound")
-ACTIONS = (*ERROR_ACTIONS, "corrupt", "truncate", "slow")
+ACTIONS = (*ERROR_ACTIONS, "corrupt", "truncate", "slow", "stall")
+# How often a stalled call looks for the file that releases it.
+STALL_POLL = 0.05
 
 
 @dataclass(frozen=True)
@@ -251,7 +289,7 @@ class FaultRule:
     ``op`` is an operation name or "*"; calls are selected by number (``first``..``last``, 1-based,
     counted over the calls this rule's op sees; ``last`` None means no end) or, when ``prefix`` is not
     None, by key prefix. ``arg`` is the action's parameter: seconds for slow, a byte count for truncate,
-    a (start, end) byte range for corrupt.
+    a (start, end) byte range for corrupt, the path of the release file for stall.
     """
 
     op: str
@@ -307,6 +345,10 @@ def _parse_arg(action: str, text: str) -> Any:
         if not text:
             raise ValueError("slow needs seconds: slow=0.5")
         return float(text)
+    if action == "stall":
+        if not text.startswith("/"):
+            raise ValueError("stall needs the absolute path of the file that ends it: stall=/run/release")
+        return text
     if action == "truncate":
         return int(text) if text else None
     if action == "corrupt":
@@ -354,6 +396,9 @@ class FaultStore(StoreWrapper):
                   truncate[=N]     keep only the first N bytes (default: half) of what get returns or
                                    put stores
                   slow=S           sleep S seconds, then perform the call
+                  stall=PATH       hold the call until the file PATH exists, then perform it: a
+                                   store that stops answering and comes back when the test (or an
+                                   operator) says so, from any process; PATH holds no ':' or ','
 
     Examples: ``get:3-5:transient`` (a burst of three transient failures), ``*:packs/:permanent``,
     ``get:packs/ab/ab12:corrupt=100-104``, ``put:*:slow=0.2``. A call may match several rules: all sleeps
@@ -397,6 +442,9 @@ class FaultStore(StoreWrapper):
         for rule in firing:
             if rule.action == "slow":
                 time.sleep(rule.arg)
+            elif rule.action == "stall":
+                while not os.path.exists(rule.arg):
+                    time.sleep(STALL_POLL)
         for rule in firing:
             if rule.action in ERROR_ACTIONS:
                 raise self._error(rule, op, key)
@@ -423,18 +471,20 @@ def wrap_store(
     *,
     retry: bool = True,
     max_concurrent: int | None = None,
+    stuck_after: float | None = DEFAULT_STUCK_AFTER,
     latency: float | None = None,
     bandwidth: float | None = None,
     faults: str | Sequence[FaultRule] | None = None,
 ) -> Store:
     """Compose the policies in the order the module docstring explains. ``retry`` uses RetryStore's
-    defaults; ``latency`` or ``bandwidth`` turns on LatencyStore (the other then defaults to none)."""
+    defaults; ``stuck_after`` is LimitStore's; ``latency`` or ``bandwidth`` turns on LatencyStore (the other
+    then defaults to none)."""
     if faults:
         store = FaultStore(store, faults)
     if latency is not None or bandwidth is not None:
         store = LatencyStore(store, latency=latency or 0.0, bandwidth=bandwidth)
     if max_concurrent is not None:
-        store = LimitStore(store, max_concurrent)
+        store = LimitStore(store, max_concurrent, stuck_after)
     if retry:
         store = RetryStore(store)
     return store

@@ -12,7 +12,8 @@ from treecmp import write_files
 
 from dsec_fs.digest import sha256
 from dsec_fs.errors import CorruptError
-from dsec_fs.index_mirror import IndexMirror, load_chunk_index, mirror_path
+from dsec_fs.dedup_index import load_chunk_index
+from dsec_fs.index_mirror import IndexMirror, mirror_path
 from dsec_fs.layer import delete_ref, open_layer
 from dsec_fs.pack import PackEntry, decode_index, index_from_pack
 from dsec_fs.store import FilesystemStore, keys
@@ -66,7 +67,7 @@ def test_a_sync_reads_only_the_index_objects_it_has_not_mirrored(store, tmp_path
         assert counting.calls["get"] == 1 and counting.calls["list"] == 1
         assert mirror.pack_ids() == {first, second}
         for digest in chunks_of(store, second):
-            assert mirror.lookup(digest).pack_id == second
+            assert [location.pack_id for location in mirror.locations(digest)] == [second]
 
 
 def test_a_pack_whose_index_disappeared_is_dropped(store, tmp_path, index_root):
@@ -75,10 +76,10 @@ def test_a_pack_whose_index_disappeared_is_dropped(store, tmp_path, index_root):
     gone_chunks = chunks_of(store, gone)
     store.delete(keys.index(gone))  # what gc's soft delete does
     with IndexMirror.for_store(store, index_root) as mirror:
-        assert mirror.lookup(gone_chunks[0]) is not None  # stale until synced
+        assert mirror.locations(gone_chunks[0]) != []  # stale until synced
         stats = mirror.sync(store)
         assert stats.dropped == 1 and mirror.pack_ids() == {kept}
-        assert all(mirror.lookup(d) is None for d in gone_chunks)
+        assert all(mirror.locations(d) == [] for d in gone_chunks)
 
 
 def test_a_damaged_mirror_is_rebuilt_from_the_store(store, tmp_path, index_root):
@@ -120,7 +121,7 @@ def test_a_sync_that_began_before_a_newer_one_commits_nothing(store, tmp_path, i
         stats = syncing.result()
         assert stats.superseded
         assert slow.pack_ids() == {other}  # the slow listing did not bring the dropped pack back
-        assert all(slow.lookup(d) is None for d in chunks_of_pack(store, dropped))
+        assert all(slow.locations(d) == [] for d in chunks_of_pack(store, dropped))
 
 
 def test_an_answer_once_given_stays_for_the_build(store, tmp_path, index_root):
@@ -131,7 +132,7 @@ def test_an_answer_once_given_stays_for_the_build(store, tmp_path, index_root):
         store.delete(keys.index(pack))
         with IndexMirror.for_store(store, index_root) as other:
             other.sync(store)
-            assert other.lookup(chunk) is None
+            assert other.locations(chunk) == []
         assert chunk in index and index.get(chunk).pack_id == pack
 
 

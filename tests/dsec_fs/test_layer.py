@@ -21,6 +21,7 @@ from dsec_fs.layer import (
 )
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import StoreWrapper
+from tests.dsec_fs.layer_support import publish_pretend_layer, two_layers_sharing_a_prefix
 
 META = b"\xe2\xe1\xf5\xe0 pretend EROFS image" + bytes(4000)
 BLOBMAP = b"pretend blob map " * 10
@@ -349,6 +350,49 @@ def test_refs(store):
 def test_resolve_of_an_unknown_ref_names_it(store):
     with pytest.raises(NotFoundError, match="workspace/task-17:v2"):
         resolve(store, "workspace/task-17:v2")
+
+
+def test_a_layer_is_named_by_a_short_digest_prefix_or_with_sha256(store):
+    digest = publish_pretend_layer(store, META)
+    other = publish_pretend_layer(store, META + b"other")
+    for name in (digest[:12], digest[:4], digest[:12].upper(), f"sha256:{digest}", f"sha256:{digest[:12]}",
+                 f"SHA256:{digest[:7]}"):
+        assert resolve(store, name) == digest, name
+    assert resolve(store, other[:12]) == other
+    assert open_layer(store, digest[:12]).meta == META
+
+
+def test_an_ambiguous_prefix_is_an_error_listing_the_candidates(store):
+    a, b = two_layers_sharing_a_prefix(store)
+    with pytest.raises(InputError, match="ambiguous") as error:
+        resolve(store, a[:4])
+    assert a in str(error.value) and b in str(error.value)
+    assert resolve(store, a[:12]) == a and resolve(store, b[:12]) == b
+
+
+def test_a_prefix_no_layer_has_is_not_found_naming_the_store(store):
+    digest = publish_pretend_layer(store, META)
+    absent = next(p for p in ("0000", "ffff", "abcd") if not digest.startswith(p))
+    with pytest.raises(NotFoundError, match=f"starts with {absent}") as error:
+        resolve(store, f"sha256:{absent}")
+    assert store.url in str(error.value)
+    with pytest.raises(InputError):
+        resolve(store, "sha256:12")  # too short to be a prefix
+    with pytest.raises(InputError):
+        resolve(store, "sha256:base")
+
+
+def test_a_hex_word_is_a_ref_name_too_and_both_meanings_must_agree(store):
+    digest = publish_pretend_layer(store, META)
+    other = publish_pretend_layer(store, META + b"other")
+    set_ref(store, "cafe", other)
+    assert resolve(store, "cafe") == other  # no layer digest starts with cafe (or it would be ambiguous)
+    set_ref(store, digest[:6], digest)  # the ref and the prefix name the same layer
+    assert resolve(store, digest[:6]) == digest
+    set_ref(store, digest[:8], other)
+    with pytest.raises(InputError, match="ambiguous"):
+        resolve(store, digest[:8])
+    assert resolve(store, f"sha256:{digest[:8]}") == digest  # sha256: never means a ref
 
 
 def test_set_ref_refuses_a_bad_digest(store):

@@ -60,7 +60,16 @@ def test_sizes(text, size):
     assert human_size(size) in ("4.0 KiB", "64.0 KiB", "1.0 MiB", "2.0 GiB")
 
 
-@pytest.mark.parametrize("text", ["", "K", "1.5M", "twelve"])
+@pytest.mark.parametrize("text, size", [
+    ("1.5G", 3 << 29), ("1.5GiB", 3 << 29), ("0.5 MiB", 1 << 19), (".5k", 512),
+    ("1GB", 10**9), ("100MB", 10**8), ("1kb", 1000), ("2TB", 2 * 10**12), ("1Ki", 1024), ("10B", 10),
+    ("1.0001KB", 1000), ("7", 7),
+])
+def test_sizes_take_decimals_and_both_kinds_of_unit(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "K", "twelve", "-1K", "1.5.2M", "1 K B", "1KiBB", "1X", "1e3"])
 def test_bad_sizes_name_the_text(text):
     with pytest.raises(InputError, match="not a size"):
         parse_size(text)

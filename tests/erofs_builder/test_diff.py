@@ -12,10 +12,10 @@ import os
 import stat
 import subprocess
 import sys
-import tarfile
 
 import pytest
 from click.testing import CliRunner
+from tarextract import extract_tar
 from treecmp import snapshot
 
 from dsec_fs.store import FilesystemStore
@@ -47,8 +47,7 @@ def sdist(package: str, version: str) -> str:
 
 
 def extract(archive: str, dest) -> str:
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="tar")
+    extract_tar(archive, str(dest))
     (top,) = os.listdir(dest)
     return os.path.join(dest, top)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 
 import pytest
@@ -50,6 +51,24 @@ def test_fsck_erofs_accepts_the_export(rich, tmp_path):
 
 
 @pytest.mark.root
+def test_extract_as_root_leaves_out_what_gives_privileges_on_the_host(rich, tmp_path):
+    """Setuid/setgid bits, device nodes and file capabilities of a layer are not recreated by default;
+    whiteouts, setgid directories and everything else are."""
+    out = tmp_path / "out"
+    stats = extract_layer(rich.store, rich.digest, out)
+    assert stats.dropped.to_dict() == {"setuid": 1, "setgid": 0, "devices": 2, "capabilities": 1}
+    assert not os.path.lexists(out / "null") and not os.path.lexists(out / "d" / "blk")
+    st = os.lstat(out / "whiteout")
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+    assert stat.S_IMODE(os.stat(out / "multi").st_mode) == 0o755 and os.path.samefile(out / "multi", out / "d" / "hard2")
+    assert stat.S_IMODE(os.stat(out / "d" / "e").st_mode) == 0o2750  # a setgid directory is no privilege
+    assert "security.capability" not in os.listxattr(out / "one_chunk")
+    # What is left is the source without those parts.
+    expected, ours = snapshot(rich.src), snapshot(out)
+    assert set(expected[0]) - set(ours[0]) == {b"null", b"d/blk"}
+
+
+@pytest.mark.root
 def test_the_kernel_mounts_the_export_as_the_source(rich, tmp_path):
     (tmp_path / "mnt").mkdir()
     with mounted_erofs(rich.meta_path, tmp_path / "mnt", [rich.blob_path]) as mnt:
@@ -59,8 +78,9 @@ def test_the_kernel_mounts_the_export_as_the_source(rich, tmp_path):
 @pytest.mark.root
 def test_extract_recreates_the_source(rich, tmp_path):
     out = tmp_path / "out"
-    stats = extract_layer(rich.store, rich.digest, out)
+    stats = extract_layer(rich.store, rich.digest, out, keep_privileged=True)
     assert_same_tree(snapshot(rich.src), snapshot(out))
+    assert stats.dropped.total() == 0
     assert stats.hard_links == 3 and stats.entries == len(snapshot(rich.src)[0])
     # Holes stay holes: the sparse file has one 4 KiB block of data in 24 KiB.
     st = os.stat(out / "sparse")
@@ -72,7 +92,7 @@ def test_extract_recreates_the_source(rich, tmp_path):
 def test_extract_as_an_unprivileged_tree(tmp_path):
     layer = build(tmp_path, make_source(tmp_path / "src", special=False))
     with FileBlob(layer.blob_path) as blob:
-        extract_image(ErofsImage(layer.meta, blob=blob), tmp_path / "out", same_owner=False)
+        extract_image(ErofsImage(layer.meta, blob=blob), tmp_path / "out", same_owner=False, keep_privileged=True)
     assert_same_tree(snapshot(layer.src), snapshot(tmp_path / "out"))
 
 
@@ -80,7 +100,7 @@ def test_extract_as_an_unprivileged_tree(tmp_path):
 def test_extract_an_mkfs_image_with_inline_data(tmp_path):
     src = make_source(tmp_path / "src", special=os.geteuid() == 0)
     _path, data = mkfs(tmp_path, src)  # xattrs kept, FLAT_INLINE tails, no chunks
-    extract_image(ErofsImage(data), tmp_path / "out")
+    extract_image(ErofsImage(data), tmp_path / "out", keep_privileged=True)
     assert_same_tree(snapshot(src), snapshot(tmp_path / "out"))
 
 
@@ -137,7 +157,7 @@ def test_a_layer_symlink_is_stored_not_followed(tmp_path):
 def test_debian_rootfs_extracts_and_exports_identically(tmp_path, debian_rootfs):
     store = FilesystemStore(str(tmp_path / "store"), fsync=False)
     digest = build_layer(debian_rootfs, store).digest
-    extract_layer(store, digest, tmp_path / "out")
+    extract_layer(store, digest, tmp_path / "out", keep_privileged=True)
     expected = snapshot(debian_rootfs)
     assert_same_tree(expected, snapshot(tmp_path / "out"))
     exported = export_layer(store, digest, tmp_path / "exported")

@@ -674,16 +674,30 @@ def test_entries_below_a_file_or_a_symlink(caplog):
 
 
 def test_decompression_bomb_and_total_limits():
-    zeros = make_tar([file("zeros", bytes(32 << 20))])
-    bomb = zstandard.ZstdCompressor().compress(zeros)
+    letters = make_tar([file("letters", b"A" * (32 << 20))])
+    bomb = zstandard.ZstdCompressor().compress(letters)
     limits = TarLimits(max_expansion=100, expansion_allowance=1 << 20)
     with pytest.raises(InputError, match="decompression bomb"):
-        walk_tar(io.BytesIO(bomb), on_file=None, limits=limits)
+        walk_tar(io.BytesIO(bomb), on_file=Collect(), limits=limits)
     with pytest.raises(InputError, match="decompression bomb"):
-        walk_tar(io.BytesIO(gzip.compress(zeros, 1)), on_file=None, limits=limits)
+        walk_tar(io.BytesIO(gzip.compress(letters, 1)), on_file=Collect(), limits=limits)
     with pytest.raises(InputError, match="max_tar_bytes"):
-        walk_tar(io.BytesIO(zeros), on_file=None, limits=TarLimits(max_tar_bytes=1 << 20))
-    assert walk_tar(io.BytesIO(bomb), on_file=None).lookup(b"zeros").size == 32 << 20  # default limits
+        walk_tar(io.BytesIO(letters), on_file=None, limits=TarLimits(max_tar_bytes=1 << 20))
+    assert walk_tar(io.BytesIO(bomb), on_file=None).lookup(b"letters").size == 32 << 20  # default limits
+
+
+def test_zeros_the_build_stores_as_holes_do_not_count_as_expansion():
+    """A file of zeros compresses beyond any ratio but costs the layer nothing: the same limits pass it,
+    read piece by piece as the chunker reads it, and still catch a bomb of anything else around it."""
+    limits = TarLimits(max_expansion=100, expansion_allowance=1 << 20)
+    zeros = zstandard.ZstdCompressor().compress(make_tar([file("zeros", bytes(32 << 20))]))
+    collect = Collect(chunk=1 << 20)
+    tree = walk_tar(io.BytesIO(zeros), on_file=collect, limits=limits)
+    assert tree.lookup(b"zeros").size == 32 << 20 and collect.content[id(tree.lookup(b"zeros"))] == bytes(32 << 20)
+    mixed = zstandard.ZstdCompressor().compress(make_tar([file("zeros", bytes(32 << 20)),
+                                                           file("letters", b"A" * (32 << 20))]))
+    with pytest.raises(InputError, match="decompression bomb"):
+        walk_tar(io.BytesIO(mixed), on_file=Collect(chunk=1 << 20), limits=limits)
 
 
 # Sparse maps: hand-made PAX 0.1 / 0.0 / 1.0 members, valid and hostile.

@@ -42,13 +42,17 @@ class Daemons:
         self.log_file = str(tmp_path / "daemon.log")
         self.started: list[DaemonProcess] = []
 
-    def start(self, store: str, *, binding: str | None = None, **options) -> DaemonProcess:
+    def start(self, store: str, *, binding: str | None = None, profiles: bool = False, **options) -> DaemonProcess:
         """Start one (the previous one must have stopped: they share the directories); ``binding`` None:
-        the daemon's default."""
+        the daemon's default. Access profiles are off unless ``profiles``: tests share stores, and a
+        profile one test's mount published would make another's mount prefetch."""
         options.setdefault("fetch_timeout", 10)
+        if not profiles:
+            options["extra_args"] = [*options.get("extra_args", ()), "--no-profiles"]
         options.setdefault("cache_dir", self.cache_dir)
+        options.setdefault("command", [DSECFS])
         daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, store=store, fuse_binding=binding,
-                                   log_file=self.log_file, command=[DSECFS], **options)
+                                   log_file=self.log_file, **options)
         self.started.append(daemon)
         return daemon
 

@@ -3,15 +3,18 @@ import random
 import pytest
 import trio
 
+from dsec_fs.chunks import ChunkIndex
 from dsec_fs.errors import InputError
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from dsec_fs.store.wrappers import CountingStore
 from erofs_builder.build import build_layer
 from erofs_builder.export import export_layer
-from lazy_fetch.blob_reader import open_layer_blob
+from lazy_fetch.blob_reader import LayerBlob, open_layer_blob
 from lazy_fetch.cache import ChunkCache
 from lazy_fetch.fetcher import PREFETCH, open_fetcher
+from tests.dsec_fs.forgery import chunks_of_layer, forge
+from treecmp import write_files
 
 CHUNK_SIZE = 16384
 
@@ -127,23 +130,23 @@ def test_shared_chunk_index_is_loaded_once(layer, tmp_path):
     trio.run(main)
 
 
-def test_a_miss_brings_the_chunks_after_it_in_the_same_get(layer, tmp_path):
+def test_a_miss_brings_the_readahead_it_names_in_the_same_get(layer, tmp_path):
     materialised = layer[2]
 
     async def body(blob, counting):
         stats = blob.fetcher.stats("test")
-        blob.readahead_bytes = 2 * CHUNK_SIZE  # "big" is four chunks: the two after the first fit
-        assert await blob.read(0, 10) == materialised[:10]
+        ahead = blob.following(0, 2 * CHUNK_SIZE)  # "big" is four chunks: the two after the first fit
+        assert await blob.read(0, 10, readahead=ahead) == materialised[:10]
         assert (counting.calls["get"], stats.readahead) == (1, 2)
         block = blob.blob_map.block_size
         (second, _, _), (third, _, _), (fourth, _, _) = blob.blob_map.entries[1:4]
-        assert await blob.read(second * block, CHUNK_SIZE) == materialised[second * block:][:CHUNK_SIZE]
+        assert await blob.read(second * block, CHUNK_SIZE, readahead=blob.following(1, 2 * CHUNK_SIZE)) == \
+            materialised[second * block:][:CHUNK_SIZE]
         assert counting.calls["get"] == 1  # the readahead answered it; a hit reads nothing ahead
         await blob.read(third * block, 10)
         assert (counting.calls["get"], stats.readahead) == (1, 2)
-        await blob.read(fourth * block, 10, priority=PREFETCH)  # prefetch reads bring nothing along
-        assert (counting.calls["get"], stats.readahead) == (2, 2)
-        blob.readahead_bytes = 0
+        await blob.read(fourth * block, 10, priority=PREFETCH, readahead=blob.following(3, 2 * CHUNK_SIZE))
+        assert (counting.calls["get"], stats.readahead) == (2, 2)  # prefetch reads bring nothing along
         last = blob.blob_map.entries[-1][0] * block  # "odd": "small" lies between it and "big"
         await blob.read(last, 1)
         assert (counting.calls["get"], stats.readahead) == (3, 2)
@@ -151,3 +154,36 @@ def test_a_miss_brings_the_chunks_after_it_in_the_same_get(layer, tmp_path):
         assert (counting.calls["get"], stats.readahead) == (4, 2)
 
     run_with_blob(layer, tmp_path, body)
+
+
+def test_a_shared_index_poisoned_by_a_forged_pack_still_reads_the_layer_right(tmp_path):
+    """The daemon's ChunkIndex is shared by every layer of a store; a forger's pack, loaded first, claims
+    this layer's chunks (tests/dsec_fs/forgery.py). Reads prefer the layer's own packs; chunks the forged
+    pack is first for fall back past it, and the index then answers the working location first."""
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    rng = random.Random(8)
+    victim = build_layer(write_files(tmp_path / "victim", {f"f{i}": rng.randbytes(40000) for i in range(6)}),
+                         store, chunk_size=CHUNK_SIZE).digest
+    forger = build_layer(write_files(tmp_path / "forger", {"x": b"forger"}), store, chunk_size=CHUNK_SIZE).digest
+    forged = forge(store, chunks_of_layer(store, victim), forger)
+    materialised = open(export_layer(store, victim, tmp_path / "export").blob_path, "rb").read()
+    shared = ChunkIndex()
+    shared.load_packs(store, [forged])  # the forger's layer was mounted first
+    assert all(shared.get(digest).pack_id == forged for digest, _ in chunks_of_layer(store, victim))
+
+    async def read(cache_dir, make_blob):
+        with ChunkCache(str(cache_dir), 64 << 20) as cache:  # a cold cache: every chunk from the store
+            async with open_fetcher(store, cache) as fetcher:
+                blob = await make_blob(fetcher)
+                return await blob.read(0, blob.size)
+
+    async def own_packs_first(fetcher):
+        return await open_layer_blob(open_layer(store, victim), fetcher, chunk_index=shared)
+
+    async def no_preference(fetcher):  # falls back chunk by chunk
+        return LayerBlob((await own_packs_first(fetcher)).blob_map, shared, fetcher)
+
+    assert trio.run(read, tmp_path / "cache1", own_packs_first) == materialised
+    assert any(shared.get(digest).pack_id == forged for digest, _ in chunks_of_layer(store, victim))
+    assert trio.run(read, tmp_path / "cache2", no_preference) == materialised
+    assert all(shared.get(digest).pack_id != forged for digest, _ in chunks_of_layer(store, victim))

@@ -1,8 +1,12 @@
 import os
 import random
+import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -11,6 +15,7 @@ from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, UnavailableError
 from lazy_fetch.cache import TMP_PREFIX, ChunkCache
 from lazy_fetch.lmdb_index import CacheIndex
+from tests.other_user import all_paths, readable_by_nobody
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -304,3 +309,176 @@ def test_sigkill_at_random_points_leaves_a_consistent_cache(tmp_path):
     for kill_after in (37, 150, 400):
         run_writer(tmp_path, "none", kill_after=kill_after)
         assert_consistent(tmp_path, CRASH_MAX_BYTES)
+
+
+# -- leftovers and strays: nothing in the directory stops an open, nothing in it is followed
+
+
+def chunk_path(directory, digest: bytes) -> str:
+    return os.path.join(directory, "chunks", to_hex(digest)[:2], to_hex(digest))
+
+
+def test_open_survives_strays_of_every_kind_and_follows_none(tmp_path):
+    directory, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"not the cache's")
+    chunks = [chunk(n) for n in range(7)]
+    digests = [sha256(data) for data in chunks]
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        for digest, data in zip(digests, chunks):
+            cache.put(digest, data)
+    paths = [chunk_path(directory, digest) for digest in digests]
+    # Indexed chunks whose files were replaced: by a directory, a symlink to a file of the right bytes
+    # outside, an empty file, half of it, a FIFO, a symlink to a FIFO; the last one stays sound.
+    os.unlink(paths[0])
+    os.makedirs(os.path.join(paths[0], "inside"))
+    (outside / "copy").write_bytes(chunks[1])
+    os.unlink(paths[1])
+    os.symlink(outside / "copy", paths[1])
+    open(paths[2], "w").close()
+    with open(paths[3], "r+b") as f:
+        f.truncate(len(chunks[3]) // 2)
+    os.unlink(paths[4])
+    os.mkfifo(paths[4])
+    os.mkfifo(outside / "fifo")
+    os.unlink(paths[5])
+    os.symlink(outside / "fifo", paths[5])
+    chunks_dir = directory / "chunks"
+    os.makedirs(chunks_dir / "ab" / "some-dir" / "deeper")  # the directory of issue 12
+    (chunks_dir / "ab" / "some-dir" / "deeper" / "file").write_bytes(b"x")
+    os.symlink(outside, chunks_dir / "ab" / "link-to-outside")
+    os.symlink(outside, chunks_dir / "cd")  # a fan-out that is a symlink out of the cache
+    (chunks_dir / "ef").write_bytes(b"a file where a fan-out directory belongs")
+    os.makedirs(chunks_dir / "not-a-fan-out" / "x")
+    (chunks_dir / "README").write_bytes(b"a file of a wrong name")
+    os.makedirs(chunks_dir / "01", exist_ok=True)
+    os.mkfifo(chunks_dir / "01" / "fifo")
+    os.makedirs(chunks_dir / "02", exist_ok=True)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(chunks_dir / "02" / "sock"))
+    locked = chunks_dir / "03"
+    os.makedirs(locked / "sub", exist_ok=True)
+    (locked / "sub" / "f").write_bytes(b"y")
+    os.chmod(locked / "sub", 0)
+    os.chmod(locked, 0)  # unreadable
+    (directory / "index" / "stray").write_bytes(b"z")
+    os.makedirs(directory / "index" / "stray-dir")
+    (directory / "operator-notes").write_bytes(b"left alone")
+
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        assert cache.stats().entries == 1
+        assert cache.get(digests[6]) == chunks[6]
+        assert [cache.get(digest) for digest in digests[:6]] == [None] * 6
+        assert cache.stats().rotten == 0  # all dropped at open, none found on read
+        for digest, data in zip(digests, chunks):  # every place can be filled again
+            cache.put(digest, data)
+        assert [cache.get(digest) for digest in digests] == chunks
+    # Nothing outside was touched, nothing stray is left, the operator's file is there.
+    assert sorted(os.listdir(outside)) == ["copy", "fifo", "precious"]
+    assert (outside / "precious").read_bytes() == b"not the cache's"
+    assert sorted(os.listdir(directory / "index")) == ["data.mdb", "lock.mdb"]
+    assert (directory / "operator-notes").exists()
+    left = {os.path.join(d, n) for d, ds, fs in os.walk(chunks_dir) for n in ds + fs}
+    assert {path for path in left if not os.path.isdir(path) or os.listdir(path)} == \
+        {os.path.dirname(path) for path in paths} | set(paths)  # and empty fan-out directories
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        assert (cache.stats().reconciled, cache.stats().entries) == (0, 7)
+
+
+def test_open_survives_strays_where_the_cache_keeps_its_own(tmp_path):
+    directory, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"keep")
+    directory.mkdir()
+    os.symlink(outside, directory / "chunks")  # would send every chunk out of the cache
+    os.makedirs(directory / "lock" / "sub")  # a directory where the lock file belongs
+    (directory / "index").write_bytes(b"a file where the index directory belongs")
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        cache.put(sha256(chunk(1)), chunk(1))
+        assert cache.get(sha256(chunk(1))) == chunk(1)
+    assert os.listdir(outside) == ["precious"]
+    assert not os.path.islink(directory / "chunks") and os.path.isfile(directory / "lock")
+    # Inside the index: its files replaced by a directory and a symlink.
+    os.unlink(directory / "index" / "data.mdb")
+    os.makedirs(directory / "index" / "data.mdb")
+    os.unlink(directory / "index" / "lock.mdb")
+    os.symlink(outside / "precious", directory / "index" / "lock.mdb")
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        assert cache.stats().entries == 0  # the index started again, the orphaned chunk file went
+        cache.put(sha256(chunk(2)), chunk(2))
+        assert cache.get(sha256(chunk(2))) == chunk(2)
+    assert (outside / "precious").read_bytes() == b"keep"
+
+
+def test_a_stray_holding_a_mount_is_left_alone(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount")
+    directory = tmp_path / "cache"
+    with ChunkCache(str(directory), 1 << 20):
+        pass
+    target = directory / "chunks" / "ab" / "mounted"
+    os.makedirs(target)
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(target)], check=True)
+    try:
+        (target / "theirs").write_bytes(b"not the cache's")
+        with ChunkCache(str(directory), 1 << 20) as cache:
+            cache.put(sha256(chunk(1)), chunk(1))
+        assert (target / "theirs").read_bytes() == b"not the cache's"
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+# -- private: the directory 0700, chunk and index files 0600, narrowed when found wider
+
+
+def modes_below(directory) -> dict[str, int]:
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(directory):
+        for name in [*dirnames, *filenames]:
+            path = os.path.join(dirpath, name)
+            found[os.path.relpath(path, directory)] = stat.S_IMODE(os.lstat(path).st_mode)
+    return found
+
+
+def test_the_cache_is_private_and_made_so_when_found_wider(tmp_path):
+    directory = tmp_path / "cache"
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        cache.put(sha256(chunk(1)), chunk(1))
+    modes = modes_below(directory)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert modes and all(mode & 0o077 == 0 for mode in modes.values()), modes
+    assert {name: mode for name, mode in modes.items() if name.startswith("index/") or "/" not in name} == {
+        "chunks": 0o700, "index": 0o700, "lock": 0o600, "index/data.mdb": 0o600, "index/lock.mdb": 0o600}
+    # An older version left it world-readable: the next open narrows all of it.
+    for path in [str(directory), *(os.path.join(directory, name) for name in modes)]:
+        os.chmod(path, 0o755 if os.path.isdir(path) else 0o644)
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        cache.put(sha256(chunk(2)), chunk(2))
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert all(mode & 0o077 == 0 for mode in modes_below(directory).values()), modes_below(directory)
+
+
+def test_another_user_reads_nothing_under_the_cache(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    parent = tempfile.mkdtemp(prefix="dsecfs-cache-")  # not below pytest's 0700 directory
+    try:
+        os.chmod(parent, 0o755)
+        directory = os.path.join(parent, "cache")
+        os.makedirs(directory, mode=0o755)  # made wide by someone else: corrected
+        with ChunkCache(directory, 1 << 20) as cache:
+            for n in range(4):
+                cache.put(sha256(chunk(n)), chunk(n))
+        paths = all_paths(directory)
+        assert len(paths) > 8
+        assert readable_by_nobody([parent]) == [parent]  # the probe can read what is readable
+        assert readable_by_nobody(paths) == []
+        # Nor through the files alone, were the directory opened up by mistake.
+        os.chmod(directory, 0o755)
+        for sub in ("chunks", "index"):
+            os.chmod(os.path.join(directory, sub), 0o755)
+        for fan_out in os.listdir(os.path.join(directory, "chunks")):
+            os.chmod(os.path.join(directory, "chunks", fan_out), 0o755)
+        assert readable_by_nobody(paths) == [p for p in paths if os.path.isdir(p)]
+    finally:
+        shutil.rmtree(parent)

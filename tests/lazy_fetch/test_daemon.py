@@ -31,7 +31,8 @@ from dsec_fs.pack import decode_index
 from dsec_fs.store import FilesystemStore, keys, open_store
 from erofs_builder import build_layer
 from erofs_builder.reader import ErofsImage
-from lazy_fetch.daemon import PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES, PRELOAD_AFTER_BYTES, _prefetch_groups
+from lazy_fetch.prefetcher import PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES, prefetch_groups
+from lazy_fetch.traced_blob import PRELOAD_AFTER_BYTES
 from lazy_fetch.prefetch_list import PrefetchEntry
 from lazy_fetch.trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, read_trace
 from tests.lazy_fetch.daemon_support import DSECFS, drop_caches, file_chunks, layer_metric, metrics, mount_dirs
@@ -245,23 +246,6 @@ def test_a_kill_between_mount_and_table_update_leaves_nothing_behind(layers, dae
     assert mounts_below(tmp_path) == [daemons.state_dir + "/fuse"]
 
 
-@pytest.mark.parametrize("readahead", [None, "128KiB"])
-def test_miss_readahead_is_off_unless_asked_for_and_counted_apart(layers, daemons, tmp_path, readahead):
-    extra = [] if readahead is None else ["--miss-readahead", readahead]
-    node = daemons.start(layers.store_dir, extra_args=extra).node
-    mnt, = mount_dirs(tmp_path, "mnt")
-    node.mount("test/main:1", mnt, mode="fuse")
-    # One small file: a single read of one chunk, so no other read of the file can be in the air and
-    # take the chunks after it (the kernel reads a bigger file in several requests at once).
-    with open(os.path.join(mnt, "dir/small.txt"), "rb") as f:
-        assert f.read() == FILES["dir/small.txt"]
-    digest = layers.main.digest
-    ahead = layer_metric(node, "dsecfs_fetch_readahead_chunks_total", digest)
-    assert (ahead > 0) == (readahead is not None)
-    assert layer_metric(node, "dsecfs_fetch_chunks_total", digest) == len(file_chunks(layers.main, "dir/small.txt")) + ahead
-    assert layer_metric(node, "dsecfs_fetch_bytes_total", digest) <= len(FILES["dir/small.txt"]) + 128 * 1024
-
-
 @pytest.mark.parametrize("mode", ["kernel", "fuse"])
 def test_a_read_in_order_finds_the_next_chunks_preloaded_from_the_disk_cache(layers, daemons, tmp_path, mode):
     """With the chunks on disk but not in memory (a memory cache of 64 chunks, a file of 129), each chunk a
@@ -403,7 +387,7 @@ def test_a_prefetch_asks_for_a_small_first_group_then_large_ones():
     mib = 1 << 20
     entries = [PrefetchEntry(chunk=n, digest=bytes(32), offset=n * mib, length=mib, first_read_us=n, traces=1)
                for n in range(PREFETCH_GROUP_BYTES // mib + 10)]
-    groups = list(_prefetch_groups(entries))
+    groups = list(prefetch_groups(entries))
     first = PREFETCH_FIRST_GROUP_BYTES // mib
     assert [len(group) for group in groups] == [first, PREFETCH_GROUP_BYTES // mib, 10 - first]
     assert [entry for group in groups for entry in group] == entries  # in list order

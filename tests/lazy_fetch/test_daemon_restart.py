@@ -66,7 +66,9 @@ def _blob_file(state_dir: str, layer: LayerFiles) -> str:
 @pytest.mark.parametrize("mode", MODES)
 def test_mounts_and_open_files_survive_a_sigkill(restart_layer, daemons, no_holder_left, tmp_path, mode):
     store, layer = restart_layer
-    first = daemons.start(store, binding="raw")
+    # No miss readahead: the first daemon must leave chunks of big.bin for the second to fetch.
+    no_readahead = ["--miss-readahead", "0"]
+    first = daemons.start(store, binding="raw", extra_args=no_readahead)
     mnt, = mount_dirs(tmp_path, "mnt")
     first.node.mount(layer.digest, mnt, mode=mode)
     big = os.path.join(mnt, "big.bin")
@@ -79,7 +81,7 @@ def test_mounts_and_open_files_survive_a_sigkill(restart_layer, daemons, no_hold
         assert first.kill() < 0
         assert fuse_holder.alive(no_holder_left)
 
-        second = daemons.start(store, binding="raw").node
+        second = daemons.start(store, binding="raw", extra_args=no_readahead).node
         status = second.status()
         assert [(m.mountpoint, m.mode, m.layer) for m in status.mounts] == [(mnt, mode, layer.digest)]
         assert status.cleaned == []

@@ -14,6 +14,7 @@ from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import CountingStore, FaultStore, LatencyStore, StoreWrapper
 from lazy_fetch.cache import ChunkCache
 from lazy_fetch.fetcher import ONDEMAND, PREFETCH, open_fetcher
+from tests.lazy_fetch.hung_store import HungPack
 
 
 class GatedStore(StoreWrapper):
@@ -400,3 +401,166 @@ def test_warm_reports_each_chunk_in_order_and_a_bad_one_without_raising(backend,
     assert [data for _, data, _ in landed] == [chunk(9), chunks[2], None, chunks[0]]
     assert [type(error) for _, _, error in landed] == [type(None), type(None), IntegrityError, type(None)]
     assert cache.get(bad_digest) is None and cache.get(items[0][0]) == chunks[0]
+
+
+# -- a store object that never answers
+
+
+def test_an_object_that_never_answers_leaves_the_slots_to_the_others(backend, cache, caplog):
+    hung_chunks = [chunk(n) for n in range(12)]
+    hung_items = upload(backend, hung_chunks)
+    healthy_chunks = [chunk(100 + n) for n in range(6)]
+    healthy_items = upload(backend, healthy_chunks)
+    hung = HungPack(backend.root, hung_items[0][1].pack_id)
+    counting = CountingStore(backend)
+
+    async def main():
+        async with open_fetcher(counting, cache, timeout=0.5, max_concurrent=4, object_reads=2) as fetcher:
+            errors = []
+
+            async def read(item):
+                with pytest.raises(UnavailableError) as info:
+                    await fetcher.fetch(*item, label="hung")
+                errors.append(info.value)
+
+            # Twelve readers of twelve chunks of the hung pack at once: two store reads start, and
+            # nothing but them ever reaches the store.
+            started = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for item in hung_items:
+                    nursery.start_soon(read, item)
+            assert trio.current_time() - started < 3
+            assert len(errors) == 12 and all(error.transient for error in errors)
+            assert (fetcher.abandoned_reads, fetcher.stuck_objects()) == (2, {hung.key: 2})
+            assert fetcher.store_reads_running == 0  # abandoned reads hold no slot
+            assert counting.calls["get"] == 2
+
+            # Reads of the hung object fail at once now, naming it, and start no thread.
+            started = trio.current_time()
+            with pytest.raises(UnavailableError, match="stuck") as info:
+                await fetcher.fetch(*hung_items[0], label="hung")
+            assert trio.current_time() - started < 0.25 and hung.key in str(info.value)
+            assert counting.calls["get"] == 2
+
+            # Another pack reads as ever, more reads at once than there are slots.
+            async with trio.open_nursery() as nursery:
+                for (digest, location), data in zip(healthy_items, healthy_chunks):
+                    async def healthy(digest=digest, location=location, data=data):
+                        assert await fetcher.fetch(digest, location, label="healthy") == data
+                    nursery.start_soon(healthy)
+
+            # The object answers again: its stuck threads come back and it reads again.
+            hung.answer()
+            await until(lambda: fetcher.abandoned_reads == 0)
+            assert await fetcher.fetch_many(hung_items, label="hung") == dict(zip((d for d, _ in hung_items),
+                                                                                   hung_chunks))
+            stats = fetcher.stats("hung")
+            assert stats.abandoned == 2 and stats.timeouts >= 2 and stats.refused >= 1
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="lazy_fetch.fetcher"):
+            trio.run(main)
+    finally:
+        hung.answer()
+    stalls = [r.getMessage() for r in caplog.records if hung.key in r.getMessage()]
+    assert len([m for m in stalls if "did not answer" in m]) == 1  # logged once, with the key
+    assert len([m for m in stalls if "answered again" in m]) == 1
+
+
+def test_stuck_reads_are_bounded_over_all_objects(backend, cache, tmp_path):
+    first, second, third = (upload(backend, [chunk(n)])[0] for n in range(3))
+    release = tmp_path / "release"
+    stalled = FaultStore(backend, ",".join(f"get:{keys.pack(loc.pack_id)}:stall={release}"
+                                           for _, loc in (first, second)))
+
+    async def main():
+        async with open_fetcher(stalled, cache, timeout=0.3, object_reads=1, max_abandoned=2) as fetcher:
+            for item in (first, second):
+                with pytest.raises(UnavailableError, match="within"):
+                    await fetcher.fetch(*item)
+            assert fetcher.abandoned_reads == 2
+            # The third pack is healthy, but two threads are stuck already: no third one is risked.
+            with pytest.raises(UnavailableError, match="2 store reads") as info:
+                await fetcher.fetch(*third)
+            assert not isinstance(info.value.__cause__, trio.TooSlowError)
+            release.touch()
+            await until(lambda: fetcher.abandoned_reads == 0)
+            for n, item in enumerate((first, second, third)):
+                assert await fetcher.fetch(*item) == chunk(n)
+
+    try:
+        trio.run(main)
+    finally:
+        release.touch()
+    assert stalled.injected["stall"] == 2
+
+
+def test_reads_of_one_object_queue_behind_its_limit_and_let_others_pass(backend, cache):
+    one_pack = upload(backend, [chunk(n) for n in range(2)])  # one fetch call each: a store read each
+    other = upload(backend, [chunk(9)])[0]
+    gated = GatedStore(backend)
+
+    async def main():
+        async with open_fetcher(gated, cache, object_reads=1) as fetcher:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: fetcher.fetch(*one_pack[0]))
+                await until(lambda: fetcher.store_reads_running == 1)
+                nursery.start_soon(lambda: fetcher.fetch(*one_pack[1]))
+                await until(lambda: fetcher.waiting(ONDEMAND) == 1)  # waits for its object, no thread
+                nursery.start_soon(lambda: fetcher.fetch(*other))
+                await until(lambda: fetcher.store_reads_running == 2)  # another object goes past it
+                assert fetcher.waiting(ONDEMAND) == 1
+                gated.gate.set()
+
+    trio.run(main)
+
+
+def test_other_store_calls_are_bounded_like_reads(backend, cache):
+    # call_store (opening a layer, loading pack indexes): the deadline, and stuck threads bounded per object.
+    items = upload(backend, [chunk(1)])
+    hung = HungPack(backend.root, items[0][1].pack_id)
+    what = f"pack {items[0][1].pack_id}"
+
+    async def main():
+        async with open_fetcher(backend, cache, timeout=0.3, object_reads=2) as fetcher:
+            for _ in range(2):
+                with pytest.raises(UnavailableError, match="within 0.3 s") as info:
+                    await fetcher.call_store(what, backend.get, hung.key)
+                assert info.value.where == what
+            assert fetcher.stuck_objects() == {what: 2}
+            started = trio.current_time()
+            with pytest.raises(UnavailableError, match="stuck"):
+                await fetcher.call_store(what, backend.get, hung.key)
+            assert trio.current_time() - started < 0.2
+            assert await fetcher.call_store("another", backend.get, keys.index(items[0][1].pack_id))  # others go
+            hung.answer()
+            await until(lambda: fetcher.abandoned_reads == 0)
+            assert len(await fetcher.call_store(what, backend.get, hung.key)) == backend.size(hung.key)
+
+    try:
+        trio.run(main)
+    finally:
+        hung.answer()
+
+
+def test_an_object_that_answers_may_have_more_reads_at_once(backend, cache):
+    # The per-object bound holds an object that has not answered (yet); one whose reads come back gets the
+    # slots, so a pack read hard is not slowed down by it.
+    items = upload(backend, [chunk(n) for n in range(13)])
+    counting = CountingStore(LatencyStore(backend, latency=0.05, bandwidth=None))
+
+    async def main():
+        async with open_fetcher(counting, cache, object_reads=2) as fetcher:
+            async with trio.open_nursery() as nursery:  # nothing has come back yet: two at a time
+                for item in items[:4]:
+                    nursery.start_soon(lambda item=item: fetcher.fetch(*item))
+            assert counting.max_in_flight == 2
+            counting.reset()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: fetcher.fetch(*items[4]))
+                await until(lambda: counting.in_flight == 1)
+                for item in items[5:]:  # while the pack is answering: more at once
+                    nursery.start_soon(lambda item=item: fetcher.fetch(*item))
+            assert counting.max_in_flight > 2
+
+    trio.run(main)

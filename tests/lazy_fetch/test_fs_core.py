@@ -192,7 +192,7 @@ def test_blob_directory_serves_blobs_by_name():
     blobs = BlobDirectory({"b" * 64: BytesBlob(b"B" * 8192)})
     blobs.add("a" * 64, BytesBlob(bytes(range(256)) * 16))
     a = blobs.lookup(ROOT_INO, b"a" * 64)
-    assert a.size == 4096 and stat.S_IFMT(a.mode) == stat.S_IFREG and a.mode & 0o777 == 0o444
+    assert a.size == 4096 and stat.S_IFMT(a.mode) == stat.S_IFREG and a.mode & 0o777 == 0o400
     assert trio.run(blobs.read, a.ino, 4000, 500) == (bytes(range(256)) * 16)[4000:]
     assert not blobs.names_immutable(ROOT_INO) and not blobs.getattr(ROOT_INO).immutable
     with pytest.raises(ConflictError):

@@ -13,6 +13,7 @@ import stat
 import pytest
 import trio
 
+from dsec_fs.mounts import umount
 from erofs_builder.reader import ErofsImage
 from lazy_fetch import fuse_raw as raw
 from lazy_fetch.fs_core import ROOT_INO, SLOT_SHIFT, LayerTree, SessionTree
@@ -114,7 +115,7 @@ def test_a_session_answers_the_kernels_requests(built_layer):
             error, body = await h.reply()
             blob_ino, *_ = raw.ENTRY_OUT.unpack_from(body)
             attr = raw.ATTR.unpack_from(body, raw.ENTRY_OUT.size)
-            assert error == 0 and attr[0] == blob_ino and attr[1] == len(BLOB) and attr[9] == stat.S_IFREG | 0o444
+            assert error == 0 and attr[0] == blob_ino and attr[1] == len(BLOB) and attr[9] == stat.S_IFREG | 0o400
             h.ask(raw.LOOKUP, blobs_ino, b"nope\0")
             assert (await h.reply())[0] == -errno.ENOENT
 
@@ -263,3 +264,90 @@ def test_inode_numbers_carry_over_to_the_next_session_tree(built_layer):
     second.blobs.add("d" * 64, BytesBlob(b"x"))  # a new name never takes a number given before
     second.add_layer("3" * 64, LayerTree(image, None))
     assert second.numbers()["blobs"]["d" * 64] == 5 and second.numbers()["layers"]["3" * 64] == 4
+
+
+def test_a_readdir_of_thousands_of_entries_is_one_reply_within_the_size_asked_for():
+    """One record per name used to be one writev iovec each: past IOV_MAX (1,024) the write failed EINVAL
+    and ended the session (test_fuse_large_dir.py lists 100,000 entries through a real mount)."""
+    tree = SessionTree()
+    names = [f"{i:064x}" for i in range(3000)]
+    for name in names:
+        tree.blobs.add(name, BytesBlob(b"x"))
+    blobs_dir = 1 << SLOT_SHIFT | ROOT_INO
+    size = 128 << 10  # 1,489 records of 88 bytes
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            h = Harness(tree, nursery)
+            listed, offset = [], 0
+            while True:
+                h.ask(raw.READDIR, blobs_dir, raw.READ_IN.pack(0, offset, size, 0, 0, 0, 0))
+                error, body = await h.reply()
+                assert error == 0 and len(body) <= size
+                if not body:
+                    break
+                position = 0
+                while position < len(body):
+                    ino, offset, namelen, dtype = raw.DIRENT.unpack_from(body, position)
+                    start = position + raw.DIRENT.size
+                    listed.append((body[start:start + namelen].decode(), dtype))
+                    position = start + namelen + (-(raw.DIRENT.size + namelen) % 8)
+            assert listed == [(name, stat.S_IFREG >> 12) for name in names]
+
+    trio.run(main)
+
+
+class OversizeReads:
+    """A SessionTree whose reads of one inode answer more bytes than asked for: a reply the kernel refuses
+    (EINVAL), a fault no real part makes on demand."""
+
+    def __init__(self, tree: SessionTree, bad_ino: int):
+        self.tree, self.bad_ino = tree, bad_ino
+
+    def __getattr__(self, name):
+        return getattr(self.tree, name)
+
+    async def read(self, ino, offset, size):
+        data = await self.tree.read(ino, offset, size)
+        return data + bytes(4096) if ino == self.bad_ino else data
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_a_reply_the_kernel_refuses_fails_that_request_only(tmp_path):
+    tree = SessionTree()
+    tree.blobs.add("bad", BytesBlob(BLOB))
+    tree.blobs.add("good", BytesBlob(BLOB))
+    blobs = tree.lookup(ROOT_INO, b"blobs").ino
+    fs = OversizeReads(tree, tree.lookup(blobs, b"bad").ino)
+    mountpoint = str(tmp_path / "mnt")
+    os.mkdir(mountpoint)
+
+    def read(name: str) -> bytes:
+        fd = os.open(os.path.join(mountpoint, "blobs", name), os.O_RDONLY | os.O_DIRECT)
+        try:
+            return os.read(fd, 8192)  # one READ of 8 KiB, answered 12 KiB for "bad"
+        finally:
+            os.close(fd)
+
+    async def main():
+        fd = raw.mount(mountpoint, ["ro", "fsname=test", "default_permissions"])
+        mounted = True
+        try:
+            with trio.fail_after(20):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(lambda task_status: raw.serve(fs, fd, params=None, task_status=task_status))
+                    # Abandoned if serve fails (as it did): closing fd below then aborts the connection,
+                    # which ends the read; without that it would wait for its answer forever.
+                    with pytest.raises(OSError) as refused:
+                        await trio.to_thread.run_sync(read, "bad", abandon_on_cancel=True)
+                    assert refused.value.errno == errno.EIO
+                    assert await trio.to_thread.run_sync(read, "good", abandon_on_cancel=True) == BLOB[:8192]
+                    await trio.to_thread.run_sync(umount, mountpoint)  # the session ends: serve returns
+                    mounted = False
+        finally:
+            os.close(fd)  # the last reference: the connection is aborted, nothing waits on it any more
+            if mounted:
+                umount(mountpoint, lazy=True)
+
+    trio.run(main)

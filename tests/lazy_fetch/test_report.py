@@ -278,3 +278,33 @@ def test_a_report_of_traces_that_read_nothing_renders(layers, tmp_path):
     paths = [write_trace(tmp_path / f"{i}.dtr", layers.base, []) for i in range(2)]
     page = render_html(analyze(paths, layers.store))
     assert len(_images(page)) == 2 + PLOTS_PER_LAYER
+
+
+def test_every_layer_section_is_open_and_each_layer_has_its_own_scale(layers, tmp_path):
+    """Four layers (their sections used to start folded beyond three), one of them read in large part: its
+    panel of the read-fraction plot must not set the scale of the others."""
+    from lazy_fetch.analysis import analyze
+    from lazy_fetch.report_html import _fraction_figure, render_html
+    from tests.lazy_fetch.analysis_support import _build
+
+    small = [_build(tmp_path, layers.store, f"small{i}", {"f": bytes([i + 1]) * 3000}, f"small/{i}:1", {})
+             for i in range(2)]
+    paths = [write_trace(tmp_path / f"base{i}.dtr", layers.base, WORKLOAD, ref="base/test:1", started_ns=i)
+             for i in range(3)]
+    paths += [write_trace(tmp_path / f"small{i}.dtr", layer, [Read("f", 0, 3000, 100)], role="toolkit",
+                          ref=f"small/{i}:1") for i, layer in enumerate(small)]
+    paths.append(write_trace(tmp_path / "ws.dtr", layers.workspace, [Read("work/main.py", 0, 3000, 100)],
+                             role="workspace", ref="ws/repo:1"))
+    report = analyze(paths, layers.store)
+    assert len(report.layers) == 4
+    page = render_html(report)
+    assert page.count('<details class="layer" open>') == 4
+
+    figure = _fraction_figure(report)
+    tops = {ax.get_title(): ax.get_ylim()[1] for ax in figure.axes if ax.get_visible()}
+    by_name = {layer.name: layer for layer in report.layers}
+    assert set(tops) == set(by_name)
+    for name, layer in by_name.items():
+        most = max(max(s.byte_fraction, s.file_fraction) for s in report.traces if s.layer == layer.layer) * 100
+        assert most <= tops[name] <= max(most, 10) * 1.1 + 1e-9, name  # scaled to its own layer
+    assert tops["small/0:1"] == pytest.approx(110) and tops["ws/repo:1"] < 50  # read whole; read little

@@ -12,7 +12,7 @@ import pytest
 
 from dsec_fs import mounts
 from dsec_fs.store.filesystem import FilesystemStore
-from overlay.sandbox import ExportedLayers
+from overlay.sandbox import ExportedLayers, SandboxManager
 
 
 @pytest.fixture
@@ -36,3 +36,15 @@ def layers(store, tmp_path):
         yield provider
     finally:
         provider.close()
+
+
+@pytest.fixture
+def manager(tmp_path, layers):
+    """A SandboxManager in tmp_path over ``layers``; every sandbox left is taken down at teardown."""
+    with SandboxManager(tmp_path / "state", layers) as sandboxes:
+        try:
+            yield sandboxes
+        finally:
+            for state in sandboxes.list():
+                if state.status in ("running", "stopped"):
+                    sandboxes.down(state.id)

@@ -225,6 +225,7 @@ def test_commit_publishes_the_changes_as_a_layer_to_stack(daemons, tmp_path, lay
         assert sandbox.exec(["/bin/sh", "-c", script]).exit_code == 0
         committed = sandbox.commit("ws/task01:2")
     assert committed.ref == "ws/task01:2" and committed.store == layers.store_dir
+    assert committed.dropped == {"setuid": 0, "setgid": 0, "devices": 0, "capabilities": 0}  # whiteouts stay
     image = ErofsImage(open_layer(FilesystemStore(layers.store_dir), "ws/task01:2").meta, source="commit")
     assert image.resolve(b"workspace/new") and image.resolve(b"workspace/common")  # the whiteout
 

@@ -16,14 +16,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from treecmp import write_files
 
 from dsec_fs import mounts
 from dsec_fs.errors import ConflictError, InputError, NotFoundError, UnavailableError
-from erofs_builder.build import build_layer
 from overlay.sandbox import SandboxManager, SandboxSpec
 from overlay.stack import StackOptions
-from tests.overlay.support import build
+from tests.overlay.support import build, build_programs
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("nothing_left_mounted")]
 
@@ -36,30 +34,7 @@ SHELL_FILES = {"bin/sh": "usr/bin/dash", "lib64/ld-linux-x86-64.so.2": "usr/lib/
 @pytest.fixture
 def shell_base(store, tmp_path, debian_rootfs):
     """Publish base/sh:1, a layer holding a working /bin/sh and /etc/os-release; returns the ref."""
-    files = {}
-    for image_path, source in SHELL_FILES.items():
-        path = os.path.join(debian_rootfs, source)
-        if not os.path.isfile(path):
-            pytest.skip(f"no {source} in the Debian rootfs (not x86_64?)")
-        with open(path, "rb") as f:
-            files[image_path] = f.read()
-    files["etc/os-release"] = b"ID=shell\n"
-    source = write_files(tmp_path / "src" / "shell-base", files)
-    for image_path in SHELL_FILES:
-        os.chmod(os.path.join(source, image_path), 0o755)
-    build_layer(source, store, name="base/sh:1")
-    return "base/sh:1"
-
-
-@pytest.fixture
-def manager(tmp_path, layers):
-    with SandboxManager(tmp_path / "state", layers) as sandboxes:
-        try:
-            yield sandboxes
-        finally:
-            for state in sandboxes.list():
-                if state.status in ("running", "stopped"):
-                    sandboxes.down(state.id)
+    return build_programs(store, tmp_path, debian_rootfs, "base/sh:1", SHELL_FILES, {"etc/os-release": b"ID=shell\n"})
 
 
 def workspace(store, tmp_path, name: str) -> str:
@@ -129,7 +104,7 @@ def test_exec_and_commit(manager, store, tmp_path, shell_base, runtime):
     assert (result.exit_code, result.stdout) == (3, b"one\n")
     result = manager.exec("one", ["/bin/sh", "-c", "read h < /proc/sys/kernel/hostname; echo $h"], runtime=runtime)
     assert result.stdout == b"one\n"
-    tree = manager.commit("one")
+    tree = manager.commit("one").tree
     assert tree.lookup(b"workspace/made").is_reg
 
 
@@ -142,7 +117,7 @@ def test_down_keep_leaves_the_upper_for_commit(manager, layers, store, tmp_path,
     assert mounts.mounts_below(tmp_path) == [] and layers.held() == {}
     with pytest.raises(UnavailableError, match="stopped"):
         manager.exec("kept", ["/bin/sh", "-c", "true"])
-    tree = manager.commit("kept")
+    tree = manager.commit("kept").tree
     assert stat.S_ISCHR(tree.lookup(b"workspace/common").mode)
     manager.down("kept")
     assert manager.list() == [] and sandbox_files(manager) == []

@@ -133,18 +133,18 @@ def test_register_report_place(service):
     call(service, "POST", "/v1/nodes/n1/report", {"running": 8})
     call(service, "POST", "/v1/nodes/n2/report", {"running": 8})
     status, body = call(service, "POST", "/v1/place", request)
-    assert status == 503 and body["kind"] == "unavailable" and "free slot" in body["error"]
+    assert status == 503 and body["error"] == "unavailable" and "free slot" in body["message"]
 
 
 def test_api_errors_are_clear(service):
     status, body = call(service, "POST", "/v1/nodes/ghost/report", {"running": 1})
-    assert status == 404 and body["kind"] == "not-found" and "ghost" in body["error"]
+    assert status == 404 and body["error"] == "not-found" and "ghost" in f"{body['where']} {body['message']}"
     status, body = call(service, "POST", "/v1/nodes/register", {"name": "n1", "capacity": -3})
-    assert status == 400 and body["kind"] == "input"
+    assert status == 400 and body["error"] == "input"
     status, body = call(service, "POST", "/v1/place", {"layers": []})
-    assert status == 400 and "layers" in body["error"]
+    assert status == 400 and "layers" in f"{body['where']} {body['message']}"
     status, body = call(service, "POST", "/v1/place", b"{not json")
-    assert status == 400 and "not JSON" in body["error"]
+    assert status == 400 and body["error"] == "input" and "not JSON" in body["message"]
     assert call(service, "POST", "/v1/nope", {})[0] == 404
 
 
@@ -193,7 +193,7 @@ def test_bad_extender_args(cluster):
     status, result = call(cluster, "POST", "/extender/filter", broken)
     assert status == 200 and set(result) == FILTER_RESULT_KEYS and "Pod" in result["Error"]
     status, result = call(cluster, "POST", "/extender/prioritize", broken)
-    assert status == 400 and result["kind"] == "input"
+    assert status == 400 and result["error"] == "input"
     nameless = copy.deepcopy(extender_args())
     del nameless["Nodes"]["items"][1]["metadata"]["name"]
     status, result = call(cluster, "POST", "/extender/filter", nameless)

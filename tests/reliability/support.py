@@ -201,8 +201,10 @@ class Daemons:
 
     def start(self, store: str, env: dict[str, str], *, faults: str | None = None, **options) -> DaemonProcess:
         """Start a daemon on ``store`` with ``env`` added to ours and FaultStore rules ``faults``; ``options``
-        are Node.start_daemon's (the previous daemon must have stopped: they share the directories)."""
+        are Node.start_daemon's (the previous daemon must have stopped: they share the directories). Access
+        profiles are off: the tests share stores, and one test's profile would make another's reads hits."""
         options.setdefault("fetch_timeout", 5)
+        options["extra_args"] = [*options.get("extra_args", ()), "--no-profiles"]
         options.setdefault("cache_dir", self.cache_dir)
         options.setdefault("state_dir", self.state_dir)
         full_env = {**os.environ, **env}
@@ -246,13 +248,14 @@ class DaemonLayers:
         self._digests: dict[str, str] = {}  # ref -> digest, as the daemon resolved it
         os.makedirs(directory, exist_ok=True)
 
-    def acquire(self, layer_ref: str) -> LayerHandle:
+    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
         with self._lock:
             digest = self._digests.get(layer_ref)
             if digest not in self._users:
                 mountpoint = os.path.join(self.directory, f"l{next(self._numbers)}")
                 os.mkdir(mountpoint)
-                digest = self._digests[layer_ref] = self.node.mount(layer_ref, mountpoint, mode=self.mode).layer
+                digest = self._digests[layer_ref] = self.node.mount(layer_ref, mountpoint, mode=self.mode,
+                                                                    profile=profile, fill=fill).layer
                 if digest in self._users:  # held under another name
                     self._unmount(mountpoint)
                 else:

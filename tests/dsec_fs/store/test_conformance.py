@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dsec_fs.errors import CorruptError, InputError, NotFoundError
-from dsec_fs.store import FilesystemStore, open_store
+from dsec_fs.store import FilesystemStore, init_store, open_store
 from dsec_fs.store.s3 import S3Store
 from dsec_fs.store.wrappers import RetryStore
 
@@ -26,7 +27,8 @@ def store(request, tmp_path):
         store = S3Store.from_url(request.getfixturevalue("s3_url"), multipart_threshold=PART_SIZE, part_size=PART_SIZE)
     else:
         root = tmp_path / "store"
-        store = open_store({"path": str(root), "file": f"file://{root}", "posix": f"posix://{root}"}[kind])
+        url = {"path": str(root), "file": f"file://{root}", "posix": f"posix://{root}"}[kind]
+        store = open_store(url, create=True)
     with store:
         yield store
 
@@ -35,6 +37,18 @@ def test_open_store_picks_the_backend(tmp_path):
     assert isinstance(open_store(str(tmp_path)), FilesystemStore)
     assert open_store(f"posix://{tmp_path}").url == f"posix://{tmp_path}"
     assert open_store(f"file://{tmp_path}").url == f"file://{tmp_path}"
+
+
+@pytest.mark.parametrize("scheme", ["file", "posix"])
+def test_a_store_directory_is_made_for_its_owner_alone(tmp_path, scheme):
+    root = tmp_path / "new" / "store"
+    with init_store(f"{scheme}://{root}")[0] as store:  # what `dsecfs store init` and a first build call
+        store.put("packs/ab/cd", b"pack bytes")
+        store.put("top", b"1")
+    modes = {path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode)
+             for path in [root, *root.rglob("*")]}
+    assert modes == {"new/store": 0o700, "new/store/packs": 0o700, "new/store/packs/ab": 0o700,
+                     "new/store/packs/ab/cd": 0o600, "new/store/top": 0o600}
 
 
 @pytest.mark.s3

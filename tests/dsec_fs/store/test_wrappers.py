@@ -195,6 +195,28 @@ def test_limit_bounds_calls_in_flight(base):
 def test_limit_refuses_a_zero_limit(base):
     with pytest.raises(InputError):
         LimitStore(base, 0)
+    with pytest.raises(InputError):
+        LimitStore(base, 1, stuck_after=0)
+
+
+def test_calls_stuck_in_the_store_give_their_slot_back(base, tmp_path):
+    # Two calls that never return (until the end of the test) fill a limit of two; a third one gets in
+    # once they have been stuck for stuck_after, and the limit still holds among the calls that move.
+    release = tmp_path / "release"
+    store = LimitStore(FaultStore(base, f"get:stuck:stall={release}"), max_concurrent=2, stuck_after=0.3)
+    base.put("stuck", b"late")
+    stuck = [threading.Thread(target=store.get, args=("stuck",)) for _ in range(2)]
+    try:
+        for thread in stuck:
+            thread.start()
+        time.sleep(0.05)
+        started = time.monotonic()
+        assert store.get("obj") == DATA
+        assert 0.2 < time.monotonic() - started < 5
+    finally:
+        release.touch()
+        for thread in stuck:
+            thread.join()
 
 
 # -- FaultStore
@@ -214,7 +236,8 @@ def test_fault_rules_parse():
 @pytest.mark.parametrize(
     "text",
     ["get:3", "fetch:1:transient", "get:1:explode", "get:5-3:transient", "get:0:transient",
-     "list:*:corrupt", "get:*:slow", "get:*:corrupt=4-2", "get:*:transient=1"],
+     "list:*:corrupt", "get:*:slow", "get:*:corrupt=4-2", "get:*:transient=1", "get:*:stall",
+     "get:*:stall=relative/path"],
 )
 def test_bad_fault_rules_are_refused(text):
     with pytest.raises(InputError) as info:
@@ -271,6 +294,24 @@ def test_fault_truncation_and_corrupted_writes(base):
     writer = FaultStore(base, "put:*:corrupt")
     writer.put("written", memoryview(b"abc"))
     assert base.get("written") == b"`bc"
+
+
+def test_fault_stall_holds_calls_until_its_file_exists(base, tmp_path):
+    release = tmp_path / "release"
+    store = FaultStore(base, f"get:obj:stall={release}")
+    assert parse_faults(f"get:obj:stall={release}")[0].arg == str(release)
+    results = []
+    thread = threading.Thread(target=lambda: results.append(store.get("obj")))
+    thread.start()
+    try:
+        thread.join(0.3)
+        assert thread.is_alive() and not results  # stalled
+        assert base.get("obj") == DATA  # the store itself answers
+    finally:
+        release.touch()
+        thread.join(5)
+    assert results == [DATA] and store.injected["stall"] == 1
+    assert store.get("obj") == DATA  # released: later calls go straight through
 
 
 def test_fault_slow_still_answers(base):

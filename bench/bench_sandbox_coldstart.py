@@ -1,0 +1,287 @@
+"""Cold starts on the sandbox path (issue 13): `sandbox up` + a real first command, against pulling the
+same layers, for several workloads and two emulated stores, in the series a platform sees.
+
+    .venv/bin/python bench/bench_sandbox_coldstart.py [--rounds 1] [--workloads numpy,boto3]
+                                                      [--stores s3,3fs] [--cache DIR] [--work DIR]
+
+Layers (built once, kept under --cache, default /var/cache/dsecfs-test/sandbox-coldstart):
+
+- base: Debian bookworm minbase with python3 (mmdebstrap; shared with bench_coldstart.py's
+  debian-python3/);
+- a toolkit per workload, real PyPI packages installed with pip --target under /opt/toolkit:
+  ``numpy``: numpy and pandas, first command ``import numpy, pandas`` and a small DataFrame sum;
+  ``boto3``: boto3 (botocore: thousands of small JSON and .py files), first command an S3 client made
+  (it loads the service model);
+  each toolkit also as ``:2``, a new release: the same tree with one module's source changed.
+
+Stores, emulated by the daemon's LatencyStore (and the pull's): ``s3`` 20 ms per request and one 100 MB/s
+link; ``3fs`` 1 ms and 1 GB/s. The store's files are on this machine's disk.
+
+Pull (the baseline): each layer's tar.zst read from the same emulated store in 32 MiB ranges, piped into
+``tar --zstd -x`` as it arrives (download and extraction overlap, as containerd does), base then toolkit
+into one directory, then the same command with the same runtime (overlay.runtime.run_in_rootfs, runc).
+
+Series, each start with an empty node cache (a fresh daemon, a new cache directory) and dropped page cache:
+
+- ``first-ever``: no profile anywhere (the store's profiles/ removed first);
+- ``same node``: the daemon of first-ever restarted on its state directory with an empty cache;
+- ``other node``: a new daemon, new state and cache: what it knows comes from the store only;
+- ``new release``: a new daemon, the toolkit's ``:2`` (its digest has no profile; its name has);
+- ``warm``: the other node's daemon again, its cache full, page cache dropped.
+
+Each start: ``Node.sandbox_up(base, toolkit)`` then ``exec`` of the command (runc), timed from the up call
+to the command's end, then ``down``. Reported per workload and store: seconds, ratio to the pull, bytes
+fetched from the store by the command's end (of the layers' chunk bytes), and of what the profile
+prefetched, the share never read. Goals (issue 13): first-ever at most 1.0x the pull; another node at most
+0.20x on numpy and within 1.5x of warm on every workload; fetched at most 15% of the layers with fill
+``none``; prefetched-but-never-read at most 20%. The daemon runs with its default fill (``profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from dsec_fs.client import Node  # noqa: E402
+from dsec_fs.store import FilesystemStore, keys  # noqa: E402
+from dsec_fs.store.wrappers import LatencyStore  # noqa: E402
+from erofs_builder import build_layer  # noqa: E402
+from overlay.runtime import run_in_rootfs  # noqa: E402
+from benchlib import drop_caches, log  # noqa: E402
+
+STORES = {"s3": (20.0, 100.0), "3fs": (1.0, 1000.0)}  # ms per request, MB/s
+WORKLOADS = {
+    "numpy": (("numpy", "pandas"),
+              "import numpy, pandas; print(pandas.DataFrame({'a': numpy.arange(10)}).a.sum())"),
+    "boto3": (("boto3",),
+              "import boto3; print(boto3.session.Session().client('s3', region_name='us-east-1').meta.region_name)"),
+}
+CHANGED_MODULE = {"numpy": "pandas/__init__.py", "boto3": "botocore/__init__.py"}
+SERIES = ("first-ever", "same node", "other node", "new release", "warm")
+PULL_RANGE = 32 << 20
+ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+       "HOME": "/root", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": "/opt/toolkit"}
+GOAL_FIRST = 1.0
+GOAL_OTHER_NUMPY = 0.20
+GOAL_OTHER_WARM = 1.5
+GOAL_FETCHED = 0.15
+GOAL_UNREAD = 0.20
+
+
+def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    result = subprocess.run(argv, stderr=subprocess.PIPE, **kwargs)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed ({result.returncode}): {result.stderr.decode(errors='replace')[-2000:]}")
+    return result
+
+
+def _made(path: str, make) -> None:
+    if not os.path.exists(path):
+        tmp = f"{path}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        make(tmp)
+        os.rename(tmp, path)
+
+
+def setup(cache: str, workloads: list[str]) -> dict:
+    """Trees, the store with every layer and each layer's tar.zst; returns what was built."""
+    os.makedirs(cache, exist_ok=True)
+    rootfs = os.path.join(os.path.dirname(cache), "debian-python3")
+    _made(rootfs, lambda tmp: run(["mmdebstrap", "--variant=minbase", "--include=python3", "bookworm", tmp]))
+    info_path = os.path.join(cache, "layers.json")
+    info = json.load(open(info_path)) if os.path.exists(info_path) else {}
+    store_dir = os.path.join(cache, "store")
+    with FilesystemStore(store_dir) as store:
+        if "base" not in info:
+            info["base"] = _layer(store, rootfs, "bench/base:1")
+        for name in workloads:
+            if name in info:
+                continue
+            packages, _command = WORKLOADS[name]
+            tree = os.path.join(cache, f"toolkit-{name}")
+
+            def install(tmp: str, packages=packages) -> None:
+                target = os.path.join(tmp, "opt", "toolkit")
+                run([sys.executable, "-m", "pip", "install", "--quiet", "--target", target, *packages])
+                run([sys.executable, "-m", "compileall", "-q", target])
+
+            _made(tree, install)
+            release = f"{tree}-2"
+
+            def change(tmp: str, tree=tree, name=name) -> None:
+                run(["cp", "-a", tree, tmp])
+                with open(os.path.join(tmp, "opt", "toolkit", CHANGED_MODULE[name]), "a") as f:
+                    f.write("\n# release 2\n")
+
+            _made(release, change)
+            info[name] = {"v1": _layer(store, tree, f"bench/{name}:1"), "v2": _layer(store, release, f"bench/{name}:2")}
+            with open(info_path, "w") as f:
+                json.dump(info, f, indent=1)
+    info["store"] = store_dir
+    return info
+
+
+def _layer(store: FilesystemStore, tree: str, ref: str) -> dict:
+    log(f"building {ref} from {tree}")
+    layer = build_layer(tree, store, name=ref)
+    tar_key = f"bench/{layer.digest}.tar.zst"
+    store.put(tar_key, run(["tar", "--zstd", "-cf", "-", "-C", tree, "."]).stdout)
+    return {"ref": ref, "digest": layer.digest, "tar": tar_key, "chunk_bytes": int(layer.manifest.stats.get("bytes", 0))}
+
+
+def pull(info: dict, toolkit: dict, command: str, store_name: str, dest: str) -> float:
+    latency, bandwidth = STORES[store_name]
+    os.makedirs(dest)
+    try:
+        drop_caches()
+        start = time.perf_counter()
+        with LatencyStore(FilesystemStore(info["store"], create=False), latency=latency / 1000,
+                          bandwidth=bandwidth * 1e6) as store:
+            for layer in (info["base"], toolkit):
+                tar = subprocess.Popen(["tar", "--zstd", "-xf", "-", "-C", dest], stdin=subprocess.PIPE)
+                size, offset = store.size(layer["tar"]), 0
+                while offset < size:
+                    data = store.get(layer["tar"], offset, min(PULL_RANGE, size - offset))
+                    tar.stdin.write(data)
+                    offset += len(data)
+                tar.stdin.close()
+                if tar.wait() != 0:
+                    raise SystemExit("tar -x failed")
+        result = run_in_rootfs(dest, ["python3", "-c", command], runtime="runc", env=ENV)
+        if result.exit_code != 0:
+            raise SystemExit(f"the command failed after the pull: {result.stderr.decode(errors='replace')[-2000:]}")
+        return time.perf_counter() - start
+    finally:
+        shutil.rmtree(dest)
+
+
+class Node_:
+    """A daemon in ``home`` (its state kept across restarts, its cache made new by ``fresh_cache``)."""
+
+    def __init__(self, home: str, store: str, store_name: str):
+        self.home, self.store, self.store_name = home, store, store_name
+        self.cache = 0
+        self.daemon = None
+
+    def start(self, *, fresh_cache: bool = True) -> Node:
+        if fresh_cache:
+            self.cache += 1
+        latency, bandwidth = STORES[self.store_name]
+        os.makedirs(self.home, exist_ok=True)
+        self.daemon = Node.start_daemon(
+            os.path.join(self.home, "api.sock"), state_dir=os.path.join(self.home, "state"),
+            cache_dir=os.path.join(self.home, f"cache-{self.cache}"), store=self.store, latency_ms=latency,
+            bandwidth_mbps=bandwidth, fetch_timeout=120, log_file=os.path.join(self.home, "daemon.log"))
+        return self.daemon.node
+
+    def stop(self) -> None:
+        if self.daemon is not None and self.daemon.alive():
+            self.daemon.stop()
+        self.daemon = None
+
+
+def start_sandbox(node: Node, info: dict, toolkit: dict, command: str) -> dict:
+    drop_caches()
+    before = {layer.layer: layer.bytes_fetched for layer in node.status().layers}
+    start = time.perf_counter()
+    with node.sandbox(base=info["base"]["ref"], toolkit=toolkit["ref"]) as sandbox:
+        result = sandbox.exec(["python3", "-c", command], env=ENV)
+        seconds = time.perf_counter() - start
+        if result.exit_code != 0:
+            raise SystemExit(f"the command failed: {result.stderr.decode(errors='replace')[-2000:]}")
+        layers = {layer.layer: layer for layer in node.status().layers}
+    digests = (info["base"]["digest"], toolkit["digest"])
+    fetched = sum(layers[d].bytes_fetched - before.get(d, 0) for d in digests if d in layers)
+    prefetched = sum(layers[d].prefetched_bytes for d in digests if d in layers)
+    unread = sum(layers[d].prefetched_unread_bytes for d in digests if d in layers)
+    total = sum(layers[d].data_bytes for d in digests if d in layers)
+    return {"seconds": seconds, "fetched_bytes": fetched, "layer_bytes": total,
+            "fetched_fraction": fetched / total if total else 0.0, "prefetched_bytes": prefetched,
+            "unread_fraction": unread / prefetched if prefetched else 0.0}
+
+
+def bench(info: dict, workload: str, store_name: str, work: str) -> dict:
+    _packages, command = WORKLOADS[workload]
+    v1, v2 = info[workload]["v1"], info[workload]["v2"]
+    with FilesystemStore(info["store"]) as store:  # first-ever: nothing learned anywhere
+        for key in list(store.list(keys.PROFILES)):
+            store.delete(key)
+    results = {"pull": pull(info, v1, command, store_name, os.path.join(work, "pull"))}
+    first = Node_(os.path.join(work, "node-a"), info["store"], store_name)
+    other = Node_(os.path.join(work, "node-b"), info["store"], store_name)
+    fresh = Node_(os.path.join(work, "node-c"), info["store"], store_name)
+    try:
+        results["first-ever"] = start_sandbox(first.start(), info, v1, command)
+        first.stop()  # publishes the profiles learned at down
+        results["same node"] = start_sandbox(first.start(), info, v1, command)
+        first.stop()
+        node = other.start()
+        results["other node"] = start_sandbox(node, info, v1, command)
+        results["warm"] = start_sandbox(node, info, v1, command)
+        other.stop()
+        results["new release"] = start_sandbox(fresh.start(), info, v2, command)
+        fresh.stop()
+    finally:
+        for n in (first, other, fresh):
+            n.stop()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--stores", default=",".join(STORES))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--cache", default="/var/cache/dsecfs-test/sandbox-coldstart")
+    parser.add_argument("--work", default=None)
+    args = parser.parse_args()
+    workloads, stores = args.workloads.split(","), args.stores.split(",")
+    info = setup(args.cache, workloads)
+    work = args.work or tempfile.mkdtemp(prefix="dsecfs-sbcold-")
+    rows, missed = [], []
+    try:
+        for workload in workloads:
+            for store_name in stores:
+                rounds = []
+                for r in range(args.rounds):
+                    round_work = os.path.join(work, f"{workload}-{store_name}-{r}")
+                    os.makedirs(round_work)
+                    rounds.append(bench(info, workload, store_name, round_work))
+                    shutil.rmtree(round_work, ignore_errors=True)
+                pull_s = statistics.median(r["pull"] for r in rounds)
+                row = {"workload": workload, "store": store_name, "pull_s": pull_s}
+                for series in SERIES:
+                    row[series] = {k: statistics.median(r[series][k] for r in rounds)
+                                   for k in rounds[0][series]}
+                    row[series]["ratio"] = row[series]["seconds"] / pull_s
+                    log(f"{workload} {store_name} {series}: {row[series]['seconds']:.2f} s "
+                        f"({row[series]['ratio']:.2f}x the pull's {pull_s:.2f} s), fetched "
+                        f"{row[series]['fetched_fraction']:.1%}, prefetched unread {row[series]['unread_fraction']:.1%}")
+                checks = [("first-ever <= 1.0x pull", row["first-ever"]["ratio"] <= GOAL_FIRST),
+                          ("other node <= 1.5x warm", row["other node"]["seconds"] <= GOAL_OTHER_WARM * row["warm"]["seconds"]),
+                          ("fetched <= 15%", row["first-ever"]["fetched_fraction"] <= GOAL_FETCHED),
+                          ("prefetched unread <= 20%", row["other node"]["unread_fraction"] <= GOAL_UNREAD)]
+                if workload == "numpy":
+                    checks.append(("other node <= 0.20x pull", row["other node"]["ratio"] <= GOAL_OTHER_NUMPY))
+                row["goals"] = {name: ok for name, ok in checks}
+                missed += [f"{workload}/{store_name}: {name}" for name, ok in checks if not ok]
+                rows.append(row)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"rows": rows, "missed": missed}, indent=1))
+    sys.exit(1 if missed else 0)
+
+
+if __name__ == "__main__":
+    main()

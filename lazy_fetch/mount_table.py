@@ -1,0 +1,88 @@
+"""The node daemon's mounts: the live table and its persisted copy, ``state_dir/mounts.json``.
+
+The file lists the live mounts, rewritten (atomically, synced) after each mount and unmount, and before
+each mount with the mount being made (``mounting``), so a daemon killed between mount(2) and the update
+still leaves the mountpoint listed and the next daemon detaches it. The next daemon reads it to adopt
+the mounts a dead daemon left alive (raw binding) and to detach the others (``is_ours`` says whether
+what is mounted at a listed mountpoint is still ours, read from /proc/self/mountinfo alone: nothing here
+stats a mountpoint, which would wait forever on a FUSE session nobody serves yet).
+
+Threads: the daemon's trio thread; ``save`` does a small synced write in it (as the table must be on disk
+before mount(2) goes on).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+
+from dsec_fs.files import write_atomic
+from dsec_fs.mounts import MountEntry
+
+log = logging.getLogger(__name__)
+
+MOUNT_TABLE = "mounts.json"
+MAX_TABLE_BYTES = 64 << 20  # a mount table bigger than this was not written by a daemon
+
+
+@dataclass
+class Mount:
+    mountpoint: str
+    mode: str
+    layer: str  # digest
+    ref: str  # as the mount request named the layer (a ref or the digest)
+    store: str  # store URL
+    blob_id: str
+    trace: str  # trace file ("" when tracing is off)
+    prefetch: str  # prefetch list path, "profile:layer" / "profile:name" (profile_keeper.py), or ""
+    created: str
+    chunks: int
+    data_bytes: int
+    prefetch_chunks: int = 0  # chunks the prefetch was to fetch
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class MountTable:
+    """The live mounts by mountpoint, and their file in ``state_dir``."""
+
+    def __init__(self, state_dir: str):
+        self.path = os.path.join(state_dir, MOUNT_TABLE)
+        self.mounts: dict[str, Mount] = {}
+
+    def save(self, mounting: tuple[str, str, str] | None = None) -> None:
+        """Write the live mounts, and ``mounting`` (mountpoint, mode, layer digest): the mount being made."""
+        entries = [m.to_json() for m in self.mounts.values()]
+        if mounting is not None:
+            entries.append(dict(zip(("mountpoint", "mode", "layer"), mounting), mounting=True))
+        write_atomic(self.path, json.dumps({"pid": os.getpid(), "mounts": entries}, indent=1).encode())
+
+    def read_left(self) -> list[dict]:
+        """The entries a daemon before us left (each with string mountpoint, mode and layer); an unreadable
+        table is logged and taken as empty."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(MAX_TABLE_BYTES + 1)
+            if len(data) > MAX_TABLE_BYTES:
+                raise ValueError(f"over {MAX_TABLE_BYTES} bytes")
+            entries = json.loads(data)["mounts"]
+            if not all(isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in
+                                                       ("mountpoint", "mode", "layer")) for entry in entries):
+                raise ValueError("an entry lacks its mountpoint, mode or layer")
+        except FileNotFoundError:
+            return []
+        except (ValueError, KeyError, TypeError, RecursionError, OSError) as exc:
+            log.warning("ignoring the unreadable mount table %s: %s", self.path, exc)
+            return []
+        return entries
+
+
+def is_ours(entry: MountEntry, mode: str, meta_path: str, layer: str) -> bool:
+    """A kernel-mode mount is EROFS from our meta image; a fuse-mode one a bind mount of our session's
+    layers/<digest>/ directory."""
+    if mode == "kernel":
+        return entry.fstype == "erofs" and entry.source == meta_path
+    return entry.fstype.startswith("fuse") and entry.source == "dsecfs" and entry.root == f"/layers/{layer}"

@@ -1,0 +1,200 @@
+"""Background prefetch of a layer's prefetch list (prefetch_list.py) into the node's caches.
+
+A list is checked against the layer's blob map, then fetched at PREFETCH priority, starting just before
+mount(2) so that its first store reads overlap the mount: a small first group, then large ones
+(PREFETCH_FIRST_GROUP_BYTES, PREFETCH_GROUP_BYTES), PREFETCH_GROUPS_IN_FLIGHT at once, each one
+``fetcher.warm`` (planned in one go, so the chunks of a group that lie side by side in a pack share a GET
+however far apart the list names them; no bytes held; queued in list order so the first-needed chunks
+arrive first, within the fetcher's prefetch slots so on-demand reads go first). The first group is small,
+so the chunks a workload needs first do not share the link (and the CPU that verifies them) with the rest
+of the list; the others are large, because every group boundary splits runs of neighbours into more GETs
+(with 16 MiB groups, the bench's 84 MB list took 223 GETs; in one group, 101). The group size bounds the
+flights and queued store reads a prefetch makes at once. A job stops when the layer's last mount goes, or
+when the mount it was started with fails (its cancel scope), or before a group that would not fit in
+the room the disk cache has left (``room``: a prefetch never makes the cache evict what readers use).
+
+Fill. ``with_fill`` appends to a list the rest of the layer's chunks in blob order (the daemon's
+``fill`` policy ``layer``): the profile's chunks come first, then everything else streams in behind
+on-demand reads, until the cache bound. Each chunk that lands is counted and, while
+the mount's trace is open, recorded in it (FLAG_PREFETCH).
+
+Threads: the daemon's trio thread; the fetcher does its store reads in its own worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, fields
+
+import trio
+
+from dsec_fs.blobmap import BlobMap
+from dsec_fs.chunks import ChunkIndex
+from dsec_fs.errors import DsecError
+from dsec_fs.layer import utc_now
+
+from .fetcher import PREFETCH, ChunkFetcher
+from .memory_cache import MemoryChunkCache
+from .prefetch_list import PrefetchEntry, PrefetchList
+from .trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, TraceWriter
+from .traced_blob import StoreFetchLog
+
+log = logging.getLogger(__name__)
+
+PREFETCH_FIRST_GROUP_BYTES = 2 << 20
+PREFETCH_GROUP_BYTES = 256 << 20
+PREFETCH_GROUPS_IN_FLIGHT = 2
+
+
+@dataclass
+class PrefetchJob:
+    layer: str
+    list: str  # path of the prefetch list
+    chunks: int
+    bytes: int
+    state: str = "running"  # running | done | cancelled | failed
+    done_chunks: int = 0
+    done_bytes: int = 0
+    failed_chunks: int = 0
+    started: str = field(default_factory=utc_now)
+    finished: str = ""
+    cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cancel_scope"}
+
+
+def prefetch_groups(entries: Iterable[PrefetchEntry]) -> Iterator[list[PrefetchEntry]]:
+    """A prefetch list's entries, in order: a first group of at least PREFETCH_FIRST_GROUP_BYTES, then
+    groups of at least PREFETCH_GROUP_BYTES (the last may be less)."""
+    group: list[PrefetchEntry] = []
+    group_bytes, target = 0, PREFETCH_FIRST_GROUP_BYTES
+    for entry in entries:
+        group.append(entry)
+        group_bytes += entry.length
+        if group_bytes >= target:
+            yield group
+            group, group_bytes, target = [], 0, PREFETCH_GROUP_BYTES
+    if group:
+        yield group
+
+
+def _fitting(group: list[PrefetchEntry], room: int) -> list[PrefetchEntry]:
+    """The longest head of ``group`` whose chunks fit in ``room`` bytes."""
+    for count, entry in enumerate(group):
+        room -= entry.length
+        if room < 0:
+            return group[:count]
+    return group
+
+
+class Prefetcher:
+    """The node's prefetch jobs (kept after they end, for status), run in ``nursery``."""
+
+    def __init__(self, memory: MemoryChunkCache, fetch_log: StoreFetchLog, nursery: trio.Nursery,
+                 room: Callable[[], int]):
+        self.memory = memory
+        self.fetch_log = fetch_log
+        self.room = room  # bytes the disk cache can still take without evicting
+        self.jobs: list[PrefetchJob] = []
+        self._nursery = nursery
+
+    @property
+    def running(self) -> int:
+        return sum(job.state == "running" for job in self.jobs)
+
+    def start(self, layer: str, plist: PrefetchList, path: str, fetcher: ChunkFetcher, chunk_index: ChunkIndex,
+              trace: Callable[[], TraceWriter | None], *, landed: Callable[[int], None] = lambda entry: None
+              ) -> PrefetchJob:
+        """Fetch ``plist`` (already verified against ``layer``'s blob map) in the background; ``trace``
+        gives the trace to record landed chunks in (None once closed); ``landed(entry)`` is called with
+        the blob-map entry of each chunk that arrives."""
+        job = PrefetchJob(layer=layer, list=path, chunks=len(plist.entries), bytes=plist.bytes)
+        self.jobs.append(job)
+        self._nursery.start_soon(self._run, plist, job, fetcher, chunk_index, trace, landed)
+        return job
+
+    async def _run(self, plist: PrefetchList, job: PrefetchJob, fetcher: ChunkFetcher, chunk_index: ChunkIndex,
+                   trace: Callable[[], TraceWriter | None], on_landed: Callable[[int], None]) -> None:
+        started = time.monotonic()
+        with job.cancel_scope:
+            try:
+                window = trio.Semaphore(PREFETCH_GROUPS_IN_FLIGHT)
+                in_flight = [0]  # bytes of the groups fetching now, not in the cache yet
+
+                async def fetch_group(group: list[PrefetchEntry], size: int) -> None:
+                    try:
+                        await self._fetch_group(group, job, fetcher, chunk_index, trace, on_landed)
+                    finally:
+                        in_flight[0] -= size
+                        window.release()
+
+                async with trio.open_nursery() as nursery:
+                    for group in prefetch_groups(plist.entries):
+                        await window.acquire()
+                        fitting = _fitting(group, self.room() - in_flight[0])
+                        if fitting:
+                            size = sum(entry.length for entry in fitting)
+                            in_flight[0] += size
+                            nursery.start_soon(fetch_group, fitting, size)
+                        else:
+                            window.release()
+                        if len(fitting) < len(group):
+                            log.info("prefetch of layer %s stops at the cache bound", job.layer[:12])
+                            break
+                job.state = "done"
+            except Exception as exc:
+                job.state = "failed"
+                log.error("prefetch of layer %s failed: %s", job.layer[:12], exc)
+        if job.state == "running":
+            job.state = "cancelled"
+        job.finished = utc_now()
+        log.info("prefetch of layer %s %s: %d of %d chunks (%d bytes) in %.1f s, %d failed", job.layer[:12],
+                 job.state, job.done_chunks, job.chunks, job.done_bytes, time.monotonic() - started, job.failed_chunks)
+
+    async def _fetch_group(self, group: list[PrefetchEntry], job: PrefetchJob, fetcher: ChunkFetcher,
+                           chunk_index: ChunkIndex, trace: Callable[[], TraceWriter | None],
+                           on_landed: Callable[[int], None]) -> None:
+        """Fetch one group into the cache (fetcher.warm: planned in one go, no bytes held); count and
+        trace each chunk as it lands."""
+        fetch_log, memory = self.fetch_log, self.memory
+        entries = {entry.digest: entry for entry in group}
+        mark, started = fetch_log.mark(), time.monotonic_ns()
+
+        def landed(digest: bytes, data: bytes | None, error: BaseException | None) -> None:
+            if error is not None and not isinstance(error, DsecError):
+                raise error  # a bug, not a chunk the store failed to give: the job fails
+            entry, bad = entries[digest], error is not None
+            if bad:
+                log.warning("prefetch of layer %s: %s", job.layer[:12], error)
+            job.failed_chunks += bad
+            job.done_chunks += not bad
+            if data is not None and memory.bytes + len(data) <= memory.max_bytes:
+                memory.put(digest, data)
+            job.done_bytes += 0 if bad else entry.length
+            if not bad:
+                on_landed(entry.chunk)
+            # A cancelled job's mount may have failed, its trace closed: it records nothing more.
+            writer = None if job.cancel_scope.cancel_called else trace()
+            if writer is not None:
+                flags = FLAG_PREFETCH | FLAG_BLOB | (FLAG_ERROR if bad else 0)
+                if fetch_log.fetched_since(mark, [digest]):
+                    flags |= FLAG_MISS
+                writer.record(nid=0, offset=entry.offset, length=entry.length, chunk=entry.chunk,
+                              latency_us=(time.monotonic_ns() - started) // 1000, flags=flags)
+
+        await fetcher.warm([(digest, chunk_index.get(digest)) for digest in entries],
+                           priority=PREFETCH, label=job.layer, landed=landed)
+
+
+def with_fill(plist: PrefetchList | None, layer: str, blob_map: BlobMap) -> PrefetchList:
+    """``plist`` (if any) followed by every other chunk of ``blob_map`` in blob order."""
+    listed = plist.chunks if plist else frozenset()
+    rest = [PrefetchEntry(chunk=index, digest=digest, offset=blkaddr * blob_map.block_size, length=length,
+                          first_read_us=0, traces=0)
+            for index, (blkaddr, digest, length) in enumerate(blob_map.entries) if index not in listed]
+    return PrefetchList(layer=layer, chunk_size=blob_map.chunk_size, traces=plist.traces if plist else 0,
+                        min_fraction=plist.min_fraction if plist else 0.0,
+                        entries=(plist.entries if plist else []) + rest)

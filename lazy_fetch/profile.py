@@ -1,0 +1,250 @@
+"""Access profiles: what sandboxes of a layer read first, learned from every mount's trace and shared
+through the store, so that a node that never ran a layer starts it with what other nodes learned.
+
+A profile is content-keyed: its entries name chunks by digest (and the file and chunk-in-file they were
+read in), never by position in one build's blob. So it carries over: to a new release of the layer
+(unchanged chunks keep their digests; a changed file's chunks are found again by path and chunk number)
+and to any stack the layer is part of. ``to_prefetch_list`` turns a profile into the PrefetchList of a
+layer (the chunks of that layer it names, in first-read order); prefetcher.py fetches it.
+
+In the store (dsec_fs/store/keys.py)::
+
+    profiles/layers/<layer digest>/<node id>   what the node <node id> learned of that layer
+    profiles/names/<sha256 of the ref name>/<node id>   the same, under the layer's name (any tag): what a
+                                                 new tag starts from when its own digest has no profile
+
+One object per node and key, written only by that node (it merges what it learned before into it), so
+two nodes publishing at once never lose each other's update; a reader merges the objects of every
+node (at most MAX_PUBLISHERS). An object is JSON with the sha256 of its body, at most MAX_PROFILE_BYTES
+with at most MAX_ENTRIES entries: anything else (corrupt, truncated, oversized, from another format, a
+body that does not match its checksum) is refused with a FormatError or IntegrityError naming the key,
+and the daemon goes on without it (a profile only ever speeds a mount up).
+
+Merging: an entry's traces add up; its first-read time is the traces-weighted mean. A prefetch list takes
+the entries read by at least ``min_fraction`` of the traces (prefetch_list.DEFAULT_MIN_FRACTION), so
+what one odd run read is not fetched for everyone.
+
+Threads: plain functions on values; the store calls block and run in worker threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from dsec_fs.blobmap import BlobMap
+from dsec_fs.digest import from_hex, is_hex_digest, to_hex
+from dsec_fs.errors import DsecError, FormatError, IntegrityError, NotFoundError
+from dsec_fs.layer import utc_now
+from dsec_fs.store.base import Store
+
+from .analysis import LayerIndex
+from .prefetch_list import DEFAULT_MIN_FRACTION, PrefetchEntry, PrefetchList
+from .trace import Trace
+
+log = logging.getLogger(__name__)
+
+FORMAT = "dsecfs-profile"
+VERSION = 1
+MAX_PROFILE_BYTES = 8 << 20
+MAX_ENTRIES = 100_000  # 100 GB of 1 MiB chunks read at a start is far beyond any workload
+MAX_PUBLISHERS = 32  # node objects merged per key
+MAX_PATH = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileEntry:
+    digest: bytes  # the chunk's sha256
+    length: int
+    first_read_us: int  # after the mount
+    traces: int  # traces that read it
+    path: str = ""  # the file it was read in ("" for a blob read no file could be named for)
+    file_chunk: int = 0  # which chunk of that file
+
+
+@dataclass
+class Profile:
+    layer: str  # the digest of the layer it was learned on (the newest, once merged)
+    traces: int
+    entries: list[ProfileEntry]  # in first-read order
+    updated: str = field(default_factory=utc_now)
+
+    def encode(self) -> bytes:
+        body = {"layer": self.layer, "traces": self.traces, "updated": self.updated,
+                "entries": [[to_hex(e.digest), e.length, e.first_read_us, e.traces, e.path, e.file_chunk]
+                            for e in self.entries]}
+        body_bytes = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+        return json.dumps({"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(body_bytes).hexdigest(),
+                           "body": body_bytes.decode()}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, *, source: str) -> Profile:
+        def fail(structure: str, message: str) -> FormatError:
+            return FormatError(structure, None, message, source=source)
+
+        if len(data) > MAX_PROFILE_BYTES:
+            raise fail("profile", f"{len(data)} bytes, over the limit of {MAX_PROFILE_BYTES}")
+        try:
+            outer = json.loads(data)
+            if not isinstance(outer, dict) or outer.get("format") != FORMAT or outer.get("version") != VERSION:
+                raise fail("profile", f"not a {FORMAT} object of version {VERSION}")
+            body_text = outer["body"]
+            if not isinstance(body_text, str):
+                raise fail("profile", "body is not a string")
+            body_bytes = body_text.encode()
+            if hashlib.sha256(body_bytes).hexdigest() != outer.get("sha256"):
+                raise IntegrityError("the body does not match its sha256", where=source)
+            body = json.loads(body_bytes)
+            layer, traces, raw_entries = body["layer"], body["traces"], body["entries"]
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise fail("profile", f"not a profile: {exc!r:.200}") from None
+        if not (isinstance(layer, str) and is_hex_digest(layer)):
+            raise fail("profile.layer", "not a layer digest")
+        if type(traces) is not int or not 1 <= traces <= 1 << 40:
+            raise fail("profile.traces", f"{traces!r:.40} is not a positive count")
+        if not isinstance(raw_entries, list) or len(raw_entries) > MAX_ENTRIES:
+            raise fail("profile.entries", f"not a list of at most {MAX_ENTRIES} entries")
+        entries = []
+        for index, raw in enumerate(raw_entries):
+            where = f"profile.entries[{index}]"
+            if not (isinstance(raw, list) and len(raw) == 6):
+                raise fail(where, "not a list of 6 fields")
+            digest, length, first_read_us, entry_traces, path, file_chunk = raw
+            if not (isinstance(digest, str) and is_hex_digest(digest)):
+                raise fail(where, "digest is not 64 lowercase hex")
+            if not all(type(v) is int and v >= 0 for v in (length, first_read_us, entry_traces, file_chunk)):
+                raise fail(where, "length, first_read_us, traces and file_chunk must be non-negative integers")
+            if not 1 <= entry_traces <= traces or not isinstance(path, str) or len(path) > MAX_PATH:
+                raise fail(where, "traces out of range, or a bad path")
+            entries.append(ProfileEntry(from_hex(digest), length, first_read_us, entry_traces, path, file_chunk))
+        return cls(layer=layer, traces=traces, entries=entries, updated=str(body.get("updated", "")))
+
+
+def learn(layer: LayerIndex, trace: Trace) -> Profile | None:
+    """The profile of one trace of ``layer``: the chunks its readers read (not the prefetcher), in
+    first-read order; None if they read nothing."""
+    use = layer.access(trace).use
+    if not use.first_read:
+        return None
+    entries = []
+    for entry, first_ns in sorted(use.first_read.items(), key=lambda item: item[1]):
+        _blkaddr, digest, length = layer.blob_map.entries[entry]
+        owner = layer.owner[entry]
+        path, file_chunk = ("", 0) if owner is None else (layer.files[owner[0]].path, owner[1] >> layer.chunk_bits)
+        entries.append(ProfileEntry(digest, length, first_ns // 1000, 1, path, file_chunk))
+    return Profile(layer=layer.digest, traces=1, entries=entries[:MAX_ENTRIES])
+
+
+def merge(profiles: Iterable[Profile], *, layer: str | None = None) -> Profile | None:
+    """One profile of what all of ``profiles`` saw (``layer``: the digest to name; default the first's)."""
+    profiles = list(profiles)
+    if not profiles:
+        return None
+    merged: dict[bytes, list] = {}  # digest -> [traces, sum of first_read_us * traces, length, path, chunk]
+    for profile in profiles:
+        for e in profile.entries:
+            seen = merged.get(e.digest)
+            if seen is None:
+                merged[e.digest] = [e.traces, e.first_read_us * e.traces, e.length, e.path, e.file_chunk]
+            else:
+                seen[0] += e.traces
+                seen[1] += e.first_read_us * e.traces
+    traces = sum(p.traces for p in profiles)
+    entries = sorted((ProfileEntry(digest, length, weighted // count, min(count, traces), path, chunk)
+                      for digest, (count, weighted, length, path, chunk) in merged.items()),
+                     key=lambda e: (e.first_read_us, -e.traces))
+    if len(entries) > MAX_ENTRIES:  # keep what most traces read
+        keep = set(sorted(entries, key=lambda e: -e.traces)[:MAX_ENTRIES])
+        entries = [e for e in entries if e in keep]
+    return Profile(layer=layer or profiles[0].layer, traces=traces, entries=entries)
+
+
+def to_prefetch_list(profile: Profile, digest: str, blob_map: BlobMap, layer_index: Callable[[], LayerIndex], *,
+                     min_fraction: float = DEFAULT_MIN_FRACTION) -> PrefetchList:
+    """The chunks of layer ``digest`` that ``profile`` says at least ``min_fraction`` of its traces read,
+    in first-read order: found by digest in ``blob_map``, else (the file changed since) by path and chunk
+    number in ``layer_index()``, which is only built if some entry needs it (it walks the whole image)."""
+    by_digest = {chunk_digest: index for index, (_blkaddr, chunk_digest, _length) in enumerate(blob_map.entries)}
+    by_path: dict[str, tuple[int | None, ...]] | None = None
+    need = max(1, math.ceil(min_fraction * profile.traces - 1e-9))
+    chosen: list[PrefetchEntry] = []
+    seen: set[int] = set()
+    for e in profile.entries:
+        if e.traces < need:
+            continue
+        index = by_digest.get(e.digest)
+        if index is None and e.path:
+            if by_path is None:
+                by_path = {file.path: file.chunks for file in layer_index().files.values()}
+            chunks = by_path.get(e.path, ())
+            index = chunks[e.file_chunk] if e.file_chunk < len(chunks) else None
+        if index is None or index in seen:
+            continue
+        seen.add(index)
+        blkaddr, chunk_digest, length = blob_map.entries[index]
+        chosen.append(PrefetchEntry(chunk=index, digest=chunk_digest, offset=blkaddr * blob_map.block_size,
+                                    length=length, first_read_us=e.first_read_us, traces=e.traces))
+    return PrefetchList(layer=digest, chunk_size=blob_map.chunk_size, traces=profile.traces,
+                        min_fraction=min_fraction, entries=chosen)
+
+
+# ---- in the store ------------------------------------------------------------------------------------
+
+
+def name_id(ref_name: str) -> str:
+    """The store's name for a ref name (any characters, any length) in profile keys."""
+    return hashlib.sha256(ref_name.encode()).hexdigest()
+
+
+def fetch(store: Store, prefix: str) -> Profile | None:
+    """The merged profile of every node's object under ``prefix`` (keys.profile_prefix); objects that do
+    not decode are logged and skipped; None when there are none (or the store fails: a profile is only
+    ever a help)."""
+    try:
+        names = sorted(store.list(prefix))[:MAX_PUBLISHERS]
+    except DsecError as exc:
+        log.warning("cannot list the profiles under %s: %s", prefix, exc)
+        return None
+
+    def load(key: str) -> Profile | None:
+        try:
+            size = store.size(key)
+            if size > MAX_PROFILE_BYTES:
+                raise FormatError("profile", None, f"{size} bytes, over the limit of {MAX_PROFILE_BYTES}", source=key)
+            return Profile.decode(store.get(key), source=key)
+        except NotFoundError:
+            return None
+        except DsecError as exc:
+            log.warning("ignoring the profile %s: %s", key, exc)
+            return None
+
+    if not names:
+        return None
+    with ThreadPoolExecutor(max_workers=min(8, len(names)), thread_name_prefix="profile") as pool:
+        found = [p for p in pool.map(load, names) if p is not None]
+    return merge(found) if found else None
+
+
+def publish(store: Store, key: str, learned: Profile) -> Profile:
+    """Merge ``learned`` into this node's object at ``key`` (what it published before, if readable) and
+    write it back; returns what was written."""
+    try:
+        previous = Profile.decode(store.get(key), source=key)
+    except NotFoundError:
+        previous = None
+    except DsecError as exc:
+        log.warning("replacing this node's unreadable profile %s: %s", key, exc)
+        previous = None
+    merged = merge([learned] + ([previous] if previous else []), layer=learned.layer)
+    data = merged.encode()
+    if len(data) > MAX_PROFILE_BYTES:  # many distinct paths: keep what the most traces read
+        merged.entries = sorted(merged.entries, key=lambda e: -e.traces)[:len(merged.entries) // 2]
+        merged.entries.sort(key=lambda e: (e.first_read_us, -e.traces))
+        data = merged.encode()
+    store.put(key, data)
+    return merged

@@ -1,0 +1,149 @@
+"""The node daemon's side of access profiles (profile.py): look them up for a mount, publish them after.
+
+- ``lookup`` (called by the daemon while it opens a layer, in the thread that read the manifest, so its
+  round trips overlap those of meta.erofs and the blob map): the merged profile of the layer's digest,
+  else that of its ref name (a new tag of a known name), else None.
+- ``plan`` turns the profile into the PrefetchList of the layer being mounted (a worker thread).
+- ``publish_soon``: once the last mount of a layer in a mode goes and its trace is closed, a background
+  task learns the trace's profile and merges it into this node's objects in the store, under the layer's
+  digest and, if the mount named one, its ref name. Best effort and off every request's path: a failure is
+  logged, never raised. A publish under way when the daemon stops finishes (its worker thread is waited
+  for), and ``flush`` (when the daemon stops, after its last unmounts) publishes what is still queued,
+  within FLUSH_SECONDS.
+
+The node id names this node's objects: 16 random hex digits made once, kept in ``state_dir/node-id``.
+
+Threads: ``lookup`` and ``plan`` block (worker threads); ``publish_soon`` is called in the daemon's trio
+thread and runs its store calls in worker threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+
+import trio
+
+from dsec_fs.blobmap import BlobMap
+from dsec_fs.errors import DsecError
+from dsec_fs.files import private_dir, write_atomic
+from dsec_fs.layer import LayerFiles
+from dsec_fs.store import keys
+from dsec_fs.store.base import Store
+from erofs_builder.reader import ErofsImage
+
+from . import profile
+from .analysis import LayerIndex
+from .prefetch_list import PrefetchList
+from .trace import read_trace
+
+log = logging.getLogger(__name__)
+
+NODE_ID_FILE = "node-id"
+FLUSH_SECONDS = 15.0
+
+
+@dataclass
+class _Publish:
+    store: Store
+    files: LayerFiles
+    trace_path: str
+    ref_name: str | None
+    started: bool = False
+
+
+@dataclass(frozen=True)
+class FoundProfile:
+    profile: profile.Profile
+    source: str  # "layer" (learned on this very layer) or "name" (on another layer of its ref name)
+
+
+def layer_index(files: LayerFiles, blob_map: BlobMap | None = None) -> LayerIndex:
+    return LayerIndex(files.digest, ErofsImage(files.meta, source=keys.layer_meta(files.digest)),
+                      blob_map or BlobMap.decode(files.blobmap, source=keys.layer_blobmap(files.digest)))
+
+
+class ProfileKeeper:
+    def __init__(self, state_dir: str):
+        self.node_id = _node_id(state_dir)
+        self.published = 0
+        self.publish_failures = 0
+        self._queued: list[_Publish] = []
+
+    def lookup(self, store: Store, digest: str, ref_name: str | None) -> FoundProfile | None:
+        found = profile.fetch(store, keys.layer_profiles(digest))
+        if found is not None:
+            return FoundProfile(found, "layer")
+        if ref_name:
+            found = profile.fetch(store, keys.name_profiles(profile.name_id(ref_name)))
+            if found is not None:
+                return FoundProfile(found, "name")
+        return None
+
+    @staticmethod
+    def plan(found: FoundProfile, files: LayerFiles, blob_map: BlobMap) -> PrefetchList:
+        return profile.to_prefetch_list(found.profile, files.digest, blob_map,
+                                        functools.partial(layer_index, files, blob_map))
+
+    def publish_soon(self, nursery: trio.Nursery | None, store: Store, files: LayerFiles, trace_path: str,
+                     ref_name: str | None) -> None:
+        """Publish in a task of ``nursery``; with None (the daemon is stopping), at ``flush``."""
+        job = _Publish(store, files, trace_path, ref_name)
+        self._queued.append(job)
+        if nursery is not None:
+            nursery.start_soon(self._publish, job)
+
+    async def flush(self) -> None:
+        """Publish what is still queued, for at most FLUSH_SECONDS (shielded: the daemon is stopping)."""
+        with trio.CancelScope(shield=True), trio.move_on_after(FLUSH_SECONDS) as waited:
+            for job in list(self._queued):
+                await self._publish(job)
+        if waited.cancelled_caught:
+            log.warning("%d profiles left unpublished: the store took over %g s", len(self._queued), FLUSH_SECONDS)
+
+    async def _publish(self, job: _Publish) -> None:
+        if job.started:
+            return
+        job.started = True
+        files, trace_path = job.files, job.trace_path
+        try:
+            # Not abandoned when cancelled: a publish under way finishes even as the daemon stops.
+            learned = await trio.to_thread.run_sync(self._publish_blocking, job.store, files, trace_path, job.ref_name)
+        except (DsecError, OSError) as exc:
+            self.publish_failures += 1
+            log.warning("cannot publish the profile of layer %s from %s: %s", files.digest[:12], trace_path, exc)
+            return
+        finally:
+            self._queued.remove(job)
+        if learned is not None:
+            self.published += 1
+            log.info("published the profile of layer %s (%d chunks, %d traces)", files.digest[:12],
+                     len(learned.entries), learned.traces)
+
+    def _publish_blocking(self, store: Store, files: LayerFiles, trace_path: str,
+                          ref_name: str | None) -> profile.Profile | None:
+        learned = profile.learn(layer_index(files), read_trace(trace_path))
+        if learned is None:
+            return None
+        merged = profile.publish(store, keys.layer_profiles(files.digest) + self.node_id, learned)
+        if ref_name:
+            profile.publish(store, keys.name_profiles(profile.name_id(ref_name)) + self.node_id, learned)
+        return merged
+
+
+def _node_id(state_dir: str) -> str:
+    path = os.path.join(state_dir, NODE_ID_FILE)
+    try:
+        with open(path) as f:
+            node_id = f.read().strip()
+        if len(node_id) == 16 and all(c in "0123456789abcdef" for c in node_id):
+            return node_id
+    except FileNotFoundError:
+        pass
+    node_id = secrets.token_hex(8)
+    private_dir(state_dir)
+    write_atomic(path, node_id.encode() + b"\n")
+    return node_id

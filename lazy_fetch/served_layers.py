@@ -1,0 +1,71 @@
+"""What the node daemon holds for each layer it serves: the store it came from, its blob, its users.
+
+    StoreContext  one per store URL: the store (wrapped: faults, latency, limit, retry), its ChunkIndex,
+                  its ChunkFetcher and the MemoryFrontedFetcher blobs read through
+    Layer         a layer some mount uses: its files, its blob, its store, its usage, its prefetch
+    Served        the blob layer_mount serves for one layer in one mode, shared by that layer's mounts in
+                  that mode, with their one trace
+
+Threads: plain records of the daemon's trio thread.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from dsec_fs.chunks import ChunkIndex
+from dsec_fs.layer import LayerFiles
+from dsec_fs.store.base import Store
+
+from .blob_reader import LayerBlob
+from .fetcher import ChunkFetcher
+from .memory_cache import MemoryFrontedFetcher
+from .miss_readahead import MissReadahead
+from .prefetcher import PrefetchJob
+from .traced_blob import LayerUsage, TracedBlob
+
+
+@dataclass
+class StoreContext:
+    url: str
+    store: Store
+    chunk_index: ChunkIndex
+    fetcher: ChunkFetcher
+    reader: MemoryFrontedFetcher
+    indexed_layers: set[str] = field(default_factory=set)  # layers whose pack indexes chunk_index holds
+
+
+@dataclass
+class Layer:
+    files: LayerFiles
+    blob: LayerBlob
+    store: StoreContext
+    usage: LayerUsage
+    readahead: MissReadahead | None = None  # shared by its mounts in both modes
+    mounts: int = 0
+    prefetch: PrefetchJob | None = None
+
+    @property
+    def digest(self) -> str:
+        return self.files.digest
+
+
+@dataclass
+class Served:
+    blob: TracedBlob
+    trace_path: str
+    ref_name: str | None = None  # the layer's ref name as its first mount named it (for profiles)
+    mounts: int = 0
+
+    def close_trace(self, *, remove: bool = False) -> None:
+        trace, self.blob.trace = self.blob.trace, None
+        if trace is not None:
+            trace.close()
+            if remove:
+                os.unlink(trace.path)
+
+
+def served_key(mode: str, files: LayerFiles) -> tuple[str, str]:
+    """layer_mount shares a kernel-mode blob by blob id and a fuse-mode tree by layer digest."""
+    return (mode, files.manifest.blob_id if mode == "kernel" else files.digest)

@@ -1,0 +1,168 @@
+"""What FUSE reads of a layer, counted and traced: the store fetch log, each layer's usage, traced blobs.
+
+Traces. Each mount gets a trace file (trace.py). In kernel mode the daemon only sees reads of the virtual
+blob, so records name blob ranges (FLAG_BLOB); in fuse mode LayerTree says which file it is reading
+(fs_core.FILE_READ) and records name the nid and file offset. A record has FLAG_MISS when its read
+waited for a chunk fetched from the store: ``StoreFetchLog`` (the cache as the fetchers see it) numbers
+every chunk the fetchers put into the cache, which they do for each chunk read from the store before
+anyone is answered, so a read that finds one of its chunks numbered after it started waited for the store.
+
+Preload. A blob read in order that has gone on for PRELOAD_AFTER_BYTES has the next PRELOAD_BYTES of
+chunks loaded from the disk cache into memory ahead of it (memory_cache.MemoryFrontedFetcher.preload).
+
+Threads: TracedBlob and LayerUsage belong to the daemon's trio thread. StoreFetchLog is shared:
+the fetchers' worker threads put, the trio thread marks and asks; its ``_lock`` guards the numbering.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from dsec_fs.errors import DsecError
+
+from .blob_reader import BlobChunk, LayerBlob
+from .cache import ChunkCache
+from .fs_core import FILE_READ
+from .miss_readahead import MissReadahead
+from .trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, NO_CHUNK, TraceWriter
+
+PRELOAD_BYTES = 4 << 20  # chunks ahead of a blob read in order loaded from the disk cache into memory
+# (at most a quarter of the memory cache, so that what is preloaded does not push itself out), once the
+# reads in order add up to PRELOAD_AFTER_BYTES: a cold start reads many small files, often one after the
+# other in the blob, and preloading for them pushed prefetched chunks out of memory (kernel mode with a
+# prefetch list: 0.97 s to 1.58 s)
+PRELOAD_AFTER_BYTES = 2 << 20
+FETCH_LOG_KEPT = 1 << 16  # store fetches StoreFetchLog remembers: far more than can happen during one read
+
+
+class StoreFetchLog:
+    """The ChunkCache as the fetchers see it. A fetcher puts each chunk it read from the store (and only
+    those) before answering anyone, so numbering the puts tells a read whether it waited for the store:
+    take ``mark()`` before reading, ask ``fetched_since(mark, digests)`` after. Worker threads put; the
+    trio thread marks and asks; ``_lock`` guards the numbering."""
+
+    def __init__(self, cache: ChunkCache):
+        self.cache = cache
+        self._lock = threading.Lock()
+        self._count = 0
+        self._fetched: OrderedDict[bytes, int] = OrderedDict()  # digest -> number of its latest put
+
+    def get(self, digest: bytes) -> bytes | None:
+        return self.cache.get(digest)
+
+    def put_many(self, chunks: Iterable[tuple[bytes, bytes | memoryview]]) -> int:
+        chunks = list(chunks)
+        with self._lock:
+            for digest, _data in chunks:
+                self._count += 1
+                self._fetched[digest] = self._count
+                self._fetched.move_to_end(digest)
+                if len(self._fetched) > FETCH_LOG_KEPT:
+                    self._fetched.popitem(last=False)
+        return self.cache.put_many(chunks)
+
+    def mark(self) -> int:
+        with self._lock:
+            return self._count
+
+    def fetched_since(self, mark: int, digests: Iterable[bytes]) -> bool:
+        with self._lock:
+            return any(self._fetched.get(digest, 0) > mark for digest in digests)
+
+
+class LayerUsage:
+    """What readers used of one layer since the daemon started (kept after its mounts go, for metrics),
+    and what its prefetches fetched, to say how well they predicted the reads."""
+
+    def __init__(self, blob: LayerBlob):
+        self._lengths = [length for _blkaddr, _digest, length in blob.blob_map.entries]
+        self.data_bytes = sum(self._lengths)
+        self.used_bytes = 0
+        self.reads = 0
+        self.read_errors = 0
+        self._used = bytearray(len(self._lengths))  # 1 for each blob-map entry served
+        self._prefetched = bytearray(len(self._lengths))  # 1 for each blob-map entry a prefetch brought
+
+    def note(self, chunks: list[BlobChunk], failed: bool) -> None:
+        self.reads += 1
+        if failed:
+            self.read_errors += 1
+            return
+        for chunk in chunks:
+            if not self._used[chunk.entry]:
+                self._used[chunk.entry] = 1
+                self.used_bytes += chunk.length
+
+    def note_prefetched(self, entry: int) -> None:
+        self._prefetched[entry] = 1
+
+    def prediction(self) -> dict[str, int]:
+        """Bytes prefetched, prefetched and read, prefetched and never read, read and never prefetched."""
+        both = prefetched = used = 0
+        for length, was_used, was_prefetched in zip(self._lengths, self._used, self._prefetched):
+            prefetched += length * was_prefetched
+            used += length * was_used
+            both += length * (was_used & was_prefetched)
+        return {"prefetched_bytes": prefetched, "prefetched_read_bytes": both,
+                "prefetched_unread_bytes": prefetched - both, "read_not_prefetched_bytes": used - both}
+
+
+class TracedBlob:
+    """What FUSE reads of one layer's blob in one mode (what layer_mount serves): the LayerBlob, each read
+    counted in the layer's usage and, while ``trace`` is open, recorded in it."""
+
+    def __init__(self, blob: LayerBlob, usage: LayerUsage, fetch_log: StoreFetchLog, trace: TraceWriter | None,
+                 readahead: MissReadahead | None = None):
+        self.blob = blob
+        self.readahead = readahead  # what a read that misses brings along (miss_readahead.py)
+        self.size = blob.size
+        self.usage = usage
+        self.fetch_log = fetch_log
+        self.trace = trace
+        # (end offset, last chunk's blob-map entry, bytes read in order up to it) of the latest read
+        self._last_read = (-1, -1, 0)
+
+    async def read(self, offset: int, length: int) -> bytes:
+        chunks = self.blob.chunks_for_range(offset, length)
+        if chunks:
+            end, entry, in_order = self._last_read
+            in_order = in_order + length if offset == end else length
+            if in_order >= PRELOAD_AFTER_BYTES and chunks[-1].entry != entry:  # a long read, into another chunk
+                front = self.blob.fetcher
+                front.preload(self.blob.following(chunks[-1].entry, min(PRELOAD_BYTES, front.memory.max_bytes // 4)))
+            self._last_read = (offset + length, chunks[-1].entry, in_order)
+        mark = self.fetch_log.mark()
+        started = time.monotonic_ns()
+        try:
+            ahead = self.readahead.plan(chunks) if self.readahead is not None else []
+            data = await self.blob.read(offset, length, readahead=ahead)
+        except DsecError:
+            self._note(offset, length, chunks, mark, started, failed=True)
+            raise
+        missed = self._note(offset, length, chunks, mark, started, failed=False)
+        if not missed and self.readahead is not None:
+            self.blob.fetcher.warm_soon(self.readahead.window_to_warm(), self.blob.label)
+        return data
+
+    def _note(self, offset: int, length: int, chunks: list[BlobChunk], mark: int, started: int, *,
+              failed: bool) -> bool:
+        """Count and trace one read; whether it waited for the store."""
+        self.usage.note(chunks, failed)
+        missed = self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks))
+        if self.trace is None:
+            return missed
+        flags = FLAG_ERROR if failed else 0
+        if missed:
+            flags |= FLAG_MISS
+        file_read = FILE_READ.get()  # set by LayerTree (fuse mode): the file and offset being read
+        if file_read is None:
+            nid, position = 0, offset
+            flags |= FLAG_BLOB
+        else:
+            nid, position = file_read
+        self.trace.record(nid=nid, offset=position, length=length, chunk=chunks[0].entry if chunks else NO_CHUNK,
+                          latency_us=(time.monotonic_ns() - started) // 1000, flags=flags)
+        return missed

@@ -1,0 +1,189 @@
+"""Hostile and careless requests to a real node daemon: paths on its own mounts, prefetch lists that are
+no files, thousands of idle connections. Each must get a clear answer in bounded time and memory while
+the daemon keeps serving the right bytes.
+
+Before request_paths.py, a mount request for a directory inside one of the daemon's own fuse-mode mounts
+(or an umount of state_dir/fuse) made its trio thread, which serves FUSE, look the path up on its own
+session: the daemon hung in D state for good. A FIFO as a prefetch list hung the request, /dev/zero took
+the daemon to the OOM killer, and about 1,000 idle connections made accept() fail with EMFILE, which
+ended the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import socket
+import subprocess
+import time
+
+import pytest
+
+from dsec_fs.client import Node
+from dsec_fs.errors import InputError, NotFoundError
+from dsec_fs.store import FilesystemStore
+from erofs_builder import build_layer
+from tests.lazy_fetch.daemon_support import DSECFS, Daemons, mount_dirs
+
+pytestmark = [pytest.mark.fuse, pytest.mark.root]
+
+FILES = {"dir/a.txt": b"alpha\n" * 1000, "dir/sub/b.bin": os.urandom(300_000), "top.txt": b"top\n"}
+ANSWER_SECONDS = 2.0  # the issue's bound for a refused request
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory) -> str:
+    base = tmp_path_factory.mktemp("hostile")
+    for name, data in FILES.items():
+        os.makedirs(base / "src" / os.path.dirname(name), exist_ok=True)
+        (base / "src" / name).write_bytes(data)
+    build_layer(str(base / "src"), FilesystemStore(str(base / "store"), fsync=False), name="t/hostile:1",
+                chunk_size=64 * 1024)
+    return str(base / "store")
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _assert_serving(node: Node, fuse_mnt: str, kernel_mnt: str) -> None:
+    assert node.status().pid > 0
+    for mnt in (fuse_mnt, kernel_mnt):
+        for name, data in FILES.items():
+            assert _read(os.path.join(mnt, name)) == data
+
+
+def _refused_quickly(call, *args, error=InputError, match: str = "own") -> None:
+    started = time.monotonic()
+    with pytest.raises(error, match=match):
+        call(*args)
+    assert time.monotonic() - started < ANSWER_SECONDS
+
+
+@pytest.mark.parametrize("binding", ["raw", "pyfuse3", "fusepy"])
+def test_paths_on_the_daemons_own_mounts_are_refused_while_it_keeps_serving(store_dir, daemons, tmp_path, binding):
+    daemon = daemons.start(store_dir, binding=binding)
+    node = Node(daemons.socket, timeout=10)  # a daemon that hangs on itself would never answer
+    fuse_mnt, kernel_mnt, spare = mount_dirs(tmp_path, "fuse", "kernel", "spare")
+    node.mount("t/hostile:1", fuse_mnt, mode="fuse")
+    node.mount("t/hostile:1", kernel_mnt, mode="kernel")
+    session = os.path.join(daemons.state_dir, "fuse")
+    link = str(tmp_path / "link-into-layer")
+    os.symlink(os.path.join(fuse_mnt, "dir"), link)
+    try:
+        for target in (os.path.join(fuse_mnt, "dir"), os.path.join(kernel_mnt, "dir"), session,
+                       os.path.join(session, "layers"), link, os.path.join(link, "sub")):
+            _refused_quickly(node.mount, "t/hostile:1", target)
+        for target in (session, os.path.join(session, "layers")):
+            _refused_quickly(node.umount, target, match="FUSE session")
+        _refused_quickly(node.umount, os.path.join(fuse_mnt, "dir"))
+        _refused_quickly(node.umount, link)
+        _refused_quickly(node.prefetch, fuse_mnt, os.path.join(fuse_mnt, "top.txt"))
+        _refused_quickly(node.umount, spare, error=NotFoundError, match="no layer is mounted")
+        _assert_serving(node, fuse_mnt, kernel_mnt)
+        # The operator's first guess in /proc/mounts, through the CLI: refused with a non-zero exit.
+        started = time.monotonic()
+        cli = subprocess.run([DSECFS, "umount", session, "--socket", daemons.socket], capture_output=True,
+                             text=True, timeout=30)
+        assert cli.returncode != 0 and "FUSE session" in cli.stderr
+        assert time.monotonic() - started < 10
+        _assert_serving(node, fuse_mnt, kernel_mnt)
+        assert daemon.alive
+    finally:
+        node.umount(kernel_mnt)
+        node.umount(fuse_mnt)
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_prefetch_lists_that_are_no_regular_files_are_refused_at_once(store_dir, daemons, tmp_path):
+    daemon = daemons.start(store_dir)
+    node = Node(daemons.socket, timeout=10)
+    fuse_mnt, kernel_mnt = mount_dirs(tmp_path, "fuse", "kernel")
+    node.mount("t/hostile:1", fuse_mnt, mode="fuse")
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    huge = str(tmp_path / "huge.json")
+    with open(huge, "wb") as f:
+        f.truncate(1 << 30)  # sparse: a gigabyte of zeros that costs no disk
+    rss_before = _rss_bytes(daemon.pid)
+    try:
+        for path, match in (("/dev/zero", "not a regular file"), (fifo, "not a regular file"),
+                            (str(tmp_path), "not a regular file"), (huge, "over the limit")):
+            _refused_quickly(lambda: node.mount("t/hostile:1", kernel_mnt, prefetch_list=path), match=match)
+            _refused_quickly(node.prefetch, fuse_mnt, path, match=match)
+        assert node.mounts()[0].mountpoint == fuse_mnt and len(node.mounts()) == 1
+        assert _rss_bytes(daemon.pid) < rss_before + (64 << 20)
+        assert _read(os.path.join(fuse_mnt, "dir/sub/b.bin")) == FILES["dir/sub/b.bin"]
+    finally:
+        node.umount(fuse_mnt)
+
+
+def _connect_idle(path: str, count: int) -> list[socket.socket]:
+    """``count`` connections that send nothing (non-blocking connects: a full backlog must not stall us)."""
+    idle = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        result = sock.connect_ex(path)
+        assert result in (0, errno.EAGAIN, errno.EINPROGRESS), os.strerror(result)
+        idle.append(sock)
+    return idle
+
+
+@pytest.mark.parametrize("nofile", [1024, 200])
+def test_thousands_of_idle_connections_neither_stop_nor_block_the_daemon(store_dir, daemons, tmp_path, nofile):
+    """With nofile 1024 the connection cap closes idle connections first; with 200 accept() itself runs out
+    of descriptors (EMFILE) and the daemon backs off instead of exiting."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 8192), max(hard, 8192)))
+    daemon = daemons.start(store_dir, command=["prlimit", f"--nofile={nofile}:{nofile}", DSECFS])
+    node = Node(daemons.socket, timeout=20)
+    mnt, = mount_dirs(tmp_path, "mnt")
+    idle: list[socket.socket] = []
+    try:
+        idle = _connect_idle(daemons.socket, 2000)
+        node.mount("t/hostile:1", mnt, mode="fuse")
+        assert _read(os.path.join(mnt, "dir/sub/b.bin")) == FILES["dir/sub/b.bin"]
+        assert node.status().connections <= 512
+        for sock in idle:
+            sock.close()
+        idle = []
+        time.sleep(0.5)
+        assert node.status().pid == daemon.pid and daemon.alive
+        assert _read(os.path.join(mnt, "dir/a.txt")) == FILES["dir/a.txt"]
+        node.umount(mnt)
+    finally:
+        for sock in idle:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_state_dir_on_tmpfs_refuses_kernel_mode_clearly_and_fuse_mode_works(store_dir, tmp_path):
+    """/run is tmpfs on a systemd machine, and the kernel refuses a file-backed EROFS image there (ENOTBLK):
+    a kernel-mode mount says so and what to do, a fuse-mode one works."""
+    from dsec_fs.errors import UnsupportedError
+    from dsec_fs.mounts import mount, umount
+
+    memory = tmp_path / "run"
+    memory.mkdir()
+    mount("tmpfs", str(memory), "tmpfs")
+    daemons = Daemons(tmp_path)
+    daemons.state_dir = str(memory / "state")
+    try:
+        node = daemons.start(store_dir).node
+        kernel_mnt, fuse_mnt = mount_dirs(tmp_path, "kernel", "fuse")
+        with pytest.raises(UnsupportedError, match="disk filesystem") as error:
+            node.mount("t/hostile:1", kernel_mnt, mode="kernel")
+        assert "--state-dir" in error.value.message and node.mounts() == []
+        node.mount("t/hostile:1", fuse_mnt, mode="fuse")
+        assert _read(os.path.join(fuse_mnt, "top.txt")) == FILES["top.txt"]
+        node.umount(fuse_mnt)
+    finally:
+        daemons.stop_all()
+        umount(str(memory), lazy=True)

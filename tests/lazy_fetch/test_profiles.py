@@ -1,0 +1,272 @@
+"""Access profiles (lazy_fetch/profile.py, profile_keeper.py): learned by one daemon from its traces,
+shared through the store, used by another daemon with its own state and cache; hostile objects ignored."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from dsec_fs.client import Node
+from dsec_fs.errors import FormatError, IntegrityError
+from dsec_fs.store import FilesystemStore, keys
+from erofs_builder import build_layer
+from lazy_fetch import profile
+from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace
+from tests.lazy_fetch.daemon_support import Daemons, mount_dirs
+
+CHUNK = 64 * 1024
+rng = random.Random(13)
+FILES = {f"pkg/mod{i}.py": rng.randbytes(3 * CHUNK + i) for i in range(8)}
+FILES["big/data.bin"] = rng.randbytes(40 * CHUNK)
+READ = ("pkg/mod1.py", "pkg/mod4.py", "pkg/mod6.py")  # what "the workload" reads
+
+
+def _entry(i: int, traces: int = 1, first: int = 0) -> profile.ProfileEntry:
+    return profile.ProfileEntry(bytes([i]) * 32, 100, first, traces, f"/f{i}", 0)
+
+
+def test_a_profile_round_trips_and_refuses_every_damage():
+    p = profile.Profile(layer="ab" * 32, traces=2, entries=[_entry(1, 2, 5), _entry(2, 1, 9)])
+    data = p.encode()
+    again = profile.Profile.decode(data, source="k")
+    assert (again.layer, again.traces, again.entries) == (p.layer, p.traces, p.entries)
+    flipped = data.replace(b"/f1", b"/f7")
+    with pytest.raises(IntegrityError, match="sha256"):
+        profile.Profile.decode(flipped, source="profiles/layers/x/n")
+    for bad in (data[: len(data) // 2], b"\x00" * 10, b'{"format": "other"}', b"[]",
+                b" " * (profile.MAX_PROFILE_BYTES + 1)):
+        with pytest.raises(FormatError):
+            profile.Profile.decode(bad, source="profiles/layers/x/n")
+
+
+def test_merging_adds_traces_and_weights_first_read_times():
+    a = profile.Profile(layer="ab" * 32, traces=1, entries=[_entry(1, 1, 100), _entry(2, 1, 50)])
+    b = profile.Profile(layer="cd" * 32, traces=3, entries=[_entry(1, 3, 300)])
+    merged = profile.merge([a, b])
+    assert merged.traces == 4
+    by_digest = {e.digest: e for e in merged.entries}
+    assert by_digest[bytes([1]) * 32].traces == 4 and by_digest[bytes([1]) * 32].first_read_us == 250
+    assert [e.digest for e in merged.entries] == [bytes([2]) * 32, bytes([1]) * 32]  # first-read order
+
+
+# ---- with real daemons ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def store_dir(tmp_path) -> str:
+    src = tmp_path / "src"
+    for name, data in FILES.items():
+        os.makedirs(src / os.path.dirname(name), exist_ok=True)
+        (src / name).write_bytes(data)
+    build_layer(str(src), FilesystemStore(str(tmp_path / "store"), fsync=False), name="t/app:1", chunk_size=CHUNK)
+    return str(tmp_path / "store")
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _wait_for(condition, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _learn(daemons: Daemons, store: str, tmp_path, names=READ, ref="t/app:1", mode="fuse") -> None:
+    """One daemon mounts ``ref``, reads ``names``, unmounts: its profile lands in the store."""
+    daemons.start(store, profiles=True)
+    node = Node(daemons.socket)
+    mnt, = mount_dirs(tmp_path, f"learn-{os.path.basename(daemons.state_dir)}")
+    info = node.mount(ref, mnt, mode=mode)
+    for name in names:
+        assert _read(os.path.join(mnt, name)) == FILES[name]
+    node.umount(mnt)
+    digest = info.layer
+    _wait_for(lambda: list(FilesystemStore(store).list(keys.layer_profiles(digest))), "the profile object")
+    daemons.stop_all()
+
+
+def _two_daemons(tmp_path):
+    return Daemons(tmp_path / "a"), Daemons(tmp_path / "b")
+
+
+def _reads_that_waited(trace_path: str) -> list:
+    return [r for r in read_trace(trace_path).records if r.flags & FLAG_MISS and not r.flags & FLAG_PREFETCH]
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+@pytest.mark.parametrize("mode", ["fuse", "kernel"])
+def test_a_profile_learned_on_one_node_prefetches_for_another(store_dir, tmp_path, mode, mounts_below):
+    a, b = _two_daemons(tmp_path)
+    try:
+        _learn(a, store_dir, tmp_path, mode=mode)
+        assert a.state_dir != b.state_dir and a.cache_dir != b.cache_dir
+        b.start(store_dir, profiles=True)
+        node = Node(b.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-b")
+        info = node.mount("t/app:1", mnt, mode=mode)
+        assert info.prefetch == "profile:layer" and info.prefetch_chunks == sum(
+            -(-len(FILES[name]) // CHUNK) for name in READ)
+        _wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
+        for name in READ:
+            assert _read(os.path.join(mnt, name)) == FILES[name]
+        (layer,) = node.status().layers
+        assert layer.prefetched_read_bytes == layer.prefetched_bytes > 0 and layer.read_not_prefetched_bytes == 0
+        trace = node.mounts()[0].trace
+        node.umount(mnt)
+        assert _reads_that_waited(trace) == []  # every first read hit the cache
+    finally:
+        a.stop_all()
+        b.stop_all()
+    assert mounts_below(tmp_path) == []
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_without_a_profile_or_with_no_profile_nothing_is_prefetched(store_dir, tmp_path):
+    a, b = _two_daemons(tmp_path)
+    try:
+        a.start(store_dir, profiles=True)
+        node = Node(a.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-a")
+        assert node.mount("t/app:1", mnt, mode="fuse").prefetch == ""  # nothing learned yet
+        node.umount(mnt)
+        a.stop_all()
+        _learn(b, store_dir, tmp_path)
+        a.start(store_dir, profiles=True)
+        info = node.mount("t/app:1", mnt, mode="fuse", profile=False)
+        assert info.prefetch == "" and node.prefetches() == []
+        node.umount(mnt)
+    finally:
+        a.stop_all()
+        b.stop_all()
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_two_nodes_publishing_at_once_lose_neither(store_dir, tmp_path):
+    a, b = _two_daemons(tmp_path)
+    try:
+        a.start(store_dir, profiles=True)
+        b.start(store_dir, profiles=True)
+        mounts = {}
+        for daemons, name in ((a, "pkg/mod2.py"), (b, "pkg/mod5.py")):
+            mnt, = mount_dirs(tmp_path, os.path.basename(str(daemons.tmp_path)) + "-m")
+            Node(daemons.socket).mount("t/app:1", mnt, mode="fuse")
+            assert _read(os.path.join(mnt, name)) == FILES[name]
+            mounts[daemons] = mnt
+        threads = [threading.Thread(target=Node(d.socket).umount, args=(m,)) for d, m in mounts.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        store = FilesystemStore(store_dir)
+        digest = Node(a.socket).status().layers[0].layer
+        _wait_for(lambda: len(list(store.list(keys.layer_profiles(digest)))) == 2, "both nodes' objects")
+        merged = profile.fetch(store, keys.layer_profiles(digest))
+        assert merged.traces == 2 and {e.path for e in merged.entries} == {"/pkg/mod2.py", "/pkg/mod5.py"}
+    finally:
+        a.stop_all()
+        b.stop_all()
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "oversized", "not-json"])
+def test_a_hostile_profile_object_is_ignored_and_the_mount_works(store_dir, tmp_path, damage):
+    a, b = _two_daemons(tmp_path)
+    try:
+        _learn(a, store_dir, tmp_path)
+        store = FilesystemStore(store_dir)
+        damaged = list(store.list(keys.PROFILES))  # the layer's and its name's
+        assert len(damaged) == 2
+        for key in damaged:
+            data = store.get(key)
+            store.put(key, {"corrupt": data.replace(b"mod1", b"mod2"), "truncated": data[:-40],
+                            "oversized": data + b" " * profile.MAX_PROFILE_BYTES, "not-json": b"\xff" * 100}[damage])
+        b.start(store_dir, profiles=True)
+        node = Node(b.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-b")
+        info = node.mount("t/app:1", mnt, mode="fuse")
+        assert info.prefetch == ""
+        for name in READ:
+            assert _read(os.path.join(mnt, name)) == FILES[name]
+        node.umount(mnt)
+        assert "ignoring the profile" in b.log()
+    finally:
+        a.stop_all()
+        b.stop_all()
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_a_new_tag_of_a_ref_starts_from_its_predecessors_profile(store_dir, tmp_path):
+    a, b = _two_daemons(tmp_path)
+    try:
+        _learn(a, store_dir, tmp_path)
+        src = tmp_path / "src"
+        changed = rng.randbytes(len(FILES["pkg/mod4.py"]))
+        (src / "pkg/mod4.py").write_bytes(changed)
+        v2 = build_layer(str(src), FilesystemStore(store_dir, fsync=False), name="t/app:2", chunk_size=CHUNK)
+        b.start(store_dir, profiles=True)
+        node = Node(b.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-b")
+        info = node.mount("t/app:2", mnt, mode="fuse")
+        assert info.layer == v2.digest and info.prefetch == "profile:name"
+        # the unchanged files found by digest, the changed one by its path: all of READ
+        assert info.prefetch_chunks == sum(-(-len(FILES[name]) // CHUNK) for name in READ)
+        _wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
+        assert _read(os.path.join(mnt, "pkg/mod4.py")) == changed
+        trace = node.mounts()[0].trace
+        node.umount(mnt)
+        assert _reads_that_waited(trace) == []
+    finally:
+        a.stop_all()
+        b.stop_all()
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_fill_streams_the_rest_of_the_layer_until_the_cache_bound_and_never_evicts(store_dir, tmp_path):
+    a = Daemons(tmp_path / "a")
+    cache_bytes = 3 << 20  # the layer holds about 4 MiB of chunks
+    try:
+        a.start(store_dir, profiles=True, cache_size=str(cache_bytes))
+        node = Node(a.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-a")
+        info = node.mount("t/app:1", mnt, mode="fuse", fill="layer")
+        assert info.prefetch == "fill"
+        _wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the fill")
+        cache = node.cache_stats()
+        assert 0.5 * cache_bytes < cache.bytes <= 0.9 * cache_bytes and cache.evictions == 0
+        for name, data in FILES.items():
+            assert _read(os.path.join(mnt, name)) == data
+        node.umount(mnt)
+    finally:
+        a.stop_all()
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_a_daemon_that_stops_publishes_the_profiles_of_its_last_mounts(store_dir, tmp_path):
+    a = Daemons(tmp_path / "a")
+    try:
+        a.start(store_dir, profiles=True)
+        node = Node(a.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-a")
+        digest = node.mount("t/app:1", mnt, mode="fuse").layer
+        assert _read(os.path.join(mnt, READ[0])) == FILES[READ[0]]
+        a.stop_all()  # SIGTERM with the layer still mounted: unmounted, then its profile published
+        merged = profile.fetch(FilesystemStore(store_dir), keys.layer_profiles(digest))
+        assert merged is not None and {e.path for e in merged.entries} == {"/" + READ[0]}
+    finally:
+        a.stop_all()
