@@ -22,10 +22,11 @@ from dsec_fs.errors import DsecError, InputError
 from dsec_fs.store import init_store, open_store
 from dsec_fs.units import human_size, parse_size
 
-from . import daemon_cmds, diff_cmds, ref_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
+from . import daemon_cmds, diff_cmds, oci_cmds, ref_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
 from .common import (CHUNK_SIZE_HELP, ENV_PREFIX, JSON_META, add_common_options, emit, json_option, note,
                      store_option)
 from .config import CONFIG_ENV, DEFAULT_CONFIG, config_path, load_default_map
+from .oci_cmds import plain_http_option, registry_options
 
 ARGV_META = "dsecfs.argv"
 SIGINT_EXIT = 130  # 128 + SIGINT, as shells report a command Ctrl-C stopped
@@ -100,14 +101,16 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.option("--tar-limit", "tar_limit", multiple=True, metavar="NAME=VALUE",
               help="raise a tar input limit: max_file_size, max_header_size, max_sparse_segments, "
                    "max_tar_bytes, max_expansion, expansion_allowance (repeatable)")
+@plain_http_option
 @json_option
 def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, parent: str | None,
           lenient: bool, platform: str, oci_layers: bool, max_size: str, max_meta_size: str,
-          tar_limit: tuple[str, ...], as_json: bool) -> None:
+          tar_limit: tuple[str, ...], plain_http: bool, as_json: bool) -> None:
     """Build SOURCE into a layer in the store.
 
     SOURCE is a directory, a tar file (plain, gzip or zstd; - for standard input), an OCI image layout
-    directory, or an OCI or docker-archive tar."""
+    directory, an OCI or docker-archive tar, oci:DIR:TAG (one image of a layout), or
+    docker://HOST[:PORT]/REPO[:TAG|@DIGEST] (an image in a registry, streamed)."""
     from erofs_builder.build import build_image_layers, build_layer
 
     if oci_layers and parent:
@@ -116,7 +119,7 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
 
     options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform,
                    limits=LayerLimits(parse_size(max_size), parse_size(max_meta_size)),
-                   tar_limits=tar_limits_with(list(tar_limit)))
+                   tar_limits=tar_limits_with(list(tar_limit)), registry=registry_options(plain_http))
     store, created = init_store(store_url)
     if created:
         note(f"created store {store.url}")
@@ -298,6 +301,9 @@ main.add_command(daemon_cmds.status)
 main.add_command(daemon_cmds.cache)
 main.add_command(sandbox_cmds.sandbox)
 main.add_command(ref_cmds.ref)
+main.add_command(oci_cmds.convert)
+main.add_command(oci_cmds.snapshotter)
+main.add_command(oci_cmds.image)
 trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
 add_common_options(main)
 

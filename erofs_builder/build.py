@@ -66,8 +66,10 @@ from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, shared
 from .patch import Patched, Rescan, missing_packs, scan_changes
 from .tree import Node, Tree
 from .walk_dir import listing_order, walk_directory
-from .walk_oci import oci_layer_streams, walk_oci
+from .images import is_image_ref, open_image
 from .limits import DEFAULT_LAYER_LIMITS, DEFAULT_LIMITS, LayerBudget, LayerLimits, TarLimits, check_tree
+from .registry import RegistryOptions
+from .walk_oci import OciImage, walk_layers
 from .walk_tar import OnFile, walk_tar
 from .writer import write_image
 
@@ -94,11 +96,13 @@ def build_layer(
     platform: str = "linux/amd64",
     limits: LayerLimits = DEFAULT_LAYER_LIMITS,
     tar_limits: TarLimits = DEFAULT_LIMITS,
+    registry: RegistryOptions | None = None,
 ) -> BuildResult:
     """Build and publish the layer of ``source``; with ``name`` ("name:tag"), point that ref at it.
 
     ``source`` is a directory, a tar file (plain, gzip or zstd; "-" reads standard input), or an OCI image
-    (an image layout directory, or an OCI or docker-archive tar): ``source_kind`` tells which. An image's
+    (an image layout directory, an OCI or docker-archive tar, or a docker:// or oci:DIR:TAG reference, see
+    images.py; ``registry`` says how to reach registries): ``source_kind`` tells which. An image's
     layers for ``platform`` are flattened, whiteouts applied; ``build_image_layers`` keeps one layer per
     image layer instead. Tar input is read as a stream, each file chunked as it goes past.
 
@@ -119,9 +123,11 @@ def build_layer(
                 return [walk_tar(stream, on_file=on_file, lenient=lenient, limits=tar_limits,
                                  budget=LayerBudget(limits, chunk_size))]
         else:
+            image = open_image(source, platform, registry)
+
             def walk(on_file: OnFile) -> list[Tree]:
-                return [walk_oci(source, on_file=on_file, platform=platform, lenient=lenient, limits=tar_limits,
-                                 budget=LayerBudget(limits, chunk_size))]
+                return [walk_layers(image.layers, on_file=on_file, lenient=lenient, limits=tar_limits,
+                                    budget=LayerBudget(limits, chunk_size))]
         return _build_streamed(walk, store, [name], chunk_size, progress, workers, _describe(source))[0]
 
 
@@ -148,7 +154,7 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
 
 
 def build_image_layers(
-    source: str | os.PathLike,
+    source: str | os.PathLike | OciImage,
     store: Store,
     *,
     name: str | None = None,
@@ -159,35 +165,41 @@ def build_image_layers(
     platform: str = "linux/amd64",
     limits: LayerLimits = DEFAULT_LAYER_LIMITS,
     tar_limits: TarLimits = DEFAULT_LIMITS,
+    registry: RegistryOptions | None = None,
 ) -> list[BuildResult]:
-    """One dsecfs layer per layer of the OCI image at ``source``, bottom first, with OCI whiteouts turned
-    into overlay whiteouts and opaque directories, so OverlayFS applies them when the layers are stacked.
-    With ``name`` "NAME:TAG", layer k is published as "NAME:TAG-lK"."""
+    """One dsecfs layer per layer of the OCI image ``source`` (as build_layer takes it, or opened already),
+    bottom first, with OCI whiteouts turned into overlay whiteouts and opaque directories, so OverlayFS
+    applies them when the layers are stacked. With ``name`` "NAME:TAG", layer k is published as
+    "NAME:TAG-lK"."""
     _check_options(name, chunk_size)
-    layers = oci_layer_streams(source, platform)
-    names = [None if name is None else f"{name}-l{k}" for k in range(len(layers))]
+    image = source if isinstance(source, OciImage) else open_image(source, platform, registry)
+    names = [None if name is None else f"{name}-l{k}" for k in range(len(image.layers))]
     for layer_name in names:
         if layer_name is not None:
             parse_ref(layer_name)
 
     def walk(on_file: OnFile) -> list[Tree]:
-        return walk_oci(source, on_file=on_file, platform=platform, flatten=False, lenient=lenient,
-                        limits=tar_limits, budget=LayerBudget(limits, chunk_size))
+        return walk_layers(image.layers, on_file=on_file, flatten=False, lenient=lenient, limits=tar_limits,
+                           budget=LayerBudget(limits, chunk_size))
 
+    described = image.where if isinstance(source, OciImage) else _describe(source)
     with _cycle_collector_paused():
-        return _build_streamed(walk, store, names, chunk_size, progress, workers, _describe(source))
+        return _build_streamed(walk, store, names, chunk_size, progress, workers, described)
 
 
 def source_kind(source: str | bytes | os.PathLike) -> str:
     """"dir", "tar" or "oci" for a build source; InputError naming it when it is none of them.
 
-    A directory with an ``oci-layout`` file is an OCI image layout. A file is an OCI or docker-archive
-    tar when it is an uncompressed tar whose top level holds ``manifest.json`` or ``oci-layout`` (how
-    `docker save` and `skopeo copy` write them); any other file, and "-", is a tar of a root filesystem.
+    A docker:// or oci: reference is an image (images.py). A directory with an ``oci-layout`` file is an
+    OCI image layout. A file is an OCI or docker-archive tar when it is an uncompressed tar whose top
+    level holds ``manifest.json`` or ``oci-layout`` (how `docker save` and `skopeo copy` write them); any
+    other file, and "-", is a tar of a root filesystem.
     """
     path = os.fsdecode(source)
     if path == "-":
         return "tar"
+    if is_image_ref(path):
+        return "oci"
     if os.path.isdir(path):
         return "oci" if os.path.isfile(os.path.join(path, "oci-layout")) else "dir"
     if not os.path.exists(path):
@@ -204,6 +216,8 @@ def source_kind(source: str | bytes | os.PathLike) -> str:
 
 def _describe(source: str | bytes | os.PathLike) -> str:
     path = os.fsdecode(source)
+    if is_image_ref(path):
+        return path
     return "<stdin>" if path == "-" else os.path.abspath(path)
 
 

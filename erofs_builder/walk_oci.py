@@ -1,7 +1,9 @@
 """OCI images as build input: an OCI image layout (a directory, or a tar of one as `docker save` writes
 since Docker 25) or a docker-archive (`docker save` / skopeo docker-archive: manifest.json with Layers).
+A registry is a source of the same kind (walk_registry.py: it gives this module's ImageSource).
 
-We pick the image for ``platform`` from the image index (nested indexes included), check that every blob
+We pick the image for ``platform`` (and, in a layout holding several, for a ``tag``: the index entry's
+org.opencontainers.image.ref.name) from the image index (nested indexes included), check that every blob
 we read (nested indexes, manifest, config, layers) has the sha256 and size its descriptor names
 (IntegrityError naming the blob), and walk the layers, bottom first, each as a tar stream (walk_tar).
 
@@ -19,8 +21,8 @@ Streaming: each layer's content is read once, while its tar is walked, so the bu
 (``on_file``, see walk_tar) is called for every regular file of every layer as it streams by; a file that
 a later layer deletes has been chunked for nothing, which is the price of reading each blob once. The
 digest of a layer is known only at its end: a tampered layer raises IntegrityError after its files went
-through ``on_file``, before walk_oci returns, so nothing is published. ``oci_layer_streams`` gives the layer
-list alone, for callers that walk the tars themselves.
+through ``on_file``, before walk_oci returns, so nothing is published. ``open_oci_image`` gives the image
+(its config and layer list) without walking it; ``walk_layers`` walks such a list.
 
 Unsupported (UnsupportedError naming the descriptor): unknown media types of manifests, configs and
 layers, foreign / non-distributable layers, digests other than sha256. The archive form of a layout or
@@ -42,9 +44,9 @@ import stat
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
-from dsec_fs.errors import InputError, IntegrityError, UnsupportedError
+from dsec_fs.errors import InputError, IntegrityError, NotFoundError, UnsupportedError
 
 from .tree import Node, Tree, make_dir
 from .limits import DEFAULT_LIMITS, LayerBudget, TarLimits
@@ -58,7 +60,9 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 INDEX_TYPES = {OCI_INDEX, DOCKER_MANIFEST_LIST}
 MANIFEST_TYPES = {OCI_MANIFEST, DOCKER_MANIFEST}
-CONFIG_TYPES = {"application/vnd.oci.image.config.v1+json", "application/vnd.docker.container.image.v1+json"}
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
+CONFIG_TYPES = {OCI_CONFIG, DOCKER_CONFIG}
 LAYER_TYPES = {
     "application/vnd.oci.image.layer.v1.tar",
     "application/vnd.oci.image.layer.v1.tar+gzip",
@@ -79,6 +83,7 @@ OPAQUE_MARKER = b".wh..wh..opq"
 OVERLAY_OPAQUE_XATTR = b"trusted.overlay.opaque"
 MAX_JSON_SIZE = 4 << 20  # manifests, indexes and configs (registries refuse manifests over 4 MiB)
 MAX_INDEX_NESTING = 4
+REF_NAME_ANNOTATION = "org.opencontainers.image.ref.name"
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 # How docker-archives name blobs by digest: "<hex>.tar" / "<hex>.json" (skopeo, docker < 25) or
 # "blobs/sha256/<hex>" (docker >= 25). Legacy "<layer id>/layer.tar" is not a digest: see _docker_image.
@@ -96,6 +101,18 @@ class OciLayer:
     # with an InputError, reads the rest of the blob and raises IntegrityError if its size or sha256
     # differs from the descriptor.
     open: Callable[[], VerifiedBlob]
+
+
+@dataclass(frozen=True)
+class OciImage:
+    """The image chosen from a source: its config as stored (so that it can be copied byte for byte) and
+    its layers, bottom first. A docker-archive's config has no descriptor: its media type is Docker's."""
+
+    where: str
+    config_media_type: str
+    config_digest: str
+    config_data: bytes
+    layers: list[OciLayer]
 
 
 class VerifiedBlob:
@@ -213,11 +230,28 @@ def _clean_name(name: str) -> str:
     return "/".join(part for part in name.split("/") if part not in ("", "."))
 
 
+class ImageSource(Protocol):
+    """Where an image's documents and blobs come from (a layout here, a registry in walk_registry.py).
+    ``where`` names the source in errors; every method checks what it returns against the descriptor."""
+
+    where: str
+
+    def read_document(self, descriptor: Descriptor, what: str) -> bytes:
+        """An index or manifest named by a descriptor (at most MAX_JSON_SIZE bytes)."""
+
+    def read_blob(self, descriptor: Descriptor, what: str) -> bytes:
+        """A config blob (at most MAX_JSON_SIZE bytes)."""
+
+    def open_layer(self, descriptor: Descriptor) -> VerifiedBlob:
+        """A layer blob as a stream, verified as it is read (see OciLayer)."""
+
+
 class _Source:
-    """Named files of a layout or docker-archive, each opened as a VerifiedBlob."""
+    """Named files of a layout or docker-archive, each opened as a VerifiedBlob (an ImageSource)."""
 
     def __init__(self, path: str):
         self.path = path
+        self.where = path
         if os.path.isdir(path):
             self._files = _Directory(path)
         elif os.path.isfile(path):
@@ -253,24 +287,37 @@ class _Source:
             raise IntegrityError(f"blob has {actual} bytes, its descriptor says {size}", where=where)
         return VerifiedBlob(self._open_raw(name, where), digest, actual, where)
 
-    def read_json(self, name: str, digest: str | None, what: str):
-        """A JSON file, verified against ``digest`` unless it is one of the layout's unhashed files."""
+    def read_bytes(self, name: str, digest: str | None, what: str) -> bytes:
+        """A small file, verified against ``digest`` unless it is one of the layout's unhashed files."""
         where = f"{self.path}: {what} ({name})"
         if self.existing_size(name, where) > MAX_JSON_SIZE:
             raise InputError(f"more than {MAX_JSON_SIZE} bytes of JSON", where=where)
         if digest is None:
             f = self._open_raw(name, where)
             try:
-                data = f.read()
+                return f.read()
             finally:
                 f.close()
-        else:
-            with self.open(name, digest, None, what) as blob:
-                data = blob.read()
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise InputError(f"not valid JSON: {exc}", where=where) from None
+        with self.open(name, digest, None, what) as blob:
+            return blob.read()
+
+    def read_json(self, name: str, digest: str | None, what: str):
+        return parse_json(self.read_bytes(name, digest, what), f"{self.path}: {what} ({name})")
+
+    def read_document(self, descriptor: Descriptor, what: str) -> bytes:
+        return self.read_bytes(descriptor.blob, descriptor.digest, what)
+
+    read_blob = read_document
+
+    def open_layer(self, descriptor: Descriptor) -> VerifiedBlob:
+        return self.open(descriptor.blob, descriptor.digest, descriptor.size, f"layer {descriptor.digest}")
+
+
+def parse_json(data: bytes, where: str):
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise InputError(f"not valid JSON: {exc}", where=where) from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -278,11 +325,12 @@ class _Source:
 
 
 @dataclass(frozen=True)
-class _Descriptor:
+class Descriptor:
     media_type: str
     digest: str
     size: int
     platform: tuple[str, str, str | None] | None  # (os, architecture, variant)
+    ref_name: str | None = None  # the org.opencontainers.image.ref.name annotation (a layout's tag)
 
     @property
     def blob(self) -> str:
@@ -301,7 +349,7 @@ def _field(obj, key: str, kind: type, where: str, *, optional: bool = False):
     return value
 
 
-def _descriptor(obj, where: str) -> _Descriptor:
+def parse_descriptor(obj, where: str) -> Descriptor:
     media_type = _field(obj, "mediaType", str, where)
     digest = _field(obj, "digest", str, where)
     size = _field(obj, "size", int, where)
@@ -312,7 +360,9 @@ def _descriptor(obj, where: str) -> _Descriptor:
     if platform is not None:
         variant = _field(platform, "variant", str, where, optional=True)
         platform = (_field(platform, "os", str, where), _field(platform, "architecture", str, where), variant)
-    return _Descriptor(media_type, digest, size, platform)
+    annotations = _field(obj, "annotations", dict, where, optional=True) or {}
+    ref_name = annotations.get(REF_NAME_ANNOTATION)
+    return Descriptor(media_type, digest, size, platform, ref_name if isinstance(ref_name, str) else None)
 
 
 def _digest_hex(digest: str, where: str) -> str:
@@ -324,7 +374,7 @@ def _digest_hex(digest: str, where: str) -> str:
     raise InputError(f"malformed digest {digest!r}", where=where)
 
 
-def _parse_platform(platform: str) -> tuple[str, str, str | None]:
+def parse_platform(platform: str) -> tuple[str, str, str | None]:
     parts = platform.split("/")
     if len(parts) not in (2, 3) or not all(parts):
         raise InputError(f"platform {platform!r} is not os/architecture[/variant]", where="platform")
@@ -344,65 +394,99 @@ def _matches(have: tuple[str, str, str | None], want: tuple[str, str, str | None
 
 
 def oci_layer_streams(path: str | os.PathLike, platform: str = "linux/amd64") -> list[OciLayer]:
-    """The layers of the image for ``platform`` in the layout or docker-archive at ``path``, bottom first.
+    """The layers of the image for ``platform`` in the layout or docker-archive at ``path``, bottom first."""
+    return open_oci_image(path, platform).layers
+
+
+def open_oci_image(path: str | os.PathLike, platform: str = "linux/amd64", tag: str | None = None) -> OciImage:
+    """The image for ``platform`` (and ``tag``, in a layout) in the layout or docker-archive at ``path``.
 
     Manifests, indexes and the config are read and verified here; each layer is verified while it is read
     through its ``open()`` (see OciLayer).
     """
     source = _Source(os.fspath(path))
-    want = _parse_platform(platform)
+    want = parse_platform(platform)
     if source.size("index.json") is not None:
-        return _oci_image(source, want)
+        return _oci_image(source, want, tag)
     if source.size("manifest.json") is not None:
+        if tag is not None:
+            raise InputError(f"a docker-archive has no tags to choose {tag!r} from", where=source.path)
         return _docker_image(source, want)
     raise InputError("neither an OCI layout (index.json) nor a docker-archive (manifest.json)", where=source.path)
 
 
-def _oci_image(source: _Source, want: tuple[str, str, str | None]) -> list[OciLayer]:
+def _oci_image(source: _Source, want: tuple[str, str, str | None], tag: str | None) -> OciImage:
     layout = source.read_json("oci-layout", None, "oci-layout")
     version = _field(layout, "imageLayoutVersion", str, f"{source.path}: oci-layout")
     if version != "1.0.0":
         raise UnsupportedError(f"image layout version {version!r}", where=f"{source.path}: oci-layout")
     index = source.read_json("index.json", None, "index.json")
-    manifest_descriptor = _choose_manifest(source, _candidates(source, index, "index.json", 0, set()), want)
-    what = f"manifest {manifest_descriptor.digest}"
-    manifest = source.read_json(manifest_descriptor.blob, manifest_descriptor.digest, what)
-    where = f"{source.path}: {what}"
+    return image_from_index(source, index, "index.json", want, tag)
+
+
+def image_from_index(source: ImageSource, index, what: str, want: tuple[str, str, str | None],
+                     tag: str | None = None) -> OciImage:
+    """The image for ``want`` that an index leads to; with ``tag``, among the index's entries of that
+    ref name only (a layout's tags)."""
+    return image_from_manifest(source, manifest_in_index(source, index, what, want, tag), want)
+
+
+def manifest_in_index(source: ImageSource, index, what: str, want: tuple[str, str, str | None],
+                      tag: str | None = None) -> Descriptor:
+    """The descriptor of the image manifest for ``want`` (and ``tag``) that an index leads to."""
+    where = f"{source.where}: {what}"
+    entries = [parse_descriptor(entry, where) for entry in _field(index, "manifests", list, where)]
+    if tag is not None:
+        tagged = [d for d in entries if d.ref_name == tag]
+        if not tagged:
+            tags = sorted({d.ref_name for d in entries if d.ref_name is not None})
+            raise NotFoundError(f"no image tagged {tag!r}; the tags are {tags or 'none'}", where=source.where)
+        entries = tagged
+    return _choose_manifest(source, _candidates(source, entries, where, 0, set()), want)
+
+
+def image_from_manifest(source: ImageSource, descriptor: Descriptor, want: tuple[str, str, str | None]) -> OciImage:
+    """The image an image manifest describes: its config read and checked against ``want``."""
+    what = f"manifest {descriptor.digest}"
+    where = f"{source.where}: {what}"
+    manifest = parse_json(source.read_document(descriptor, what), where)
     if _field(manifest, "schemaVersion", int, where) != 2:
         raise UnsupportedError(f"manifest schemaVersion {manifest['schemaVersion']}", where=where)
-    config_descriptor = _descriptor(_field(manifest, "config", dict, where), where)
+    config_descriptor = parse_descriptor(_field(manifest, "config", dict, where), where)
     if config_descriptor.media_type not in CONFIG_TYPES:
         raise UnsupportedError(f"config of media type {config_descriptor.media_type!r}", where=where)
-    config = source.read_json(config_descriptor.blob, config_descriptor.digest, f"config {config_descriptor.digest}")
-    _check_config_platform(config, want, where)
+    config_what = f"config {config_descriptor.digest}"
+    config_data = source.read_blob(config_descriptor, config_what)
+    _check_config_platform(parse_json(config_data, f"{source.where}: {config_what}"), want, where)
     layers = []
     for entry in _field(manifest, "layers", list, where):
-        layer = _descriptor(entry, where)
+        layer = parse_descriptor(entry, where)
         if layer.media_type in FOREIGN_LAYER_TYPES:
             raise UnsupportedError(f"foreign (non-distributable) layer {layer.describe()}", where=where)
         if layer.media_type not in LAYER_TYPES:
             raise UnsupportedError(f"layer of unknown media type: {layer.describe()}", where=where)
-        opener = functools.partial(source.open, layer.blob, layer.digest, layer.size, f"layer {layer.digest}")
-        layers.append(OciLayer(layer.digest, layer.media_type, layer.size, opener))
-    return layers
+        layers.append(OciLayer(layer.digest, layer.media_type, layer.size,
+                               functools.partial(source.open_layer, layer)))
+    return OciImage(source.where, config_descriptor.media_type, config_descriptor.digest, config_data, layers)
 
 
-def _candidates(source: _Source, index, what: str, depth: int, seen: set[str]) -> list[_Descriptor]:
-    """Every image manifest an index leads to, nested indexes followed (their blobs verified). ``seen``
-    holds the digests of nested indexes already read: each is read once, however often it is named."""
-    where = f"{source.path}: {what}"
+def _candidates(source: ImageSource, entries: list[Descriptor], where: str, depth: int,
+                seen: set[str]) -> list[Descriptor]:
+    """Every image manifest an index's entries lead to, nested indexes followed (their blobs verified).
+    ``seen`` holds the digests of nested indexes already read: each is read once, however often named."""
     found = []
-    for entry in _field(index, "manifests", list, where):
-        descriptor = _descriptor(entry, where)
+    for descriptor in entries:
         if descriptor.media_type in INDEX_TYPES:
             if descriptor.digest in seen:
                 continue
             seen.add(descriptor.digest)
             if depth >= MAX_INDEX_NESTING:
                 raise InputError(f"image indexes nested more than {MAX_INDEX_NESTING} deep", where=where)
-            child_what = f"index {descriptor.digest}"
-            child = source.read_json(descriptor.blob, descriptor.digest, child_what)
-            found += _candidates(source, child, child_what, depth + 1, seen)
+            child_where = f"{source.where}: index {descriptor.digest}"
+            child = parse_json(source.read_document(descriptor, f"index {descriptor.digest}"), child_where)
+            children = [parse_descriptor(entry, child_where)
+                        for entry in _field(child, "manifests", list, child_where)]
+            found += _candidates(source, children, child_where, depth + 1, seen)
         elif descriptor.media_type in MANIFEST_TYPES:
             found.append(descriptor)
         else:
@@ -410,7 +494,7 @@ def _candidates(source: _Source, index, what: str, depth: int, seen: set[str]) -
     return found
 
 
-def _choose_manifest(source: _Source, candidates: list[_Descriptor], want) -> _Descriptor:
+def _choose_manifest(source: ImageSource, candidates: list[Descriptor], want) -> Descriptor:
     """The one manifest for ``want``: among those labelled with a platform, else among unlabelled ones."""
     labelled = [d for d in candidates if d.platform is not None and _matches(d.platform, want)]
     unlabelled = [d for d in candidates if d.platform is None]
@@ -420,12 +504,13 @@ def _choose_manifest(source: _Source, candidates: list[_Descriptor], want) -> _D
     platforms = sorted({_platform_name(d.platform) for d in candidates if d.platform is not None})
     if not chosen:
         raise InputError(
-            f"no image for platform {_platform_name(want)}; the image has {platforms or 'none'}", where=source.path
+            f"no image for platform {_platform_name(want)}; the image has {platforms or 'none'}", where=source.where
         )
+    tags = sorted({d.ref_name for d in chosen.values() if d.ref_name is not None})
     raise InputError(
         f"{len(chosen)} different images for platform {_platform_name(want)} ({sorted(chosen)}); "
-        "keep one in the layout",
-        where=source.path,
+        + (f"choose one of the tags {tags} (oci:DIR:TAG)" if tags else "keep one in the layout"),
+        where=source.where,
     )
 
 
@@ -437,7 +522,7 @@ def _check_config_platform(config, want, where: str) -> None:
         raise InputError(f"the image is for {os_name}/{architecture}, not {_platform_name(want)}", where=where)
 
 
-def _docker_image(source: _Source, want: tuple[str, str, str | None]) -> list[OciLayer]:
+def _docker_image(source: _Source, want: tuple[str, str, str | None]) -> OciImage:
     where = f"{source.path}: manifest.json"
     images = source.read_json("manifest.json", None, "manifest.json")
     if not isinstance(images, list) or len(images) != 1:
@@ -449,9 +534,11 @@ def _docker_image(source: _Source, want: tuple[str, str, str | None]) -> list[Oc
     named = _NAMED_BY_DIGEST.fullmatch(config_name)
     if named is None:
         raise UnsupportedError(f"config {config_name!r} is not named by its digest: cannot verify it", where=where)
-    config = source.read_json(config_name, "sha256:" + named.group(1), "config")
-    _check_config_platform(config, want, where)
+    config_digest = "sha256:" + named.group(1)
+    config_data = source.read_bytes(config_name, config_digest, "config")
     config_where = f"{source.path}: config ({config_name})"
+    config = parse_json(config_data, config_where)
+    _check_config_platform(config, want, where)
     diff_ids = _field(_field(config, "rootfs", dict, config_where), "diff_ids", list, config_where)
     names = _field(image, "Layers", list, where)
     if not all(isinstance(item, str) for item in names + diff_ids):
@@ -470,7 +557,7 @@ def _docker_image(source: _Source, want: tuple[str, str, str | None]) -> list[Oc
         size = source.existing_size(name, f"{source.path}: layer {digest} ({name})")
         opener = functools.partial(source.open, name, digest, None, f"layer {digest}")
         layers.append(OciLayer(digest, DOCKER_ARCHIVE_LAYER, size, opener))
-    return layers
+    return OciImage(source.path, DOCKER_CONFIG, config_digest, config_data, layers)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -605,7 +692,20 @@ def walk_oci(
     walk_tar: a build passes the chunker's per-file function; None gives metadata-only Trees. ``budget``
     (see walk_tar.fill_tree) counts the entries of all the image's layers together.
     """
-    layers = oci_layer_streams(path, platform)
+    return walk_layers(oci_layer_streams(path, platform), on_file=on_file, flatten=flatten, lenient=lenient,
+                       limits=limits, budget=budget)
+
+
+def walk_layers(
+    layers: list[OciLayer],
+    *,
+    on_file: OnFile | None,
+    flatten: bool = True,
+    lenient: bool = False,
+    limits: TarLimits = DEFAULT_LIMITS,
+    budget: LayerBudget | None = None,
+) -> Tree | list[Tree]:
+    """walk_oci for an image already opened (OciImage.layers), from any source."""
     if flatten:
         merged = Tree()
         for layer in layers:

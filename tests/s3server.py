@@ -41,15 +41,75 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class MotoServer:
+def wait_for_http(process: subprocess.Popen, url: str, timeout: float = STARTUP_TIMEOUT) -> bool:
+    """Whether the server ``process`` answers HTTP at ``url`` (with any status) within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        try:
+            with _http.open(url, timeout=1):
+                return True
+        except urllib.error.HTTPError:
+            return True  # it answered, if not with 200
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def stop_process(process: subprocess.Popen | None) -> None:
+    """Stop a server by its PID: SIGTERM, then SIGKILL after 5 s (nothing if it is gone or None)."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class ServerProcess:
+    """A server run as a subprocess (``start`` is the subclass's), its output kept in a temporary file,
+    stopped by its PID on ``stop`` and at the end of a ``with``."""
+
+    def __init__(self, log_prefix: str):
+        self.process: subprocess.Popen | None = None
+        self._log = tempfile.TemporaryFile(prefix=log_prefix)
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop the server by its PID (SIGTERM, then SIGKILL after 5 s); safe to call twice."""
+        stop_process(self.process)
+        self.process = None
+
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self._log.close()
+
+
+class MotoServer(ServerProcess):
     def __init__(self, host: str = "127.0.0.1", server_env: dict[str, str] | None = None):
         """``server_env`` adds to the server's environment, e.g. {"INITIAL_NO_AUTH_ACTION_COUNT": "0"}
         makes moto check credentials (it accepts anything by default)."""
+        super().__init__("moto-server-")
         self.host = host
         self.server_env = server_env or {}
         self.port: int | None = None
-        self.process: subprocess.Popen | None = None
-        self._log = tempfile.TemporaryFile(prefix="moto-server-")
 
     @property
     def url(self) -> str:
@@ -75,35 +135,7 @@ class MotoServer:
         raise RuntimeError(f"moto server did not start; its output:\n{self.output()}")
 
     def _wait_until_up(self) -> bool:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return False
-            try:
-                with _http.open(self.url + "/", timeout=1):
-                    return True
-            except urllib.error.HTTPError:
-                return True  # it answered, if not with 200
-            except OSError:
-                time.sleep(0.05)
-        return False
-
-    def stop(self) -> None:
-        """Stop the server by its PID (SIGTERM, then SIGKILL after 5 s); safe to call twice."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-
-    def output(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+        return wait_for_http(self.process, self.url + "/")
 
     def create_bucket(self, name: str) -> None:
         request = urllib.request.Request(f"{self.url}/{name}", method="PUT")
@@ -129,15 +161,3 @@ class MotoServer:
             env["DSECFS_S3_ENDPOINT"] = self.url
             env["AWS_ENDPOINT_URL"] = self.url
         return env
-
-    def __enter__(self) -> "MotoServer":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-        self._log.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import threading
 import time
 from collections import Counter
@@ -36,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..backoff import backoff_delay
 from ..errors import InputError, NotFoundError, UnavailableError
 from .base import Store
 
@@ -125,7 +125,7 @@ class RetryStore(StoreWrapper):
             except UnavailableError as exc:
                 if not exc.transient:
                     raise
-                delay = random.uniform(0.5, 1.0) * min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+                delay = backoff_delay(attempt, self.base_delay, self.max_delay)
                 out_of_time = self.deadline is not None and time.monotonic() + delay - start > self.deadline
                 if attempt == self.attempts or out_of_time:
                     with self._lock:

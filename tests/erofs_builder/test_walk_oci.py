@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from treecmp import assert_same_tree, snapshot
 
-from dsec_fs.errors import InputError, IntegrityError, UnsupportedError
+from dsec_fs.errors import InputError, IntegrityError, NotFoundError, UnsupportedError
 from dsec_fs.mounts import MS_RDONLY, mounted
 from erofs_builder.tree import Tree
 from erofs_builder.walk_oci import OVERLAY_OPAQUE_XATTR, oci_layer_streams, walk_oci
@@ -434,3 +434,45 @@ def test_oci_layout_packed_in_a_tar(tmp_path):
     collect = Collect()
     tree = walk_oci(archive, on_file=collect, platform="linux/arm64")
     assert collect.of(tree, b"arch") == b"arm64"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tags of a layout: oci:DIR:TAG.
+
+
+def two_tags(tmp_path: Path) -> Layout:
+    layout = Layout(tmp_path / "tagged")
+    one = layout.image([(TAR, layer_tar(member("f", b"one")))])
+    two = layout.image([(TAR, layer_tar(member("f", b"two")))])
+    layout.index({**one, "annotations": {"org.opencontainers.image.ref.name": "v1"}},
+                 {**two, "annotations": {"org.opencontainers.image.ref.name": "v2"}})
+    return layout
+
+
+@pytest.mark.parametrize("tag", ["v1", "v2"])
+def test_a_tag_chooses_one_image_of_a_layout(tmp_path, tag):
+    from erofs_builder.images import open_image
+    from erofs_builder.walk_oci import walk_layers
+
+    layout = two_tags(tmp_path)
+    with pytest.raises(InputError, match=r"2 different images.*choose one of the tags \['v1', 'v2'\]"):
+        walk_oci(layout.root, on_file=None)
+    collect = Collect()
+    tree = walk_layers(open_image(f"oci:{layout.root}:{tag}").layers, on_file=collect)
+    assert collect.of(tree, b"f") == {"v1": b"one", "v2": b"two"}[tag]
+
+
+def test_a_missing_tag_names_the_tags_there_are(tmp_path):
+    from erofs_builder.images import open_image
+
+    with pytest.raises(NotFoundError, match=r"no image tagged 'v3'; the tags are \['v1', 'v2'\]"):
+        open_image(f"oci:{two_tags(tmp_path).root}:v3")
+
+
+def test_layout_references_split_at_the_last_colon_without_a_slash():
+    from erofs_builder.images import split_layout_ref
+
+    assert split_layout_ref("oci:/a/b:v1") == ("/a/b", "v1")
+    assert split_layout_ref("oci:/a/b") == ("/a/b", None)
+    assert split_layout_ref("oci:/a:b/c") == ("/a:b/c", None)
+    assert split_layout_ref("oci:rel:latest") == ("rel", "latest")
