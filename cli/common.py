@@ -17,7 +17,8 @@ import click
 
 from dsec_fs import api
 from dsec_fs.errors import InputError
-from dsec_fs.store import DEFAULT_STORE_ENV, default_store_url
+from dsec_fs.store import DEFAULT_STORE_ENV, default_store_url, init_store
+from dsec_fs.store.base import Store
 from dsec_fs.units import parse_duration
 
 CHUNK_SIZE_HELP = "chunk size in bytes: a power of two from 4 KiB to 16 MiB"
@@ -141,6 +142,14 @@ def note(message: str) -> None:
     """A side remark on stderr (what a command did besides its result), silenced by -q and --json."""
     if not (quiet() or wants_json()):
         click.echo(f"dsecfs: {message}", err=True)
+
+
+def store_to_publish_in(store_url: str | None) -> Store:
+    """The store a command publishes layers in (build, convert): made on first use, saying so."""
+    store, created = init_store(store_url)
+    if created:
+        note(f"created store {store.url}")
+    return store
 
 
 class Duration(click.ParamType):

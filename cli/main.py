@@ -19,12 +19,12 @@ import sys
 import click
 
 from dsec_fs.errors import DsecError, InputError
-from dsec_fs.store import init_store, open_store
+from dsec_fs.store import open_store
 from dsec_fs.units import human_size, parse_size
 
 from . import daemon_cmds, diff_cmds, oci_cmds, ref_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
 from .common import (CHUNK_SIZE_HELP, ENV_PREFIX, JSON_META, add_common_options, emit, json_option, note,
-                     store_option)
+                     store_option, store_to_publish_in)
 from .config import CONFIG_ENV, DEFAULT_CONFIG, config_path, load_default_map
 from .oci_cmds import plain_http_option, registry_options
 
@@ -120,10 +120,7 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
     options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform,
                    limits=LayerLimits(parse_size(max_size), parse_size(max_meta_size)),
                    tar_limits=tar_limits_with(list(tar_limit)), registry=registry_options(plain_http))
-    store, created = init_store(store_url)
-    if created:
-        note(f"created store {store.url}")
-    with store:
+    with store_to_publish_in(store_url) as store:
         def run(**extra):
             if oci_layers:
                 return build_image_layers(source, store, **options, **extra)

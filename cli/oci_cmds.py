@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import click
 
-from dsec_fs.store import open_store
 from dsec_fs.units import human_size, parse_size
 
-from .common import CHUNK_SIZE_HELP, emit, json_option, store_option
+from .common import CHUNK_SIZE_HELP, emit, json_option, store_option, store_to_publish_in
 
 plain_http_option = click.option(
     "--plain-http", is_flag=True,
@@ -40,7 +39,7 @@ def convert(source: str, target: str, store_url: str | None, ref: str | None, pl
     annotations name the layer and the store (containerd.io/snapshot/dsecfs.*)."""
     from erofs_builder.convert import convert_image
 
-    with open_store(store_url) as store:
+    with store_to_publish_in(store_url) as store:
         result = convert_image(source, target, store, platform=platform, chunk_size=parse_size(chunk_size),
                                registry=registry_options(plain_http), name=ref)
     data = {"target": result.target, "manifest": result.manifest_digest, "store": store.url,

@@ -584,7 +584,7 @@ class NodeDaemon:
         if layer.prefetch is not None and layer.prefetch.state == "running":
             raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
         layer.prefetch = self._prefetcher.start(layer.digest, plist, path, layer.store.fetcher,
-                                                layer.store.chunk_index, lambda: served.blob.trace,
+                                                layer.blob.location, lambda: served.blob.trace,
                                                 landed=layer.usage.note_prefetched)
         return layer.prefetch
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields
 import trio
 
 from dsec_fs.blobmap import BlobMap
-from dsec_fs.chunks import ChunkIndex
+from dsec_fs.chunks import ChunkLocation
 from dsec_fs.errors import DsecError
 from dsec_fs.layer import utc_now
 
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 PREFETCH_FIRST_GROUP_BYTES = 2 << 20
 PREFETCH_GROUP_BYTES = 256 << 20
 PREFETCH_GROUPS_IN_FLIGHT = 2
+# Where to read a chunk (blob-map entry, digest) from: the layer's own packs first (LayerBlob.location),
+# so a forged index in a shared store cannot make a prefetch read another writer's pack.
+Locate = Callable[[int, bytes], ChunkLocation]
 
 
 @dataclass
@@ -105,7 +108,7 @@ class Prefetcher:
     def running(self) -> int:
         return sum(job.state == "running" for job in self.jobs)
 
-    def start(self, layer: str, plist: PrefetchList, path: str, fetcher: ChunkFetcher, chunk_index: ChunkIndex,
+    def start(self, layer: str, plist: PrefetchList, path: str, fetcher: ChunkFetcher, locate: Locate,
               trace: Callable[[], TraceWriter | None], *, landed: Callable[[int], None] = lambda entry: None
               ) -> PrefetchJob:
         """Fetch ``plist`` (already verified against ``layer``'s blob map) in the background; ``trace``
@@ -113,10 +116,10 @@ class Prefetcher:
         the blob-map entry of each chunk that arrives."""
         job = PrefetchJob(layer=layer, list=path, chunks=len(plist.entries), bytes=plist.bytes)
         self.jobs.append(job)
-        self._nursery.start_soon(self._run, plist, job, fetcher, chunk_index, trace, landed)
+        self._nursery.start_soon(self._run, plist, job, fetcher, locate, trace, landed)
         return job
 
-    async def _run(self, plist: PrefetchList, job: PrefetchJob, fetcher: ChunkFetcher, chunk_index: ChunkIndex,
+    async def _run(self, plist: PrefetchList, job: PrefetchJob, fetcher: ChunkFetcher, locate: Locate,
                    trace: Callable[[], TraceWriter | None], on_landed: Callable[[int], None]) -> None:
         started = time.monotonic()
         with job.cancel_scope:
@@ -126,7 +129,7 @@ class Prefetcher:
 
                 async def fetch_group(group: list[PrefetchEntry], size: int) -> None:
                     try:
-                        await self._fetch_group(group, job, fetcher, chunk_index, trace, on_landed)
+                        await self._fetch_group(group, job, fetcher, locate, trace, on_landed)
                     finally:
                         in_flight[0] -= size
                         window.release()
@@ -155,7 +158,7 @@ class Prefetcher:
                  job.state, job.done_chunks, job.chunks, job.done_bytes, time.monotonic() - started, job.failed_chunks)
 
     async def _fetch_group(self, group: list[PrefetchEntry], job: PrefetchJob, fetcher: ChunkFetcher,
-                           chunk_index: ChunkIndex, trace: Callable[[], TraceWriter | None],
+                           locate: Locate, trace: Callable[[], TraceWriter | None],
                            on_landed: Callable[[int], None]) -> None:
         """Fetch one group into the cache (fetcher.warm: planned in one go, no bytes held); count and
         trace each chunk as it lands."""
@@ -185,7 +188,7 @@ class Prefetcher:
                 writer.record(nid=0, offset=entry.offset, length=entry.length, chunk=entry.chunk,
                               latency_us=(time.monotonic_ns() - started) // 1000, flags=flags)
 
-        await fetcher.warm([(digest, chunk_index.get(digest)) for digest in entries],
+        await fetcher.warm([(digest, locate(entry.chunk, digest)) for digest, entry in entries.items()],
                            priority=PREFETCH, label=job.layer, landed=landed)
 
 
