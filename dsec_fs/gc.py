@@ -75,7 +75,7 @@ from .blobmap import BlobMap
 from .chunks import DEFAULT_PACK_TARGET, ChunkIndex, ChunkLocation, ChunkUploader, read_chunks
 from .digest import is_hex_digest, sha256, to_hex
 from .errors import CorruptError, DsecError, InputError, IntegrityError, NotFoundError, UnsupportedError
-from .layer import Manifest, list_refs
+from .layer import Manifest, list_refs, read_blobmap
 from .leases import CLOCK_SKEW, DEFAULT_MAX_AGE, LeaseInfo, exclusive_lease, list_leases
 from .pack import PACK_TRAILER, PackEntry, decode_index, encode_index, index_from_pack, index_size
 from .store import keys
@@ -391,7 +391,8 @@ class _Run:
     def _layer_chunks(self, layer: _Layer) -> set[bytes] | None:
         key = keys.layer_blobmap(layer.digest)
         try:
-            return {digest for _blkaddr, digest, _length in BlobMap.decode(self.store.get(key), source=key).entries}
+            blob_map = BlobMap.decode(read_blobmap(self.store, layer.manifest), source=key)
+            return {digest for _blkaddr, digest, _length in blob_map.entries}
         except DsecError as exc:
             self.report.problems.append(f"{key}: {exc}; its packs are not repacked")
             return None

@@ -7,6 +7,13 @@ this by chunks.ChunkUploader. A crash at any point therefore leaves no manifest 
 data. A reader goes the other way: ref, manifest, then meta.erofs and the blob map, each checked against
 the manifest before use.
 
+meta.erofs and the blob map are stored as one zstd frame each (manifest version 2, ``Manifest.stored``),
+since every node that mounts a layer reads both whole: the stored object's size and sha256 are checked
+against the manifest, then it is decompressed to exactly the size the manifest gives (no more than
+MAX_METADATA_SIZE, and never past what a zstd frame of its size can hold: dsec_fs.compress), then the
+result is checked against the layer digest or the blob map's sha256 as before. A version 1 manifest
+(an older writer) has no ``stored``: its objects are stored as they are, and read so.
+
 Opening a layer is on the path of every mount, and each store request is a round trip (tens of ms on
 a remote store), so ``open_layer`` makes only the round trips that depend on each other one after
 another: the ref, then the manifest, then meta.erofs and the blob map side by side (two threads), while
@@ -27,12 +34,19 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from . import compress
 from .digest import is_hex_digest, sha256, to_hex
-from .errors import FormatError, InputError, IntegrityError, NotFoundError, UnsupportedError
+from .errors import CorruptError, FormatError, InputError, IntegrityError, NotFoundError, UnsupportedError
 from .store import keys
 from .store.base import Store
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: meta.erofs and the blob map are stored zstd-compressed (``Manifest.stored``)
+READABLE_VERSIONS = (1, 2)
+# The most metadata this reader decompresses for one object: a layer of ~10 million inodes. A manifest
+# may name any size; this keeps a lying one from making a reader allocate without limit.
+MAX_METADATA_SIZE = 4 << 30
+STORED_ENCODING = "zstd"
+META, BLOBMAP = "meta.erofs", "blobmap"  # the names of the two objects in ``Manifest.stored``
 DEFAULT_TAG = "latest"
 MAX_REF_LENGTH = 255
 DIGEST_PREFIX = "sha256:"  # a layer may be named sha256:<digest or prefix>, as OCI spells digests
@@ -69,6 +83,9 @@ class Manifest:
     stats: dict[str, int | float] = field(default_factory=dict)  # files, bytes, chunks, new_chunks, ...
     created: str = field(default_factory=utc_now)  # ISO-8601 UTC
     source: str = ""  # what the layer was built from (a path, a tar, an OCI reference)
+    # Version 2: how meta.erofs and the blob map are stored, by object name (META, BLOBMAP): {"encoding":
+    # "zstd", "size": bytes stored, "sha256": hex of the bytes stored}. Filled in by publish_layer.
+    stored: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
@@ -83,10 +100,10 @@ class Manifest:
         if not isinstance(obj, dict):
             raise FormatError("manifest", None, f"expected a JSON object, got {type(obj).__name__}", source=source)
         version = obj.get("version")
-        if type(version) is int and version != MANIFEST_VERSION:
-            raise UnsupportedError(f"manifest version {version}, this reader knows only {MANIFEST_VERSION}",
+        if type(version) is int and version not in READABLE_VERSIONS:
+            raise UnsupportedError(f"manifest version {version}, this reader knows only {READABLE_VERSIONS}",
                                    where=source)
-        names = [f.name for f in fields(cls)]
+        names = [f.name for f in fields(cls) if f.name != "stored" or version != 1]
         for name in names:
             if name not in obj:
                 raise FormatError(f"manifest field {name!r}", None, "missing", source=source)
@@ -103,7 +120,7 @@ class Manifest:
 
 
 def _check_version(value: Any) -> str | None:
-    return None if type(value) is int and value == MANIFEST_VERSION else f"expected {MANIFEST_VERSION}, got {value!r}"
+    return None if type(value) is int and value in READABLE_VERSIONS else f"expected 1 or 2, got {value!r}"
 
 
 def _check_digest(value: Any) -> str | None:
@@ -150,6 +167,20 @@ def _check_text(value: Any) -> str | None:
     return None if isinstance(value, str) else f"expected a string, got {value!r}"
 
 
+def _check_stored(value: Any) -> str | None:
+    if not isinstance(value, dict) or not set(value) <= {META, BLOBMAP}:
+        return f"expected an object with keys among {META!r}, {BLOBMAP!r}"
+    for name, how in value.items():
+        if not isinstance(how, dict) or set(how) != {"encoding", "size", "sha256"}:
+            return f"{name}: expected an object of encoding, size, sha256"
+        if how["encoding"] != STORED_ENCODING:
+            return f"{name}: unknown encoding {how['encoding']!r}"
+        problem = _check_size(how["size"]) or _check_digest(how["sha256"])
+        if problem:
+            return f"{name}: {problem}"
+    return None
+
+
 _FIELD_CHECKS = {
     "version": _check_version,
     "layer": _check_digest,
@@ -164,6 +195,7 @@ _FIELD_CHECKS = {
     "stats": _check_stats,
     "created": _check_created,
     "source": _check_text,
+    "stored": _check_stored,
 }
 
 
@@ -176,19 +208,24 @@ class LayerFiles:
 
 
 def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest) -> str:
-    """Write meta.erofs, the blob map, then manifest.json; returns the layer digest.
+    """Write meta.erofs and the blob map, each zstd-compressed, then manifest.json; returns the layer digest.
 
-    The manifest must describe these bytes exactly (IntegrityError otherwise, before anything is written).
-    The packs holding the layer's chunks must already be in the store; that is the caller's job (the
-    ChunkUploader's flush) and is not re-checked here.
+    The manifest must describe these bytes exactly (IntegrityError otherwise, before anything is written);
+    its ``stored`` is filled in here, with what is written. The packs holding the layer's chunks must
+    already be in the store; that is the caller's job (the ChunkUploader's flush) and is not re-checked
+    here.
     """
     digest = manifest.layer
     manifest_key = keys.layer_manifest(digest)
     manifest.validate(source=manifest_key)
     _check_bytes(meta, digest, manifest.meta_size, what=keys.layer_meta(digest))
     _check_bytes(blobmap, manifest.blobmap_sha256, manifest.blobmap_size, what=keys.layer_blobmap(digest))
-    store.put(keys.layer_meta(digest), meta)
-    store.put(keys.layer_blobmap(digest), blobmap)
+    manifest.version = MANIFEST_VERSION
+    manifest.stored = {}
+    for name, key, data in ((META, keys.layer_meta(digest), meta), (BLOBMAP, keys.layer_blobmap(digest), blobmap)):
+        frame = compress.compress(data)
+        manifest.stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
+        store.put(key, frame)
     store.put(manifest_key, manifest.to_json())
     return digest
 
@@ -199,6 +236,18 @@ def open_layer(store: Store, ref_or_digest: str, *,
     ``on_manifest(manifest)`` runs in the calling thread once the manifest is verified, while the two
     are read; what it raises is raised here (after both reads have ended)."""
     digest = resolve(store, ref_or_digest)
+    manifest = read_manifest(store, digest)
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="open-layer") as pool:
+        meta_read = pool.submit(read_meta, store, manifest)
+        blobmap_read = pool.submit(read_blobmap, store, manifest)
+        if on_manifest is not None:
+            on_manifest(manifest)
+        meta, blobmap = meta_read.result(), blobmap_read.result()
+    return LayerFiles(digest=digest, manifest=manifest, meta=meta, blobmap=blobmap)
+
+
+def read_manifest(store: Store, digest: str) -> Manifest:
+    """The verified manifest of published layer ``digest`` (NotFoundError if it is not published)."""
     manifest_key = keys.layer_manifest(digest)
     try:
         manifest_bytes = store.get(manifest_key)
@@ -207,15 +256,34 @@ def open_layer(store: Store, ref_or_digest: str, *,
     manifest = Manifest.from_json(manifest_bytes, source=manifest_key)
     if manifest.layer != digest:
         raise IntegrityError(f"manifest describes layer {manifest.layer}", where=manifest_key)
-    meta_key, blobmap_key = keys.layer_meta(digest), keys.layer_blobmap(digest)
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="open-layer") as pool:
-        meta_read, blobmap_read = pool.submit(store.get, meta_key), pool.submit(store.get, blobmap_key)
-        if on_manifest is not None:
-            on_manifest(manifest)
-        meta, blobmap = meta_read.result(), blobmap_read.result()
-    _check_bytes(meta, digest, manifest.meta_size, what=meta_key)
-    _check_bytes(blobmap, manifest.blobmap_sha256, manifest.blobmap_size, what=blobmap_key)
-    return LayerFiles(digest=digest, manifest=manifest, meta=meta, blobmap=blobmap)
+    return manifest
+
+
+def read_meta(store: Store, manifest: Manifest) -> bytes:
+    """The layer's meta.erofs, decompressed and checked against the layer digest (any thread)."""
+    return _read_object(store, manifest, META, keys.layer_meta(manifest.layer), manifest.layer, manifest.meta_size)
+
+
+def read_blobmap(store: Store, manifest: Manifest) -> bytes:
+    """The layer's blob map, as encoded, decompressed and checked against the manifest (any thread)."""
+    return _read_object(store, manifest, BLOBMAP, keys.layer_blobmap(manifest.layer), manifest.blobmap_sha256,
+                        manifest.blobmap_size)
+
+
+def _read_object(store: Store, manifest: Manifest, name: str, key: str, expected_hex: str, expected_size: int) -> bytes:
+    data = store.get(key)
+    how = manifest.stored.get(name)
+    if how is not None:
+        _check_bytes(data, how["sha256"], how["size"], what=f"{key} (as stored)")
+        if expected_size > MAX_METADATA_SIZE:
+            raise UnsupportedError(f"the manifest gives {expected_size} bytes, more than this reader takes "
+                                   f"({MAX_METADATA_SIZE})", where=key)
+        try:
+            data = compress.decompress(data, expected_size, what=key)
+        except CorruptError as exc:
+            raise FormatError("zstd frame", None, exc.message, source=key) from None
+    _check_bytes(data, expected_hex, expected_size, what=key)
+    return data
 
 
 def _check_bytes(data: bytes, expected_hex: str, expected_size: int, *, what: str) -> None:

@@ -18,7 +18,8 @@ Steps, each finished before the next starts:
 
 Memory: for a tree of many small files each step needs tens of MB besides the Tree, so they run one
 after another (the flush of step 3 could run beside step 5, but their peaks would add up), and what one
-step holds per chunk (the chunk index, the blob map) lives only as long as it is needed.
+step holds per chunk (the chunk index, the blob map) lives only as long as it is needed: steps 2 to 4
+run in ``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns.
 
 Incremental builds: with ``parent`` (a layer built earlier from the same directory), a scan of the source
 is compared with the parent's build info first (patch.py). If only regular files' contents changed, in
@@ -262,23 +263,33 @@ def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: l
     while the file's content is readable; ``names[k]`` names the layer of tree k."""
     # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
     with Lease(store, purpose=f"build {names[0] or source}") as lease:
-        with load_chunk_index(store) as index:
-            with ChunkUploader(store, index) as uploader:
-                with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                             known=known, total_bytes=total_bytes) as chunker:
-                    trees = walk(chunker.add_file)
-                    stats = chunker.finish()
-                uploader.flush()
-            layers = []
-            for tree in trees:
-                files = regular_files(tree)
-                packs = _packs_of(_digests(files), index)
-                index.confirm(store, _digests(files), packs)
-                layers.append((tree, files, packs))
-        # The chunk index holds an object per chunk: it is gone before blob maps and images are made.
-        return [_publish(store, lease, tree, files, packs, _layer_stats(stats, files, chunk_size, len(trees)),
+        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes)
+        return [_publish(store, lease, tree, files, packs, _layer_stats(stats, files, chunk_size, len(layers)),
                          name, chunk_size, source, scanned_at_ns)
                 for (tree, files, packs), name in zip(layers, names)]
+
+
+def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size: int, progress: Progress | None,
+                 workers: int | None, known: KnownChunks | None,
+                 total_bytes: int) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
+    """Steps 2 to 4: chunk and upload the trees ``walk`` makes, and confirm their packs; returns the
+    statistics and, per tree, (tree, regular files, sorted pack ids). The chunk index, the uploader and the
+    chunker hold an object per chunk: they are gone when this returns, before blob maps and images are
+    made (a function of its own, so that no name of the caller still holds them)."""
+    with load_chunk_index(store) as index:
+        with ChunkUploader(store, index) as uploader:
+            with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
+                         known=known, total_bytes=total_bytes) as chunker:
+                trees = walk(chunker.add_file)
+                stats = chunker.finish()
+            uploader.flush()
+        layers = []
+        for tree in trees:
+            files = regular_files(tree)
+            packs = _packs_of(_digests(files), index)
+            index.confirm(store, _digests(files), packs)
+            layers.append((tree, files, packs))
+    return stats, layers
 
 
 def _layer_stats(build: ChunkStats, files: list[Node], chunk_size: int, trees: int) -> ChunkStats:

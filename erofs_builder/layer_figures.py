@@ -26,9 +26,8 @@ from dataclasses import asdict, dataclass
 
 from dsec_fs.blobmap import BlobMap
 from dsec_fs.chunks import INDEX_LOAD_THREADS
-from dsec_fs.digest import sha256, to_hex
-from dsec_fs.errors import IntegrityError, NotFoundError
-from dsec_fs.layer import LayerFiles, Manifest, layers_with_prefix, open_layer
+from dsec_fs.errors import NotFoundError
+from dsec_fs.layer import LayerFiles, Manifest, layers_with_prefix, open_layer, read_blobmap
 from dsec_fs.pack import decode_index
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
@@ -99,12 +98,10 @@ def _index(store: Store, pack_id: str) -> list:
 def _chunks_of(store: Store, digest: str) -> set[bytes]:
     """The chunk digests of another published layer, its blob map checked against its manifest (a layer
     removed since the listing has none)."""
-    manifest_key, blobmap_key = keys.layer_manifest(digest), keys.layer_blobmap(digest)
+    manifest_key = keys.layer_manifest(digest)
     try:
         manifest = Manifest.from_json(store.get(manifest_key), source=manifest_key)
-        data = store.get(blobmap_key)
+        data = read_blobmap(store, manifest)  # stored compressed or not, verified against the manifest
     except NotFoundError:
         return set()
-    if to_hex(sha256(data)) != manifest.blobmap_sha256:
-        raise IntegrityError(f"sha256 does not match the manifest's {manifest.blobmap_sha256}", where=blobmap_key)
-    return {chunk for _blkaddr, chunk, _length in BlobMap.decode(data, source=blobmap_key).entries}
+    return {chunk for _blkaddr, chunk, _length in BlobMap.decode(data, source=keys.layer_blobmap(digest)).entries}

@@ -174,19 +174,22 @@ def node_of(path: bytes, st: os.stat_result, shared: dict[int, int], *, at: tupl
     ``root`` (the source, whose path is a prefix of ``path``) is what the file reader opens it beneath
     (see the module docstring). Without them ``path`` is used as it is (its last component not followed)."""
     mode = shared.setdefault(st.st_mode, st.st_mode)
+    # stat_identity(st), with the shared objects; each st_* read makes a new int object, so the node's
+    # mtime and size are the identity's own.
+    identity = (shared.setdefault(st.st_dev, st.st_dev), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                mode)
     node = Node(
         mode=mode,
         uid=shared.setdefault(st.st_uid, st.st_uid),
         gid=shared.setdefault(st.st_gid, st.st_gid),
-        mtime_ns=st.st_mtime_ns,
+        mtime_ns=identity[3],
         xattrs=_xattrs(at, path),
-        identity=(shared.setdefault(st.st_dev, st.st_dev), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
-                  mode),  # stat_identity(st), with the shared objects
+        identity=identity,
         source=path.decode(_FS_ENCODING, _FS_ERRORS),  # os.fsdecode, without its checks: once per entry
     )
     if stat.S_ISREG(mode):
-        node.size = st.st_size
-        node.reader = _FileReader(node.source, node.identity, root)
+        node.size = identity[2]
+        node.reader = _FileReader(node.source, identity, root)
     elif stat.S_ISDIR(mode):
         node.children = {}
     elif stat.S_ISLNK(mode):

@@ -1,8 +1,11 @@
+import io
 import json
 import os
+import resource
 import threading
 
 import pytest
+import zstandard
 
 from dsec_fs.digest import sha256
 from dsec_fs.errors import FormatError, InputError, IntegrityError, NotFoundError, UnavailableError, UnsupportedError
@@ -122,7 +125,7 @@ def test_manifest_that_is_not_a_json_object_is_a_format_error(data):
 
 def test_manifest_from_a_newer_writer_is_unsupported():
     obj = json.loads(make_manifest().to_json())
-    obj["version"] = 2
+    obj["version"] = 3
     with pytest.raises(UnsupportedError):
         Manifest.from_json(json.dumps(obj).encode(), source="m")
 
@@ -220,6 +223,92 @@ def test_a_corrupted_layer_file_is_an_integrity_error_naming_its_key(store, key_
     with pytest.raises(IntegrityError) as info:
         open_layer(store, LAYER)
     assert key_of(LAYER) in str(info.value)
+
+
+def test_meta_and_blob_map_are_stored_compressed_and_the_digest_is_of_the_uncompressed_image(store):
+    manifest = make_manifest()
+    publish_layer(store, META, BLOBMAP, manifest)
+    stored_meta, stored_blobmap = store.get(keys.layer_meta(LAYER)), store.get(keys.layer_blobmap(LAYER))
+    assert stored_meta[:4] == b"\x28\xb5\x2f\xfd" and len(stored_meta) < len(META) // 10
+    assert zstandard.ZstdDecompressor().decompress(stored_meta) == META
+    assert zstandard.ZstdDecompressor().decompress(stored_blobmap) == BLOBMAP
+    published = Manifest.from_json(store.get(keys.layer_manifest(LAYER)), source="m")
+    assert published.version == 2 and published.layer == sha256(META).hex() and published.meta_size == len(META)
+    assert published.stored["meta.erofs"] == {"encoding": "zstd", "size": len(stored_meta),
+                                              "sha256": sha256(stored_meta).hex()}
+    assert published.stored["blobmap"]["size"] == len(stored_blobmap)
+    layer = open_layer(store, LAYER)
+    assert (layer.meta, layer.blobmap) == (META, BLOBMAP)
+
+
+def test_a_layer_of_an_older_writer_stored_uncompressed_is_still_read(store):
+    """A version 1 manifest (no ``stored`` field): meta.erofs and the blob map are the objects as they are."""
+    obj = json.loads(make_manifest().to_json())
+    obj["version"] = 1
+    del obj["stored"]
+    store.put(keys.layer_meta(LAYER), META)
+    store.put(keys.layer_blobmap(LAYER), BLOBMAP)
+    store.put(keys.layer_manifest(LAYER), json.dumps(obj).encode())
+    layer = open_layer(store, LAYER)
+    assert (layer.meta, layer.blobmap, layer.manifest.version) == (META, BLOBMAP, 1)
+
+
+def _lie_about(store, key, frame):
+    """A store writer that lies consistently: replaces ``key``'s object with ``frame`` and gives the
+    manifest that frame's stored size and sha256, so only decompression and the digest can catch it."""
+    name = key.rsplit("/", 1)[-1]
+    obj = json.loads(store.get(keys.layer_manifest(LAYER)))
+    obj["stored"][name] = {"encoding": "zstd", "size": len(frame), "sha256": sha256(frame).hex()}
+    store.put(key, frame)
+    store.put(keys.layer_manifest(LAYER), json.dumps(obj).encode())
+
+
+def _zeros_frame(size: int, *, declared: bool) -> bytes:
+    """A zstd frame of ``size`` zero bytes (a bomb: about 1/10,000 of that), made without holding them."""
+    out = io.BytesIO()
+    compressor = zstandard.ZstdCompressor(level=1, write_content_size=declared)
+    with compressor.stream_writer(out, size=size if declared else -1, closefd=False) as writer:
+        for _ in range(size >> 20):
+            writer.write(bytes(1 << 20))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("declared", [True, False])
+@pytest.mark.parametrize("key_of", [keys.layer_meta, keys.layer_blobmap])
+def test_a_compressed_object_that_expands_past_the_manifests_size_is_a_format_error_naming_its_key(
+        store, key_of, declared):
+    """A 1 GiB bomb in 100 KB, its frame declaring its size or not, is refused without expanding it."""
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    frame = _zeros_frame(1 << 30, declared=declared)
+    assert len(frame) < 1 << 20
+    _lie_about(store, key_of(LAYER), frame)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(FormatError) as info:
+        open_layer(store, LAYER)
+    assert key_of(LAYER) in str(info.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100 << 10  # KiB: far below 1 GiB
+
+
+@pytest.mark.parametrize("key_of", [keys.layer_meta, keys.layer_blobmap])
+def test_a_compressed_object_that_is_not_zstd_or_decompresses_to_other_bytes_is_corrupt(store, key_of):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    _lie_about(store, key_of(LAYER), b"not a zstd frame at all")
+    with pytest.raises(FormatError) as info:
+        open_layer(store, LAYER)
+    assert key_of(LAYER) in str(info.value) and "zstd" in str(info.value)
+    original = META if key_of is keys.layer_meta else BLOBMAP
+    _lie_about(store, key_of(LAYER), zstandard.ZstdCompressor().compress(original[:-1] + b"?"))
+    with pytest.raises(IntegrityError, match="sha256 mismatch") as info:
+        open_layer(store, LAYER)
+    assert key_of(LAYER) in str(info.value)
+
+
+def test_a_manifest_naming_more_metadata_than_a_reader_takes_is_refused_before_decompressing(store, monkeypatch):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    monkeypatch.setattr("dsec_fs.layer.MAX_METADATA_SIZE", len(META) - 1)
+    with pytest.raises(UnsupportedError) as info:
+        open_layer(store, LAYER)
+    assert keys.layer_meta(LAYER) in str(info.value)
 
 
 def test_a_corrupted_manifest_is_a_format_error_naming_its_key(store):

@@ -3,6 +3,7 @@ builds, and that a failed build publishes nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -13,10 +14,13 @@ from treecmp import assert_same_tree, snapshot, write_files
 
 from dsec_fs.chunks import ChunkIndex, read_chunk
 from dsec_fs.errors import InputError, UnavailableError
-from dsec_fs.layer import open_layer, resolve
+from dsec_fs.layer import Manifest, open_layer, read_blobmap, read_meta, resolve
 from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore
+from dsec_fs.store import keys as store_keys
 from erofs_builder import build_layer, build_tree, walk_directory
+from erofs_builder.export import export_layer
+from erofs_builder.fsck import fsck_layer
 from dsec_fs.blobmap import BLOCK_SIZE, BlobMap
 
 CHUNK = 4096
@@ -199,3 +203,28 @@ def test_debian_rootfs_round_trips_and_rebuilds_for_free(tmp_path, store, debian
         assert_same_tree(snapshot(debian_rootfs), snapshot(mnt))
     again = build_layer(debian_rootfs, store)
     assert again.digest == result.digest and again.stats.new_chunks == 0
+
+
+def test_a_layer_stored_by_an_older_writer_still_checks_exports_and_serves_as_a_parent(tmp_path, store):
+    """Layers published before metadata compression (manifest version 1: meta.erofs and the blob map
+    stored as they are) stay readable: fsck, export and a rebuild on them as the parent work."""
+    src = write_files(tmp_path / "src", {"a": SHARED, "d/b": b"small", "c": os.urandom(CHUNK + 7)})
+    digest = build_layer(src, store, chunk_size=CHUNK).digest
+    manifest_key = store_keys.layer_manifest(digest)
+    manifest = Manifest.from_json(store.get(manifest_key), source=manifest_key)
+    meta, blobmap = read_meta(store, manifest), read_blobmap(store, manifest)
+    assert store.get(store_keys.layer_meta(digest)) != meta  # stored compressed
+    old = json.loads(manifest.to_json())
+    old["version"] = 1
+    del old["stored"]
+    store.put(store_keys.layer_meta(digest), bytes(meta))
+    store.put(store_keys.layer_blobmap(digest), blobmap)
+    store.put(manifest_key, json.dumps(old).encode())
+
+    report = fsck_layer(store, digest)
+    assert report.ok, report.problems
+    export_layer(store, digest, tmp_path / "out")
+    assert (tmp_path / "out" / "meta.erofs").read_bytes() == meta
+    assert build_layer(src, store, chunk_size=CHUNK, parent=digest).digest == digest
+    republished = Manifest.from_json(store.get(manifest_key), source=manifest_key)
+    assert republished.version == 2 and open_layer(store, digest).meta == meta

@@ -177,6 +177,29 @@ def test_same_tree_gives_same_bytes():
     assert make() == make()
 
 
+def test_regular_files_written_in_place_are_the_bytes_the_general_path_writes(monkeypatch):
+    """writer._write_plain_file (CHUNK_BASED inodes without xattrs) against _write_inode for every inode."""
+    import erofs_builder.writer as writer
+
+    def make() -> bytes:
+        b = Builder()
+        for i in range(60):
+            data = bytes([1 + i % 5]) * (1 + i * 700) if i % 9 else bytes(CHUNK) + b"tail"  # one with a hole
+            b.file(b"d%d/f%d" % (i % 4, i), data, mtime_ns=MTIME if i % 3 else MTIME + i,  # compact / extended
+                   uid=70000 if i == 7 else i, gid=i % 4, xattrs={b"user.x": b"1"} if i == 5 else {})
+        link = b.file(b"linked", b"shared content", mtime_ns=MTIME + 1000)  # extended, two names
+        compact_link = b.file(b"linked2", b"more shared content")
+        b.tree.add(b"d1/another-name", compact_link)
+        b.tree.add(b"d0/second-name", link)
+        b.file(b"empty")
+        b.symlink(b"s", b"target")
+        return bytes(b.build().data)
+
+    fast = make()
+    monkeypatch.setattr(writer, "_PLAIN_FILE_FORMATS", ())
+    assert make() == fast
+
+
 # ---- directories ---------------------------------------------------------------------------------
 
 
