@@ -50,7 +50,7 @@ def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = N
     """
     layout = plan_layout(tree, chunk_size)
     image = bytearray(layout.blocks * BLOCK_SIZE)
-    formats, nids = layout.formats, layout.nids
+    formats = layout.formats
     for position, node in enumerate(layout.nodes):
         if formats[position] in _PLAIN_FILE_FORMATS and not node.xattrs:
             _write_plain_file(image, layout, position, node, blobmap)
