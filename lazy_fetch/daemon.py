@@ -171,7 +171,7 @@ class NodeDaemon:
                 self.state_dir, binding=options.fuse_binding, adopt=self._adopt_mounts,
                 read_ahead=options.read_ahead_bytes))
             if self.profiles is not None:  # runs after the unmounts below, so their profiles go out too
-                stack.push_async_callback(self.profiles.flush)
+                stack.push_async_callback(self._publish_the_rest)
             stack.push_async_callback(self._unmount_all)
             await self._clean_stale_mounts()
             await self._prune_traces()
@@ -400,10 +400,7 @@ class NodeDaemon:
         served.mounts -= 1
         if not served.mounts:
             del self._served[key]
-            served.close_trace()
-            if self.profiles is not None and served.trace_path:
-                self.profiles.publish_soon(self._background, layer.store.store, layer.files, served.trace_path,
-                                           served.ref_name)
+            self._end_trace(served)
         layer.mounts -= 1
         if not layer.mounts:
             del self.layers[mount.layer]
@@ -433,8 +430,8 @@ class NodeDaemon:
         served = self._served.get(key)
         if served is None:
             trace_path, trace = self._open_trace(layer.files, mode, ref, layer.blob, ref_name)
-            served = Served(TracedBlob(layer.blob, layer.usage, self._fetch_log, trace, layer.readahead), trace_path,
-                            ref_name)
+            served = Served(layer, TracedBlob(layer.blob, layer.usage, self._fetch_log, trace, layer.readahead),
+                            trace_path, ref_name)
         return key, served
 
     def _record_mount(self, mountpoint: str, mode: str, ref: str, layer: Layer, key: tuple[str, str],
@@ -582,6 +579,21 @@ class NodeDaemon:
         if result.removed:
             log.info("pruned %d old traces (%d bytes); %d kept (%d bytes)", len(result.removed),
                      result.removed_bytes, result.kept, result.kept_bytes)
+
+    def _end_trace(self, served: Served) -> None:
+        """Close ``served``'s trace and have its profile published (profile_keeper.py)."""
+        served.close_trace()
+        if self.profiles is not None and served.trace_path:
+            self.profiles.publish_soon(self._background, served.layer.store.store, served.layer.files,
+                                       served.trace_path, served.ref_name)
+
+    async def _publish_the_rest(self) -> None:
+        """At the stop, after the last unmounts: the traces still open (of mounts detached lazily, whose
+        blob stayed served) are ended too, and every profile still queued is published."""
+        for served in list(self._served.values()):
+            if served.blob.trace is not None:
+                self._end_trace(served)
+        await self.profiles.flush()
 
     def _close_traces(self) -> None:
         for served in self._served.values():

@@ -53,6 +53,7 @@ class Layer:
 
 @dataclass
 class Served:
+    layer: Layer
     blob: TracedBlob
     trace_path: str
     ref_name: str | None = None  # the layer's ref name as its first mount named it (for profiles)

@@ -270,3 +270,25 @@ def test_a_daemon_that_stops_publishes_the_profiles_of_its_last_mounts(store_dir
         assert merged is not None and {e.path for e in merged.entries} == {"/" + READ[0]}
     finally:
         a.stop_all()
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_a_layer_detached_lazily_has_its_profile_published_when_the_daemon_stops(store_dir, tmp_path):
+    """A lazily detached mount keeps its blob served (and its trace open) until the daemon stops, as the
+    containerd snapshotter's removes do: that trace's profile must not be lost."""
+    a = Daemons(tmp_path / "a")
+    try:
+        a.start(store_dir, profiles=True)
+        node = Node(a.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-a")
+        digest = node.mount("t/app:1", mnt, mode="kernel").layer
+        assert _read(os.path.join(mnt, READ[1])) == FILES[READ[1]]
+        with open(os.path.join(mnt, READ[0]), "rb") as busy:
+            node.umount(mnt, lazy=True)
+            assert busy.read() == FILES[READ[0]]
+        a.stop_all()
+        merged = profile.fetch(FilesystemStore(store_dir), keys.layer_profiles(digest))
+        assert merged is not None and {e.path for e in merged.entries} == {"/" + READ[0], "/" + READ[1]}
+    finally:
+        a.stop_all()
