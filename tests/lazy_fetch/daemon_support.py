@@ -23,8 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from dsec_fs.blobmap import BlobMap
 from dsec_fs.client import DaemonProcess, Node
 from dsec_fs.layer import LayerFiles
+from dsec_fs.store import FilesystemStore
+from erofs_builder import build_layer
 from erofs_builder.ondisk.chunk_index import HOLE
 from erofs_builder.reader import ErofsImage
+from treecmp import write_files
 
 DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
 
@@ -89,6 +92,15 @@ def drop_caches() -> None:
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
+
+
+def layer_store(base, files: dict[str, bytes], ref: str, chunk_size: int) -> str:
+    """A local store under ``base`` holding one layer of ``files`` (written to base/src) named ``ref``;
+    returns the store's directory."""
+    store = str(base / "store")
+    build_layer(write_files(base / "src", files), FilesystemStore(store, fsync=False), name=ref,
+                chunk_size=chunk_size)
+    return store
 
 
 def mount_dirs(tmp_path, *names) -> list[str]:

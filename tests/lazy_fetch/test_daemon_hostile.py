@@ -22,9 +22,7 @@ import pytest
 
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
-from dsec_fs.store import FilesystemStore
-from erofs_builder import build_layer
-from tests.lazy_fetch.daemon_support import DSECFS, Daemons, mount_dirs
+from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_store, mount_dirs
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -34,13 +32,7 @@ ANSWER_SECONDS = 2.0  # the issue's bound for a refused request
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory) -> str:
-    base = tmp_path_factory.mktemp("hostile")
-    for name, data in FILES.items():
-        os.makedirs(base / "src" / os.path.dirname(name), exist_ok=True)
-        (base / "src" / name).write_bytes(data)
-    build_layer(str(base / "src"), FilesystemStore(str(base / "store"), fsync=False), name="t/hostile:1",
-                chunk_size=64 * 1024)
-    return str(base / "store")
+    return layer_store(tmp_path_factory.mktemp("hostile"), FILES, "t/hostile:1", 64 * 1024)
 
 
 def _read(path: str) -> bytes:

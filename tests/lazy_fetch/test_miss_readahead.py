@@ -12,11 +12,10 @@ import pytest
 
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
-from erofs_builder import build_layer
 from lazy_fetch.blob_reader import BlobChunk
 from lazy_fetch.miss_readahead import WINDOW_START, FileChunks, MissReadahead
 from lazy_fetch.trace import FLAG_MISS, read_trace
-from tests.lazy_fetch.daemon_support import Daemons, file_chunks, layer_metric, mount_dirs
+from tests.lazy_fetch.daemon_support import Daemons, file_chunks, layer_metric, layer_store, mount_dirs
 
 CHUNK = 64 * 1024
 rng = random.Random(21)
@@ -85,12 +84,7 @@ def test_the_second_file_read_of_a_directory_names_its_other_small_files_nearest
 
 @pytest.fixture
 def store_dir(tmp_path) -> str:
-    src = tmp_path / "src"
-    for name, data in FILES.items():
-        os.makedirs(src / os.path.dirname(name), exist_ok=True)
-        (src / name).write_bytes(data)
-    build_layer(str(src), FilesystemStore(str(tmp_path / "store"), fsync=False), name="t/walk:1", chunk_size=CHUNK)
-    return str(tmp_path / "store")
+    return layer_store(tmp_path, FILES, "t/walk:1", CHUNK)
 
 
 def _wait_for(condition, timeout: float = 20.0) -> None:

@@ -16,7 +16,7 @@ from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from lazy_fetch import profile
 from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace
-from tests.lazy_fetch.daemon_support import Daemons, mount_dirs
+from tests.lazy_fetch.daemon_support import Daemons, layer_store, mount_dirs
 
 CHUNK = 64 * 1024
 rng = random.Random(13)
@@ -57,12 +57,7 @@ def test_merging_adds_traces_and_weights_first_read_times():
 
 @pytest.fixture
 def store_dir(tmp_path) -> str:
-    src = tmp_path / "src"
-    for name, data in FILES.items():
-        os.makedirs(src / os.path.dirname(name), exist_ok=True)
-        (src / name).write_bytes(data)
-    build_layer(str(src), FilesystemStore(str(tmp_path / "store"), fsync=False), name="t/app:1", chunk_size=CHUNK)
-    return str(tmp_path / "store")
+    return layer_store(tmp_path, FILES, "t/app:1", CHUNK)
 
 
 def _read(path: str) -> bytes:
