@@ -252,12 +252,15 @@ class HttpApi:
         return True
 
     async def _refuse_connection(self, stream: trio.SocketStream) -> None:
+        """Answer 503 before reading anything, and close (h11 answers only a request it has read)."""
+        body = api.encode({"error": "unavailable", "message": f"the daemon has {self.max_connections} "
+                           "connections open, all in requests; try again", "where": "http", "transient": True})
+        head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: {JSON_TYPE}\r\ncontent-length: {len(body)}\r\n"
+                "connection: close\r\n\r\n").encode()
         with trio.move_on_after(1.0):
             try:
-                await _send(h11.Connection(h11.SERVER), stream, json_response(
-                    {"error": "unavailable", "message": f"the daemon has {self.max_connections} connections open, "
-                     "all in requests; try again", "where": "http", "transient": True}, 503))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
+                await stream.send_all(head + body)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
         await stream.aclose()
 

@@ -287,3 +287,34 @@ def test_mount_info_ignores_fields_it_does_not_know():
     info = api.decode({"mountpoint": "/m", "mode": "fuse", "layer": "ab", "from_the_future": 1}, MountInfo,
                       where="test")
     assert info == MountInfo(mountpoint="/m", mode="fuse", layer="ab")
+
+
+def test_a_connection_over_the_cap_with_none_idle_is_answered_503_and_the_server_goes_on(socket_dir):
+    """With every connection in a request (none idle to close), a new one is answered at once, and the
+    server serves again once a slot frees."""
+    api = HttpApi(max_connections=1)
+    release = threading.Event()
+
+    async def slow(request: Request):
+        while not release.is_set():
+            await trio.sleep(0.01)
+        return {"slow": True}
+
+    async def fast(request: Request):
+        return {"fast": True}
+
+    api.route("GET", "/slow", slow)
+    api.route("GET", "/fast", fast)
+    path = os.path.join(socket_dir, "api.sock")
+    with serving(api, path) as node:
+        busy = threading.Thread(target=node.request, args=("GET", "/slow"))
+        busy.start()
+        deadline = time.monotonic() + 10
+        while api.connections < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(UnavailableError, match="connections open"):
+            node.request("GET", "/fast")
+        assert api.refused_connections >= 1
+        release.set()
+        busy.join()
+        assert node.request("GET", "/fast") == {"fast": True}
