@@ -240,9 +240,10 @@ def fill_up(directory: str) -> str:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_cache_disk_full(small_tmpfs, fault_layer, daemons, tmp_path, mode):
-    # No memory cache, so a read that is not a page-cache hit is served by the disk cache or the store.
+    # No memory cache, so a read that is not a page-cache hit is served by the disk cache or the store; no
+    # miss readahead, whose background fetches would move the counts compared below.
     daemon = daemons.start(fault_layer.url, fault_layer.env, cache_dir=os.path.join(small_tmpfs, "cache"),
-                           extra_args=["--memory-cache", "0"])
+                           extra_args=["--memory-cache", "0", "--miss-readahead", "0"])
     mnt = mountpoint(tmp_path)
     daemon.node.mount(fault_layer.digest, mnt, mode=mode)
     filler = fill_up(small_tmpfs)
@@ -264,7 +265,8 @@ def test_cache_disk_full(small_tmpfs, fault_layer, daemons, tmp_path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_cache_directory_deleted_under_the_daemon(fault_layer, daemons, tmp_path, mode):
-    daemon = daemons.start(fault_layer.url, fault_layer.env, extra_args=["--memory-cache", "0"])
+    # No miss readahead: what it fetches in the background would move the counts compared below.
+    daemon = daemons.start(fault_layer.url, fault_layer.env, extra_args=["--memory-cache", "0", "--miss-readahead", "0"])
     mnt = mountpoint(tmp_path)
     daemon.node.mount(fault_layer.digest, mnt, mode=mode)
     assert read_checked(os.path.join(mnt, "cached.bin"), FILES["cached.bin"]) == DATA
