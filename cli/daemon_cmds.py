@@ -68,6 +68,9 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
               help="how far the kernel reads ahead in a layer's files, in one request to the daemon (0: the "
                    "kernel's default, 128KiB)")
 @click.option("--no-trace", is_flag=True, help="do not write access traces")
+@click.option("--metrics-address", default=None, metavar="HOST:PORT",
+              help="also serve /metrics (and nothing else of the API) over TCP here, for Prometheus "
+                   "(e.g. 127.0.0.1:9402; off by default)")
 @click.option("--no-profiles", is_flag=True,
               help="do not learn access profiles from traces, share them through the store, or prefetch by them")
 @click.option("--fill", type=click.Choice(FILLS), default="profile", show_default=True,
@@ -86,7 +89,8 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
               help="what runs sandbox commands unless `sandbox exec --runtime` says otherwise")
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
            store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: str | None,
-           fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, no_profiles: bool, fill: str,
+           fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, metrics_address: str | None,
+           no_profiles: bool, fill: str,
            trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
            sandbox_runtime: str) -> None:
     """Run the node daemon: mounts layers, fetches and caches chunks, runs sandboxes, serves the API on the
@@ -105,7 +109,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
         latency=None if latency is None else latency / 1000,
         bandwidth=None if bandwidth is None else parse_size(bandwidth),
         fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead),
-        read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, profiles=not no_profiles, fill=fill,
+        read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, metrics_address=metrics_address,
+        profiles=not no_profiles, fill=fill,
         trace_keep_bytes=parse_size(trace_keep_size),
         trace_keep_seconds=trace_keep_age)
     sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)

@@ -126,7 +126,7 @@ class NodeDaemon:
         self.trace_dir = os.path.join(self.state_dir, TRACE_DIR)
         self.api = api or HttpApi()
         self.memory = MemoryChunkCache(options.memory_cache_bytes)
-        self.metrics = MetricsPage(self.figures)
+        self.metrics = MetricsPage(self.figures, version=node_status.version())
         self.cleaned: list[str] = []  # stale mountpoints detached at start
         self.table = MountTable(self.state_dir)
         self._stop = trio.Event()
@@ -181,6 +181,11 @@ class NodeDaemon:
                 for hook in self.on_start:
                     await hook()
                 await nursery.start(self.api.serve, options.socket_path)
+                if options.metrics_address:  # the metrics page alone, on TCP, for Prometheus
+                    metrics_only = HttpApi()
+                    routes.register_metrics(metrics_only, self)
+                    await nursery.start(metrics_only.serve_tcp, options.metrics_address)
+                    log.info("metrics on http://%s/metrics", options.metrics_address)
                 nursery.start_soon(self._flush_traces_now_and_then)
                 log.info("dsecfs daemon %d serving on %s (state %s, cache %s, FUSE %s)", os.getpid(),
                          options.socket_path, self.state_dir, self.cache.directory, options.fuse_binding)

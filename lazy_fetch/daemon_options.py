@@ -42,6 +42,7 @@ class DaemonOptions:
     miss_readahead_bytes: int = DEFAULT_WINDOW
     read_ahead_bytes: int = DEFAULT_READ_AHEAD  # the kernel's readahead in a layer's files (layer_mount.py)
     trace: bool = True
+    metrics_address: str | None = None  # HOST:PORT to serve /metrics alone on over TCP; None: off
     profiles: bool = True  # learn access profiles from traces, share them through the store, prefetch by them
     fill: str = "profile"  # what a new mount fetches in the background (FILLS); a mount may say otherwise
     trace_keep_bytes: int | None = DEFAULT_TRACE_KEEP_BYTES  # closed traces beyond this go, oldest first

@@ -56,7 +56,7 @@ import h11
 import trio
 
 from dsec_fs import api
-from dsec_fs.errors import ConflictError, DsecError, InputError
+from dsec_fs.errors import ConflictError, DsecError, InputError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -215,26 +215,43 @@ class HttpApi:
         sock = await _listen(socket_path)
         identity = os.stat(socket_path)
         try:
-            async with trio.SocketListener(sock) as listener, trio.open_nursery() as nursery:
-                task_status.started()
-                while True:
-                    try:
-                        stream = await listener.accept()
-                    except OSError as exc:
-                        if exc.errno not in _ACCEPT_CAPACITY_ERRORS:
-                            raise
-                        self._accept_failed(exc)
-                        await trio.sleep(ACCEPT_BACKOFF)
-                        continue
-                    if len(self._connections) >= self.max_connections and not self._close_longest_idle():
-                        self.refused_connections += 1
-                        nursery.start_soon(self._refuse_connection, stream)
-                        continue
-                    connection = _Connection(trio.CancelScope(), time.monotonic())
-                    self._connections.add(connection)
-                    nursery.start_soon(self._serve_connection, stream, connection)
+            async with trio.SocketListener(sock) as listener:
+                await self._accept_on(listener, task_status)
         finally:
             _remove_socket(socket_path, identity)
+
+    async def serve_tcp(self, address: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on TCP ``address`` ("HOST:PORT") and answer until cancelled: for a route table that is
+        safe to show whoever reaches the port (the daemon's metrics page, never its API)."""
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InputError("a TCP address is HOST:PORT, e.g. 127.0.0.1:9402", where=address)
+        try:
+            (listener,) = await trio.open_tcp_listeners(int(port), host=host.strip("[]"))
+        except OSError as exc:
+            raise UnavailableError(f"cannot listen: {exc.strerror or exc}", where=address, transient=False) from None
+        async with listener:
+            await self._accept_on(listener, task_status)
+
+    async def _accept_on(self, listener: trio.SocketListener, task_status) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    if exc.errno not in _ACCEPT_CAPACITY_ERRORS:
+                        raise
+                    self._accept_failed(exc)
+                    await trio.sleep(ACCEPT_BACKOFF)
+                    continue
+                if len(self._connections) >= self.max_connections and not self._close_longest_idle():
+                    self.refused_connections += 1
+                    nursery.start_soon(self._refuse_connection, stream)
+                    continue
+                connection = _Connection(trio.CancelScope(), time.monotonic())
+                self._connections.add(connection)
+                nursery.start_soon(self._serve_connection, stream, connection)
 
     def _accept_failed(self, exc: OSError) -> None:
         self.accept_failures += 1

@@ -27,6 +27,8 @@ turns it into metric families:
     dsecfs_memory_cache_hits_total, dsecfs_memory_cache_misses_total, dsecfs_memory_cache_bytes
                                                the in-memory cache of recently read chunks
     dsecfs_mounts{mode}                        layers mounted now
+    dsecfs_build_info{version,python}          1; and the process's own: process_cpu_seconds_total,
+                                               process_resident_memory_bytes, process_open_fds, ...
     dsecfs_prefetch_running                    prefetch lists being fetched now
     dsecfs_store_reads_running, dsecfs_store_reads_waiting{priority}
 
@@ -37,10 +39,11 @@ snapshot is consistent.
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -180,13 +183,18 @@ def _cache_families(cache: CacheStats, memory: MemoryFigures) -> Iterator[Metric
 
 
 class MetricsPage:
-    """The text ``/metrics`` answers: one registry holding one NodeCollector."""
+    """The text ``/metrics`` answers: one registry holding one NodeCollector, the process's own metrics
+    (process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...) and
+    ``dsecfs_build_info{version, python}`` (always 1)."""
 
     content_type = CONTENT_TYPE
 
-    def __init__(self, figures: Callable[[], NodeFigures]):
+    def __init__(self, figures: Callable[[], NodeFigures], *, version: str):
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(NodeCollector(figures))
+        ProcessCollector(registry=self._registry)
+        Info("dsecfs_build", "The dsecfs version serving.", registry=self._registry).info(
+            {"version": version, "python": platform.python_version()})
 
     def render(self) -> bytes:
         return generate_latest(self._registry)

@@ -89,7 +89,7 @@ def status(daemon: NodeDaemon) -> api.NodeStatus:
             **usage.prediction(), miss_readahead=_readahead_state(daemon, digest)))
     options = daemon.options
     return api.NodeStatus(
-        pid=os.getpid(), version=_version(), started=daemon.started, socket=options.socket_path,
+        pid=os.getpid(), version=version(), started=daemon.started, socket=options.socket_path,
         state_dir=daemon.state_dir, cache_dir=daemon.cache.directory,
         store=options.store_url or default_store_url(), fuse_binding=options.fuse_binding,
         mounts=daemon.mounts(), layers=layers, prefetches=daemon.prefetches(), cache=cache_info(daemon),
@@ -103,7 +103,7 @@ def _readahead_state(daemon: NodeDaemon, digest: str) -> str:
     return "ready" if layer.readahead.files is not None else "pending"
 
 
-def _version() -> str:
+def version() -> str:
     try:
         return metadata.version("dsecfs")
     except metadata.PackageNotFoundError:

@@ -47,8 +47,6 @@ def register(http: HttpApi, daemon: NodeDaemon) -> None:
     async def post_evict(request: Request) -> api.CacheInfo:
         return await daemon.evict(request.decode(api.EvictRequest).to)
 
-    async def get_metrics(request: Request) -> Response:
-        return Response(200, daemon.metrics.render(), MetricsPage.content_type)
 
     http.route("GET", "/v1/status", get_status)
     http.route("GET", "/v1/mounts", get_mounts)
@@ -58,4 +56,13 @@ def register(http: HttpApi, daemon: NodeDaemon) -> None:
     http.route("POST", "/v1/prefetch", post_prefetch)
     http.route("GET", "/v1/cache", get_cache)
     http.route("POST", "/v1/cache/evict", post_evict)
+    register_metrics(http, daemon)
+
+
+def register_metrics(http: HttpApi, daemon: NodeDaemon) -> None:
+    """GET /metrics: the Prometheus text (also served alone on TCP with ``--metrics-address``)."""
+
+    async def get_metrics(request: Request) -> Response:
+        return Response(200, daemon.metrics.render(), MetricsPage.content_type)
+
     http.route("GET", "/metrics", get_metrics)

@@ -423,3 +423,31 @@ def test_the_cli_talks_to_the_daemon(layers, daemons, tmp_path):
     missing = dsecfs("umount", str(tmp_path))
     assert missing.returncode == NotFoundError.exit_code and "not-found error" in missing.stderr
     assert dsecfs("umount", mnt).returncode == 0
+
+
+def test_metrics_over_tcp_show_the_page_and_nothing_else_of_the_api(layers, daemons, tmp_path):
+    import socket as socket_module
+    import urllib.error
+    import urllib.request
+
+    with socket_module.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    node = daemons.start(layers.store_dir, extra_args=["--metrics-address", f"127.0.0.1:{port}"]).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    node.mount("test/main:1", mnt, mode="fuse")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            page = response.read().decode()
+        assert response.status == 200
+        for name in ('dsecfs_build_info{', "process_cpu_seconds_total", "process_resident_memory_bytes",
+                     'dsecfs_mounts{mode="fuse"} 1.0'):
+            assert name in page, name
+        for method, path in (("GET", "/v1/status"), ("POST", "/v1/mounts"), ("GET", "/v1/sandboxes")):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, data=b"{}"
+                                             if method == "POST" else None)
+            with pytest.raises(urllib.error.HTTPError) as error:
+                urllib.request.urlopen(request, timeout=10)
+            assert error.value.code == 404
+    finally:
+        node.umount(mnt)
