@@ -202,6 +202,11 @@ class ChunkCache:
             self._flush_touches()
         return data
 
+    def holds(self, digests: Iterable[bytes]) -> set[bytes]:
+        """Which of ``digests`` the index lists: nothing read or checked, no hit or miss counted (for
+        readahead candidates, which are skipped when cached; a rotten one is found when it is read)."""
+        return {digest for digest in digests if self._index.get(digest) is not None}
+
     def put(self, digest: bytes, data: bytes | memoryview) -> bool:
         """Cache a verified chunk; False when it is larger than the whole cache and so not kept."""
         return self.put_many([(digest, data)]) == 1

@@ -425,12 +425,17 @@ class ChunkFetcher:
 
     def _cache_lookup(self, digests: list[bytes], ahead: list[bytes]) -> tuple[dict[bytes, bytes], set[bytes]]:
         """The cached chunks among ``digests``; and, if any of them missed, which of ``ahead`` (readahead
-        candidates) are cached already (read to tell, like any lookup: only on a miss, so rarely when the
-        cache is warm). A cache that fails is logged and bypassed: the store has every chunk."""
+        candidates) the cache holds already: asked of its index only (nothing read, no miss counted: the
+        cache's misses are chunks a read wanted). A cache that fails is logged and bypassed: the store
+        has every chunk."""
         found = self.cached(digests)
         if len(found) == len(set(digests)):
             return found, set()
-        return found, set(self.cached(ahead))
+        try:
+            return found, self.cache.holds(ahead)
+        except (DsecError, OSError) as exc:
+            log.warning("chunk cache lookup of readahead failed, reading the store: %s", exc)
+            return found, set()
 
     def cached(self, digests: Iterable[bytes]) -> dict[bytes, bytes]:
         """The chunks among ``digests`` that the cache holds, read and checked; the store is not asked.

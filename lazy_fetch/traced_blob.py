@@ -53,6 +53,9 @@ class StoreFetchLog:
     def get(self, digest: bytes) -> bytes | None:
         return self.cache.get(digest)
 
+    def holds(self, digests: Iterable[bytes]) -> set[bytes]:
+        return self.cache.holds(digests)
+
     def put_many(self, chunks: Iterable[tuple[bytes, bytes | memoryview]]) -> int:
         chunks = list(chunks)
         with self._lock:
