@@ -191,8 +191,9 @@ def test_concurrent_readers_of_a_cold_file_fetch_each_chunk_once(layers, daemons
 
 
 def test_sigkill_mid_read_then_restart(layers, daemons, tmp_path, mounts_below):
-    # With libfuse the mounts die with the daemon (test_daemon_restart.py: with raw they live on).
-    first = daemons.start(layers.store_dir, binding="pyfuse3", latency_ms=150)
+    # With libfuse the mounts die with the daemon (test_daemon_restart.py: with raw they live on). No miss
+    # readahead: the reader must still be waiting for chunks when the daemon is killed.
+    first = daemons.start(layers.store_dir, binding="pyfuse3", latency_ms=150, extra_args=["--miss-readahead", "0"])
     kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
     first.node.mount("test/main:1", kernel)
     first.node.mount("test/main:1", fuse, mode="fuse")
