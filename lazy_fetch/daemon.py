@@ -313,6 +313,9 @@ class NodeDaemon:
         if is_below(path, self.fuse_dir):
             raise InputError("this is the daemon's own FUSE session, not a layer mounted by a request; stop "
                              "the daemon to unmount it", where=path)
+        real = await request_paths.run_in_worker(os.path.realpath, path, where=path)  # a symlink to one of ours
+        if real in self.table.mounts:
+            return real
         return await self._directory(path)
 
     # -- mounts

@@ -83,9 +83,13 @@ def test_paths_on_the_daemons_own_mounts_are_refused_while_it_keeps_serving(stor
         assert time.monotonic() - started < 10
         _assert_serving(node, fuse_mnt, kernel_mnt)
         assert daemon.alive
+        to_kernel_mnt = str(tmp_path / "link-to-a-mountpoint")  # names one of ours: unmounted, not refused
+        os.symlink(kernel_mnt, to_kernel_mnt)
+        node.umount(to_kernel_mnt)
+        assert [m.mountpoint for m in node.mounts()] == [fuse_mnt]
     finally:
-        node.umount(kernel_mnt)
-        node.umount(fuse_mnt)
+        for mnt in {m.mountpoint for m in node.mounts()}:
+            node.umount(mnt)
 
 
 def _rss_bytes(pid: int) -> int:
