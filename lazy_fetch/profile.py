@@ -242,7 +242,7 @@ def publish(store: Store, key: str, learned: Profile) -> Profile:
         previous = None
     merged = merge([learned] + ([previous] if previous else []), layer=learned.layer)
     data = merged.encode()
-    if len(data) > MAX_PROFILE_BYTES:  # many distinct paths: keep what the most traces read
+    while len(data) > MAX_PROFILE_BYTES:  # many distinct paths: keep what the most traces read
         merged.entries = sorted(merged.entries, key=lambda e: -e.traces)[:len(merged.entries) // 2]
         merged.entries.sort(key=lambda e: (e.first_read_us, -e.traces))
         data = merged.encode()

@@ -287,3 +287,28 @@ def test_a_layer_detached_lazily_has_its_profile_published_when_the_daemon_stops
         assert merged is not None and {e.path for e in merged.entries} == {"/" + READ[0], "/" + READ[1]}
     finally:
         a.stop_all()
+
+
+def test_a_node_publishes_within_the_size_bound_however_long_its_paths():
+    class Objects:
+        def __init__(self):
+            self.data = {}
+
+        def get(self, key):
+            from dsec_fs.errors import NotFoundError
+            if key not in self.data:
+                raise NotFoundError("no such object", where=key)
+            return self.data[key]
+
+        def put(self, key, data):
+            self.data[key] = bytes(data)
+
+    long_path = "/" + "p" * 4000
+    learned = profile.Profile(layer="ab" * 32, traces=1, entries=[
+        profile.ProfileEntry(i.to_bytes(32, "big"), 100, i, 1, long_path, 0) for i in range(10000)])
+    assert len(learned.encode()) > 4 * profile.MAX_PROFILE_BYTES  # halving once would not do
+    store = Objects()
+    profile.publish(store, "profiles/layers/x/n", learned)
+    data = store.data["profiles/layers/x/n"]
+    assert len(data) <= profile.MAX_PROFILE_BYTES
+    assert profile.Profile.decode(data, source="k").entries
