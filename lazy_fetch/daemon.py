@@ -243,13 +243,18 @@ class NodeDaemon:
         keeper = self.profiles if want_profile else None
         found: list[FoundProfile | None] = [None]
 
+        def load_pack_indexes(manifest: Manifest) -> None:
+            if manifest.layer not in indexed:
+                store.chunk_index.load_packs(store.store, manifest.packs)
+
         def on_manifest(manifest: Manifest) -> None:
+            if keeper is None:
+                load_pack_indexes(manifest)
+                return
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-lookup") as pool:
-                lookup = None if keeper is None else pool.submit(keeper.lookup, store.store, manifest.layer, profile_of)
-                if manifest.layer not in indexed:
-                    store.chunk_index.load_packs(store.store, manifest.packs)
-                if lookup is not None:
-                    found[0] = lookup.result()
+                lookup = pool.submit(keeper.lookup, store.store, manifest.layer, profile_of)
+                load_pack_indexes(manifest)
+                found[0] = lookup.result()
 
         # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
         files = await store.fetcher.call_store(f"layer {ref} in {store.url}", functools.partial(
