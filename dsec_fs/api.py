@@ -316,11 +316,11 @@ ROUTES = (
 )
 
 
-class ErrorBody(_Response):
+class ErrorBody(_Response, omit_defaults=True):
     error: str  # the kind: input | not-found | conflict | unsupported | corrupt | unavailable | internal
     message: str
-    where: str | None = None
-    transient: bool | None = None  # UnavailableError only
+    where: str | None
+    transient: bool | None = None  # UnavailableError only (left out of the body otherwise)
 
 
 def openapi() -> dict[str, Any]:
@@ -379,10 +379,8 @@ def to_builtins(value: Any) -> Any:
 
 
 def error_body(exc: DsecError) -> dict[str, Any]:
-    body: dict[str, Any] = {"error": exc.kind, "message": exc.message, "where": exc.where}
-    if isinstance(exc, UnavailableError):
-        body["transient"] = exc.transient
-    return body
+    return to_builtins(ErrorBody(exc.kind, exc.message, exc.where,
+                                 exc.transient if isinstance(exc, UnavailableError) else None))
 
 
 def error_status(exc: DsecError) -> int:

@@ -56,7 +56,7 @@ import h11
 import trio
 
 from dsec_fs import api
-from dsec_fs.errors import ConflictError, DsecError, InputError, UnavailableError
+from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -200,15 +200,15 @@ class HttpApi:
             except Exception as exc:  # a bug in a handler: the daemon answers and stays up
                 log.error("%s %s failed with an unexpected error: %r", request.method, request.path, exc,
                           exc_info=exc)
-                return json_response({"error": "internal", "message": f"internal error: {exc!r}",
-                                      "where": f"{request.method} {request.path}"}, 500)
+                return json_response(api.ErrorBody("internal", f"internal error: {exc!r}",
+                                                   f"{request.method} {request.path}"), 500)
             return result if isinstance(result, Response) else json_response(result)
         if allowed:
-            response = json_response({"error": "input", "message": f"method {request.method} not allowed",
-                                      "where": request.path}, 405)
+            response = json_response(api.error_body(InputError(f"method {request.method} not allowed",
+                                                               where=request.path)), 405)
             response.headers.append(("allow", ", ".join(sorted(set(allowed)))))
             return response
-        return json_response({"error": "not-found", "message": "no such API path", "where": request.path}, 404)
+        return error_response(NotFoundError("no such API path", where=request.path))
 
     async def serve(self, socket_path: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``socket_path`` and answer requests until cancelled; the socket file is removed then."""
@@ -270,8 +270,9 @@ class HttpApi:
 
     async def _refuse_connection(self, stream: trio.SocketStream) -> None:
         """Answer 503 before reading anything, and close (h11 answers only a request it has read)."""
-        body = api.encode({"error": "unavailable", "message": f"the daemon has {self.max_connections} "
-                           "connections open, all in requests; try again", "where": "http", "transient": True})
+        body = api.encode(api.error_body(UnavailableError(
+            f"the daemon has {self.max_connections} connections open, all in requests; try again", where="http",
+            transient=True)))
         head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: {JSON_TYPE}\r\ncontent-length: {len(body)}\r\n"
                 "connection: close\r\n\r\n").encode()
         with trio.move_on_after(1.0):
@@ -292,7 +293,7 @@ class HttpApi:
                     except h11.RemoteProtocolError as exc:
                         if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                             await _send(conn, stream, json_response(
-                                {"error": "input", "message": f"bad HTTP request: {exc}", "where": "http"},
+                                api.error_body(InputError(f"bad HTTP request: {exc}", where="http")),
                                 exc.error_status_hint))
                         return
                     if request is None:  # the client closed the connection, or was too slow
