@@ -100,7 +100,7 @@ from .miss_readahead import FileChunks, MissReadahead
 from .daemon_options import DaemonOptions
 from .prefetch_list import PrefetchList
 from .prefetcher import PrefetchJob, Prefetcher, with_fill
-from .profile_keeper import FoundProfile, ProfileKeeper, layer_index
+from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter, prune_traces
 from .traced_blob import LayerUsage, StoreFetchLog, TracedBlob
@@ -277,7 +277,7 @@ class NodeDaemon:
         """Which chunks belong to which file, for the layer's miss readahead (a worker thread: it walks
         the image); reads before it is done bring nothing along."""
         try:
-            files = await trio.to_thread.run_sync(FileChunks.of, layer_index(layer.files, layer.blob.blob_map))
+            files = await trio.to_thread.run_sync(lambda: FileChunks.of(layer.index()))
         except DsecError as exc:
             log.warning("no miss readahead for layer %s: %s", layer.digest[:12], exc)
             return
@@ -364,7 +364,8 @@ class NodeDaemon:
                 layer = self._add_layer(files, store, blob)
             idle = layer.prefetch is None or layer.prefetch.state != "running"
             if found is not None and idle:
-                plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map)
+                plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map,
+                                                      layer.index)
                 prefetch = f"profile:{found.source}"
             if fill == "layer" and idle:
                 plist = with_fill(plist, files.digest, layer.blob.blob_map)
@@ -597,7 +598,8 @@ class NodeDaemon:
         """Close ``served``'s trace and have its profile published (profile_keeper.py)."""
         served.close_trace()
         if self.profiles is not None and served.trace_path:
-            self.profiles.publish_soon(self._background, served.layer.store.store, served.layer.files,
+            layer = served.layer
+            self.profiles.publish_soon(self._background, layer.store.store, layer.files, layer.index,
                                        served.trace_path, served.ref_name)
 
     async def _publish_the_rest(self) -> None:

@@ -19,10 +19,10 @@ thread and runs its store calls in worker threads.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -33,7 +33,6 @@ from dsec_fs.files import private_dir, write_atomic
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
-from erofs_builder.reader import ErofsImage
 
 from . import profile
 from .analysis import LayerIndex
@@ -50,6 +49,7 @@ FLUSH_SECONDS = 15.0
 class _Publish:
     store: Store
     files: LayerFiles
+    index: Callable[[], LayerIndex]
     trace_path: str
     ref_name: str | None
     started: bool = False
@@ -59,11 +59,6 @@ class _Publish:
 class FoundProfile:
     profile: profile.Profile
     source: str  # "layer" (learned on this very layer) or "name" (on another layer of its ref name)
-
-
-def layer_index(files: LayerFiles, blob_map: BlobMap | None = None) -> LayerIndex:
-    return LayerIndex(files.digest, ErofsImage(files.meta, source=keys.layer_meta(files.digest)),
-                      blob_map or BlobMap.decode(files.blobmap, source=keys.layer_blobmap(files.digest)))
 
 
 class ProfileKeeper:
@@ -84,14 +79,16 @@ class ProfileKeeper:
         return None
 
     @staticmethod
-    def plan(found: FoundProfile, files: LayerFiles, blob_map: BlobMap) -> PrefetchList:
-        return profile.to_prefetch_list(found.profile, files.digest, blob_map,
-                                        functools.partial(layer_index, files, blob_map))
+    def plan(found: FoundProfile, files: LayerFiles, blob_map: BlobMap,
+             index: Callable[[], LayerIndex]) -> PrefetchList:
+        """``index``: the layer's LayerIndex, asked for only if a changed file is looked up by path."""
+        return profile.to_prefetch_list(found.profile, files.digest, blob_map, index)
 
-    def publish_soon(self, nursery: trio.Nursery | None, store: Store, files: LayerFiles, trace_path: str,
-                     ref_name: str | None) -> None:
-        """Publish in a task of ``nursery``; with None (the daemon is stopping), at ``flush``."""
-        job = _Publish(store, files, trace_path, ref_name)
+    def publish_soon(self, nursery: trio.Nursery | None, store: Store, files: LayerFiles,
+                     index: Callable[[], LayerIndex], trace_path: str, ref_name: str | None) -> None:
+        """Publish in a task of ``nursery``; with None (the daemon is stopping), at ``flush``. ``index``:
+        the layer's LayerIndex (called in a worker thread)."""
+        job = _Publish(store, files, index, trace_path, ref_name)
         self._queued.append(job)
         if nursery is not None:
             nursery.start_soon(self._publish, job)
@@ -111,7 +108,7 @@ class ProfileKeeper:
         files, trace_path = job.files, job.trace_path
         try:
             # Not abandoned when cancelled: a publish under way finishes even as the daemon stops.
-            learned = await trio.to_thread.run_sync(self._publish_blocking, job.store, files, trace_path, job.ref_name)
+            learned = await trio.to_thread.run_sync(self._publish_blocking, job)
         except (DsecError, OSError) as exc:
             self.publish_failures += 1
             log.warning("cannot publish the profile of layer %s from %s: %s", files.digest[:12], trace_path, exc)
@@ -123,9 +120,9 @@ class ProfileKeeper:
             log.info("published the profile of layer %s (%d chunks, %d traces)", files.digest[:12],
                      len(learned.entries), learned.traces)
 
-    def _publish_blocking(self, store: Store, files: LayerFiles, trace_path: str,
-                          ref_name: str | None) -> profile.Profile | None:
-        learned = profile.learn(layer_index(files), read_trace(trace_path))
+    def _publish_blocking(self, job: _Publish) -> profile.Profile | None:
+        store, files, ref_name = job.store, job.files, job.ref_name
+        learned = profile.learn(job.index(), read_trace(job.trace_path))
         if learned is None:
             return None
         merged = profile.publish(store, keys.layer_profiles(files.digest) + self.node_id, learned)

@@ -18,6 +18,7 @@ from dsec_fs.chunks import ChunkIndex
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store.base import Store
 
+from .analysis import LayerIndex
 from .blob_reader import LayerBlob
 from .fetcher import ChunkFetcher
 from .memory_cache import MemoryFrontedFetcher
@@ -45,6 +46,15 @@ class Layer:
     readahead: MissReadahead | None = None  # shared by its mounts in both modes
     mounts: int = 0
     prefetch: PrefetchJob | None = None
+    _index: LayerIndex | None = None
+
+    def index(self) -> LayerIndex:
+        """The layer's image walked once (analysis.LayerIndex), for readahead, profile plans and
+        publishing; worker threads only (it walks the whole image the first time). Two threads that ask
+        at once may both walk it: the index is a value, either one serves."""
+        if self._index is None:
+            self._index = LayerIndex.of_files(self.files, self.blob.blob_map)
+        return self._index
 
     @property
     def digest(self) -> str:
