@@ -163,7 +163,7 @@ class NodeDaemon:
             self.profiles = ProfileKeeper(self.state_dir)
         async with contextlib.AsyncExitStack() as stack:
             self.cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
-            self._fetch_log = StoreFetchLog(self.cache)
+            self._fetch_log = StoreFetchLog()
             stack.callback(self._close_stores)
             stack.callback(self._close_traces)
             self._flights = await stack.enter_async_context(_nursery_cancelled_on_exit())
@@ -225,8 +225,8 @@ class NodeDaemon:
                 store = wrap_store(backend, retry=True, max_concurrent=options.store_concurrency,
                                    stuck_after=options.fetch_timeout, latency=options.latency,
                                    bandwidth=options.bandwidth, faults=faults or None)
-                fetcher = ChunkFetcher(store, self._fetch_log, self._flights, max_concurrent=options.fetch_concurrency,
-                                       timeout=options.fetch_timeout)
+                fetcher = ChunkFetcher(store, self.cache, self._flights, max_concurrent=options.fetch_concurrency,
+                                       timeout=options.fetch_timeout, on_fetched=self._fetch_log.note)
                 context = StoreContext(url, store, ChunkIndex(), fetcher,
                                        MemoryFrontedFetcher(fetcher, self.memory, self._flights))
                 self.stores[url] = context

@@ -15,10 +15,13 @@ How a request is served:
   ranged GET of at most MAX_READ_BYTES; each run is one *store read*, in a worker thread of its own, and
   the runs of a call go to the store side by side, queued for store slots in the order of their first
   chunk in the call (a prefetch list names the first-needed chunks first). A store read decompresses and
-  sha256-verifies each chunk before anything else sees it, and puts the verified chunks into the cache in
-  one batch (``put_many``: one index commit) from the same worker thread, so a fetch whose caller gave up
-  still fills the cache. When a run fails on one corrupt chunk, each chunk of it is read alone, so the
-  good ones are still served and only the bad one fails, with an error naming it.
+  sha256-verifies each chunk before anything else sees it; its waiters get the verified chunks at once,
+  and the chunks then go into the cache in one batch (``put_many``: one index commit) in a worker thread
+  of their own, their flights still listed (done) until they are in, so a request meanwhile takes them
+  from the flight rather than reading the store again. The caching is the fetcher's task, not the
+  caller's, so a fetch whose caller gave up still fills the cache. When a run fails on one corrupt
+  chunk, each chunk of it is read alone, so the good ones are still served and only the bad one fails,
+  with an error naming it.
 - **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
   the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
@@ -29,9 +32,10 @@ How a request is served:
   stored side by side arrive together. Readahead chunks get flights at PREFETCH priority, so a reader
   that needs one meanwhile joins it.
 - **Bounded concurrency with priorities.** At most ``max_concurrent`` store reads (GETs) run at once, and
-  prefetch reads use at most ``prefetch_slots`` of them, so on-demand reads always find a slot soon. Queued
-  on-demand reads go before queued prefetch reads; a queued prefetch that an on-demand request joins is
-  promoted.
+  prefetch and fill reads use at most ``prefetch_slots`` of them, so on-demand reads always find a slot
+  soon; fill reads (the rest of a layer) are at most FILL_READS of FILL_READ_BYTES and start only while
+  no on-demand read waits (store_slots.py says why). Queued on-demand reads go before queued prefetch
+  reads, those before fill; a queued read that a request of a higher priority joins is promoted.
 - **Per object.** At most ``object_reads`` reads of one store object (a pack) are in the air at once, its
   abandoned ones (below) included, until it answers: while one of its reads came back within the last
   second (store_slots.ANSWERING_WINDOW) and none was abandoned, it may have as many as there are slots.
@@ -170,7 +174,10 @@ class ChunkFetcher:
         timeout: float = DEFAULT_TIMEOUT,
         object_reads: int = DEFAULT_OBJECT_READS,
         max_abandoned: int = DEFAULT_MAX_ABANDONED,
+        on_fetched: Callable[[list[bytes]], object] = lambda digests: None,
     ):
+        """``on_fetched(digests)`` is told, in the trio thread, of the chunks each store read brought,
+        before anyone waiting for them has them."""
         prefetch_slots = max(1, max_concurrent * 3 // 4) if prefetch_slots is None else prefetch_slots
         if max_concurrent < 1 or not 0 < prefetch_slots <= max_concurrent:
             raise InputError(f"need 0 < prefetch_slots ({prefetch_slots}) <= max_concurrent ({max_concurrent})",
@@ -181,6 +188,7 @@ class ChunkFetcher:
         self.store = store
         self.cache = cache
         self.timeout = timeout
+        self._on_fetched = on_fetched
         self._nursery = nursery
         self._slots = StoreSlots(max_concurrent, prefetch_slots, min(FILL_READS, prefetch_slots), object_reads,
                                  max_abandoned)
@@ -356,6 +364,7 @@ class ChunkFetcher:
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
+        self._on_fetched([digest for digest, _location in items if not isinstance(results[digest], BaseException)])
         verified: list[tuple[bytes, bytes]] = []
         for (digest, _location), flight in zip(items, flights):
             result = results[digest]
