@@ -15,10 +15,10 @@ How a request is served:
   ranged GET of at most MAX_READ_BYTES; each run is one *store read*, in a worker thread of its own, and
   the runs of a call go to the store side by side, queued for store slots in the order of their first
   chunk in the call (a prefetch list names the first-needed chunks first). A store read decompresses and
-  sha256-verifies each chunk before anything else sees it; its waiters get the verified chunks at once,
-  and the chunks then go into the cache in one batch (``put_many``: one index commit) in a worker thread
-  of their own, their flights still listed (done) until they are in, so a request meanwhile takes them
-  from the flight rather than reading the store again. The caching is the fetcher's task, not the
+  sha256-verifies each chunk before anything else sees it, and the chunks go into the cache in one batch
+  (``put_many``: one index commit) in a worker thread: for a read a reader waits for, after the readers
+  have them, their flights still listed (done) until they are in, so a request meanwhile takes them from
+  the flight rather than reading the store again; for a prefetch or fill, before. The caching is the fetcher's task, not the
   caller's, so a fetch whose caller gave up still fills the cache. When a run fails on one corrupt
   chunk, each chunk of it is read alone, so the good ones are still served and only the bad one fails,
   with an error naming it.
@@ -364,8 +364,16 @@ class ChunkFetcher:
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
-        self._on_fetched([digest for digest, _location in items if not isinstance(results[digest], BaseException)])
-        verified: list[tuple[bytes, bytes]] = []
+        verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
+        # A reader waits for this run (it was asked for, or promoted): it gets its bytes first, and the
+        # cache's writes and index commit follow. Until the chunks are in, their flights stay listed
+        # (done), so a request meanwhile gets the bytes from the flight instead of missing the cache and
+        # reading the store again. A prefetch or fill run is cached first, so a job that is done has its
+        # chunks in the cache (and its bound on the cache's room holds).
+        readers_first = ticket.priority == ONDEMAND
+        if verified and not readers_first:
+            await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
+        self._on_fetched([digest for digest, _data in verified])
         for (digest, _location), flight in zip(items, flights):
             result = results[digest]
             if isinstance(result, BaseException):
@@ -378,12 +386,8 @@ class ChunkFetcher:
             else:
                 stats.chunks_fetched += 1
                 stats.bytes_fetched += len(result)
-                self._land(digest, flight, data=result, cached=False)
-                verified.append((digest, result))
-        if verified:
-            # After the waiters have their bytes: the cache's writes and index commit are not theirs to
-            # wait for. Until the chunks are in, their flights stay listed (done), so a request meanwhile
-            # gets the bytes from the flight instead of missing the cache and reading the store again.
+                self._land(digest, flight, data=result, cached=not readers_first)
+        if verified and readers_first:
             try:
                 await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
             finally:
