@@ -365,14 +365,12 @@ class ChunkFetcher:
         stats.observe_latency(trio.current_time() - started_at)
 
         verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
-        # A reader waits for this run (it was asked for, or promoted): it gets its bytes first, and the
-        # cache's writes and index commit follow. Until the chunks are in, their flights stay listed
-        # (done), so a request meanwhile gets the bytes from the flight instead of missing the cache and
-        # reading the store again. A prefetch or fill run is cached first, so a job that is done has its
-        # chunks in the cache (and its bound on the cache's room holds).
-        readers_first = ticket.priority == ONDEMAND
-        if verified and not readers_first:
-            await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
+        # A prefetch or fill run was cached by its read's thread (ticket.cached), so a job that is done has
+        # its chunks in the cache and its bound on the cache's room holds. A reader waits for any other
+        # run (it was asked for, or promoted): it gets its bytes first, and the cache's writes and index
+        # commit follow. Until the chunks are in, their flights stay listed (done), so a request meanwhile
+        # gets the bytes from the flight instead of missing the cache and reading the store again.
+        readers_first = not ticket.cached
         self._on_fetched([digest for digest, _data in verified])
         for (digest, _location), flight in zip(items, flights):
             result = results[digest]
@@ -496,12 +494,14 @@ class ChunkFetcher:
             log.warning("caching %d chunks of pack %s failed: %s", len(verified), pack_id, exc)
 
     def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Exception]:
-        """``_read``; a read abandoned at its deadline (nobody is left to take its result) caches what it
-        got itself, so its chunks need not be read again. (One abandoned just as it returned may be
-        cached by neither side: it is read again when next asked for.)"""
+        """``_read``, and the cache put (``ticket.cached``) of a read no reader waits for: a prefetch or
+        fill (so a job that is done has its chunks in the cache), or one abandoned at its deadline (nobody
+        is left to take its result; one abandoned just as it returned may be cached by neither side, and
+        is read again when next asked for)."""
         results = self._read(run)
-        if ticket.abandoned:
+        if ticket.abandoned or ticket.priority != ONDEMAND:
             self._cache_put(run.pack_id, [(digest, data) for digest, data in results.items() if isinstance(data, bytes)])
+            ticket.cached = True
         return results
 
     def _read(self, run: ChunkRun) -> dict[bytes, bytes | Exception]:

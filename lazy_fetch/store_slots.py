@@ -49,7 +49,7 @@ FILL = Priority.FILL
 class Ticket:
     """A store read's claim on a store slot and on a place among its object's reads."""
 
-    __slots__ = ("key", "priority", "order", "queued", "granted", "granted_as", "event", "refused", "abandoned")
+    __slots__ = ("key", "priority", "order", "queued", "granted", "granted_as", "cached", "event", "refused", "abandoned")
 
     def __init__(self, key: str, priority: Priority, order: int):
         self.key = key  # the store object it reads
@@ -58,6 +58,7 @@ class Ticket:
         self.queued = False
         self.granted = False
         self.granted_as = priority  # the priority it was granted at, whose limits it counts against
+        self.cached = False  # its read's worker thread put what it read into the cache (fetcher._read_for)
         self.event = trio.Event()
         self.refused: str | None = None  # why it may not start (too many reads stuck), once decided
         self.abandoned = False  # its thread passed the deadline in the store and still holds its place
