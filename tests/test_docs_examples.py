@@ -282,9 +282,10 @@ def test_the_examples_run_as_written(doc, seed_store, moto_server):
             code = script.wait(timeout=SCRIPT_TIMEOUT)
             out.seek(0), err.seek(0)
             stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-        failed = re.findall(r"^### (\S+)$", stderr, re.M)
-        assert code == 0, (f"the example at {failed[-1] if failed else doc} exited {code}\n"
+        started = re.findall(r"^### (.+)$", stderr, re.M)
+        assert code == 0, (f"the example at {started[-1] if started else doc} exited {code}\n"
                            f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}")
+        assert started == re.findall(r"^echo '### (.+)' >&2$", script_of(doc), re.M)  # every block ran
     finally:
         _clean_up(work, env, script)
         assert mounts_below(work) == []
