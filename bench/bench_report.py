@@ -16,7 +16,8 @@
    screenshot of the page with headless Chromium into docs/report-screenshot.png. With `--baseline REV`
    the same traces are also reported by the code of git revision REV (unpacked with `git archive` into the
    temporary directory, run with PYTHONPATH there), the two alternating round by round, and the times are
-   shown side by side as ratios.
+   shown side by side as ratios, with the CPU time of the report's phases (imports, analysis, the HTML
+   page and its plots) measured apart in one more process per round.
 
     .venv/bin/python bench/bench_report.py [--traces 500] [--rounds 3] [--rootfs DIR] [--no-screenshot]
         [--baseline main]
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import random
 import re
@@ -287,6 +289,28 @@ def time_report(traces: str, out: str, store: str, code: str = ROOT) -> Run:
     return Run(wall, rusage.ru_utime + rusage.ru_stime, rusage.ru_maxrss * 1024)
 
 
+PHASES = """
+import glob, json, sys, time
+t0 = time.process_time()
+from dsec_fs.store import FilesystemStore
+from lazy_fetch.analysis import analyze
+from lazy_fetch.report_html import render_html
+t1 = time.process_time()
+report = analyze(sorted(glob.glob(sys.argv[1] + "/*.dtr")), FilesystemStore(sys.argv[2]))
+t2 = time.process_time()
+render_html(report)
+t3 = time.process_time()
+print(json.dumps({"import": t1 - t0, "analyze": t2 - t1, "render": t3 - t2}))
+"""
+
+
+def time_phases(traces: str, store: str, code: str = ROOT) -> dict[str, float]:
+    """CPU seconds of the report's phases (imports, analysis, HTML and plots), in a process of their own."""
+    done = subprocess.run([sys.executable, "-c", PHASES, traces, store], cwd=code, env={**os.environ, "PYTHONPATH": code},
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
 def checkout(rev: str, work: str) -> str:
     """The tree of git revision ``rev`` of this repository, unpacked below ``work`` (no worktree is made)."""
     target = os.path.join(work, "baseline")
@@ -334,11 +358,13 @@ def main() -> None:
         print(f"{args.traces} traces, {records:,} records, written in {time.perf_counter() - t:.1f} s")
         out = os.path.join(work, "report")
         baseline = checkout(args.baseline, work) if args.baseline else None
-        runs, baseline_runs = [], []
+        runs, baseline_runs, phases, baseline_phases = [], [], [], []
         for _ in range(args.rounds):  # alternating, so that both see the same machine
             if baseline:
                 baseline_runs.append(time_report(traces, os.path.join(work, "baseline-report"), store_dir, baseline))
+                baseline_phases.append(time_phases(traces, store_dir, baseline))
             runs.append(time_report(traces, out, store_dir))
+            phases.append(time_phases(traces, store_dir))
         walls = sorted(run.wall for run in runs)
         html = os.path.join(out, "report.html")
         print(f"trace report: {median(walls):.2f} s median of {args.rounds} (min {walls[0]:.2f}, "
@@ -347,9 +373,13 @@ def main() -> None:
               f"report.json {os.path.getsize(os.path.join(out, 'report.json')) / 2**20:.1f} MiB")
         if baseline:
             print(f"{'median of ' + str(args.rounds):<16}{args.baseline:>10}{'this tree':>11}{'ratio':>8}")
-            for label, unit, pick in (("wall s", 1, lambda r: r.wall), ("CPU s", 1, lambda r: r.cpu),
-                                      ("peak RSS MiB", 2**20, lambda r: r.rss)):
-                old, new = median([pick(r) / unit for r in baseline_runs]), median([pick(r) / unit for r in runs])
+            rows = [(label, [pick(r) / unit for r in baseline_runs], [pick(r) / unit for r in runs])
+                    for label, unit, pick in (("wall s", 1, lambda r: r.wall), ("CPU s", 1, lambda r: r.cpu),
+                                              ("peak RSS MiB", 2**20, lambda r: r.rss))]
+            rows += [(f"  {phase} CPU s", [p[phase] for p in baseline_phases], [p[phase] for p in phases])
+                     for phase in ("import", "analyze", "render")]
+            for label, old_values, new_values in rows:
+                old, new = median(old_values), median(new_values)
                 print(f"{label:<16}{old:>10.2f}{new:>11.2f}{new / old:>7.2f}x")
         if args.keep:
             shutil.copytree(out, args.keep, dirs_exist_ok=True)

@@ -6,13 +6,15 @@ Every code block is fenced, and the first word of its info string says what this
     python    run with the virtualenv's python, in the same script where it stands; consecutive python
               blocks are one program (the second may use what the first defined)
     synopsis  command forms with placeholders (LAYER, [--json]): each `dsecfs ...` line names a command
-              that exists, and every --option it shows is one of that command's
+              that exists, and every --option it shows is one of that command's (lines of other
+              programs, such as ctr or fsck.erofs, are not checked)
     toml      parsed; with the word `dsecfs-config` after it, also loaded as a dsecfs configuration file
     text      not run: diagrams, grammars, output, the HTTP API
     console   not run: a command and its output
 
-A block that cannot run here (a remote cluster, Kubernetes) carries `no-ci` after its language, and the
-paragraph just before it must say it is "not run by the tests". An indented code block, a fence without
+A block that cannot run here (a remote cluster, Kubernetes, a benchmark of many minutes) carries `no-ci`
+after its language, and the paragraph just before it must say it is "not run by the tests"; the
+`dsecfs` lines of an sh no-ci block are checked as a synopsis's are. An indented code block, a fence without
 an info string or with one not above fails the test: no example is skipped without saying so. New
 examples in any of these files are picked up as they are written.
 
@@ -146,7 +148,7 @@ def test_synopsis_lines_name_real_commands_and_options():
     from cli.main import main
 
     checked = 0
-    for block in (b for b in all_blocks() if b.kind == "synopsis"):
+    for block in (b for b in all_blocks() if b.kind == "synopsis" or "no-ci" in b.words and b.kind == "sh"):
         for line in _command_lines(block.body):
             command, words = main, line.split()[1:]
             while isinstance(command, click.Group) and words and words[0] in command.commands:
