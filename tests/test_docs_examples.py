@@ -14,9 +14,9 @@ Every code block is fenced, and the first word of its info string says what this
 
 A block that cannot run here (a remote cluster, Kubernetes, a benchmark of many minutes) carries `no-ci`
 after its language, and the paragraph just before it must say it is "not run by the tests"; the
-`dsecfs` lines of an sh no-ci block are checked as a synopsis's are. An indented code block, a fence without
-an info string or with one not above fails the test: no example is skipped without saying so. New
-examples in any of these files are picked up as they are written.
+`dsecfs` lines of an sh no-ci block are checked as a synopsis's are. An indented code block, a fence
+without an info string or with one not above fails the test: no example is skipped without saying so.
+New examples in any of these files are picked up as they are written.
 
 The scripts run as root with the repository's virtualenv first on PATH, in a fresh directory below /tmp
 (the daemon's socket path must stay short) holding a copy of a store that already has the Debian base
@@ -111,9 +111,9 @@ def all_blocks() -> list[Block]:
 
 
 def test_every_code_block_says_what_it_is_and_not_run_ones_say_why():
-    ALL_BLOCKS = all_blocks()
-    assert {b.kind for b in ALL_BLOCKS} >= {"sh", "python", "synopsis", "toml", "text"}
-    for block in ALL_BLOCKS:
+    blocks = all_blocks()
+    assert {b.kind for b in blocks} >= {"sh", "python", "synopsis", "toml", "text"}
+    for block in blocks:
         if "no-ci" in block.words:
             paragraph = block.before.strip().split("\n\n")[-1]
             assert NOT_RUN_MARKER in " ".join(paragraph.split()), f"{block.where}: say it is {NOT_RUN_MARKER!r}"
