@@ -6,8 +6,9 @@ the one module that imports matplotlib (Agg backend: no display needed). To stay
 of traces, plots show distributions (box plots, percentile bands, histograms) rather than a line per trace,
 long tables scroll inside their box, and the per-trace table is folded away.
 
-Threads: the figures are kept between calls and drawn again (_FigurePool), so call render_html and
-write_report from one thread at a time. Nothing here uses pyplot's global state.
+Threads: while render_html draws a page, its figures are kept in a module-level pool and drawn again
+(_FigurePool), so call render_html and write_report from one thread at a time. Nothing here uses
+pyplot's global state.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ Margins = tuple[float, float, float, float]  # an axes' left, bottom, right and 
 class _FigurePool:
     def __init__(self):
         self._figures: dict[str, tuple[Figure, list]] = {}
+
+    def clear(self) -> None:
+        self._figures.clear()
 
     def get(self, kind: str, width: float, height: float, boxes: list[Margins], *, twin: int | None = None):
         """The figure of ``kind``, ``width`` x ``height`` inches, and its axes, one per box, emptied; with
@@ -478,6 +482,14 @@ document.querySelectorAll("table.sortable th").forEach(function (th) {
 
 
 def render_html(report: Report) -> str:
+    """The page; the figures drawn for it are let go at the end (a few MiB of pixels each)."""
+    try:
+        return _page(report)
+    finally:
+        _FIGURES.clear()
+
+
+def _page(report: Report) -> str:
     low, high = PRODUCTION_BAND
     n_traces = len(report.traces)
     parts = [
