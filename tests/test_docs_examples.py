@@ -279,8 +279,8 @@ def test_the_examples_run_as_written(doc, seed_store, moto_server):
             f.write(script_of(doc))
         with open(f"{work}/stdout", "w+b") as out, open(f"{work}/stderr", "w+b") as err:
             # Files, not pipes: a daemon the examples start in the background keeps what it inherited open.
-            script = subprocess.Popen(["sh", f"{work}/example.sh"], cwd=work, env=env, stdout=out, stderr=err,
-                                      start_new_session=True)
+            script = subprocess.Popen(["sh", f"{work}/example.sh"], cwd=work, env=env, stdin=subprocess.DEVNULL,
+                                      stdout=out, stderr=err, start_new_session=True)
             code = script.wait(timeout=SCRIPT_TIMEOUT)
             out.seek(0), err.seek(0)
             stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
