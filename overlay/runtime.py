@@ -160,12 +160,7 @@ def run_in_rootfs(rootfs: str | os.PathLike, argv: Sequence[str], *, runtime: st
                   extra_binds: Sequence[Bind | tuple[str, str, bool]] = (), stdin: bytes | None = None,
                   timeout: float | None = None) -> RunResult:
     """Run ``argv`` (argv[0] looked up in the sandbox's PATH) in ``rootfs``; see the module docstring."""
-    rootfs = os.path.abspath(os.fsdecode(rootfs))
-    if not os.path.isdir(rootfs):
-        raise NotFoundError("root filesystem does not exist or is not a directory", where=rootfs)
-    argv = list(argv)
-    if not argv or not all(isinstance(arg, str) and "\0" not in arg for arg in argv):
-        raise InputError(f"argv must be a non-empty list of strings without NUL, not {argv!r}", where=rootfs)
+    rootfs, argv = checked_command(rootfs, argv)
     options = RunOptions(env=env, cwd=cwd, hostname=hostname, network=network, memory_bytes=memory_bytes,
                          cpus=cpus, pids_limit=pids_limit, readonly_paths=readonly_paths,
                          extra_binds=extra_binds, stdin=stdin, timeout=timeout).checked()
@@ -174,6 +169,22 @@ def run_in_rootfs(rootfs: str | os.PathLike, argv: Sequence[str], *, runtime: st
     if runtime == "namespaces":
         return _run_namespaces(rootfs, argv, options)
     raise InputError(f"unknown runtime {runtime!r}, expected one of {', '.join(RUNTIMES)}", where=rootfs)
+
+
+def checked_command(rootfs: str | os.PathLike, argv: Sequence[str]) -> tuple[str, list[str]]:
+    """``rootfs`` made absolute and ``argv`` as a list; NotFoundError/InputError if they cannot be run."""
+    rootfs = os.path.abspath(os.fsdecode(rootfs))
+    if not os.path.isdir(rootfs):
+        raise NotFoundError("root filesystem does not exist or is not a directory", where=rootfs)
+    argv = list(argv)
+    if not argv or not all(isinstance(arg, str) and "\0" not in arg for arg in argv):
+        raise InputError(f"argv must be a non-empty list of strings without NUL, not {argv!r}", where=rootfs)
+    return rootfs, argv
+
+
+def exit_code(returncode: int) -> int:
+    """A process's exit code as shells and runc report it: 128 + N for a process killed by signal N."""
+    return SIGNAL_EXIT_BASE - returncode if returncode < 0 else returncode
 
 
 def _check_sandbox_path(path: str, where: str) -> None:
@@ -192,8 +203,7 @@ def _require(program: str, runtime: str) -> str:
 
 
 def _finish(returncode: int, stdout: bytes, stderr: bytes, timed_out: bool = False) -> RunResult:
-    code = SIGNAL_EXIT_BASE - returncode if returncode < 0 else returncode
-    return RunResult(exit_code=code, stdout=stdout or b"", stderr=stderr or b"", timed_out=timed_out)
+    return RunResult(exit_code=exit_code(returncode), stdout=stdout or b"", stderr=stderr or b"", timed_out=timed_out)
 
 
 def _communicate(process: subprocess.Popen, options: RunOptions, stop: Callable[[], None]) -> RunResult:
@@ -209,8 +219,10 @@ def _communicate(process: subprocess.Popen, options: RunOptions, stop: Callable[
 
 # --- runc -------------------------------------------------------------------------------------------------
 
-def oci_config(rootfs: str, argv: Sequence[str], options: RunOptions) -> dict:
-    """The OCI runtime spec (1.0) config.json of one run (``options`` as returned by RunOptions.checked)."""
+def oci_config(rootfs: str, argv: Sequence[str], options: RunOptions,
+               terminal: tuple[int, int] | None = None) -> dict:
+    """The OCI runtime spec (1.0) config.json of one run (``options`` as returned by RunOptions.checked);
+    ``terminal``: (rows, columns) of the terminal runc gives the command (0, 0: its default size)."""
     capabilities = sorted(DEFAULT_CAPABILITIES)
     mounts_ = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -236,10 +248,13 @@ def oci_config(rootfs: str, argv: Sequence[str], options: RunOptions) -> dict:
         resources["cpu"] = {"quota": max(1000, round(options.cpus * CPU_PERIOD_US)), "period": CPU_PERIOD_US}
     if options.pids_limit is not None:
         resources["pids"] = {"limit": int(options.pids_limit)}
+    process: dict = {"terminal": terminal is not None}
+    if terminal is not None and all(terminal):
+        process["consoleSize"] = {"height": terminal[0], "width": terminal[1]}
     return {
         "ociVersion": "1.0.2",
         "process": {
-            "terminal": False,
+            **process,
             "user": {"uid": 0, "gid": 0},
             "args": list(argv),
             "env": [f"{name}={value}" for name, value in options.environment().items()],
@@ -259,38 +274,74 @@ def oci_config(rootfs: str, argv: Sequence[str], options: RunOptions) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class RuncContainer:
+    """One container's bundle (config.json, runc's log) in a temporary directory, and the runc commands
+    for it; ``remove()`` deletes the bundle (after ``delete_command`` ran)."""
+
+    runc: str
+    bundle: str
+    state_root: str
+    id: str
+
+    @classmethod
+    def create(cls, rootfs: str, argv: Sequence[str], options: RunOptions, runc_root: str | None, *,
+               terminal: tuple[int, int] | None = None) -> "RuncContainer":
+        runc = _require("runc", "runc")
+        bundle = tempfile.mkdtemp(prefix="dsecfs-run-")
+        container = cls(runc, bundle, os.path.abspath(runc_root) if runc_root else os.path.join(bundle, "state"),
+                        "dsecfs-" + secrets.token_hex(8))
+        try:
+            with open(os.path.join(bundle, "config.json"), "w") as f:
+                json.dump(oci_config(rootfs, argv, options, terminal), f)
+        except BaseException:
+            container.remove()
+            raise
+        return container
+
+    def run_command(self) -> list[str]:
+        """``runc run`` in the foreground: it exits with the command's status, 128 + N after signal N."""
+        return [self.runc, "--root", self.state_root, "--log", os.path.join(self.bundle, "runc.log"),
+                "--log-format", "json", "run", "--bundle", self.bundle, self.id]
+
+    def delete_command(self) -> list[str]:
+        """Kill whatever still runs in the container and remove its state and cgroups."""
+        return [self.runc, "--root", self.state_root, "delete", "--force", self.id]
+
+    def failure(self, argv: Sequence[str], rootfs: str) -> DsecError | None:
+        """The error runc logged when it could not start the command, or None."""
+        failure = _runc_error(os.path.join(self.bundle, "runc.log"))
+        if failure is None:
+            return None
+        where = f"runc container {self.id} in {rootfs}"
+        if "unable to start container process: exec:" in failure:
+            return InputError(f"cannot execute {argv[0]!r}: {failure}", where=where)
+        return UnavailableError(failure, where=where, transient=False)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.bundle, ignore_errors=True)
+
+
 def _run_runc(rootfs: str, argv: list[str], options: RunOptions, runc_root: str | None) -> RunResult:
-    runc = _require("runc", "runc")
-    bundle = tempfile.mkdtemp(prefix="dsecfs-run-")
-    state_root = os.path.abspath(runc_root) if runc_root else os.path.join(bundle, "state")
-    container = "dsecfs-" + secrets.token_hex(8)
-    log_path = os.path.join(bundle, "runc.log")
+    container = RuncContainer.create(rootfs, argv, options, runc_root)
 
     def delete() -> None:
-        """Kill whatever still runs in the container and remove its state and cgroups."""
-        subprocess.run([runc, "--root", state_root, "delete", "--force", container],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(container.delete_command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
 
     try:
-        with open(os.path.join(bundle, "config.json"), "w") as f:
-            json.dump(oci_config(rootfs, argv, options), f)
         process = subprocess.Popen(
-            [runc, "--root", state_root, "--log", log_path, "--log-format", "json", "run", "--bundle", bundle,
-             container],
-            stdin=subprocess.DEVNULL if options.stdin is None else subprocess.PIPE,
+            container.run_command(), stdin=subprocess.DEVNULL if options.stdin is None else subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         # A killed `runc run` leaves the container running (and holding our pipes): delete it first.
         result = _communicate(process, options, stop=lambda: (delete(), process.kill()))
-        failure = None if result.timed_out else _runc_error(log_path)
+        failure = None if result.timed_out else container.failure(argv, rootfs)
         if failure is not None:
-            where = f"runc container {container} in {rootfs}"
-            if "unable to start container process: exec:" in failure:
-                raise InputError(f"cannot execute {argv[0]!r}: {failure}", where=where)
-            raise UnavailableError(failure, where=where, transient=False)
+            raise failure
         return result
     finally:
         delete()
-        shutil.rmtree(bundle, ignore_errors=True)
+        container.remove()
 
 
 def _runc_error(log_path: str) -> str | None:
