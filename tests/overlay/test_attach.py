@@ -10,6 +10,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import termios
@@ -18,15 +19,14 @@ import time
 import pytest
 from treecmp import write_files
 
-from dsec_fs import exec_frames
-from dsec_fs.errors import InputError, UnsupportedError
+from dsec_fs import exec_frames, mounts
+from dsec_fs.errors import InputError, UnavailableError, UnsupportedError
 from dsec_fs.sandbox_client import Sandbox
 from dsec_fs.store import FilesystemStore
 from erofs_builder.build import build_layer
 from tests.lazy_fetch import daemon_support
+from tests.other_user import NOBODY
 from tests.overlay.test_node_sandboxes import Daemons, loop_devices_below, mounts_below
-
-from dsec_fs import mounts
 
 pytestmark = [pytest.mark.root, pytest.mark.fuse]
 
@@ -254,3 +254,27 @@ def test_a_flood_of_output_to_a_slow_reader_keeps_the_daemon_small(daemons):
     assert received > 0 and grown < 16 << 20, (received, grown)
     wait_for(lambda: daemons.runc_containers() == [], "the container to be deleted")
     assert sandbox.exec(["true"]).exit_code == 0
+
+
+def test_only_root_reaches_the_attach_route(sandbox, daemons):
+    assert stat.S_IMODE(os.stat(daemons.socket).st_mode) == 0o600
+    probe = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1])\n"
+             "except PermissionError:\n    print('refused')\nelse:\n    print('connected')\n")
+    done = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "/usr/bin/python3",
+                           "-I", "-S", "-c", probe, daemons.socket], capture_output=True, check=True)
+    assert done.stdout == b"refused\n"
+
+
+def test_a_stopping_daemon_ends_attached_commands_and_cleans_up(daemons):
+    daemon = daemons.start()
+    sandbox = Sandbox(daemon.node, daemon.node.sandbox_up(BASE, WORKSPACE, name="stops").id)
+    with sandbox.attach(["/bin/sh", "-c", "echo up; exec sleep 600"]) as command:
+        output = command.output()
+        assert next(output) == ("stdout", b"up\n")
+        daemon.process.send_signal(signal.SIGTERM)
+        try:
+            rest = list(output)
+        except UnavailableError:  # the connection closed before the exit could be sent
+            rest = []
+        assert rest == [] and (command.result is None or command.result.exit_code == 137)
+    assert daemon.process.wait(60) == 0
