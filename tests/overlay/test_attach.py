@@ -17,43 +17,20 @@ import termios
 import time
 
 import pytest
-from treecmp import write_files
 
-from dsec_fs import exec_frames, mounts
+from dsec_fs import exec_frames
 from dsec_fs.errors import InputError, UnavailableError, UnsupportedError
 from dsec_fs.sandbox_client import Sandbox
-from dsec_fs.store import FilesystemStore
-from erofs_builder.build import build_layer
 from tests.lazy_fetch import daemon_support
+from tests.lazy_fetch.daemon_support import wait_for
 from tests.other_user import NOBODY
-from tests.overlay.test_node_sandboxes import Daemons, loop_devices_below, mounts_below
+# The layers (the Debian base) and the daemons of a test, as the other sandbox tests have them.
+from tests.overlay.test_node_sandboxes import BASE, daemons, layers, workspace_ref  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.root, pytest.mark.fuse]
 
-BASE, WORKSPACE = "base/debian:12", "ws/attach:1"
+WORKSPACE = workspace_ref("task00")
 DEADLINE = 20.0  # seconds any one expected output may take
-
-
-@pytest.fixture(scope="module")
-def store_dir(tmp_path_factory, debian_rootfs) -> str:
-    root = tmp_path_factory.mktemp("attach-layers")
-    store = FilesystemStore(str(root / "store"), fsync=False)
-    build_layer(debian_rootfs, store, name=BASE)
-    build_layer(write_files(root / "ws", {"workspace/hello": b"hello\n"}), store, name=WORKSPACE)
-    return str(root / "store")
-
-
-@pytest.fixture
-def daemons(tmp_path, store_dir):
-    started = Daemons(tmp_path, store_dir)
-    try:
-        yield started
-    finally:
-        started.stop_all()
-        left = mounts_below(tmp_path)
-        for target, _fstype in sorted(left, reverse=True):
-            mounts.umount(target, lazy=True)
-        assert left == [] and loop_devices_below(tmp_path) == []
 
 
 @pytest.fixture
@@ -61,16 +38,6 @@ def sandbox(daemons):
     node = daemons.start().node
     info = node.sandbox_up(BASE, WORKSPACE, name="att")
     return Sandbox(node, info.id, info=info)
-
-
-def wait_for(predicate, what: str, deadline: float = DEADLINE):
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def read_until(fd: int, needle: bytes, seen: bytearray, deadline: float = DEADLINE) -> bytes:
