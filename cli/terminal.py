@@ -3,7 +3,7 @@ forwarded, and with ``-t`` the local terminal handed to the command.
 
 With a terminal (``-t`` and ``-i`` on a stdin that is one) the local terminal is put in raw mode, so every
 key, ^C included, goes to the command (its terminal's line discipline makes ^C a SIGINT there, not here),
-and restored on every way out (the command's end, an error, a signal); its size is sent at start by the
+and restored on every way out (the command's end, an error, SIGTERM or SIGHUP: exit 128 + N); its size is sent at start by the
 caller and again at each SIGWINCH. Without a terminal, ^C stops dsecfs, which closes the connection: the
 daemon kills the command.
 
@@ -27,6 +27,8 @@ from dsec_fs.api import ExecExit
 from dsec_fs.attach_client import AttachedCommand
 from dsec_fs.errors import UnavailableError
 
+LEAVING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # would end dsecfs with the terminal left raw
+
 
 def terminal_size() -> tuple[int, int]:
     """(rows, columns) of the terminal on stdin or stdout; (0, 0) when neither is one."""
@@ -47,12 +49,14 @@ def relay(command: AttachedCommand, *, forward_stdin: bool, tty_mode: bool,
     err = err or sys.stderr.buffer
     stdin_fd = sys.stdin.fileno()
     saved = termios.tcgetattr(stdin_fd) if tty_mode and forward_stdin and os.isatty(stdin_fd) else None
-    previous_winch = None
+    previous = {}  # signal -> the handler it had
     try:
         if saved is not None:
+            for number in LEAVING_SIGNALS:  # so that the finally below runs: the terminal is restored
+                previous[number] = signal.signal(number, _leave)
             tty.setraw(stdin_fd)
         if tty_mode:
-            previous_winch = signal.signal(signal.SIGWINCH, lambda *_: _send_size(command))
+            previous[signal.SIGWINCH] = signal.signal(signal.SIGWINCH, lambda *_: _send_size(command))
         if forward_stdin:
             threading.Thread(target=_forward_stdin, args=(command, stdin_fd), daemon=True,
                              name="stdin").start()
@@ -61,12 +65,16 @@ def relay(command: AttachedCommand, *, forward_stdin: bool, tty_mode: bool,
             target.write(data)
             target.flush()
     finally:
-        if previous_winch is not None:
-            signal.signal(signal.SIGWINCH, previous_winch)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
         if saved is not None:
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
         command.close()
     return command.result
+
+
+def _leave(number: int, _frame) -> None:
+    raise SystemExit(128 + number)  # as the signal's default action would have ended us, after the finally
 
 
 def _send_size(command: AttachedCommand) -> None:

@@ -245,3 +245,22 @@ def test_a_stopping_daemon_ends_attached_commands_and_cleans_up(daemons):
             rest = []
         assert rest == [] and (command.result is None or command.result.exit_code == 137)
     assert daemon.process.wait(60) == 0
+
+
+def test_a_terminated_exec_it_restores_the_terminal_and_ends_the_command(sandbox, daemons):
+    process, master, slave = spawn_on_pty(
+        [daemon_support.DSECFS, "sandbox", "exec", "-it", "--socket", daemons.socket, "att", "/bin/sh", "-c",
+         "echo started; exec sleep 600"], 24, 80)
+    before = termios.tcgetattr(slave)
+    try:
+        read_until(master, b"started", bytearray())
+        assert termios.tcgetattr(slave) != before
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(DEADLINE) == 128 + signal.SIGTERM
+        assert termios.tcgetattr(slave) == before
+        wait_for(lambda: daemons.runc_containers() == [], "the container to be deleted")
+    finally:
+        process.kill()
+        process.wait()
+        os.close(master)
+        os.close(slave)
