@@ -76,9 +76,9 @@ class AttachCommand:
         if self.tty and self.options.get("runtime") != "runc":
             raise UnsupportedError("a terminal needs the runc runtime", where=f"runtime {self.options.get('runtime')}")
 
-    def run_options(self, **extra) -> RunOptions:
+    def run_options(self) -> RunOptions:
         fields = {k: v for k, v in self.options.items() if k not in ("runtime", "runc_root")}
-        return RunOptions(**fields, **extra).checked()
+        return RunOptions(**fields).checked()
 
 
 async def relay(client: trio.SocketStream, early: bytes, command: AttachCommand) -> None:
