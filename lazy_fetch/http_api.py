@@ -14,9 +14,10 @@ Bodies: a handler decodes its request with ``request.decode(RequestType)`` and r
 (both from dsec_fs/api.py, which the SDK client uses too) or any JSON value. Errors: a handler that
 raises a DsecError answers the one error format of dsec_fs/api.py (``error_body``), so a client can
 raise the same class again. Anything else a handler raises is a bug: logged with its
-traceback and answered 500 ``{"error": "internal"}``. A handler may answer ``Upgrade`` instead, to
-switch an upgrade request's connection to its own protocol (a sandbox's attached command) and serve it. Unknown paths answer 404, known paths with another
-method 405, malformed HTTP 400 (then the connection closes).
+traceback and answered 500 ``{"error": "internal"}``. Unknown paths answer 404, known paths with another
+method 405, malformed HTTP 400 (then the connection closes). A handler may answer ``Upgrade`` instead:
+the connection of a request that asked for that protocol (``Upgrade:``) switches to it (101) and is the
+handler's until it closes (a sandbox's attached command: overlay/attach.py).
 
 Access: the socket is the only door, so its permissions are the access control: the socket file is
 created 0600 (and chmod 0600 again before listen()), and its directory 0700 when we create it (an
