@@ -98,7 +98,8 @@ class Sandbox:
                pids_limit: int | None = None, runtime: str | None = None) -> AttachedCommand:
         """Start ``argv`` as ``exec`` does, its output relayed as it comes (attach_client.AttachedCommand):
         ``stdin`` to feed it (else /dev/null), ``tty`` to run it on a terminal of ``rows`` x ``cols``
-        (runc only; stdout and stderr are the terminal then, stdin its keyboard). Returns once it starts."""
+        (runc only; stdout and stderr are the terminal then, stdin its keyboard). Returns once the daemon
+        took the command on (errors found before that, such as no such sandbox, are raised here)."""
         _check_argv(argv, self.key)
         body = api.AttachRequest(argv=list(argv), env=dict(env or {}), cwd=cwd, network=network,
                                  memory_bytes=memory_bytes, cpus=cpus, pids_limit=pids_limit, timeout=timeout,
