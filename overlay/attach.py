@@ -48,7 +48,7 @@ from tty import setraw
 import trio
 
 from dsec_fs import api, exec_frames
-from dsec_fs.errors import DsecError, InputError, UnsupportedError
+from dsec_fs.errors import DsecError, InputError, UnavailableError, UnsupportedError
 from dsec_fs.exec_frames import CHUNK, FrameParser
 
 from .runtime import SIGNAL_EXIT_BASE, RunOptions, RuncContainer, checked_command, exit_code, run_in_rootfs
@@ -90,6 +90,9 @@ async def relay(client: trio.SocketStream, early: bytes, command: AttachCommand)
             await session.run_runc(command)
         else:
             await session.run_gathered(command)
+    except OSError as exc:  # no pty or descriptor left, no room for the bundle
+        await session.send(exec_frames.ERROR, api.encode(api.error_body(UnavailableError(
+            f"cannot start the command: {exc.strerror or exc}", where=f"attach in {command.rootfs}", transient=True))))
     except DsecError as exc:
         await session.send(exec_frames.ERROR, api.encode(api.error_body(exc)))
 
