@@ -266,3 +266,34 @@ def test_a_terminated_exec_it_restores_the_terminal_and_ends_the_command(sandbox
         process.wait()
         os.close(master)
         os.close(slave)
+
+
+def threads_waiting_on_children(pid: int) -> int:
+    """Threads of ``pid`` blocked in a wait for a child or on a pipe (what a thread serving a command does)."""
+    count = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                count += f.read() in ("do_wait", "pipe_read", "pipe_write")
+        except FileNotFoundError:
+            pass
+    return count
+
+
+def test_attached_commands_hold_no_daemon_thread(daemons):
+    """Unlike exec, whose worker thread waits for its command, an attached command is served by the daemon's
+    event loop alone: commands that run on and on do not use up the daemon's threads."""
+    daemon = daemons.start()
+    sandbox = Sandbox(daemon.node, daemon.node.sandbox_up(BASE, WORKSPACE, name="threads").id)
+    endless = ["/bin/sh", "-c", "while :; do echo tick; sleep 0.2; done"]
+    commands = []
+    try:
+        for _ in range(4):
+            commands.append(sandbox.attach(endless))
+            next(commands[-1].output())
+        assert len(daemons.runc_containers()) == 4
+        assert threads_waiting_on_children(daemon.pid) == 0
+    finally:
+        for command in commands:
+            command.close()
+    wait_for(lambda: daemons.runc_containers() == [], "the containers to be deleted")
