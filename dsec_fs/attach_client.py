@@ -95,6 +95,11 @@ class AttachedCommand:
         self._send(exec_frames.resize_frame(rows, cols))
 
     def close(self) -> None:
+        """Leave (the daemon kills the command if it runs); a write blocked in another thread fails."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # now, even while another thread's sendall holds the socket
+        except OSError:
+            pass  # closed or broken already
         self._sock.close()
 
     def _send(self, data: bytes) -> None:

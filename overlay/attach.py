@@ -20,9 +20,8 @@ the daemon holds at most a chunk per stream; a frame over MAX_PAYLOAD or of an u
 (an ERROR frame, and the command is killed). A client that closes its connection (or whose connection
 breaks) has left: the command is killed (``runc delete --force``) and its bundle removed. ``timeout``
 kills it as exec's does (exit code 137, ``timed_out``). The daemon's stop cancels the relay the same way.
-Known gap: while the command does not read its stdin and a STDIN frame waits to be written to it, the
-client's connection is not read, so a client that leaves then is noticed at the command's next output
-or its end.
+While a STDIN frame waits for a command that does not read, the client's connection is not read (that
+is the backpressure), but it is watched (poll's RDHUP) for the client's leaving.
 
 The namespaces runtime cannot give a terminal (UnsupportedError); without one, its command runs as exec
 runs it (stdin gathered first, output sent when it ends, up to the API's request bound), so that a client
@@ -38,6 +37,7 @@ import fcntl
 import logging
 import math
 import os
+import select
 import signal
 import struct
 import subprocess
@@ -56,6 +56,7 @@ from .runtime import SIGNAL_EXIT_BASE, RunOptions, RuncContainer, checked_comman
 log = logging.getLogger(__name__)
 
 MAX_GATHERED_STDIN = 1 << 20  # bytes of stdin a namespaces command takes (as exec's request bound)
+HANGUP_POLL = 0.2  # seconds between looks at a client's connection while its stdin waits for the command
 REAP_SECONDS = 10.0  # after ``runc delete --force``, how long runc run may take to exit before SIGKILL
 
 
@@ -220,9 +221,27 @@ class _Session:
                     stdin = None
             else:
                 try:
-                    await stdin.send_all(payload)
+                    await self._feed(stdin, payload)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     stdin = None  # the command closed its stdin, or ended
+
+    async def _feed(self, stdin: trio.abc.SendStream, payload: bytes) -> None:
+        """Write to the command's stdin; while that waits (the command does not read), the client's
+        connection is not read, so watch it for the client's leaving meanwhile."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_hangup)
+            await stdin.send_all(payload)
+            nursery.cancel_scope.cancel()
+
+    async def _watch_hangup(self) -> None:
+        """Cancel the session once the client closed its connection (or shut it down), looking every
+        HANGUP_POLL seconds: poll's RDHUP is there even while bytes the client sent before wait unread."""
+        poller = select.poll()
+        poller.register(self.client.socket.fileno(), select.POLLRDHUP)
+        while not poller.poll(0):
+            await trio.sleep(HANGUP_POLL)
+        self.gone.cancel()
+        await trio.lowlevel.checkpoint()
 
     async def _checked_frames(self):
         try:

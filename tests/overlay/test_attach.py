@@ -14,6 +14,7 @@ import stat
 import struct
 import subprocess
 import termios
+import threading
 import time
 
 import pytest
@@ -297,3 +298,19 @@ def test_attached_commands_hold_no_daemon_thread(daemons):
         for command in commands:
             command.close()
     wait_for(lambda: daemons.runc_containers() == [], "the containers to be deleted")
+
+
+def test_a_client_that_leaves_while_its_stdin_waits_for_the_command_ends_it(sandbox, daemons):
+    """The command reads no stdin, so the daemon stops reading the client (backpressure) and the client's
+    writes block; the client leaving then is still noticed."""
+    command = sandbox.attach(["/bin/sh", "-c", "echo ready; exec sleep 600"], stdin=True)
+    assert next(command.output()) == ("stdout", b"ready\n")
+    blocked = threading.Thread(target=lambda: pytest.raises(UnavailableError, command.write, b"x" * (8 << 20)))
+    blocked.start()
+    time.sleep(0.5)
+    assert blocked.is_alive()  # the daemon reads no more than the command takes
+    command.close()
+    blocked.join(DEADLINE)
+    assert not blocked.is_alive()
+    wait_for(lambda: daemons.runc_containers() == [], "the container to be deleted", timeout=5.0)
+    assert sandbox.exec(["true"]).exit_code == 0
