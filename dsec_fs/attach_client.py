@@ -12,8 +12,8 @@ exit is UnavailableError. While ``output()`` runs, other threads may ``write`` s
 ``close_stdin`` and ``resize`` (``tty=True``). Closing the connection before the exit (``close()``, or
 leaving the with-block) kills the command.
 
-Threads: ``output`` in one thread; ``write``, ``close_stdin`` and ``resize`` from any (a lock keeps their
-frames whole).
+Threads: ``output`` in one thread; ``write``, ``close_stdin``, ``resize`` and ``close`` from any (a lock
+keeps their frames whole; ``close`` also ends a ``write`` blocked in another thread).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ until the frame is sent, so a client that reads slowly slows the command (it blo
 the daemon holds at most a chunk per stream; a frame over MAX_PAYLOAD or of an unknown kind is refused
 (an ERROR frame, and the command is killed). A client that closes its connection (or whose connection
 breaks) has left: the command is killed (``runc delete --force``) and its bundle removed. ``timeout``
-kills it as exec's does (exit code 137, ``timed_out``). The daemon's stop cancels the relay the same way.
+kills it as exec's does (exit code 137, ``timed_out``). The daemon's stop kills it too (node_service's
+reap_containers): its client gets exit code 137, or a closed connection.
 While a STDIN frame waits for a command that does not read, the client's connection is not read (that
 is the backpressure), but it is watched (poll's RDHUP) for the client's leaving.
 
