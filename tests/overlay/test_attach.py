@@ -314,3 +314,16 @@ def test_a_client_that_leaves_while_its_stdin_waits_for_the_command_ends_it(sand
     assert not blocked.is_alive()
     wait_for(lambda: daemons.runc_containers() == [], "the container to be deleted", timeout=5.0)
     assert sandbox.exec(["true"]).exit_code == 0
+
+
+def test_ctrl_c_without_a_terminal_stops_dsecfs_with_130_and_the_command_with_it(sandbox, daemons):
+    cli = subprocess.Popen([daemon_support.DSECFS, "sandbox", "exec", "--socket", daemons.socket, "att", "/bin/sh",
+                            "-c", "echo started; exec sleep 600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert cli.stdout.readline() == b"started\n"
+        cli.send_signal(signal.SIGINT)
+        assert cli.wait(DEADLINE) == 130
+        wait_for(lambda: daemons.runc_containers() == [], "the container to be deleted", timeout=5.0)
+    finally:
+        cli.kill()
+        cli.wait()
