@@ -47,7 +47,7 @@ def relay(command: AttachedCommand, *, forward_stdin: bool, tty_mode: bool,
     our stdout and stderr, flushed at each write)."""
     out = out or sys.stdout.buffer
     err = err or sys.stderr.buffer
-    stdin_fd = sys.stdin.fileno()
+    stdin_fd = sys.stdin.fileno() if forward_stdin else -1  # (without -i, stdin may even be closed)
     saved = termios.tcgetattr(stdin_fd) if tty_mode and forward_stdin and os.isatty(stdin_fd) else None
     previous = {}  # signal -> the handler it had
     try:
