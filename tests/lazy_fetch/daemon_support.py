@@ -5,6 +5,7 @@ uses ``Daemons`` is in conftest.py.
 - ``metrics``/``layer_metric``: samples of a daemon's /metrics.
 - ``file_chunks``: the chunks holding a file's data, from a layer's image and blob map.
 - ``drop_caches``/``mount_dirs``: a cold page cache, fresh mount points.
+- ``wait_for``: poll a condition until it holds, or fail naming what was awaited.
 
 Import it as ``tests.lazy_fetch.daemon_support`` (not through conftest: pytest loads every directory's
 conftest under the one name "conftest").
@@ -17,6 +18,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -108,3 +110,14 @@ def mount_dirs(tmp_path, *names) -> list[str]:
     for path in paths:
         os.makedirs(path)
     return paths
+
+
+def wait_for(condition, what: str, timeout: float = 20.0):
+    """``condition()``'s first true value, polled every 20 ms; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
