@@ -26,7 +26,7 @@ import logging
 
 import click
 
-from dsec_fs.api import BINDINGS, FILLS, MODES
+from dsec_fs.api import BINDINGS, DEFAULT_FILL, FILLS, MODES
 from dsec_fs.client import (CACHE_DIR_ENV, DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV,
                              STATE_DIR_ENV, Node)
 from dsec_fs.units import human_size, parse_size
@@ -73,9 +73,10 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
                    "(e.g. 127.0.0.1:9402; off by default)")
 @click.option("--no-profiles", is_flag=True,
               help="do not learn access profiles from traces, share them through the store, or prefetch by them")
-@click.option("--fill", type=click.Choice(FILLS), default="profile", show_default=True,
+@click.option("--fill", type=click.Choice(FILLS), default=DEFAULT_FILL, show_default=True,
               help="what a new mount fetches in the background: nothing, its profile, or that and then the rest "
-                   "of the layer (until the cache bound); mounts and sandboxes may say otherwise")
+                   "of the layer (until the cache bound); auto: its profile if it has one, else the whole layer; "
+                   "mounts and sandboxes may say otherwise")
 @click.option("--trace-keep-size", default="1GiB", show_default=True, metavar="SIZE",
               help="closed traces beyond this size in all are removed, oldest first")
 @click.option("--trace-keep-age", type=Duration(), default="7d", show_default=True, metavar="DURATION",
@@ -126,7 +127,7 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
               type=click.Path(exists=True, dir_okay=False, path_type=str),
               help="a prefetch list (dsecfs prefetch build) to fetch in the background, instead of the profile")
 @click.option("--no-profile", is_flag=True, help="do not prefetch by the layer's access profile from the store")
-@click.option("--fill", type=click.Choice(FILLS), default=None, help="none, profile or layer (default: the daemon's)")
+@click.option("--fill", type=click.Choice(FILLS), default=None, help="auto, none, profile or layer (default: the daemon's)")
 @store_option
 @click.option("--fuse-binding", type=click.Choice(BINDINGS), default=None,
               help="the FUSE binding of a daemon this command starts (and that a running one must use)")

@@ -45,8 +45,10 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 MODES = ("kernel", "fuse")  # kernel: EROFS over the daemon's FUSE blob file; fuse: the whole tree over FUSE
 BINDINGS = ("pyfuse3", "fusepy", "raw")  # raw: mounts survive a daemon restart (docs/architecture.md)
 # What a mount fetches in the background besides what is read: none; its profile (or its prefetch list);
-# layer: that, then the rest of the layer in blob order, until the cache bound.
-FILLS = ("none", "profile", "layer")
+# layer: that, then the rest of the layer in blob order, until the cache bound; auto: the profile if
+# there is one (or a list), else the whole layer (docs/benchmarks.md, issue 13, says why it is the default).
+FILLS = ("auto", "none", "profile", "layer")
+DEFAULT_FILL = "auto"
 
 # HTTP status of each DsecError kind; a client maps the kind back to the class.
 STATUS_BY_KIND = {
@@ -198,8 +200,9 @@ class LayerStatus(_Response):
 class PrefetchInfo(_Response):
     layer: str
     list: str
-    chunks: int = 0
+    chunks: int = 0  # the list's and the fill's
     bytes: int = 0
+    fill_chunks: int = 0  # of those, the fill's (the rest of the layer, fetched after the list)
     state: str = ""  # running | done | cancelled | failed
     done_chunks: int = 0
     done_bytes: int = 0

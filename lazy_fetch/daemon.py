@@ -98,8 +98,8 @@ from .metrics import MetricsPage, NodeFigures
 from .mount_table import Mount, MountTable, is_ours
 from .miss_readahead import FileChunks, MissReadahead
 from .daemon_options import DaemonOptions
-from .prefetch_list import PrefetchList
-from .prefetcher import PrefetchJob, Prefetcher, with_fill
+from .prefetch_list import PrefetchEntry, PrefetchList
+from .prefetcher import PrefetchJob, Prefetcher, fill_entries
 from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter, prune_traces
@@ -163,7 +163,7 @@ class NodeDaemon:
             self.profiles = ProfileKeeper(self.state_dir)
         async with contextlib.AsyncExitStack() as stack:
             self.cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
-            self._fetch_log = StoreFetchLog(self.cache)
+            self._fetch_log = StoreFetchLog()
             stack.callback(self._close_stores)
             stack.callback(self._close_traces)
             self._flights = await stack.enter_async_context(_nursery_cancelled_on_exit())
@@ -225,8 +225,8 @@ class NodeDaemon:
                 store = wrap_store(backend, retry=True, max_concurrent=options.store_concurrency,
                                    stuck_after=options.fetch_timeout, latency=options.latency,
                                    bandwidth=options.bandwidth, faults=faults or None)
-                fetcher = ChunkFetcher(store, self._fetch_log, self._flights, max_concurrent=options.fetch_concurrency,
-                                       timeout=options.fetch_timeout)
+                fetcher = ChunkFetcher(store, self.cache, self._flights, max_concurrent=options.fetch_concurrency,
+                                       timeout=options.fetch_timeout, on_fetched=self._fetch_log.note)
                 context = StoreContext(url, store, ChunkIndex(), fetcher,
                                        MemoryFrontedFetcher(fetcher, self.memory, self._flights))
                 self.stores[url] = context
@@ -367,12 +367,16 @@ class NodeDaemon:
                 plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map,
                                                       layer.index)
                 prefetch = f"profile:{found.source}"
-            if fill == "layer" and idle:
-                plist = with_fill(plist, files.digest, layer.blob.blob_map)
+            fill_list = []
+            if idle and (fill == "layer" or (fill == "auto" and plist is None)):
+                fill_list = await trio.to_thread.run_sync(fill_entries, plist, layer.blob.blob_map)
+            if fill_list:
                 prefetch = f"{prefetch}+fill" if prefetch else "fill"
             key, served = self._served_for(layer, mode, ref, ref_name)
             # The prefetch starts before mount(2), so its first store reads overlap the mount.
-            job = None if not plist or not plist.entries else self._start_prefetch(layer, plist, prefetch, served)
+            job = None
+            if (plist and plist.entries) or fill_list:
+                job = self._start_prefetch(layer, plist, prefetch, served, fill=fill_list)
             # Written ahead: a daemon killed between mount(2) and the table update below still leaves
             # the mountpoint listed, so the next daemon detaches it.
             self.table.save(mounting=(mountpoint, mode, files.digest))
@@ -384,8 +388,10 @@ class NodeDaemon:
                 self.table.save()
                 self._drop_unused(layer, served)
                 raise
+            if job is not None:
+                job.fill_ready.set()
             mount = self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch=prefetch or "",
-                                       created=utc_now(), prefetch_chunks=len(plist.entries) if plist else 0)
+                                       created=utc_now(), prefetch_chunks=job.chunks if job else 0)
             self.table.save()
             log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
         return mount_info(mount)
@@ -542,11 +548,12 @@ class NodeDaemon:
         stats = self.cache.stats()
         return int(stats.max_bytes * FILL_CACHE_SHARE) - stats.bytes
 
-    def _start_prefetch(self, layer: Layer, plist: PrefetchList, path: str, served: Served) -> PrefetchJob:
+    def _start_prefetch(self, layer: Layer, plist: PrefetchList | None, path: str, served: Served, *,
+                        fill: list[PrefetchEntry] = ()) -> PrefetchJob:
         if layer.prefetch is not None and layer.prefetch.state == "running":
             raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
         layer.prefetch = self.prefetcher.start(layer.digest, plist, path, layer.store.fetcher,
-                                                layer.blob.location, lambda: served.blob.trace,
+                                                layer.blob.location, lambda: served.blob.trace, fill=fill,
                                                 landed=layer.usage.note_prefetched)
         return layer.prefetch
 

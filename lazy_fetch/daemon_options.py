@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsec_fs.api import BINDINGS, FILLS
+from dsec_fs.api import BINDINGS, DEFAULT_FILL, FILLS
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR
 from dsec_fs.errors import InputError
 
@@ -44,7 +44,7 @@ class DaemonOptions:
     trace: bool = True
     metrics_address: str | None = None  # HOST:PORT to serve /metrics alone on over TCP; None: off
     profiles: bool = True  # learn access profiles from traces, share them through the store, prefetch by them
-    fill: str = "profile"  # what a new mount fetches in the background (FILLS); a mount may say otherwise
+    fill: str = DEFAULT_FILL  # what a new mount fetches in the background (FILLS); a mount may say otherwise
     trace_keep_bytes: int | None = DEFAULT_TRACE_KEEP_BYTES  # closed traces beyond this go, oldest first
     trace_keep_seconds: float | None = DEFAULT_TRACE_KEEP_SECONDS  # closed traces older than this go
 

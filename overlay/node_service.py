@@ -62,6 +62,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,7 @@ LAYER_DIR = "layers"  # under SANDBOX_DIR: one mountpoint per layer in use
 LIFECYCLE_THREADS = 8  # up, down and commit calls at once (each mounts, or builds a layer)
 EXEC_THREADS = 256  # commands running at once
 STOP_POLL_SECONDS = 0.05
+PACK_CHECK_THREADS = 16  # a layer's packs checked for at once
 
 
 # ---- layers ------------------------------------------------------------------------------------------
@@ -236,7 +238,11 @@ def _check_packs(store: Store, digest: str) -> None:
         manifest = Manifest.from_json(store.get(key), source=key)
     except NotFoundError:
         raise NotFoundError("layer is not published (no manifest)", where=f"layer {digest}") from None
-    missing = [pack for pack in manifest.packs if not store.exists(keys.pack(pack))]
+    # Side by side: each is a round trip to the store.
+    with ThreadPoolExecutor(max_workers=min(PACK_CHECK_THREADS, len(manifest.packs) or 1),
+                            thread_name_prefix="pack-check") as pool:
+        present = list(pool.map(lambda pack: store.exists(keys.pack(pack)), manifest.packs))
+    missing = [pack for pack, found in zip(manifest.packs, present) if not found]
     if missing:
         raise NotFoundError(f"{len(missing)} of the {len(manifest.packs)} packs holding the layer's chunks are "
                             "not in the store", where=f"layer {digest}, pack {missing[0]}")
