@@ -85,15 +85,18 @@ from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, utc_now
 from dsec_fs.mounts import is_below, top_mount, umount
 from dsec_fs.store import default_store_url, open_store
 from dsec_fs.store.base import Store
-from dsec_fs.store.wrappers import wrap_store
+from dsec_fs.store.ref_cache import RefCacheStore
+from dsec_fs.store.wrappers import CountingStore, wrap_store
 
 from . import node_status, request_paths, routes
 from .blob_reader import LayerBlob, open_layer_blob
 from .cache import ChunkCache
 from .fetcher import ChunkFetcher
 from .http_api import HttpApi, raise_fd_limit
+from .idle_mounts import IdleMounts
 from .layer_mount import LayerMounter, open_mounter
 from .memory_cache import MemoryChunkCache, MemoryFrontedFetcher
+from .meta_cache import MetaCache
 from .metrics import MetricsPage, NodeFigures
 from .mount_table import Mount, MountTable, is_ours
 from .miss_readahead import FileChunks, MissReadahead
@@ -144,6 +147,8 @@ class NodeDaemon:
         self.prefetcher: Prefetcher | None = None
         self._background: trio.Nursery | None = None  # profile publishing; None once the daemon stops
         self.profiles: ProfileKeeper | None = None
+        self.meta_copies: MetaCache | None = None  # the node's copies of layer metadata (meta_cache.py)
+        self.idle = IdleMounts(options.idle_grace)  # sandbox layers no one uses, for a while (idle_mounts.py)
         self.on_start: list[Callable[[], Awaitable[None]]] = []  # see "Extensions" in the module docstring
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
         routes.register(self.api, self)
@@ -164,6 +169,8 @@ class NodeDaemon:
         async with contextlib.AsyncExitStack() as stack:
             self.cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
             self._fetch_log = StoreFetchLog(self.cache)
+            if options.meta_cache_bytes:
+                self.meta_copies = MetaCache(os.path.join(self.cache.directory, "meta"), options.meta_cache_bytes)
             stack.callback(self._close_stores)
             stack.callback(self._close_traces)
             self._flights = await stack.enter_async_context(_nursery_cancelled_on_exit())
@@ -187,6 +194,7 @@ class NodeDaemon:
                     await nursery.start(metrics_only.serve_tcp, options.metrics_address)
                     log.info("metrics on http://%s/metrics", options.metrics_address)
                 nursery.start_soon(self._flush_traces_now_and_then)
+                nursery.start_soon(self.idle.run)
                 log.info("dsecfs daemon %d serving on %s (state %s, cache %s, FUSE %s)", os.getpid(),
                          options.socket_path, self.state_dir, self.cache.directory, options.fuse_binding)
                 task_status.started()
@@ -197,6 +205,7 @@ class NodeDaemon:
                     with trio.CancelScope(shield=True):
                         for hook in reversed(self.on_stop):
                             await hook()
+                        await self.idle.unmount_all()
                     self._background = None
         log.info("stopped")
 
@@ -221,14 +230,18 @@ class NodeDaemon:
             if context is None:
                 options = self.options
                 backend = await trio.to_thread.run_sync(open_store, url)
+                requests = CountingStore(backend)  # what the store itself saw (metrics)
                 faults = options.faults if options.faults is not None else os.environ.get(FAULTS_ENV)
-                store = wrap_store(backend, retry=True, max_concurrent=options.store_concurrency,
+                store = wrap_store(requests, retry=True, max_concurrent=options.store_concurrency,
                                    stuck_after=options.fetch_timeout, latency=options.latency,
                                    bandwidth=options.bandwidth, faults=faults or None)
+                if options.ref_ttl:
+                    store = RefCacheStore(store, options.ref_ttl)
                 fetcher = ChunkFetcher(store, self._fetch_log, self._flights, max_concurrent=options.fetch_concurrency,
                                        timeout=options.fetch_timeout)
                 context = StoreContext(url, store, ChunkIndex(), fetcher,
-                                       MemoryFrontedFetcher(fetcher, self.memory, self._flights))
+                                       MemoryFrontedFetcher(fetcher, self.memory, self._flights),
+                                       copies=self.meta_copies, requests=requests)
                 self.stores[url] = context
                 log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
         return context
@@ -245,7 +258,7 @@ class NodeDaemon:
 
         def load_pack_indexes(manifest: Manifest) -> None:
             if manifest.layer not in indexed:
-                store.chunk_index.load_packs(store.store, manifest.packs)
+                store.chunk_index.load_packs(store.index_reads, manifest.packs)
 
         def on_manifest(manifest: Manifest) -> None:
             if keeper is None:
@@ -258,7 +271,7 @@ class NodeDaemon:
 
         # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
         files = await store.fetcher.call_store(f"layer {ref} in {store.url}", functools.partial(
-            open_layer, store.store, ref, on_manifest=on_manifest))
+            open_layer, store.store, ref, on_manifest=on_manifest, reads=store.copies))
         store.indexed_layers.add(files.digest)
         return files, found[0]
 
@@ -623,7 +636,7 @@ class NodeDaemon:
     # -- status, cache, metrics (node_status.py)
 
     def mounts(self) -> list[api.MountInfo]:
-        return [mount_info(mount) for mount in self.table.mounts.values()]
+        return [mount_info(mount, idle_until=self.idle.until(mount.mountpoint)) for mount in self.table.mounts.values()]
 
     def cache_status(self, *, evicted: int = 0) -> api.CacheInfo:
         return node_status.cache_info(self, evicted=evicted)
@@ -644,8 +657,8 @@ class NodeDaemon:
         return node_status.status(self)
 
 
-def mount_info(mount: Mount) -> api.MountInfo:
-    return api.MountInfo(**mount.to_json())
+def mount_info(mount: Mount, *, idle_until: str = "") -> api.MountInfo:
+    return api.MountInfo(**mount.to_json(), idle_until=idle_until)
 
 
 @contextlib.asynccontextmanager

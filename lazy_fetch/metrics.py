@@ -31,6 +31,11 @@ turns it into metric families:
                                                process_resident_memory_bytes, process_open_fds, ...
     dsecfs_prefetch_running                    prefetch lists being fetched now
     dsecfs_store_reads_running, dsecfs_store_reads_waiting{priority}
+    dsecfs_store_requests_total{op}            requests the stores answered (or failed), by operation:
+                                               get | put | exists | size | list | ... (every kind of call)
+    dsecfs_meta_cache_hits_total, dsecfs_meta_cache_misses_total
+                                               layer metadata read from the node's copies, or not there
+    dsecfs_idle_mounts                         sandbox layers mounted with no sandbox using them
 
 Threads: ``render`` runs in the daemon's trio thread, like everything that changes the counters, so a
 snapshot is consistent.
@@ -81,6 +86,10 @@ class NodeFigures:
     prefetch_running: int
     store_reads_running: int
     store_reads_waiting: dict[str, int]  # priority name -> store reads queued for a slot
+    store_requests: dict[str, int]  # operation -> requests the stores answered
+    meta_cache_hits: int
+    meta_cache_misses: int
+    idle_mounts: int
 
 
 class NodeCollector(Collector):
@@ -106,6 +115,16 @@ class NodeCollector(Collector):
         for priority, count in sorted(node.store_reads_waiting.items()):
             waiting.add_metric([priority], count)
         yield waiting
+        requests = _counter("dsecfs_store_requests", "Requests the stores answered, by operation.", ["op"])
+        for op, count in sorted(node.store_requests.items()):
+            requests.add_metric([op], count)
+        yield requests
+        yield CounterMetricFamily("dsecfs_meta_cache_hits", "Layer metadata read from the node's copies.",
+                                  value=node.meta_cache_hits)
+        yield CounterMetricFamily("dsecfs_meta_cache_misses", "Layer metadata not among the node's copies.",
+                                  value=node.meta_cache_misses)
+        yield GaugeMetricFamily("dsecfs_idle_mounts", "Sandbox layers mounted that no sandbox uses.",
+                                value=node.idle_mounts)
 
 
 def _counter(name: str, documentation: str, labels: list[str] | None = None) -> CounterMetricFamily:

@@ -8,7 +8,9 @@
 
 - ``DaemonLayers``, the LayerProvider of the node's SandboxManager: each layer a sandbox uses is mounted
   once per node by the daemon (``NodeDaemon.mount``, kernel mode unless told otherwise) at
-  ``state_dir/sandbox/layers/<digest>`` and counted; the last release unmounts it. The mounts are the
+  ``state_dir/sandbox/layers/<digest>`` and counted; the last release leaves it mounted, idle, for the
+  daemon's ``idle_grace`` (lazy_fetch/idle_mounts.py), and an acquire meanwhile takes it as it is (no
+  store request, no mount(2)); once the grace ends, or the daemon stops, it is unmounted. The mounts are the
   daemon's own, so ``dsecfs status`` lists them and a restarted daemon detaches them like any other.
   Before a layer's first mount every pack holding its chunks is checked to be in the store, so a layer
   whose data is gone fails ``up`` with NotFoundError instead of failing reads (EIO) inside a command.
@@ -136,18 +138,20 @@ class DaemonLayers:
     # -- in the daemon's loop
 
     def held(self) -> list[dict]:
-        return [{"layer": digest, "mountpoint": held.mountpoint, "users": held.users}
-                for digest, held in sorted(self._held.items())]
+        return [{"layer": digest, "mountpoint": held.mountpoint, "users": held.users,
+                 "idle_until": self.daemon.idle.until(held.mountpoint)} for digest, held in sorted(self._held.items())]
 
     async def acquire_async(self, layer_ref: str, profile: bool = True, fill: str | None = None) -> LayerHandle:
         store = await self.daemon.store()
-        digest = await trio.to_thread.run_sync(resolve, store, layer_ref)
+        digest = await trio.to_thread.run_sync(resolve, store, layer_ref)  # refs: cached for the daemon's ref_ttl
         name = None if is_hex_digest(layer_ref.lower()) else parse_ref(layer_ref)[0]
         async with self._turn(digest):
             held = self._held.get(digest)
             if held is None:
                 held = self._held[digest] = _HeldLayer(await self._mount(store, digest, name=name, profile=profile,
                                                                          fill=fill))
+            elif not held.users:
+                self.daemon.idle.take(held.mountpoint)  # idle: used again within its grace
             held.users += 1
             return LayerHandle(digest, held.mountpoint)
 
@@ -157,14 +161,25 @@ class DaemonLayers:
             if held is None:
                 raise NotFoundError("no sandbox holds this layer", where=f"layer {digest}")
             held.users -= 1
-            if held.users:
+            if held.users or self.daemon.idle.park(held.mountpoint, functools.partial(self._unmount_idle, digest)):
                 return
-            del self._held[digest]
-            try:
-                await self._unmount(held.mountpoint)
-            except BaseException:
-                self._held[digest] = held  # still mounted: the next acquire uses it, the next release retries
-                raise
+            await self._unmount_held(digest, held)
+
+    async def _unmount_idle(self, digest: str) -> None:
+        """The grace of an idle layer ended (lazy_fetch/idle_mounts.py): unmount it, unless it found a user
+        meanwhile."""
+        async with self._turn(digest):
+            held = self._held.get(digest)
+            if held is not None and not held.users:
+                await self._unmount_held(digest, held)
+
+    async def _unmount_held(self, digest: str, held: _HeldLayer) -> None:
+        del self._held[digest]
+        try:
+            await self._unmount(held.mountpoint)
+        except BaseException:
+            self._held[digest] = held  # still mounted: the next acquire uses it, the next release retries
+            raise
 
     async def adopt_async(self, handle: LayerHandle) -> None:
         async with self._turn(handle.digest):
@@ -340,10 +355,28 @@ class SandboxService:
             raise ConflictError(f"this daemon's sandboxes read layers from {ours}; start a daemon with --store "
                                 "to use another store", where=f"store {store}")
         started = time.monotonic()
+        await self._read_refs(spec)
         state = await self._lifecycle_call(self.manager.up, spec)
         log.info("sandbox %s (%s) up in %.3f s: %s", state.id, state.name, time.monotonic() - started,
                  ", ".join(f"{layer.role} {layer.ref}" for layer in state.layers))
         return _state_json(state)
+
+    async def _read_refs(self, spec: SandboxSpec) -> None:
+        """Read the refs of the sandbox's layers side by side, into the daemon's ref cache, so that ``up``
+        (which acquires its layers one after another) waits for one round trip to the store, not one per
+        layer. Errors are left for ``up`` to meet and report."""
+        if not self.daemon.options.ref_ttl:
+            return
+        store = await self.daemon.store()
+
+        async def read(ref: str) -> None:
+            with contextlib.suppress(DsecError):
+                await trio.to_thread.run_sync(resolve, store, ref)
+
+        async with trio.open_nursery() as nursery:
+            for _role, ref in spec.layers():
+                if not is_hex_digest(ref.lower()):
+                    nursery.start_soon(read, ref)
 
     async def _get_list(self, request: Request) -> api.SandboxList:
         self._check_serving()
