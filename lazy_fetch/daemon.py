@@ -83,7 +83,7 @@ from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, 
 from dsec_fs.files import private_dir
 from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, utc_now
 from dsec_fs.mounts import is_below, top_mount, umount
-from dsec_fs.store import default_store_url, open_store
+from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
 from dsec_fs.store.ref_cache import RefCacheStore
 from dsec_fs.store.wrappers import CountingStore, wrap_store
@@ -245,6 +245,14 @@ class NodeDaemon:
                 self.stores[url] = context
                 log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
         return context
+
+    def ref_moved(self, store_url: str, ref: str) -> None:
+        """This node just pointed ``ref`` elsewhere in ``store_url`` through a store of its own (a sandbox
+        commit): the ref cache of the daemon's store context for that URL forgets it."""
+        name, tag = parse_ref(ref)
+        for url, context in self.stores.items():
+            if api.absolute_store(url) == api.absolute_store(store_url) and isinstance(context.store, RefCacheStore):
+                context.store.forget(keys.ref(name, tag))
 
     async def _open_layer(self, store: StoreContext, ref: str, *, profile_of: str | None = None,
                           want_profile: bool = False) -> tuple[LayerFiles, FoundProfile | None]:

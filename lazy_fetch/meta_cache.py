@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import stat
 import struct
 import threading
@@ -55,6 +54,8 @@ from dsec_fs.pack import decode_index
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 from dsec_fs.store.wrappers import StoreWrapper
+
+from .cache import remove_stray
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class MetaCache:
         with self._lock:
             self.dropped += 1
             self._bytes -= self._entries.pop(path, 0)
-            _remove(path)
+            remove_stray(path)
 
     def _count_miss(self) -> None:
         with self._lock:
@@ -200,7 +201,7 @@ class MetaCache:
         while self._bytes > self.max_bytes and self._entries:
             path, size = self._entries.popitem(last=False)
             self._bytes -= size
-            _remove(path)
+            remove_stray(path)
 
     def _scan(self, kind: str) -> list[tuple[float, str, int]]:
         """(mtime, path, size) of the copies in ``kind``'s directory, made if missing; what is no regular
@@ -209,7 +210,7 @@ class MetaCache:
         try:
             st = os.lstat(directory)
             if not stat.S_ISDIR(st.st_mode):
-                _remove(directory)
+                remove_stray(directory)
         except FileNotFoundError:
             pass
         private_dir(directory)
@@ -220,7 +221,7 @@ class MetaCache:
                 found.append((st.st_mtime, entry.path, st.st_size))
             else:
                 log.info("removing %s from the metadata cache: not a copy", entry.path)
-                _remove(entry.path)
+                remove_stray(entry.path)
         return found
 
 
@@ -273,15 +274,3 @@ def _read_all(fd: int, size: int) -> bytes:
         parts.append(part)
         left -= len(part)
     return b"".join(parts)
-
-
-def _remove(path: str) -> None:
-    try:
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("cannot remove %s from the metadata cache: %s", path, exc.strerror)

@@ -102,29 +102,29 @@ class NodeCollector(Collector):
         node = self._figures()
         yield from _layer_families(node.layers)
         yield from _cache_families(node.cache, node.memory)
-        mounts = GaugeMetricFamily("dsecfs_mounts", "Layers mounted now, by mode.", labels=["mode"])
-        for mode, count in sorted(node.mounts.items()):
-            mounts.add_metric([mode], count)
-        yield mounts
+        yield _by_label(GaugeMetricFamily("dsecfs_mounts", "Layers mounted now, by mode.", labels=["mode"]),
+                        node.mounts)
         yield GaugeMetricFamily("dsecfs_prefetch_running", "Prefetch lists being fetched now.",
                                 value=node.prefetch_running)
         yield GaugeMetricFamily("dsecfs_store_reads_running", "Store reads holding a fetcher slot.",
                                 value=node.store_reads_running)
-        waiting = GaugeMetricFamily("dsecfs_store_reads_waiting", "Store reads queued for a fetcher slot.",
-                                    labels=["priority"])
-        for priority, count in sorted(node.store_reads_waiting.items()):
-            waiting.add_metric([priority], count)
-        yield waiting
-        requests = _counter("dsecfs_store_requests", "Requests the stores answered, by operation.", ["op"])
-        for op, count in sorted(node.store_requests.items()):
-            requests.add_metric([op], count)
-        yield requests
+        yield _by_label(GaugeMetricFamily("dsecfs_store_reads_waiting", "Store reads queued for a fetcher slot.",
+                                          labels=["priority"]), node.store_reads_waiting)
+        yield _by_label(_counter("dsecfs_store_requests", "Requests the stores answered, by operation.", ["op"]),
+                        node.store_requests)
         yield CounterMetricFamily("dsecfs_meta_cache_hits", "Layer metadata read from the node's copies.",
                                   value=node.meta_cache_hits)
         yield CounterMetricFamily("dsecfs_meta_cache_misses", "Layer metadata not among the node's copies.",
                                   value=node.meta_cache_misses)
         yield GaugeMetricFamily("dsecfs_idle_mounts", "Sandbox layers mounted that no sandbox uses.",
                                 value=node.idle_mounts)
+
+
+def _by_label(family: GaugeMetricFamily | CounterMetricFamily, values: dict[str, int]) -> Metric:
+    """``family`` with one sample per label value, in order."""
+    for label, value in sorted(values.items()):
+        family.add_metric([label], value)
+    return family
 
 
 def _counter(name: str, documentation: str, labels: list[str] | None = None) -> CounterMetricFamily:

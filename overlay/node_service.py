@@ -410,8 +410,11 @@ class SandboxService:
         body = request.decode(api.CommitRequest)
         parse_ref(body.name)
         store = api.absolute_store(body.store or self._store_url())
-        return await self._lifecycle_call(self._commit, request.params["sandbox"], body.name, store,
-                                          body.keep_privileged)
+        try:
+            return await self._lifecycle_call(self._commit, request.params["sandbox"], body.name, store,
+                                              body.keep_privileged)
+        finally:
+            self.daemon.ref_moved(store, body.name)  # the next up here finds the new layer, not a cached ref
 
     def _commit(self, key: str, name: str, store_url: str, keep_privileged: bool) -> api.CommitResult:
         """Build the sandbox's upper dir into a layer of ``store_url`` named ``name`` (a worker thread)."""

@@ -6,7 +6,8 @@ Why a TTL is safe: a ref is the one thing in a store that moves (``dsecfs ref se
 same name), and it names a layer by digest, which never changes meaning: meta.erofs is the digest's own
 bytes. A reader that sees a ref up to ``ttl`` seconds old mounts the layer the ref named that long ago,
 exactly as if it had asked then; it never mixes two layers. A ref set or deleted through this wrapper is
-forgotten at once, so a node sees its own changes; another node's change is seen within ``ttl``. A missing
+forgotten at once, and ``forget`` does the same for one set through another Store (the node daemon's
+sandbox commit), so a node sees its own changes; another node's change is seen within ``ttl``. A missing
 ref is not remembered (a ref about to be made must be found as soon as it is). ``ttl`` 0 turns caching off.
 
 Only whole reads of a ref key are cached; every other call goes to ``inner`` unchanged.
@@ -61,6 +62,10 @@ class RefCacheStore(StoreWrapper):
             self.inner.delete(key)
         finally:
             self._forget(key)
+
+    def forget(self, key: str) -> None:
+        """The ref at ``key`` was set elsewhere by this node (through another Store): read it again."""
+        self._forget(key)
 
     def _forget(self, key: str) -> None:
         with self._lock:

@@ -176,3 +176,20 @@ def test_a_damaged_metadata_copy_is_read_again_and_the_mount_reads_right(daemons
     with open(decoy, "rb") as f:
         assert f.read() == good  # the decoy was neither written nor removed
     assert "dropping the metadata copy" in daemons.log()
+
+
+def test_a_ref_this_node_commits_is_not_served_from_the_ref_cache(daemons, store_url, tmp_path):
+    """A sandbox commit sets its ref through a store of its own, not the daemon's cached one: the next up
+    of that ref on this node gets the new layer, TTL or not."""
+    node = daemons.start(store_url, extra_args=["--idle-grace", "5m", "--ref-ttl", "5m"]).node
+    info = node.sandbox_up(BASE, toolkit=TOOLKIT)
+    old = info.layers[0].digest
+    with open(os.path.join(info.rootfs, "opt", "committed"), "wb") as f:
+        f.write(b"made in the sandbox\n")
+    committed = Sandbox(node, info.id).commit(TOOLKIT)  # the same name: the ref moves
+    Sandbox(node, info.id).down()
+    assert committed.layer != old
+    info = node.sandbox_up(BASE, toolkit=TOOLKIT)
+    assert info.layers[0].digest == committed.layer
+    assert read_tree(info.rootfs, {"opt/committed": b""}) == {"opt/committed": b"made in the sandbox\n"}
+    Sandbox(node, info.id).down()
