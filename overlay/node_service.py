@@ -62,6 +62,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,15 +70,17 @@ import trio
 
 from dsec_fs import api, mounts
 from dsec_fs.api import MODES
+from dsec_fs.chunks import INDEX_LOAD_THREADS
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.files import private_dir
-from dsec_fs.layer import Manifest, parse_ref, resolve
+from dsec_fs.layer import parse_ref, read_manifest, resolve
 from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
 from erofs_builder.build import build_tree
 from lazy_fetch.daemon import NodeDaemon
 from lazy_fetch.http_api import Request
+from lazy_fetch.meta_cache import MetaCache
 
 from .runtime import RUNTIMES, reap_containers
 from .sandbox import LayerHandle, SandboxManager, SandboxSpec, SandboxState
@@ -201,7 +204,7 @@ class DaemonLayers:
             _remove_dir(path)
 
     async def _mount(self, store: Store, digest: str, *, name: str | None, profile: bool, fill: str | None) -> str:
-        await trio.to_thread.run_sync(_check_packs, store, digest)
+        await trio.to_thread.run_sync(_check_packs, store, digest, self.daemon.meta_copies)
         mountpoint = os.path.join(self.directory, digest)
         os.makedirs(mountpoint, exist_ok=True)
         try:
@@ -241,14 +244,14 @@ class DaemonLayers:
                 del self._turns[digest]
 
 
-def _check_packs(store: Store, digest: str) -> None:
-    """NotFoundError unless the layer is published and every pack holding its chunks is in the store."""
-    key = keys.layer_manifest(digest)
-    try:
-        manifest = Manifest.from_json(store.get(key), source=key)
-    except NotFoundError:
-        raise NotFoundError("layer is not published (no manifest)", where=f"layer {digest}") from None
-    missing = [pack for pack in manifest.packs if not store.exists(keys.pack(pack))]
+def _check_packs(store: Store, digest: str, copies: MetaCache | None) -> None:
+    """NotFoundError unless the layer is published and every pack holding its chunks is in the store. The
+    manifest may come from the node's copies (``copies``, lazy_fetch/meta_cache.py); the packs are asked
+    for side by side, in one round trip."""
+    manifest = copies.manifest(store, digest) if copies else read_manifest(store, digest)
+    with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="check-packs") as pool:
+        present = list(pool.map(lambda pack: store.exists(keys.pack(pack)), manifest.packs))
+    missing = [pack for pack, there in zip(manifest.packs, present) if not there]
     if missing:
         raise NotFoundError(f"{len(missing)} of the {len(manifest.packs)} packs holding the layer's chunks are "
                             "not in the store", where=f"layer {digest}, pack {missing[0]}")
