@@ -191,12 +191,19 @@ class DaemonLayers:
                 raise ConflictError(f"layer is mounted at {held.mountpoint} already", where=handle.mountpoint)
             held.users += 1
 
-    def remove_strays(self) -> None:
+    async def remove_strays(self) -> None:
         """Remove the layer directories no sandbox holds (left by a crash between mkdir and mount, or
-        after an unmount); one that still carries a mount no sandbox recorded is left alone."""
+        after an unmount); one that still carries a mount no sandbox recorded is left alone, unless it is
+        the daemon's (an idle layer of a daemon that died, adopted with the rest of its mounts): that one
+        is idle here too, for a grace from now."""
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
             if name in self._held:
+                continue
+            if path in self.daemon.table.mounts:
+                held = self._held[name] = _HeldLayer(path)
+                if not self.daemon.idle.park(path, functools.partial(self._unmount_idle, name)):
+                    await self._unmount_held(name, held)
                 continue
             if mounts.top_mount(path) is not None:  # from mountinfo: a stat could be a FUSE request to ourselves
                 log.warning("%s is no layer of a sandbox, yet something is mounted there; leaving it", path)
@@ -314,7 +321,7 @@ class SandboxService:
         self.manager = await self._in_thread(functools.partial(
             SandboxManager, self.root, self.layers, runtime=self.runtime, stack_options=self.stack_options))
         recovery = await self._in_thread(self.manager.recover)
-        self.layers.remove_strays()
+        await self.layers.remove_strays()
         self.removed_at_start = recovery.removed
         log.info("sandboxes in %s (layers in %s mode, runtime %s): %d kept, %d dead ones removed", self.root,
                  self.layer_mode, self.runtime, len(self.manager.list()), len(recovery.removed))

@@ -193,3 +193,22 @@ def test_a_ref_this_node_commits_is_not_served_from_the_ref_cache(daemons, store
     assert info.layers[0].digest == committed.layer
     assert read_tree(info.rootfs, {"opt/committed": b""}) == {"opt/committed": b"made in the sandbox\n"}
     Sandbox(node, info.id).down()
+
+
+def test_an_idle_layer_a_killed_daemon_left_is_idle_for_its_successor(daemons, store_url, tmp_path):
+    """raw binding: the next daemon adopts every mount of a daemon killed with SIGKILL, the idle layers'
+    too; they are idle for a grace from its start, then go (not left mounted for good)."""
+    node = daemons.start(store_url, extra_args=["--idle-grace", "5m"]).node
+    info = node.sandbox_up(BASE, toolkit=TOOLKIT)
+    Sandbox(node, info.id).down()
+    daemons.started[-1].kill()
+    node = daemons.start(store_url, extra_args=["--idle-grace", "2s"]).node
+    idle = [m.mountpoint for m in node.status().mounts if m.idle_until]
+    assert len(idle) == 2 and len(node.status().mounts) == 2
+    again = node.sandbox_up(BASE, toolkit=TOOLKIT)  # one is taken as it is
+    assert read_tree(again.rootfs, TOOL_FILES) == TOOL_FILES
+    Sandbox(node, again.id).down()
+    deadline = time.monotonic() + 15
+    while node.status().mounts and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node.status().mounts == [] and os.listdir(os.path.join(daemons.state_dir, "sandbox", "layers")) == []
