@@ -15,6 +15,9 @@ is what ``dsecfs daemon`` runs. The parts, one module each::
             its ChunkIndex, and a ChunkFetcher (single flight, priorities, deadlines) over the node's one
             ChunkCache (disk)
         MemoryChunkCache (memory_cache.py): recently read chunks, in front of every fetcher
+        MetaCache (meta_cache.py): the node's copies of layer metadata by digest, in the cache directory;
+            refs are read at most every ``ref_ttl`` (dsec_fs/store/ref_cache.py, outermost on each store)
+        IdleMounts (idle_mounts.py): sandbox layers no sandbox uses, kept mounted for ``idle_grace``
         per served blob: a TracedBlob (traced_blob.py: each read counted and traced) and its TraceWriter
         Prefetcher (prefetcher.py): prefetch lists fetched in the background
 
@@ -141,6 +144,7 @@ class NodeDaemon:
         self._served: dict[tuple[str, str], Served] = {}
         self.started = utc_now()
         self.cache: ChunkCache | None = None
+        self._own_dirs: tuple[str, ...] = ()  # the state and cache directories, resolved: no mount may hide them
         self._fetch_log: StoreFetchLog | None = None
         self._mounter: LayerMounter | None = None
         self._flights: trio.Nursery | None = None
@@ -169,6 +173,7 @@ class NodeDaemon:
         async with contextlib.AsyncExitStack() as stack:
             self.cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
             self._fetch_log = StoreFetchLog(self.cache)
+            self._own_dirs = (os.path.realpath(self.state_dir), os.path.realpath(self.cache.directory))
             if options.meta_cache_bytes:
                 self.meta_copies = MetaCache(os.path.join(self.cache.directory, "meta"), options.meta_cache_bytes)
             stack.callback(self._close_stores)
@@ -365,6 +370,9 @@ class NodeDaemon:
         if request_paths.lexical(mountpoint, "mountpoint") in self.table.mounts:
             raise ConflictError("a layer is already mounted here", where=mountpoint)
         mountpoint = await self._directory(mountpoint)
+        if any(is_below(own, mountpoint) for own in self._own_dirs):
+            raise InputError("a layer mounted here would hide the daemon's own state or cache directory",
+                             where=mountpoint)
         plist = None
         if prefetch:
             prefetch, plist = await self._read_prefetch_list(prefetch)

@@ -103,6 +103,9 @@ def test_a_repeat_up_asks_the_store_at_most_once(daemons, store_url, tmp_path):
 
 def test_after_the_ttl_a_moved_ref_is_followed(daemons, store_url, tmp_path):
     node = daemons.start(store_url, extra_args=["--idle-grace", "5m", "--ref-ttl", "1s"]).node
+    up_read_down(node)
+    time.sleep(1.2)
+    assert up_read_down(node) == 2  # the two refs, read again (side by side), and nothing else
     info = node.sandbox_up(BASE, toolkit=TOOLKIT)
     old = info.layers[0].digest
     Sandbox(node, info.id).down()
