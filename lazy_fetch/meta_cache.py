@@ -17,8 +17,10 @@ What is kept, and why each copy is safe to use without asking the store:
 The first three are content-addressed: they never change, so they need no invalidation. A manifest is
 not quite: gc's repack rewrites the pack list of the layers it repacks (dsec_fs/gc.py), and the old packs
 go after gc's grace period. So a manifest copy is used for an hour at most (far below any grace period a
-store runs gc with; their old packs still serve every chunk meanwhile), then read again; if its pack list
-changed, the new packs' indexes are read as they would be on a first open.
+store runs gc with; their old packs still serve every chunk meanwhile), and only while the copies of all
+its pack indexes are here (a repack removes the old indexes from the store at once, so an evicted one
+could not be read again), then read again; if its pack list changed, the new packs' indexes are read as
+they would be on a first open.
 
 Each file is ``HEADER`` (magic, the sha256 of the body, the time it was read from the store) and the body.
 Every load checks the sha256 (and, for meta and blobmap, that it is the file's name: the content address
@@ -99,11 +101,14 @@ class MetaCache:
             if 0 <= time.time() - read_at < MANIFEST_FRESH_SECONDS:
                 try:
                     manifest = Manifest.from_json(body, source=self._path("manifest", name))
-                    if manifest.layer == digest:
-                        return manifest
                 except DsecError:
-                    pass
-                self._drop(self._path("manifest", name), "not the layer's manifest")
+                    manifest = None
+                if manifest is None or manifest.layer != digest:
+                    self._drop(self._path("manifest", name), "not the layer's manifest")
+                elif all(os.path.exists(self._path("index", pack)) for pack in manifest.packs):
+                    return manifest
+                # else: some of its pack indexes went (evicted): were its packs repacked meanwhile, the old
+                # indexes are gone from the store too, so the pack list is read again with them.
         manifest = layer.read_manifest(store, digest)
         self._keep("manifest", name, manifest.to_json())
         return manifest

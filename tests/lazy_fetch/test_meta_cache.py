@@ -158,6 +158,19 @@ def test_a_manifest_copy_is_read_again_once_it_is_old(built, tmp_path, monkeypat
     assert calls == {"get": 1}  # the manifest alone: meta.erofs, the blob map and the indexes are for good
 
 
+def test_a_manifest_whose_pack_index_copies_went_is_read_again(built, tmp_path):
+    """An evicted pack index could be one a repack has removed from the store: the manifest, whose pack
+    list may have changed meanwhile, is read again with it."""
+    backend, digest = built
+    copies = MetaCache(str(tmp_path / "meta"), 64 << 20)
+    first, first_index, _ = open_counted(backend, copies, digest)
+    os.unlink(sorted(os.path.join(copies.directory, "index", n)
+                     for n in os.listdir(os.path.join(copies.directory, "index")))[0])
+    again, again_index, calls = open_counted(backend, copies, digest)
+    assert calls == {"get": 2}  # the manifest and that index
+    assert again == first and located(again_index, again) == located(first_index, first)
+
+
 def test_two_stores_do_not_share_a_manifest_copy(built, tmp_path):
     """The same layer in another store may sit in other packs: its manifest there is read there."""
     backend, digest = built
