@@ -199,3 +199,13 @@ def test_the_copies_stay_within_their_bound(tmp_path):
     assert 0 < held <= bound
     _, _, calls = open_counted(backend, copies, digests[-1])  # the most recent stay
     assert calls == {}
+
+
+def test_a_copy_bigger_than_the_bound_is_dropped_unread(built, tmp_path):
+    backend, digest = built
+    copies = MetaCache(str(tmp_path / "meta"), 1 << 20)
+    first, _, _ = open_counted(backend, copies, digest)
+    os.truncate(copy_path(copies, "meta"), 1 << 40)  # a sparse terabyte in its place: never read into memory
+    again, _, calls = open_counted(backend, copies, digest)
+    assert calls == {"get": 1} and again.meta == first.meta
+    assert os.path.getsize(copy_path(copies, "meta")) < 1 << 20
