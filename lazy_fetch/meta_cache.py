@@ -1,7 +1,7 @@
 """The node's copies of layer metadata, so that opening a layer again costs no store round trip.
 
     copies = MetaCache(os.path.join(cache_dir, "meta"), max_bytes=512 << 20)
-    files = open_layer(store, digest, local=copies)               # dsec_fs.layer: manifest, meta, blob map
+    files = open_layer(store, digest, reads=copies)               # dsec_fs.layer: manifest, meta, blob map
     chunk_index.load_packs(copies.pack_indexes(store), manifest.packs)
 
 What is kept, and why each copy is safe to use without asking the store:
@@ -33,8 +33,9 @@ Bounded: at most ``max_bytes`` of files, least recently used removed first (the 
 files' mtimes when the cache opens, then follows loads and keeps). The directory is the daemon's private
 cache directory's ``meta/`` (the chunk cache leaves other top-level names alone); made 0700.
 
-Threads: every method blocks (file I/O) and may be called from any thread at once; ``_lock`` guards
-``_entries`` and ``_bytes`` and is held over an unlink, never over a read, a write or a store call.
+Threads: every method blocks (file I/O; the constructor scans the directory, and the daemon makes it
+before it serves) and may be called from any thread at once; ``_lock`` guards ``_entries`` and
+``_bytes`` and is held over an unlink, never over a read, a write or a store call.
 """
 
 from __future__ import annotations
