@@ -166,6 +166,7 @@ class MountInfo(_Response):
     chunks: int = 0  # distinct chunks of the layer
     data_bytes: int = 0  # their bytes
     prefetch_chunks: int = 0  # chunks the prefetch (list or profile) was to fetch
+    idle_until: str = ""  # an idle sandbox layer (no sandbox uses it): when it is unmounted, unless used again
 
 
 class UmountInfo(_Response):
@@ -265,7 +266,7 @@ class SandboxInfo(_Response):
 
 class SandboxList(_Response):
     sandboxes: list[SandboxInfo] = []
-    layers: list[dict] = []  # the layers held for sandboxes: {layer, mountpoint, users}
+    layers: list[dict] = []  # the layers held for sandboxes: {layer, mountpoint, users, idle_until}
     removed_at_start: list[str] = []
 
 
