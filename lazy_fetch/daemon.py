@@ -207,11 +207,13 @@ class NodeDaemon:
                     await self._stop.wait()
                 finally:
                     log.info("shutting down")
+                    # Profiles of what unmounts from here on are published at the flush (the nursery is
+                    # about to be cancelled: a publish started in it now would be lost).
+                    self._background = None
                     with trio.CancelScope(shield=True):
                         for hook in reversed(self.on_stop):
                             await hook()
                         await self.idle.unmount_all()
-                    self._background = None
         log.info("stopped")
 
     def shutdown(self) -> None:
