@@ -282,7 +282,9 @@ def test_auto_fill_skips_the_fill_when_the_store_answers_fast(store_dir, tmp_pat
     monkeypatch.delenv("DSECFS_DAEMON_FILL")
     a = Daemons(tmp_path / "a")
     try:
-        a.start(store_dir)  # a local directory: a miss costs less than streaming the whole layer would
+        # A local directory: a miss costs less than streaming the whole layer would. (No miss readahead, so
+        # that what is cached is what was read.)
+        a.start(store_dir, extra_args=["--miss-readahead", "0"])
         node = Node(a.socket)
         mnt, = mount_dirs(tmp_path, "mnt-a")
         assert node.mount("t/app:1", mnt, mode="fuse").prefetch == "fill"
