@@ -105,7 +105,7 @@ from .mount_table import Mount, MountTable, is_ours
 from .miss_readahead import FileChunks, MissReadahead
 from .daemon_options import DaemonOptions
 from .prefetch_list import PrefetchEntry, PrefetchList
-from .prefetcher import PrefetchJob, Prefetcher, fill_entries
+from .prefetcher import AUTO_FILL_MIN_ROUND_TRIP, PrefetchJob, Prefetcher, fill_entries
 from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter, prune_traces
@@ -276,6 +276,9 @@ class NodeDaemon:
                 store.chunk_index.load_packs(store.index_reads, manifest.packs)
 
         def on_manifest(manifest: Manifest) -> None:
+            # The manifest is one small GET (or a copy kept on the node: this node had the layer before): a
+            # sample of the store's round trip, for fill auto.
+            store.fetcher.note_round_trip(time.monotonic() - asked)
             if keeper is None:
                 load_pack_indexes(manifest)
                 return
@@ -285,6 +288,7 @@ class NodeDaemon:
                 found[0] = lookup.result()
 
         # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
+        asked = time.monotonic()
         files = await store.fetcher.call_store(f"layer {ref} in {store.url}", functools.partial(
             open_layer, store.store, ref, on_manifest=on_manifest, reads=store.copies))
         store.indexed_layers.add(files.digest)
@@ -398,16 +402,18 @@ class NodeDaemon:
                 plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map,
                                                       layer.index)
                 prefetch = f"profile:{found.source}"
-            fill_list = []
+            fill_list, fill_when = [], (lambda: True)
             if idle and (fill == "layer" or (fill == "auto" and plist is None)):
                 fill_list = await trio.to_thread.run_sync(fill_entries, plist, layer.blob.blob_map)
+                if fill == "auto":
+                    fill_when = functools.partial(_store_is_slow, layer.store.fetcher)
             if fill_list:
                 prefetch = f"{prefetch}+fill" if prefetch else "fill"
             key, served = self._served_for(layer, mode, ref, ref_name)
             # The prefetch starts before mount(2), so its first store reads overlap the mount.
             job = None
             if (plist and plist.entries) or fill_list:
-                job = self._start_prefetch(layer, plist, prefetch, served, fill=fill_list)
+                job = self._start_prefetch(layer, plist, prefetch, served, fill=fill_list, fill_when=fill_when)
             # Written ahead: a daemon killed between mount(2) and the table update below still leaves
             # the mountpoint listed, so the next daemon detaches it.
             self.table.save(mounting=(mountpoint, mode, files.digest))
@@ -580,11 +586,12 @@ class NodeDaemon:
         return int(stats.max_bytes * FILL_CACHE_SHARE) - stats.bytes
 
     def _start_prefetch(self, layer: Layer, plist: PrefetchList | None, path: str, served: Served, *,
-                        fill: list[PrefetchEntry] = ()) -> PrefetchJob:
+                        fill: list[PrefetchEntry] = (), fill_when: Callable[[], bool | None] = lambda: True
+                        ) -> PrefetchJob:
         if layer.prefetch is not None and layer.prefetch.state == "running":
             raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
         layer.prefetch = self.prefetcher.start(layer.digest, plist, path, layer.store.fetcher,
-                                                layer.blob.location, lambda: served.blob.trace, fill=fill,
+                                                layer.blob.location, lambda: served.blob.trace, fill=fill, fill_when=fill_when,
                                                 landed=layer.usage.note_prefetched)
         return layer.prefetch
 
@@ -680,6 +687,12 @@ class NodeDaemon:
 
     def status(self) -> api.NodeStatus:
         return node_status.status(self)
+
+
+def _store_is_slow(fetcher: ChunkFetcher) -> bool | None:
+    """Fill ``auto``'s test (prefetcher.AUTO_FILL_MIN_ROUND_TRIP): None until the store's round trip is known."""
+    round_trip = fetcher.round_trip()
+    return None if round_trip is None else round_trip >= AUTO_FILL_MIN_ROUND_TRIP
 
 
 def mount_info(mount: Mount, *, idle_until: str = "") -> api.MountInfo:
