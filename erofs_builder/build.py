@@ -19,7 +19,9 @@ Steps, each finished before the next starts:
 Memory: for a tree of many small files each step needs tens of MB besides the Tree, so they run one
 after another (the flush of step 3 could run beside step 5, but their peaks would add up), and what one
 step holds per chunk (the chunk index, the blob map) lives only as long as it is needed: steps 2 to 4
-run in ``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns.
+run in ``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns. The packs a
+build uploads enter the store's index mirror when the build is over and its tree freed
+(``_own_packs_mirrored``): the LMDB pages those writes touch would otherwise add to the peak.
 
 Incremental builds: with ``parent`` (a layer built earlier from the same directory), a scan of the source
 is compared with the parent's build info first (patch.py). If only regular files' contents changed, in
@@ -54,7 +56,7 @@ from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
-from dsec_fs.dedup_index import load_chunk_index
+from dsec_fs.dedup_index import OwnPack, add_to_mirror, load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
 from dsec_fs.store import keys
@@ -111,9 +113,9 @@ def build_layer(
     layer, ``tar_limits`` the parsing of tar input (limits.py)."""
     _check_options(name, chunk_size)
     kind = source_kind(source)
-    with _cycle_collector_paused():
+    with _cycle_collector_paused(), _own_packs_mirrored(store) as own_packs:
         if kind == "dir":
-            return _build_directory(source, store, name, chunk_size, progress, workers, parent, limits)
+            return _build_directory(source, store, name, chunk_size, progress, workers, parent, limits, own_packs)
         if parent is not None:
             raise InputError("--parent needs a directory source (tar and OCI input have no inode identities)",
                              where=os.fsdecode(source))
@@ -128,12 +130,13 @@ def build_layer(
             def walk(on_file: OnFile) -> list[Tree]:
                 return [walk_layers(image.layers, on_file=on_file, lenient=lenient, limits=tar_limits,
                                     budget=LayerBudget(limits, chunk_size))]
-        return _build_streamed(walk, store, [name], chunk_size, progress, workers, _describe(source))[0]
+        return _build_streamed(walk, store, [name], chunk_size, progress, workers, _describe(source),
+                               own_packs)[0]
 
 
 def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str | None, chunk_size: int,
                      progress: Progress | None, workers: int | None, parent: str | None,
-                     limits: LayerLimits) -> BuildResult:
+                     limits: LayerLimits, own_packs: list[OwnPack]) -> BuildResult:
     """build_layer for a directory, incremental with ``parent``: patched (patch.py) if the changes allow,
     else in full. Called with the cycle collector paused; what the build holds (the tree, the parent's
     image and build info) is freed when this returns, before the collector is back, so that its first
@@ -142,15 +145,13 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
     if base is not None:
         rescan = scan_changes(source, base, time.time_ns())
-        patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described)
+        patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described, own_packs)
         if patched:
             return patched
     scanned_at_ns = time.time_ns()
     tree = walk_directory(os.fspath(source))
-    return build_tree(
-        tree, store, name=name, chunk_size=chunk_size, progress=progress, workers=workers,
-        source=described, parent=base, scanned_at_ns=scanned_at_ns, limits=limits,
-    )
+    return _build_tree(tree, store, name, chunk_size, progress, workers, described, base, scanned_at_ns, limits,
+                       own_packs)
 
 
 def build_image_layers(
@@ -183,8 +184,8 @@ def build_image_layers(
                            budget=LayerBudget(limits, chunk_size))
 
     described = image.where if isinstance(source, OciImage) else _describe(source)
-    with _cycle_collector_paused():
-        return _build_streamed(walk, store, names, chunk_size, progress, workers, described)
+    with _cycle_collector_paused(), _own_packs_mirrored(store) as own_packs:
+        return _build_streamed(walk, store, names, chunk_size, progress, workers, described, own_packs)
 
 
 def source_kind(source: str | bytes | os.PathLike) -> str:
@@ -241,6 +242,15 @@ def build_tree(
     its build info, so that it can be a parent later; ``parent`` lends its chunk lists to unchanged files.
     ``limits``: the tree is refused (InputError) before any file is read if it exceeds them.
     """
+    with _cycle_collector_paused(), _own_packs_mirrored(store) as own_packs:
+        return _build_tree(tree, store, name, chunk_size, progress, workers, source, parent, scanned_at_ns, limits,
+                           own_packs)
+
+
+def _build_tree(tree: Tree, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
+                workers: int | None, source: str, parent: ParentLayer | None, scanned_at_ns: int | None,
+                limits: LayerLimits, own_packs: list[OwnPack]) -> BuildResult:
+    """build_tree, with the packs it uploads left in ``own_packs``."""
     _check_options(name, chunk_size)
     check_tree(tree, limits, chunk_size)
     known = parent.reusable_chunks(tree).get if parent is not None else None
@@ -251,32 +261,33 @@ def build_tree(
             on_file(node)
         return [tree]
 
-    with _cycle_collector_paused():
-        return _build_streamed(feed, store, [name], chunk_size, progress, workers, source, known=known,
-                               total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns)[0]
+    return _build_streamed(feed, store, [name], chunk_size, progress, workers, source, own_packs, known=known,
+                           total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns)[0]
 
 
 def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: list[str | None], chunk_size: int,
-                    progress: Progress | None, workers: int | None, source: str, *, known: KnownChunks | None = None,
-                    total_bytes: int = 0, scanned_at_ns: int | None = None) -> list[BuildResult]:
+                    progress: Progress | None, workers: int | None, source: str, own_packs: list[OwnPack], *,
+                    known: KnownChunks | None = None, total_bytes: int = 0,
+                    scanned_at_ns: int | None = None) -> list[BuildResult]:
     """Steps 2 to 6 for the trees ``walk`` makes, calling its ``on_file`` argument for each regular file
-    while the file's content is readable; ``names[k]`` names the layer of tree k."""
+    while the file's content is readable; ``names[k]`` names the layer of tree k. The packs uploaded are
+    left in ``own_packs``."""
     # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
     with Lease(store, purpose=f"build {names[0] or source}") as lease:
-        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes)
+        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes, own_packs)
         return [_publish(store, lease, tree, files, packs, _layer_stats(stats, files, chunk_size, len(layers)),
                          name, chunk_size, source, scanned_at_ns)
                 for (tree, files, packs), name in zip(layers, names)]
 
 
 def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size: int, progress: Progress | None,
-                 workers: int | None, known: KnownChunks | None,
-                 total_bytes: int) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
+                 workers: int | None, known: KnownChunks | None, total_bytes: int,
+                 own_packs: list[OwnPack]) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
     """Steps 2 to 4: chunk and upload the trees ``walk`` makes, and confirm their packs; returns the
     statistics and, per tree, (tree, regular files, sorted pack ids). The chunk index, the uploader and the
     chunker hold an object per chunk: they are gone when this returns, before blob maps and images are
     made (a function of its own, so that no name of the caller still holds them)."""
-    with load_chunk_index(store) as index:
+    with load_chunk_index(store, own_packs=own_packs) as index:
         with ChunkUploader(store, index) as uploader:
             with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
                          known=known, total_bytes=total_bytes) as chunker:
@@ -350,7 +361,7 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_map: BlobMap, b
 
 
 def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
-                   workers: int | None, source: str) -> BuildResult | None:
+                   workers: int | None, source: str, own_packs: list[OwnPack]) -> BuildResult | None:
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
     change needs the full path after all."""
@@ -361,7 +372,7 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
         return None
     files = rescan.files
     with Lease(store, purpose=f"build {name or source}") as lease:
-        with load_chunk_index(store) as index:
+        with load_chunk_index(store, own_packs=own_packs) as index:
             with ChunkUploader(store, index) as uploader:
                 with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
                              total_bytes=sum(node.size for node in files)) as chunker:
@@ -415,6 +426,17 @@ def _digests(files: list[Node]) -> Iterator[bytes]:
 
 
 @contextlib.contextmanager
+def _own_packs_mirrored(store: Store) -> Iterator[list[OwnPack]]:
+    """A list for the packs a build uploads, added to the store's index mirror when the block ends,
+    whatever its outcome: by then the build's tree is freed (dsec_fs.dedup_index, Memory)."""
+    own_packs: list[OwnPack] = []
+    try:
+        yield own_packs
+    finally:
+        add_to_mirror(store, own_packs)
+
+
+@contextlib.contextmanager
 def _cycle_collector_paused() -> Iterator[None]:
     """Pause Python's cycle collector while a build runs.
 
@@ -443,9 +465,10 @@ def _check_options(name: str | None, chunk_size: int) -> None:
 def _packs_of(digests: Iterable[bytes], index: ChunkIndex) -> list[str]:
     """Sorted ids of the packs holding the chunks ``digests`` (all in the index once the uploader flushed)."""
     packs = set()
+    pack_of = index.pack_of
     for digest in digests:
-        location = index.get(digest)
-        if location is None:
+        pack_id = pack_of(digest)
+        if pack_id is None:
             raise NotFoundError("chunk is in neither the store nor this build", where=f"chunk {to_hex(digest)}")
-        packs.add(location.pack_id)
+        packs.add(pack_id)
     return sorted(packs)
