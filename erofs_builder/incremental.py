@@ -202,6 +202,9 @@ def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray
 def shared_chunks(files: list[Node], blob_map: BlobMap) -> list[int]:
     """The indexes of the blob-map entries that the chunk lists of ``files`` (each file once) name more
     than once, ascending."""
+    slots = sum(len(node.chunks) for node in files) - sum(node.chunks.count(None) for node in files)
+    if slots == len(blob_map):  # every chunk index names a chunk of its own: no Counter of every digest
+        return []
     uses = Counter(digest for node in files for digest in node.chunks if digest is not None)
     return [index for index, (_blkaddr, digest, _length) in enumerate(blob_map.entries) if uses[digest] > 1]
 
