@@ -47,7 +47,6 @@ import gc
 import logging
 import os
 import sys
-import tarfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -63,6 +62,7 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from dsec_fs.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
+from .archive_kind import is_image_archive
 from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, blob_map_of, regular_files
 from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, shared_chunks
 from .patch import Patched, Rescan, missing_packs, scan_changes
@@ -207,12 +207,7 @@ def source_kind(source: str | bytes | os.PathLike) -> str:
         raise InputError("no such file or directory", where=path)
     if not os.path.isfile(path):
         raise InputError("not a directory, tar file or OCI image", where=path)
-    try:
-        with tarfile.open(path, "r:") as archive:  # uncompressed only: image archives are not compressed
-            top = {name.lstrip("./") for name in archive.getnames()}
-    except (tarfile.TarError, OSError):
-        return "tar"
-    return "oci" if top & {"manifest.json", "oci-layout"} else "tar"
+    return "oci" if is_image_archive(path) else "tar"
 
 
 def _describe(source: str | bytes | os.PathLike) -> str:
