@@ -14,7 +14,8 @@ meta.erofs and blob map compressed, build info, manifest), mkfs.erofs's the imag
 Trees: the cached Debian minbase rootfs (unless --tree is given), plus a synthetic tree per
 --synthetic-files count (default 100,000 and 1,000,000): files of 50 to 3,000 random bytes, 1,000 to a
 directory, made once under --work and removed at the end. Builders: dsecfs, then every --mkfs (default
-Debian's /usr/bin/mkfs.erofs). With --tar, dsecfs also builds from an uncompressed tar of each tree
+Debian's /usr/bin/mkfs.erofs). With --baseline SRC, the dsecfs of another source directory (the code
+before a change) builds too, in the same rounds, with this venv's Python. With --tar, dsecfs also builds from an uncompressed tar of each tree
 (made once with tar(1)), as a builder of its own in the same rounds. With --phases, each tree is
 first built once more in a child process of this script that times each phase of the build (wall, CPU
 of the process, RSS after it; the phase functions of erofs_builder.build wrapped), printed as a table.
@@ -77,9 +78,16 @@ def mkfs_version(mkfs: str) -> str:
     return words[-1] if words else mkfs
 
 
-def run_dsecfs(tree: str, work: str, label: str) -> tuple[float, float, int, int]:
+def run_dsecfs(tree: str, work: str, label: str, source: str | None = None) -> tuple[float, float, int, int]:
+    """One `dsecfs build`: this checkout's, or with ``source``, the dsecfs in that source directory (run with
+    this venv's Python)."""
     store = os.path.join(work, "store")
-    wall, cpu, rss = run_measured([DSECFS, "build", tree, "--store", store, "--name", f"bench/{label}", "--json"])
+    args = ["build", tree, "--store", store, "--name", f"bench/{label}", "--json"]
+    if source is None:
+        wall, cpu, rss = run_measured([DSECFS, *args])
+    else:
+        wall, cpu, rss = run_measured([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                                       "from cli.main import main; main()", source, *args])
     stored = dir_bytes(store)
     shutil.rmtree(store)
     return wall, cpu, rss, stored
@@ -177,13 +185,19 @@ def run_mkfs(mkfs: str, tree: str, work: str) -> tuple[float, float, int, int]:
     return wall, cpu, rss, stored
 
 
-def bench_tree(name: str, tree: str, rounds: int, mkfs_list: list[str], work: str, tar: str | None = None) -> dict:
-    builders = ["dsecfs"] + (["dsecfs from tar"] if tar else []) + [f"mkfs.erofs {mkfs_version(m)}" for m in mkfs_list]
+def bench_tree(name: str, tree: str, rounds: int, mkfs_list: list[str], work: str, tar: str | None = None,
+               baseline: str | None = None) -> dict:
+    builders = (["dsecfs"] + (["dsecfs from tar"] if tar else []) + (["dsecfs baseline"] if baseline else [])
+                + (["baseline from tar"] if tar and baseline else []) + [f"mkfs.erofs {mkfs_version(m)}" for m in mkfs_list])
     samples: dict[str, list[tuple[float, float, int, int]]] = {b: [] for b in builders}
     for r in range(rounds):
         samples["dsecfs"].append(run_dsecfs(tree, work, f"{name}:r{r}"))
         if tar:
             samples["dsecfs from tar"].append(run_dsecfs(tar, work, f"{name}:tar{r}"))
+        if baseline:
+            samples["dsecfs baseline"].append(run_dsecfs(tree, work, f"{name}:b{r}", baseline))
+        if tar and baseline:
+            samples["baseline from tar"].append(run_dsecfs(tar, work, f"{name}:btar{r}", baseline))
         for builder, mkfs in zip(builders[-len(mkfs_list):], mkfs_list):
             samples[builder].append(run_mkfs(mkfs, tree, work))
     result = {"tree": name, "source_bytes": dir_bytes(tree), "rounds": rounds, "builders": {}}
@@ -212,7 +226,7 @@ def print_table(results: list[dict]) -> None:
             tail = f"{ratio['wall']:>12.2f}{ratio['peak_rss']:>11.2f}" if ratio else ""
             print(f"{r['tree']:<18}{builder:<18}{b['wall_s']:>8.2f}{b['cpu_s']:>8.2f}{b['peak_rss_mb']:>9.1f}"
                   f"{b['stored_bytes'] / 2**20:>11.1f}{tail}")
-    print("ratios are dsecfs / that mkfs.erofs (time: median wall; RSS: peak)")
+    print("ratios are dsecfs / that builder (time: median wall; RSS: peak)")
 
 
 def main() -> None:
@@ -224,6 +238,8 @@ def main() -> None:
     parser.add_argument("--mkfs", action="append", default=[], help="a mkfs.erofs to compare with (repeatable)")
     parser.add_argument("--work", default=None, help="where synthetic trees and outputs go (default: a temp dir)")
     parser.add_argument("--tar", action="store_true", help="also build each tree from a tar of it")
+    parser.add_argument("--baseline", metavar="SRC", help="also build with the dsecfs of this source directory "
+                        "(e.g. `git archive main | tar -x -C SRC`), side by side")
     parser.add_argument("--phases", action="store_true", help="first time each phase of one build per tree")
     parser.add_argument("--phase-child", metavar="TREE", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -240,7 +256,7 @@ def main() -> None:
             if args.phases:
                 phases.append(run_phases(name, tree, work))
             tar = make_tar(tree, work) if args.tar else None
-            results.append(bench_tree(name, tree, args.rounds, mkfs_list, work, tar))
+            results.append(bench_tree(name, tree, args.rounds, mkfs_list, work, tar, args.baseline))
             print_table(results[-1:])
             if tar:
                 os.unlink(tar)
