@@ -9,16 +9,17 @@ deduplicated against an earlier round; its stored bytes are the whole store dire
 meta.erofs and blob map compressed, build info, manifest), mkfs.erofs's the image plus the blob.
 
     .venv/bin/python bench/bench_build.py [--rounds 3] [--tree DIR ...] [--synthetic-files 100000 ...]
-        [--mkfs /opt/erofs-1.9.3/bin/mkfs.erofs ...] [--work DIR] [--tar] [--phases]
+        [--mkfs /opt/erofs-1.9.3/bin/mkfs.erofs ...] [--work DIR] [--tar] [--phases] [--baseline SRC]
 
 Trees: the cached Debian minbase rootfs (unless --tree is given), plus a synthetic tree per
 --synthetic-files count (default 100,000 and 1,000,000): files of 50 to 3,000 random bytes, 1,000 to a
 directory, made once under --work and removed at the end. Builders: dsecfs, then every --mkfs (default
 Debian's /usr/bin/mkfs.erofs). With --baseline SRC, the dsecfs of another source directory (the code
-before a change) builds too, in the same rounds, with this venv's Python. With --tar, dsecfs also builds from an uncompressed tar of each tree
-(made once with tar(1)), as a builder of its own in the same rounds. With --phases, each tree is
-first built once more in a child process of this script that times each phase of the build (wall, CPU
-of the process, RSS after it; the phase functions of erofs_builder.build wrapped), printed as a table.
+before a change) builds too, in the same rounds, with this venv's Python. With --tar, dsecfs also builds
+from an uncompressed tar of each tree (made once with tar(1)), as a builder of its own in the same
+rounds. With --phases, each tree is first built once more in a child process of this script that times
+each phase of the build (wall, CPU of the process, RSS after it; the phase functions of
+erofs_builder.build wrapped), printed as a table.
 """
 
 from __future__ import annotations
@@ -171,8 +172,10 @@ def run_phases(name: str, tree: str, work: str) -> dict:
     print(f"phases of one dsecfs build of {name} (in-process; layer {result['digest'][:16]})")
     print(f"{'phase':<36}{'wall s':>8}{'cpu s':>8}{'calls':>8}{'RSS after MB':>14}")
     for row in result["phases"]:
-        print(f"{row['phase']:<36}{row['wall_s']:>8.3f}{row['cpu_s']:>8.3f}{row['calls']:>8}{row['rss_after_mb']:>14.1f}")
-    print(f"{'whole build':<36}{result['wall_s']:>8.3f}{result['cpu_s']:>8.3f}{'':>8}{result['peak_rss_mb']:>9.1f} peak")
+        print(f"{row['phase']:<36}{row['wall_s']:>8.3f}{row['cpu_s']:>8.3f}{row['calls']:>8}"
+              f"{row['rss_after_mb']:>14.1f}")
+    print(f"{'whole build':<36}{result['wall_s']:>8.3f}{result['cpu_s']:>8.3f}{'':>8}"
+          f"{result['peak_rss_mb']:>9.1f} peak")
     return {"tree": name, **result}
 
 
@@ -188,7 +191,8 @@ def run_mkfs(mkfs: str, tree: str, work: str) -> tuple[float, float, int, int]:
 def bench_tree(name: str, tree: str, rounds: int, mkfs_list: list[str], work: str, tar: str | None = None,
                baseline: str | None = None) -> dict:
     builders = (["dsecfs"] + (["dsecfs from tar"] if tar else []) + (["dsecfs baseline"] if baseline else [])
-                + (["baseline from tar"] if tar and baseline else []) + [f"mkfs.erofs {mkfs_version(m)}" for m in mkfs_list])
+                + (["baseline from tar"] if tar and baseline else [])
+                + [f"mkfs.erofs {mkfs_version(m)}" for m in mkfs_list])
     samples: dict[str, list[tuple[float, float, int, int]]] = {b: [] for b in builders}
     for r in range(rounds):
         samples["dsecfs"].append(run_dsecfs(tree, work, f"{name}:r{r}"))

@@ -61,7 +61,7 @@ from dsec_fs.leases import Lease
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from dsec_fs.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
+from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
 from .archive_kind import is_image_archive
 from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, blob_map_of, regular_files
 from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, shared_chunks
@@ -316,17 +316,20 @@ def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: l
     stats = dataclasses.replace(stats, distinct_chunks=len(blob_map))
     blob_map_bytes = blob_map.encode()
     blob_id = to_hex(sha256(blob_map_bytes))  # blob_map.blob_id, without encoding the map again
+    shared = shared_chunks(files, blob_map) if scanned_at_ns is not None else []
     meta = write_image(tree, blob_map, chunk_size, blob_id=blob_id)
+    blocks = blob_map.blocks
+    del blob_map  # ~160 bytes a chunk: gone before the build info is made (at 1M files, the build's peak)
 
     def buildinfo(layer: str) -> bytes:
         entries = ((path, node.identity) for path, node in listing_order(tree))
-        return encode_buildinfo(entries, shared_chunks(files, blob_map), layer, scanned_at_ns)
+        return encode_buildinfo(entries, shared, layer, scanned_at_ns)
 
-    return _publish_layer(store, lease, meta, blob_map, blob_map_bytes, packs, stats, name, chunk_size, source,
+    return _publish_layer(store, lease, meta, blocks, blob_map_bytes, packs, stats, name, chunk_size, source,
                           buildinfo if scanned_at_ns is not None else None)
 
 
-def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_map: BlobMap, blob_map_bytes: bytes,
+def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_blocks: int, blob_map_bytes: bytes,
                    packs: list[str], stats: ChunkStats, name: str | None, chunk_size: int, source: str,
                    buildinfo: Callable[[str], bytes] | None) -> BuildResult:
     """Step 6 for a finished meta.erofs and blob map: build info (made by ``buildinfo`` for the layer
@@ -340,7 +343,7 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_map: BlobMap, b
         blobmap_sha256=blob_id,
         chunk_size=chunk_size,
         block_size=BLOCK_SIZE,
-        blob_blocks=blob_map.blocks,
+        blob_blocks=blob_blocks,
         packs=packs,
         stats=dataclasses.asdict(stats),
         source=source,
@@ -387,8 +390,8 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
         def buildinfo(layer: str) -> bytes:
             return encode_rescanned(parent.info, rescan.identities, rescan.suspects, layer, rescan.scanned_at_ns)
 
-        result = _publish_layer(store, lease, patched.meta, patched.blob_map, patched.blob_map_bytes, packs, stats,
-                                name, chunk_size, source, buildinfo)
+        result = _publish_layer(store, lease, patched.meta, patched.blob_map.blocks, patched.blob_map_bytes, packs,
+                                stats, name, chunk_size, source, buildinfo)
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
              stats.new_chunks)
     return result
