@@ -24,6 +24,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from . import exec_frames
 from .errors import (
     ConflictError,
     CorruptError,
@@ -44,8 +45,10 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 MODES = ("kernel", "fuse")  # kernel: EROFS over the daemon's FUSE blob file; fuse: the whole tree over FUSE
 BINDINGS = ("pyfuse3", "fusepy", "raw")  # raw: mounts survive a daemon restart (docs/architecture.md)
 # What a mount fetches in the background besides what is read: none; its profile (or its prefetch list);
-# layer: that, then the rest of the layer in blob order, until the cache bound.
-FILLS = ("none", "profile", "layer")
+# layer: that, then the rest of the layer in blob order, until the cache bound; auto: the profile if
+# there is one (or a list), else the whole layer (docs/benchmarks.md, issue 13, says why it is the default).
+FILLS = ("auto", "none", "profile", "layer")
+DEFAULT_FILL = "auto"
 
 # HTTP status of each DsecError kind; a client maps the kind back to the class.
 STATUS_BY_KIND = {
@@ -109,7 +112,8 @@ class SandboxUpRequest(_Request):
     fill: Name | None = None  # and fetch this in the background (none | profile | layer); default: the daemon's
 
 
-class ExecRequest(_Request):
+class _ExecOptions(_Request):
+    """What a command runs with, for exec and attach."""
     argv: Annotated[list[Annotated[str, msgspec.Meta(max_length=1 << 17)]], msgspec.Meta(min_length=1)]
     env: dict[str, str] = {}
     cwd: Path = "/"
@@ -119,7 +123,21 @@ class ExecRequest(_Request):
     pids_limit: Count | None = None
     timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     runtime: Name | None = None  # runc | namespaces; default: the daemon's
+
+
+class ExecRequest(_ExecOptions):
     stdin: bytes | None = None  # base64 in JSON
+
+
+WindowSide = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
+
+
+class AttachRequest(_ExecOptions):
+    """A command whose stdio is relayed over the upgraded connection (dsec_fs/exec_frames.py)."""
+    stdin: bool = False  # STDIN frames feed its stdin (else /dev/null; with tty, the terminal's input is ignored)
+    tty: bool = False  # run it on a terminal (runc only): stdout and stderr are the terminal, STDOUT frames
+    rows: WindowSide = 0  # the terminal's size (0: leave runc's default); RESIZE frames change it
+    cols: WindowSide = 0
 
 
 class DownRequest(_Request):
@@ -148,6 +166,7 @@ class MountInfo(_Response):
     chunks: int = 0  # distinct chunks of the layer
     data_bytes: int = 0  # their bytes
     prefetch_chunks: int = 0  # chunks the prefetch (list or profile) was to fetch
+    idle_until: str = ""  # an idle sandbox layer (no sandbox uses it): when it is unmounted, unless used again
 
 
 class UmountInfo(_Response):
@@ -182,8 +201,10 @@ class LayerStatus(_Response):
 class PrefetchInfo(_Response):
     layer: str
     list: str
-    chunks: int = 0
+    chunks: int = 0  # the list's and the fill's
     bytes: int = 0
+    fill_chunks: int = 0  # of those, the fill's (the rest of the layer, fetched after the list)
+    fill_skipped: bool = False  # fill auto found the store fast: the fill was not made
     state: str = ""  # running | done | cancelled | failed
     done_chunks: int = 0
     done_bytes: int = 0
@@ -246,7 +267,7 @@ class SandboxInfo(_Response):
 
 class SandboxList(_Response):
     sandboxes: list[SandboxInfo] = []
-    layers: list[dict] = []  # the layers held for sandboxes: {layer, mountpoint, users}
+    layers: list[dict] = []  # the layers held for sandboxes: {layer, mountpoint, users, idle_until}
     removed_at_start: list[str] = []
 
 
@@ -254,6 +275,12 @@ class ExecResult(_Response):
     exit_code: int  # the command's; 128 + N when signal N killed it (137 after the timeout)
     stdout: bytes  # base64 in JSON
     stderr: bytes
+    timed_out: bool = False
+
+
+class ExecExit(_Response):
+    """The EXIT frame of an attached command."""
+    exit_code: int  # as ExecResult's
     timed_out: bool = False
 
 
@@ -292,6 +319,7 @@ class Endpoint(msgspec.Struct, frozen=True):
     summary: str
     request: type | None = None  # the body's type; None: no body
     response: type | None = None  # None: not JSON (the Prometheus text of /metrics)
+    upgrade: str | None = None  # the protocol a 101 answer switches to (dsec_fs/exec_frames.py)
 
 
 # Every route of the node daemon's API: lazy_fetch/routes.py and overlay/node_service.py serve exactly
@@ -310,6 +338,9 @@ ROUTES = (
     Endpoint("GET", "/v1/sandboxes", "the sandboxes and the layers held for them", response=SandboxList),
     Endpoint("GET", "/v1/sandboxes/{sandbox}", "one sandbox, by id or name", response=SandboxInfo),
     Endpoint("POST", "/v1/sandboxes/{sandbox}/exec", "run a command in a sandbox", ExecRequest, ExecResult),
+    Endpoint("POST", "/v1/sandboxes/{sandbox}/attach", "run a command in a sandbox, its stdio relayed over the "
+             "connection (frames of dsec_fs/exec_frames.py), on a terminal if asked", AttachRequest,
+             upgrade=exec_frames.PROTOCOL),
     Endpoint("POST", "/v1/sandboxes/{sandbox}/down", "take a sandbox down", DownRequest, Empty),
     Endpoint("POST", "/v1/sandboxes/{sandbox}/commit", "publish a sandbox's changes as a layer", CommitRequest,
              CommitResult),
@@ -325,7 +356,7 @@ class ErrorBody(_Response, omit_defaults=True):
 
 def openapi() -> dict[str, Any]:
     """The OpenAPI 3.1 document of ROUTES (docs/openapi.json)."""
-    types = [t for e in ROUTES for t in (e.request, e.response) if t is not None] + [ErrorBody]
+    types = [t for e in ROUTES for t in (e.request, e.response) if t is not None] + [ErrorBody, ExecExit]
     (*schemas,), components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     ref = dict(zip(types, schemas))
     paths: dict[str, dict] = {}
@@ -333,10 +364,14 @@ def openapi() -> dict[str, Any]:
         error = {"description": "an error (status by kind: " + ", ".join(f"{k} {v}" for k, v in
                                                                          STATUS_BY_KIND.items()) + ")",
                  "content": {"application/json": {"schema": ref[ErrorBody]}}}
-        ok = {"description": e.summary}
-        ok["content"] = ({"application/json": {"schema": ref[e.response]}} if e.response is not None
-                         else {"text/plain": {"schema": {"type": "string"}}})
-        operation: dict[str, Any] = {"summary": e.summary, "responses": {"200": ok, "default": error}}
+        if e.upgrade is not None:
+            ok_status, ok = "101", {"description": f"switching to {e.upgrade}: frames both ways, see dsec_fs/exec_frames.py",
+                                    "headers": {"upgrade": {"schema": {"const": e.upgrade}}}}
+        else:
+            ok_status, ok = "200", {"description": e.summary}
+            ok["content"] = ({"application/json": {"schema": ref[e.response]}} if e.response is not None
+                             else {"text/plain": {"schema": {"type": "string"}}})
+        operation: dict[str, Any] = {"summary": e.summary, "responses": {ok_status: ok, "default": error}}
         if e.request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[e.request]}}}
         names = [part[1:-1] for part in e.path.split("/") if part.startswith("{")]

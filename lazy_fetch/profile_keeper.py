@@ -104,6 +104,8 @@ class ProfileKeeper:
     async def _publish(self, job: _Publish) -> None:
         if job.started:
             return
+        # A task started in a nursery that is being cancelled stops here, its job still queued for flush.
+        await trio.lowlevel.checkpoint_if_cancelled()
         job.started = True
         files, trace_path = job.files, job.trace_path
         try:

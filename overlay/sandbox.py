@@ -49,6 +49,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -233,11 +234,10 @@ class SandboxManager:
             for path in (state.upper, state.work, state.rootfs):
                 os.mkdir(path, mode=0o755)
             state = self._save(state)
-            for role, ref in layer_refs:
-                handle = self.layers.acquire(ref, profile=spec.profile, fill=spec.fill)
-                undo.append(lambda digest=handle.digest: self.layers.release(digest))
-                state = self._save(dataclasses.replace(
-                    state, layers=state.layers + (SandboxLayer(role, ref, handle.digest, handle.mountpoint),)))
+            handles = self._acquire_all([ref for _role, ref in layer_refs], spec, undo)
+            state = self._save(dataclasses.replace(state, layers=tuple(
+                SandboxLayer(role, ref, handle.digest, handle.mountpoint)
+                for (role, ref), handle in zip(layer_refs, handles))))
             lowers = [layer.mountpoint for layer in state.layers]
             _take_root_attributes(state.upper, lowers[0])
             mount_stack(lowers, state.upper, state.work, state.rootfs, options=self.stack_options)
@@ -254,18 +254,34 @@ class SandboxManager:
             raise
         return state
 
+    def _acquire_all(self, refs: list[str], spec: SandboxSpec, undo: list[Callable[[], None]]) -> list[LayerHandle]:
+        """Acquire every layer at once, each in a thread of its own: a layer's open is a few store round
+        trips in a row, and the layers of a stack need not wait for each other. Each one acquired is
+        released by ``undo``; the first failure (in the stack's order) is raised once all have ended."""
+        with ThreadPoolExecutor(max_workers=len(refs), thread_name_prefix="sandbox-layer") as pool:
+            acquiring = [pool.submit(self.layers.acquire, ref, profile=spec.profile, fill=spec.fill) for ref in refs]
+        for future in acquiring:
+            if future.exception() is None:
+                undo.append(lambda digest=future.result().digest: self.layers.release(digest))
+        return [future.result() for future in acquiring]
+
     def exec(self, key: str, argv: Sequence[str], **options) -> RunResult:
         """Run ``argv`` in the sandbox; ``options`` are run_in_rootfs's (runtime, env, cwd, limits, ...)."""
+        rootfs, options = self.run_target(key, options)
+        return run_in_rootfs(rootfs, argv, **options)
+
+    def run_target(self, key: str, options: dict) -> tuple[str, dict]:
+        """The root of the running sandbox ``key`` and run_in_rootfs's ``options`` with this sandbox's
+        defaults (runtime, hostname, runc_root) added; for exec, and for commands relayed elsewhere."""
         with self._lock:
             state = self._find(key)
         if state.status != "running":
             raise UnavailableError(f"sandbox is {state.status}", where=f"sandbox {state.name}",
                                    transient=state.status == "creating")
-        options.setdefault("runtime", self.runtime)
-        options.setdefault("hostname", state.name.replace("_", "-"))
+        options = {"runtime": self.runtime, "hostname": state.name.replace("_", "-"), **options}
         if options["runtime"] == "runc":
             options.setdefault("runc_root", self.runc_root)
-        return run_in_rootfs(state.rootfs, argv, **options)
+        return state.rootfs, options
 
     def commit(self, key: str, publish: Callable[[Tree], object] | None = None, *,
                keep_privileged: bool = False) -> Commit:

@@ -5,6 +5,7 @@ uses ``Daemons`` is in conftest.py.
 - ``metrics``/``layer_metric``: samples of a daemon's /metrics.
 - ``file_chunks``: the chunks holding a file's data, from a layer's image and blob map.
 - ``drop_caches``/``mount_dirs``: a cold page cache, fresh mount points.
+- ``wait_for``: poll a condition until it holds, or fail naming what was awaited.
 
 Import it as ``tests.lazy_fetch.daemon_support`` (not through conftest: pytest loads every directory's
 conftest under the one name "conftest").
@@ -17,6 +18,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,10 +50,13 @@ class Daemons:
     def start(self, store: str, *, binding: str | None = None, profiles: bool = False, **options) -> DaemonProcess:
         """Start one (the previous one must have stopped: they share the directories); ``binding`` None:
         the daemon's default. Access profiles are off unless ``profiles``: tests share stores, and a
-        profile one test's mount published would make another's mount prefetch."""
+        profile one test's mount published would make another's mount prefetch. Idle sandbox layers are
+        unmounted at once unless ``extra_args`` give ``--idle-grace``."""
         options.setdefault("fetch_timeout", 10)
+        # Sandbox layers go at the last down (later arguments may say otherwise): tests look for them gone.
+        options["extra_args"] = ["--idle-grace", "0", *options.get("extra_args", ())]
         if not profiles:
-            options["extra_args"] = [*options.get("extra_args", ()), "--no-profiles"]
+            options["extra_args"] = [*options["extra_args"], "--no-profiles"]
         options.setdefault("cache_dir", self.cache_dir)
         options.setdefault("command", [DSECFS])
         daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, store=store, fuse_binding=binding,
@@ -108,3 +113,14 @@ def mount_dirs(tmp_path, *names) -> list[str]:
     for path in paths:
         os.makedirs(path)
     return paths
+
+
+def wait_for(condition, what: str, timeout: float = 20.0):
+    """``condition()``'s first true value, polled every 20 ms; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
