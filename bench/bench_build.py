@@ -9,12 +9,17 @@ deduplicated against an earlier round; its stored bytes are the whole store dire
 meta.erofs and blob map compressed, build info, manifest), mkfs.erofs's the image plus the blob.
 
     .venv/bin/python bench/bench_build.py [--rounds 3] [--tree DIR ...] [--synthetic-files 100000 ...]
-        [--mkfs /opt/erofs-1.9.3/bin/mkfs.erofs ...] [--work DIR]
+        [--mkfs /opt/erofs-1.9.3/bin/mkfs.erofs ...] [--work DIR] [--tar] [--phases] [--baseline SRC]
 
 Trees: the cached Debian minbase rootfs (unless --tree is given), plus a synthetic tree per
 --synthetic-files count (default 100,000 and 1,000,000): files of 50 to 3,000 random bytes, 1,000 to a
 directory, made once under --work and removed at the end. Builders: dsecfs, then every --mkfs (default
-Debian's /usr/bin/mkfs.erofs).
+Debian's /usr/bin/mkfs.erofs). With --baseline SRC, the dsecfs of another source directory (the code
+before a change) builds too, in the same rounds, with this venv's Python. With --tar, dsecfs also builds
+from an uncompressed tar of each tree (made once with tar(1)), as a builder of its own in the same
+rounds. With --phases, each tree is first built once more in a child process of this script that times
+each phase of the build (wall, CPU of the process, RSS after it; the phase functions of
+erofs_builder.build wrapped), printed as a table.
 """
 
 from __future__ import annotations
@@ -74,12 +79,104 @@ def mkfs_version(mkfs: str) -> str:
     return words[-1] if words else mkfs
 
 
-def run_dsecfs(tree: str, work: str, label: str) -> tuple[float, float, int, int]:
+def run_dsecfs(tree: str, work: str, label: str, source: str | None = None) -> tuple[float, float, int, int]:
+    """One `dsecfs build`: this checkout's, or with ``source``, the dsecfs in that source directory (run with
+    this venv's Python)."""
     store = os.path.join(work, "store")
-    wall, cpu, rss = run_measured([DSECFS, "build", tree, "--store", store, "--name", f"bench/{label}", "--json"])
+    args = ["build", tree, "--store", store, "--name", f"bench/{label}", "--json"]
+    if source is None:
+        wall, cpu, rss = run_measured([DSECFS, *args])
+    else:
+        wall, cpu, rss = run_measured([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                                       "from cli.main import main; main()", source, *args])
     stored = dir_bytes(store)
     shutil.rmtree(store)
     return wall, cpu, rss, stored
+
+
+def make_tar(tree: str, work: str) -> str:
+    tar = os.path.join(work, os.path.basename(tree.rstrip("/")) + ".tar")
+    subprocess.run(["tar", "-cf", tar, "-C", tree, "."], check=True)
+    return tar
+
+
+# Phase functions of a build, wrapped by --phases: (label, module, owner attribute or None, function name).
+PHASES = [
+    ("walk (lstat, xattrs, nodes)", "erofs_builder.build", None, "walk_directory"),
+    ("limits check", "erofs_builder.build", None, "check_tree"),
+    ("list regular files", "erofs_builder.build", None, "regular_files"),
+    ("index mirror sync", "erofs_builder.build", None, "load_chunk_index"),
+    ("read, sha256, zstd, pack, upload", "erofs_builder.chunker", "Chunker", "add_file"),
+    ("last uploads (flush)", "dsec_fs.chunks", "ChunkUploader", "flush"),
+    ("packs of the layer", "erofs_builder.build", None, "_packs_of"),
+    ("confirm packs against the store", "dsec_fs.dedup_index", "MirroredChunkIndex", "confirm"),
+    ("blob map", "erofs_builder.build", None, "blob_map_of"),
+    ("write meta.erofs", "erofs_builder.build", None, "write_image"),
+    ("shared chunks", "erofs_builder.build", None, "shared_chunks"),
+    ("build info", "erofs_builder.build", None, "encode_buildinfo"),
+    ("publish (compress, put)", "erofs_builder.build", None, "publish_layer"),
+    ("own packs into the mirror", "erofs_builder.build", None, "add_to_mirror"),
+]
+
+
+def phase_child(tree: str, work: str) -> None:
+    """In a child process: build ``tree`` once with every phase function wrapped; print one JSON line."""
+    import functools
+    import importlib
+    import resource
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dsec_fs.store import open_store
+
+    rows: dict[str, list[float]] = {}
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def wrapped(label, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                row = rows.setdefault(label, [0.0, 0.0, 0, 0.0])
+                row[0] += time.perf_counter() - wall
+                row[1] += time.process_time() - cpu
+                row[2] += 1
+                row[3] = rss_mb()
+        return timed
+
+    for label, module, owner, name in PHASES:
+        target = importlib.import_module(module)
+        target = getattr(target, owner) if owner else target
+        setattr(target, name, wrapped(label, getattr(target, name)))
+    build = importlib.import_module("erofs_builder.build")
+    store = open_store(os.path.join(work, "phase-store"), create=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = build.build_layer(tree, store)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"digest": result.digest, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": peak,
+                      "phases": [{"phase": label, "wall_s": w, "cpu_s": c, "calls": n, "rss_after_mb": m}
+                                 for label, (w, c, n, m) in rows.items()]}))
+
+
+def run_phases(name: str, tree: str, work: str) -> dict:
+    index = os.path.join(work, "phase-index")
+    out = subprocess.run([sys.executable, __file__, "--phase-child", tree, "--work", work], check=True,
+                         capture_output=True, text=True, env={**os.environ, "DSECFS_INDEX_DIR": index})
+    shutil.rmtree(os.path.join(work, "phase-store"), ignore_errors=True)
+    shutil.rmtree(index, ignore_errors=True)
+    result = json.loads(out.stdout.splitlines()[-1])
+    print(f"phases of one dsecfs build of {name} (in-process; layer {result['digest'][:16]})")
+    print(f"{'phase':<36}{'wall s':>8}{'cpu s':>8}{'calls':>8}{'RSS after MB':>14}")
+    for row in result["phases"]:
+        print(f"{row['phase']:<36}{row['wall_s']:>8.3f}{row['cpu_s']:>8.3f}{row['calls']:>8}"
+              f"{row['rss_after_mb']:>14.1f}")
+    print(f"{'whole build':<36}{result['wall_s']:>8.3f}{result['cpu_s']:>8.3f}{'':>8}"
+          f"{result['peak_rss_mb']:>9.1f} peak")
+    return {"tree": name, **result}
 
 
 def run_mkfs(mkfs: str, tree: str, work: str) -> tuple[float, float, int, int]:
@@ -91,12 +188,21 @@ def run_mkfs(mkfs: str, tree: str, work: str) -> tuple[float, float, int, int]:
     return wall, cpu, rss, stored
 
 
-def bench_tree(name: str, tree: str, rounds: int, mkfs_list: list[str], work: str) -> dict:
-    builders = ["dsecfs"] + [f"mkfs.erofs {mkfs_version(m)}" for m in mkfs_list]
+def bench_tree(name: str, tree: str, rounds: int, mkfs_list: list[str], work: str, tar: str | None = None,
+               baseline: str | None = None) -> dict:
+    builders = (["dsecfs"] + (["dsecfs from tar"] if tar else []) + (["dsecfs baseline"] if baseline else [])
+                + (["baseline from tar"] if tar and baseline else [])
+                + [f"mkfs.erofs {mkfs_version(m)}" for m in mkfs_list])
     samples: dict[str, list[tuple[float, float, int, int]]] = {b: [] for b in builders}
     for r in range(rounds):
         samples["dsecfs"].append(run_dsecfs(tree, work, f"{name}:r{r}"))
-        for builder, mkfs in zip(builders[1:], mkfs_list):
+        if tar:
+            samples["dsecfs from tar"].append(run_dsecfs(tar, work, f"{name}:tar{r}"))
+        if baseline:
+            samples["dsecfs baseline"].append(run_dsecfs(tree, work, f"{name}:b{r}", baseline))
+        if tar and baseline:
+            samples["baseline from tar"].append(run_dsecfs(tar, work, f"{name}:btar{r}", baseline))
+        for builder, mkfs in zip(builders[-len(mkfs_list):], mkfs_list):
             samples[builder].append(run_mkfs(mkfs, tree, work))
     result = {"tree": name, "source_bytes": dir_bytes(tree), "rounds": rounds, "builders": {}}
     for builder, runs in samples.items():
@@ -124,7 +230,7 @@ def print_table(results: list[dict]) -> None:
             tail = f"{ratio['wall']:>12.2f}{ratio['peak_rss']:>11.2f}" if ratio else ""
             print(f"{r['tree']:<18}{builder:<18}{b['wall_s']:>8.2f}{b['cpu_s']:>8.2f}{b['peak_rss_mb']:>9.1f}"
                   f"{b['stored_bytes'] / 2**20:>11.1f}{tail}")
-    print("ratios are dsecfs / that mkfs.erofs (time: median wall; RSS: peak)")
+    print("ratios are dsecfs / that builder (time: median wall; RSS: peak)")
 
 
 def main() -> None:
@@ -135,24 +241,40 @@ def main() -> None:
                         help="a synthetic tree of this many small files (repeatable; 0 for none)")
     parser.add_argument("--mkfs", action="append", default=[], help="a mkfs.erofs to compare with (repeatable)")
     parser.add_argument("--work", default=None, help="where synthetic trees and outputs go (default: a temp dir)")
+    parser.add_argument("--tar", action="store_true", help="also build each tree from a tar of it")
+    parser.add_argument("--baseline", metavar="SRC", help="also build with the dsecfs of this source directory "
+                        "(e.g. `git archive main | tar -x -C SRC`), side by side")
+    parser.add_argument("--phases", action="store_true", help="first time each phase of one build per tree")
+    parser.add_argument("--phase-child", metavar="TREE", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.phase_child:
+        phase_child(args.phase_child, args.work)
+        return
     trees = args.tree or [DEBIAN_ROOTFS]
     counts = [n for n in (args.synthetic_files or [100_000, 1_000_000]) if n]
     mkfs_list = args.mkfs or ["/usr/bin/mkfs.erofs"]
-    results = []
+    results: list[dict] = []
+    phases: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dsecfs-bench-", dir=args.work) as work:
-        for tree in trees:
-            results.append(bench_tree(os.path.basename(tree.rstrip("/")), tree, args.rounds, mkfs_list, work))
+        def bench(name: str, tree: str) -> None:
+            if args.phases:
+                phases.append(run_phases(name, tree, work))
+            tar = make_tar(tree, work) if args.tar else None
+            results.append(bench_tree(name, tree, args.rounds, mkfs_list, work, tar, args.baseline))
             print_table(results[-1:])
+            if tar:
+                os.unlink(tar)
+
+        for tree in trees:
+            bench(os.path.basename(tree.rstrip("/")), tree)
         for count in counts:
             synth = os.path.join(work, f"synthetic-{count}")
             make_synthetic(synth, count)
-            results.append(bench_tree(f"small-{count}", synth, args.rounds, mkfs_list, work))
-            print_table(results[-1:])
+            bench(f"small-{count}", synth)
             shutil.rmtree(synth)
     print()
     print_table(results)
-    print(json.dumps(results, indent=2))
+    print(json.dumps({"builds": results, "phases": phases}, indent=2))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ class BlobMap:
         self.entries: list[tuple[int, bytes, int]] = []  # (blkaddr, digest, length), in blob order
         self.blocks = 0  # total blocks of the blob; also where the next chunk goes
         self._starts: list[int] = []  # blkaddr of each entry, for bisect in locate()
-        self._by_digest: dict[bytes, int] = {}  # digest -> index into entries
+        # digest -> its entry: the entry itself, not its index, so that a map of many chunks holds no int
+        # object per entry besides its blkaddr (``_index_of`` finds the index again)
+        self._by_digest: dict[bytes, tuple[int, bytes, int]] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -96,9 +98,9 @@ class BlobMap:
 
     def add(self, digest: bytes, length: int) -> int:
         """Place a chunk at the end of the blob and return its blkaddr; a chunk already here keeps its place."""
-        index = self._by_digest.get(digest)
-        if index is not None:
-            return self.entries[index][0]
+        entry = self._by_digest.get(digest)
+        if entry is not None:
+            return entry[0]
         if len(digest) != DIGEST_SIZE or not 1 <= length <= self.chunk_size:
             raise InputError(f"bad chunk: {len(digest)}-byte digest, {length} bytes", where=f"chunk {digest.hex()}")
         blkaddr = self.blocks
@@ -107,8 +109,9 @@ class BlobMap:
                 f"the layer's distinct data exceeds {MAX_BLOCKS} blocks of {BLOCK_SIZE} bytes",
                 where=f"chunk {short(digest)}",
             )
-        self._by_digest[digest] = len(self.entries)
-        self.entries.append((blkaddr, digest, length))
+        entry = (blkaddr, digest, length)
+        self._by_digest[digest] = entry
+        self.entries.append(entry)
         self._starts.append(blkaddr)
         self.blocks = blkaddr + _blocks_for(length)
         return blkaddr
@@ -123,21 +126,25 @@ class BlobMap:
         copy._starts = list(self._starts)
         copy._by_digest = dict(self._by_digest)
         for old, (digest, length) in replacements.items():
-            index = copy._by_digest.pop(old)
-            blkaddr, _old, old_length = copy.entries[index]
+            blkaddr, _old, old_length = copy._by_digest.pop(old)
             if (digest in copy._by_digest or not 1 <= length <= self.chunk_size
                     or _blocks_for(length) != _blocks_for(old_length)):
                 raise InputError(f"chunk {short(digest)} of {length} bytes cannot take the place of chunk "
                                  f"{short(old)} of {old_length}", where="blob map")
-            copy.entries[index] = (blkaddr, digest, length)
-            copy._by_digest[digest] = index
+            entry = (blkaddr, digest, length)
+            copy.entries[copy._index_of(blkaddr)] = entry
+            copy._by_digest[digest] = entry
         return copy
 
+    def _index_of(self, blkaddr: int) -> int:
+        """The index of the entry that starts at ``blkaddr``."""
+        return bisect.bisect_left(self._starts, blkaddr)
+
     def blkaddr_of(self, digest: bytes) -> int:
-        index = self._by_digest.get(digest)
-        if index is None:
+        entry = self._by_digest.get(digest)
+        if entry is None:
             raise NotFoundError("chunk is not in the blob map", where=f"chunk {digest.hex()}")
-        return self.entries[index][0]
+        return entry[0]
 
     def locate(self, blkaddr: int) -> int:
         """Index of the entry whose blocks include ``blkaddr`` (a block past a chunk's end is its padding)."""
@@ -160,7 +167,7 @@ class BlobMap:
             return False
         self.entries = list(zip(blkaddrs, digests, lengths))
         self._starts = list(blkaddrs)
-        self._by_digest = dict(zip(digests, range(len(digests))))
+        self._by_digest = dict(zip(digests, self.entries))
         self.blocks = ends[-1]
         return True
 
@@ -209,7 +216,7 @@ class BlobMap:
             if not 1 <= length <= blob_map.chunk_size:
                 raise fail(f"blob map entry {i}", offset + 4, f"length {length} outside 1..{blob_map.chunk_size}")
             if digest in blob_map:
-                first = blob_map._by_digest[digest]
+                first = blob_map._index_of(blob_map._by_digest[digest][0])
                 raise fail(f"blob map entry {i}", offset + 8, f"chunk {short(digest)} already at entry {first}")
             if blkaddr + _blocks_for(length) > MAX_BLOCKS:
                 raise fail(f"blob map entry {i}", offset + 4, f"blob runs past block {MAX_BLOCKS}")

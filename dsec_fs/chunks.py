@@ -71,6 +71,11 @@ class ChunkIndex:
         with self._lock:
             return self._locations.get(digest)
 
+    def pack_of(self, digest: bytes) -> str | None:
+        """The id of the pack ``get`` answers for ``digest``; None if no pack holds it."""
+        location = self.get(digest)
+        return None if location is None else location.pack_id
+
     def locations(self, digest: bytes, prefer: Container[str] = ()) -> list[ChunkLocation]:
         """Every location of ``digest``: those in the packs ``prefer`` names first, each group first seen
         first."""

@@ -11,9 +11,20 @@ this host's own reads and uploads decide, and that the packs' index objects list
 index costs a pack read, never a published layer that fails fsck. Reads of a pack to verify it are as
 bounded as any chunk read (VERIFY_READ_BYTES a GET).
 
+Memory: a build of many small files uploads a chunk per file, so what the index keeps per chunk of its
+own packs is small and fixed: the pack of each digest in one dict (its values are the packs' id strings,
+shared) and each pack's index entries as packed bytes (pack.INDEX_ENTRY), not a location object per
+chunk. Its packs enter the mirror only when the index is closed, or, when the caller asks for it
+(``load_chunk_index(own_packs=...)``), once the caller has freed its tree (``add_to_mirror``): every
+LMDB page a write touches is mapped into the process, and at 1,000,000 chunks those pages are ~340 MB
+on top of the tree. Within the build the mirror thus holds only what the sync found, and a mirror that
+held no chunk then is not asked at all.
+
 Threads: any thread may call any method. ChunkIndex's own lock guards the answers already given;
-``_verify_lock`` the verdicts learnt; each pack's own lock is held while that pack is read to verify it,
-so lookups that need its verdict wait meanwhile, lookups of other packs and of remembered answers do not.
+``_verify_lock`` the verdicts learnt and the own packs' records; each pack's own lock is held while that
+pack is read to verify it, so lookups that need its verdict wait meanwhile, lookups of other packs and of
+remembered answers do not. ``_own_chunks`` is read without the lock (a dict lookup is atomic) and
+written under it.
 """
 
 from __future__ import annotations
@@ -28,7 +39,10 @@ from .digest import to_hex
 from .errors import CorruptError, NotFoundError
 from .gc import restore_pack_index
 from .index_mirror import FORGED, TRUSTED, IndexMirror
-from .pack import PackEntry, decode_index
+
+# A pack this build uploaded, not yet in the mirror: (pack id, its index entries as INDEX_ENTRY records).
+OwnPack = tuple[str, bytes]
+from .pack import INDEX_ENTRY, PackEntry, decode_index
 from .store import keys
 from .store.base import Store
 
@@ -40,16 +54,17 @@ class MirroredChunkIndex(ChunkIndex):
 
     Every answer the mirror gives is remembered, so the chunker, the uploader and the manifest see the
     same location for a chunk even if another process's sync changes the mirror meanwhile; packs this
-    build uploads are remembered and added to the mirror. Only locations in trusted packs are answered
-    (see the module docstring): a pack not checked yet is verified against ``store`` when a lookup first
-    needs it. ``close()`` releases the mirror.
+    build uploads are answered from compact records and added to the mirror at ``close()`` (see Memory
+    in the module docstring). Only locations in trusted packs are answered (see the module docstring): a
+    pack not checked yet is verified against ``store`` when a lookup first needs it. ``close()`` releases
+    the mirror.
 
     ``_verify_lock`` guards ``_verdicts`` (pack id -> TRUSTED or FORGED, as learnt by this object),
-    and ``_pack_locks``; a pack's own lock in ``_pack_locks`` is held while it is read, so
-    each pack is read once and different packs side by side.
+    ``_pack_locks`` and the own packs' records; a pack's own lock in ``_pack_locks`` is held while it is
+    read, so each pack is read once and different packs side by side.
     """
 
-    def __init__(self, mirror: IndexMirror, store: Store):
+    def __init__(self, mirror: IndexMirror, store: Store, own_packs: list[OwnPack] | None = None):
         super().__init__()
         self.mirror = mirror
         self.store = store
@@ -57,10 +72,19 @@ class MirroredChunkIndex(ChunkIndex):
         self._verdicts: dict[str, bytes] = {}
         self._pack_locks: dict[str, threading.Lock] = {}
         self._own: set[str] = set()  # packs this build uploaded
+        self._own_chunks: dict[bytes, str] = {}  # digest -> id of the own pack holding it
+        self._own_records: dict[str, bytes] = {}  # own pack id -> its INDEX_ENTRY records
+        self._deferred = own_packs  # where close() leaves the own packs for add_to_mirror; None: it adds them
+        self._mirror_empty = mirror.chunk_count() == 0
 
     def get(self, digest: bytes) -> ChunkLocation | None:
         location = super().get(digest)
         if location is None:
+            pack_id = self._own_chunks.get(digest)
+            if pack_id is not None:
+                return self._own_location(digest, pack_id)
+            if self._mirror_empty:
+                return None
             location = next((found for found in self.mirror.locations(digest)
                              if self._verdict(found.pack_id) == TRUSTED), None)
             if location is not None:
@@ -104,19 +128,37 @@ class MirroredChunkIndex(ChunkIndex):
         self.mirror.set_trust(pack_id, verdict)
         return verdict
 
+    def _own_location(self, digest: bytes, pack_id: str) -> ChunkLocation:
+        """The location of a chunk of an own pack, from the pack's records (a scan: rarely asked; the
+        build asks ``pack_of``)."""
+        records = self._own_records[pack_id]
+        at = records.find(digest)
+        while at % INDEX_ENTRY.size:
+            at = records.find(digest, at + 1)
+        _digest, offset, clen, ulen = INDEX_ENTRY.unpack_from(records, at)
+        return ChunkLocation(pack_id, offset, clen, ulen)
+
+    def pack_of(self, digest: bytes) -> str | None:
+        pack_id = self._own_chunks.get(digest)
+        return pack_id if pack_id is not None else super().pack_of(digest)
+
     def __contains__(self, digest: bytes) -> bool:
-        return self.get(digest) is not None
+        return digest in self._own_chunks or self.get(digest) is not None
 
     def __len__(self) -> int:
-        return self.mirror.chunk_count()
+        return self.mirror.chunk_count() + len(self._own_chunks)
 
     def add_pack(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
+        """Record a pack this build uploaded: trusted, its chunks answered from memory (see Memory above)."""
         entries = list(entries)
-        super().add_pack(pack_id, entries)
+        records = b"".join(INDEX_ENTRY.pack(*entry) for entry in entries)
         with self._verify_lock:
             self._own.add(pack_id)
             self._verdicts[pack_id] = TRUSTED
-        self.mirror.add_pack(pack_id, entries)
+            self._own_records[pack_id] = records
+            own_chunks = self._own_chunks
+            for entry in entries:
+                own_chunks.setdefault(entry.digest, pack_id)
 
     def confirm(self, store: Store, digests: Iterable[bytes], pack_ids: Iterable[str]) -> list[str]:
         """Check against the store that the packs ``pack_ids`` exist and that their index objects list
@@ -138,8 +180,11 @@ class MirroredChunkIndex(ChunkIndex):
 
         # Memory: one set of the layer's distinct digests, which each pack's index, read and decoded one
         # at a time per thread, strikes out under ``lock``; no set of every pack's digests at once (at
-        # 1,000,000 small files those sets and their union were the build's peak, ~230 MB).
-        missing = set(digests)
+        # 1,000,000 small files those sets and their union were the build's peak, ~230 MB). A chunk this
+        # build uploaded is in its pack by construction (its index object is only read to see that it is
+        # there), so the set holds only the chunks the mirror answered: none in a fresh store.
+        own_chunks = self._own_chunks
+        missing = {digest for digest in digests if digest not in own_chunks}
         lock = threading.Lock()
 
         def read(pack_id: str) -> bool:
@@ -168,7 +213,17 @@ class MirroredChunkIndex(ChunkIndex):
         return [pack_id for pack_id, restored in zip(pack_ids, results) if restored]
 
     def close(self) -> None:
-        self.mirror.close()
+        """Release the mirror; the own packs are added to it now, or left in ``own_packs`` for the caller."""
+        with self._verify_lock:
+            own, self._own_records = list(self._own_records.items()), {}
+            self._own_chunks = {}
+        try:
+            if self._deferred is None:
+                _add_packs(self.mirror, own)
+            else:
+                self._deferred.extend(own)
+        finally:
+            self.mirror.close()
 
     def __enter__(self) -> "MirroredChunkIndex":
         return self
@@ -177,12 +232,37 @@ class MirroredChunkIndex(ChunkIndex):
         self.close()
 
 
-def load_chunk_index(store: Store, *, index_root: str | None = None) -> MirroredChunkIndex:
-    """Sync the store's index mirror and return a ChunkIndex answered from it; the caller closes it."""
+def load_chunk_index(store: Store, *, index_root: str | None = None,
+                     own_packs: list[OwnPack] | None = None) -> MirroredChunkIndex:
+    """Sync the store's index mirror and return a ChunkIndex answered from it; the caller closes it.
+    With ``own_packs``, closing it appends the packs it uploaded there instead of adding them to the
+    mirror: the caller then passes them to ``add_to_mirror`` (see Memory above)."""
     mirror = IndexMirror.for_store(store, index_root)
     try:
         mirror.sync(store)
+        return MirroredChunkIndex(mirror, store, own_packs)
     except BaseException:
         mirror.close()
         raise
-    return MirroredChunkIndex(mirror, store)
+
+
+def add_to_mirror(store: Store, own_packs: list[OwnPack], *, index_root: str | None = None) -> None:
+    """Add packs a build uploaded (``load_chunk_index(own_packs=...)``) to the store's index mirror, trusted.
+    Failures are logged, not raised: the mirror is a cache, and the next sync finds the packs (it then
+    verifies them before deduplicating against them)."""
+    if not own_packs:
+        return
+    try:
+        mirror = IndexMirror.for_store(store, index_root)
+    except Exception as exc:  # the build itself is done: a cache that cannot be opened costs only work
+        log.warning("could not add %d packs to the index mirror: %s", len(own_packs), exc)
+        return
+    try:
+        _add_packs(mirror, own_packs)
+    finally:
+        mirror.close()
+
+
+def _add_packs(mirror: IndexMirror, own_packs: list[OwnPack]) -> None:
+    for pack_id, records in own_packs:
+        mirror.add_pack(pack_id, [PackEntry(*fields) for fields in INDEX_ENTRY.iter_unpack(records)])

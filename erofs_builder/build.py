@@ -19,7 +19,9 @@ Steps, each finished before the next starts:
 Memory: for a tree of many small files each step needs tens of MB besides the Tree, so they run one
 after another (the flush of step 3 could run beside step 5, but their peaks would add up), and what one
 step holds per chunk (the chunk index, the blob map) lives only as long as it is needed: steps 2 to 4
-run in ``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns.
+run in ``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns. The packs a
+build uploads enter the store's index mirror when the build is over and its tree freed
+(``_own_packs_mirrored``): the LMDB pages those writes touch would otherwise add to the peak.
 
 Incremental builds: with ``parent`` (a layer built earlier from the same directory), a scan of the source
 is compared with the parent's build info first (patch.py). If only regular files' contents changed, in
@@ -45,7 +47,6 @@ import gc
 import logging
 import os
 import sys
-import tarfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -54,13 +55,14 @@ from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
-from dsec_fs.dedup_index import load_chunk_index
+from dsec_fs.dedup_index import OwnPack, add_to_mirror, load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from dsec_fs.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
+from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
+from .archive_kind import is_image_archive
 from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, blob_map_of, regular_files
 from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, shared_chunks
 from .patch import Patched, Rescan, missing_packs, scan_changes
@@ -111,9 +113,9 @@ def build_layer(
     layer, ``tar_limits`` the parsing of tar input (limits.py)."""
     _check_options(name, chunk_size)
     kind = source_kind(source)
-    with _cycle_collector_paused():
+    with _cycle_collector_paused(), _own_packs_mirrored(store) as own_packs:
         if kind == "dir":
-            return _build_directory(source, store, name, chunk_size, progress, workers, parent, limits)
+            return _build_directory(source, store, name, chunk_size, progress, workers, parent, limits, own_packs)
         if parent is not None:
             raise InputError("--parent needs a directory source (tar and OCI input have no inode identities)",
                              where=os.fsdecode(source))
@@ -128,12 +130,13 @@ def build_layer(
             def walk(on_file: OnFile) -> list[Tree]:
                 return [walk_layers(image.layers, on_file=on_file, lenient=lenient, limits=tar_limits,
                                     budget=LayerBudget(limits, chunk_size))]
-        return _build_streamed(walk, store, [name], chunk_size, progress, workers, _describe(source))[0]
+        return _build_streamed(walk, store, [name], chunk_size, progress, workers, _describe(source),
+                               own_packs)[0]
 
 
 def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str | None, chunk_size: int,
                      progress: Progress | None, workers: int | None, parent: str | None,
-                     limits: LayerLimits) -> BuildResult:
+                     limits: LayerLimits, own_packs: list[OwnPack]) -> BuildResult:
     """build_layer for a directory, incremental with ``parent``: patched (patch.py) if the changes allow,
     else in full. Called with the cycle collector paused; what the build holds (the tree, the parent's
     image and build info) is freed when this returns, before the collector is back, so that its first
@@ -142,15 +145,13 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
     if base is not None:
         rescan = scan_changes(source, base, time.time_ns())
-        patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described)
+        patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described, own_packs)
         if patched:
             return patched
     scanned_at_ns = time.time_ns()
     tree = walk_directory(os.fspath(source))
-    return build_tree(
-        tree, store, name=name, chunk_size=chunk_size, progress=progress, workers=workers,
-        source=described, parent=base, scanned_at_ns=scanned_at_ns, limits=limits,
-    )
+    return _build_tree(tree, store, name, chunk_size, progress, workers, described, base, scanned_at_ns, limits,
+                       own_packs)
 
 
 def build_image_layers(
@@ -183,8 +184,8 @@ def build_image_layers(
                            budget=LayerBudget(limits, chunk_size))
 
     described = image.where if isinstance(source, OciImage) else _describe(source)
-    with _cycle_collector_paused():
-        return _build_streamed(walk, store, names, chunk_size, progress, workers, described)
+    with _cycle_collector_paused(), _own_packs_mirrored(store) as own_packs:
+        return _build_streamed(walk, store, names, chunk_size, progress, workers, described, own_packs)
 
 
 def source_kind(source: str | bytes | os.PathLike) -> str:
@@ -206,12 +207,7 @@ def source_kind(source: str | bytes | os.PathLike) -> str:
         raise InputError("no such file or directory", where=path)
     if not os.path.isfile(path):
         raise InputError("not a directory, tar file or OCI image", where=path)
-    try:
-        with tarfile.open(path, "r:") as archive:  # uncompressed only: image archives are not compressed
-            top = {name.lstrip("./") for name in archive.getnames()}
-    except (tarfile.TarError, OSError):
-        return "tar"
-    return "oci" if top & {"manifest.json", "oci-layout"} else "tar"
+    return "oci" if is_image_archive(path) else "tar"
 
 
 def _describe(source: str | bytes | os.PathLike) -> str:
@@ -241,6 +237,15 @@ def build_tree(
     its build info, so that it can be a parent later; ``parent`` lends its chunk lists to unchanged files.
     ``limits``: the tree is refused (InputError) before any file is read if it exceeds them.
     """
+    with _cycle_collector_paused(), _own_packs_mirrored(store) as own_packs:
+        return _build_tree(tree, store, name, chunk_size, progress, workers, source, parent, scanned_at_ns, limits,
+                           own_packs)
+
+
+def _build_tree(tree: Tree, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
+                workers: int | None, source: str, parent: ParentLayer | None, scanned_at_ns: int | None,
+                limits: LayerLimits, own_packs: list[OwnPack]) -> BuildResult:
+    """build_tree, with the packs it uploads left in ``own_packs``."""
     _check_options(name, chunk_size)
     check_tree(tree, limits, chunk_size)
     known = parent.reusable_chunks(tree).get if parent is not None else None
@@ -251,32 +256,33 @@ def build_tree(
             on_file(node)
         return [tree]
 
-    with _cycle_collector_paused():
-        return _build_streamed(feed, store, [name], chunk_size, progress, workers, source, known=known,
-                               total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns)[0]
+    return _build_streamed(feed, store, [name], chunk_size, progress, workers, source, own_packs, known=known,
+                           total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns)[0]
 
 
 def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: list[str | None], chunk_size: int,
-                    progress: Progress | None, workers: int | None, source: str, *, known: KnownChunks | None = None,
-                    total_bytes: int = 0, scanned_at_ns: int | None = None) -> list[BuildResult]:
+                    progress: Progress | None, workers: int | None, source: str, own_packs: list[OwnPack], *,
+                    known: KnownChunks | None = None, total_bytes: int = 0,
+                    scanned_at_ns: int | None = None) -> list[BuildResult]:
     """Steps 2 to 6 for the trees ``walk`` makes, calling its ``on_file`` argument for each regular file
-    while the file's content is readable; ``names[k]`` names the layer of tree k."""
+    while the file's content is readable; ``names[k]`` names the layer of tree k. The packs uploaded are
+    left in ``own_packs``."""
     # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
     with Lease(store, purpose=f"build {names[0] or source}") as lease:
-        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes)
+        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes, own_packs)
         return [_publish(store, lease, tree, files, packs, _layer_stats(stats, files, chunk_size, len(layers)),
                          name, chunk_size, source, scanned_at_ns)
                 for (tree, files, packs), name in zip(layers, names)]
 
 
 def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size: int, progress: Progress | None,
-                 workers: int | None, known: KnownChunks | None,
-                 total_bytes: int) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
+                 workers: int | None, known: KnownChunks | None, total_bytes: int,
+                 own_packs: list[OwnPack]) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
     """Steps 2 to 4: chunk and upload the trees ``walk`` makes, and confirm their packs; returns the
     statistics and, per tree, (tree, regular files, sorted pack ids). The chunk index, the uploader and the
     chunker hold an object per chunk: they are gone when this returns, before blob maps and images are
     made (a function of its own, so that no name of the caller still holds them)."""
-    with load_chunk_index(store) as index:
+    with load_chunk_index(store, own_packs=own_packs) as index:
         with ChunkUploader(store, index) as uploader:
             with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
                          known=known, total_bytes=total_bytes) as chunker:
@@ -310,17 +316,20 @@ def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: l
     stats = dataclasses.replace(stats, distinct_chunks=len(blob_map))
     blob_map_bytes = blob_map.encode()
     blob_id = to_hex(sha256(blob_map_bytes))  # blob_map.blob_id, without encoding the map again
+    shared = shared_chunks(files, blob_map) if scanned_at_ns is not None else []
     meta = write_image(tree, blob_map, chunk_size, blob_id=blob_id)
+    blocks = blob_map.blocks
+    del blob_map  # ~160 bytes a chunk: gone before the build info is made (at 1M files, the build's peak)
 
     def buildinfo(layer: str) -> bytes:
         entries = ((path, node.identity) for path, node in listing_order(tree))
-        return encode_buildinfo(entries, shared_chunks(files, blob_map), layer, scanned_at_ns)
+        return encode_buildinfo(entries, shared, layer, scanned_at_ns)
 
-    return _publish_layer(store, lease, meta, blob_map, blob_map_bytes, packs, stats, name, chunk_size, source,
+    return _publish_layer(store, lease, meta, blocks, blob_map_bytes, packs, stats, name, chunk_size, source,
                           buildinfo if scanned_at_ns is not None else None)
 
 
-def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_map: BlobMap, blob_map_bytes: bytes,
+def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_blocks: int, blob_map_bytes: bytes,
                    packs: list[str], stats: ChunkStats, name: str | None, chunk_size: int, source: str,
                    buildinfo: Callable[[str], bytes] | None) -> BuildResult:
     """Step 6 for a finished meta.erofs and blob map: build info (made by ``buildinfo`` for the layer
@@ -334,7 +343,7 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_map: BlobMap, b
         blobmap_sha256=blob_id,
         chunk_size=chunk_size,
         block_size=BLOCK_SIZE,
-        blob_blocks=blob_map.blocks,
+        blob_blocks=blob_blocks,
         packs=packs,
         stats=dataclasses.asdict(stats),
         source=source,
@@ -350,7 +359,7 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_map: BlobMap, b
 
 
 def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
-                   workers: int | None, source: str) -> BuildResult | None:
+                   workers: int | None, source: str, own_packs: list[OwnPack]) -> BuildResult | None:
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
     change needs the full path after all."""
@@ -361,7 +370,7 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
         return None
     files = rescan.files
     with Lease(store, purpose=f"build {name or source}") as lease:
-        with load_chunk_index(store) as index:
+        with load_chunk_index(store, own_packs=own_packs) as index:
             with ChunkUploader(store, index) as uploader:
                 with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
                              total_bytes=sum(node.size for node in files)) as chunker:
@@ -381,8 +390,8 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
         def buildinfo(layer: str) -> bytes:
             return encode_rescanned(parent.info, rescan.identities, rescan.suspects, layer, rescan.scanned_at_ns)
 
-        result = _publish_layer(store, lease, patched.meta, patched.blob_map, patched.blob_map_bytes, packs, stats,
-                                name, chunk_size, source, buildinfo)
+        result = _publish_layer(store, lease, patched.meta, patched.blob_map.blocks, patched.blob_map_bytes, packs,
+                                stats, name, chunk_size, source, buildinfo)
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
              stats.new_chunks)
     return result
@@ -415,6 +424,17 @@ def _digests(files: list[Node]) -> Iterator[bytes]:
 
 
 @contextlib.contextmanager
+def _own_packs_mirrored(store: Store) -> Iterator[list[OwnPack]]:
+    """A list for the packs a build uploads, added to the store's index mirror when the block ends,
+    whatever its outcome: by then the build's tree is freed (dsec_fs.dedup_index, Memory)."""
+    own_packs: list[OwnPack] = []
+    try:
+        yield own_packs
+    finally:
+        add_to_mirror(store, own_packs)
+
+
+@contextlib.contextmanager
 def _cycle_collector_paused() -> Iterator[None]:
     """Pause Python's cycle collector while a build runs.
 
@@ -443,9 +463,10 @@ def _check_options(name: str | None, chunk_size: int) -> None:
 def _packs_of(digests: Iterable[bytes], index: ChunkIndex) -> list[str]:
     """Sorted ids of the packs holding the chunks ``digests`` (all in the index once the uploader flushed)."""
     packs = set()
+    pack_of = index.pack_of
     for digest in digests:
-        location = index.get(digest)
-        if location is None:
+        pack_id = pack_of(digest)
+        if pack_id is None:
             raise NotFoundError("chunk is in neither the store nor this build", where=f"chunk {to_hex(digest)}")
-        packs.add(location.pack_id)
+        packs.add(pack_id)
     return sorted(packs)

@@ -63,6 +63,7 @@ import logging
 import operator
 import stat
 import struct
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -147,18 +148,17 @@ def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int
                      scanned_at_ns: int) -> bytes:
     """The build info of ``layer``, built from a tree whose scan started at ``scanned_at_ns`` (wall clock):
     ``entries`` is (path, identity) of every name, in listing order; ``shared`` as ``shared_chunks``."""
-    # Built in place, not joined from lists of pieces: at 100,000 names those lists cost ~20 MB at the
-    # build's peak (its meta.erofs and tree are still alive then).
-    identities: list[Identity] = []
+    # Built in place, each identity packed as it comes, not joined from lists of pieces or kept as tuples:
+    # at 1,000,000 names a list of the identities is ~180 MB at the build's peak (a walked file's
+    # identity tuple is made when asked for, walk_dir.WalkedFile; its meta.erofs and tree are alive).
+    records = bytearray()
     paths = bytearray()
+    pack = _RECORD.pack
     for path, identity in entries:
-        identities.append(identity)
+        records += pack(*identity)
         paths += path
         paths.append(0)
-    records = bytearray(_RECORD.size * len(identities))
-    for number, identity in enumerate(identities):
-        _RECORD.pack_into(records, number * _RECORD.size, *identity)
-    return _encode(records, identities, shared, paths, layer, scanned_at_ns)
+    return _encode(records, shared, paths, layer, scanned_at_ns)
 
 
 def encode_rescanned(parent: BuildInfo, identities: list[Identity], changed: list[int], layer: str,
@@ -169,30 +169,32 @@ def encode_rescanned(parent: BuildInfo, identities: list[Identity], changed: lis
     records = bytearray(parent.records)
     for number in changed:
         _RECORD.pack_into(records, number * _RECORD.size, *identities[number])
-    return _encode(records, identities, parent.shared, parent.paths_blob, layer, scanned_at_ns)
+    return _encode(records, parent.shared, parent.paths_blob, layer, scanned_at_ns)
 
 
-def _encode(records: bytearray, identities: list[Identity], shared: list[int], paths_blob: bytes | bytearray,
-            layer: str, scanned_at_ns: int) -> bytes:
-    """The build info; ``records`` (a fresh bytearray, the caller's no more) becomes its body."""
-    if len(set(map(operator.itemgetter(0), identities))) == 1:  # the usual case, at C speed: one clock
-        ctimes = list(map(operator.itemgetter(4), identities))
+def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray, layer: str,
+            scanned_at_ns: int) -> bytes:
+    """The build info of the identities ``records`` (a fresh bytearray, the caller's no more, which
+    becomes its body)."""
+    count = len(records) // _RECORD.size
+    devices = set(map(operator.itemgetter(0), _RECORD.iter_unpack(records)))
+    ctimes = array("q", map(operator.itemgetter(4), _RECORD.iter_unpack(records)))
+    if len(devices) == 1:  # the usual case, at C speed: one clock
         trusted_before = min(scanned_at_ns, max(ctimes)) - RACY_NS
         racy = bytes(map(trusted_before.__le__, ctimes))  # True is RACY
     else:
         newest: dict[int, int] = {}  # st_dev -> the newest ctime the scan saw on that device
-        for identity in identities:
-            dev, ctime_ns = identity[0], identity[4]
+        for dev, _ino, _size, _mtime_ns, ctime_ns, _mode in _RECORD.iter_unpack(records):
             if newest.get(dev, ctime_ns - 1) < ctime_ns:
                 newest[dev] = ctime_ns
         bound = {dev: min(scanned_at_ns, ctime_ns) - RACY_NS for dev, ctime_ns in newest.items()}
-        racy = bytes([RACY if identity[4] >= bound[identity[0]] else 0 for identity in identities])
+        racy = bytes([RACY if fields[4] >= bound[fields[0]] else 0 for fields in _RECORD.iter_unpack(records)])
     body = records
     body += racy
     body += b"".join(_SHARED.pack(index) for index in shared)
     body += paths_blob
     frame = compress.compress(body, level=_LEVEL)
-    header = _HEADER.pack(MAGIC, VERSION, len(identities), len(shared), 0, len(body), sha256(frame),
+    header = _HEADER.pack(MAGIC, VERSION, count, len(shared), 0, len(body), sha256(frame),
                           from_hex(layer, what="layer digest"))
     return header + frame
 
@@ -200,6 +202,9 @@ def _encode(records: bytearray, identities: list[Identity], shared: list[int], p
 def shared_chunks(files: list[Node], blob_map: BlobMap) -> list[int]:
     """The indexes of the blob-map entries that the chunk lists of ``files`` (each file once) name more
     than once, ascending."""
+    slots = sum(len(node.chunks) for node in files) - sum(node.chunks.count(None) for node in files)
+    if slots == len(blob_map):  # every chunk index names a chunk of its own: no Counter of every digest
+        return []
     uses = Counter(digest for node in files for digest in node.chunks if digest is not None)
     return [index for index, (_blkaddr, digest, _length) in enumerate(blob_map.entries) if uses[digest] > 1]
 

@@ -10,10 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from treecmp import write_files
 
+from dsec_fs import compress
+from dsec_fs.chunks import ChunkUploader, read_chunk
 from dsec_fs.digest import sha256
 from dsec_fs.errors import CorruptError
-from dsec_fs.dedup_index import load_chunk_index
-from dsec_fs.index_mirror import IndexMirror, mirror_path
+from dsec_fs.dedup_index import add_to_mirror, load_chunk_index
+from dsec_fs.index_mirror import TRUSTED, IndexMirror, mirror_path
 from dsec_fs.layer import delete_ref, open_layer
 from dsec_fs.pack import PackEntry, decode_index, index_from_pack
 from dsec_fs.store import FilesystemStore, keys
@@ -172,3 +174,32 @@ def test_a_stale_mirror_entry_for_a_pack_gc_deleted_is_never_used(store, tmp_pat
     new = build(store, tmp_path / "new", {"f": random_bytes(5, 4 * CHUNK), "g": b"more"}, "t/new")
     assert old_pack not in open_layer(store, new).manifest.packs
     assert_all_layers_ok(store)
+
+
+def test_own_packs_are_answered_from_memory_and_mirrored_when_the_caller_says(store, index_root):
+    """A build's own uploads: answered (location and pack) while the index is open, not written to the
+    mirror until ``add_to_mirror`` (the build calls it once its tree is freed), then trusted there."""
+    pieces = [random_bytes(seed, 3000 + seed) for seed in range(40)]
+    deferred: list = []
+    with load_chunk_index(store, own_packs=deferred) as index:
+        with ChunkUploader(store, index, pack_target=20_000) as uploader:
+            for piece in pieces:
+                assert uploader.add(sha256(piece), len(piece), compress.compress(piece))
+            packs = uploader.flush()
+        assert len(packs) > 1
+        for piece in pieces:
+            location = index.get(sha256(piece))
+            assert read_chunk(store, sha256(piece), location) == piece
+            assert index.pack_of(sha256(piece)) == location.pack_id
+        assert not uploader.add(sha256(pieces[0]), len(pieces[0]), compress.compress(pieces[0]))
+        with IndexMirror.for_store(store, index_root) as mirror:
+            assert mirror.pack_ids() == set()
+    assert sorted(pack_id for pack_id, _records in deferred) == sorted(packs)
+    with IndexMirror.for_store(store, index_root) as mirror:
+        assert mirror.pack_ids() == set()
+    add_to_mirror(store, deferred)
+    with IndexMirror.for_store(store, index_root) as mirror:
+        assert mirror.pack_ids() == set(packs)
+        assert all(mirror.trust(pack_id) == TRUSTED for pack_id in packs)
+    with load_chunk_index(store) as index:  # the next build deduplicates against them without reading them
+        assert all(sha256(piece) in index for piece in pieces)

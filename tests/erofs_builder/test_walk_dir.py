@@ -16,7 +16,7 @@ from treecmp import Entry, assert_same_tree, snapshot
 
 from dsec_fs.errors import InputError
 from erofs_builder.tree import Tree
-from erofs_builder.walk_dir import walk_directory
+from erofs_builder.walk_dir import stat_identity, walk_directory
 
 pytestmark = pytest.mark.root  # mknod, chown, trusted.* xattrs
 
@@ -210,6 +210,19 @@ def test_a_file_changed_between_walk_and_read(tmp_path):
         list(node.reader(CHUNK))
 
 
+def test_a_walked_file_keeps_the_identity_of_its_lstat(tmp_path):
+    """A regular file's identity and reader are made on demand (WalkedFile): the identity is the walk's
+    lstat even after the build drops mode bits (sandbox commit drops setuid), and the file still reads."""
+    (tmp_path / "suid").write_bytes(b"content")
+    os.chmod(tmp_path / "suid", 0o4755)
+    st = os.lstat(tmp_path / "suid")
+    node = walk_directory(tmp_path).lookup(b"suid")
+    assert node.identity == stat_identity(st)
+    node.mode = stat.S_IFREG | 0o755
+    assert node.identity == stat_identity(st)
+    assert list(node.reader(CHUNK)) == [b"content"]
+
+
 def test_a_file_replaced_by_a_symlink_is_not_followed(tmp_path):
     (tmp_path / "f").write_bytes(b"secret")
     node = walk_directory(tmp_path).lookup(b"f")
@@ -225,7 +238,7 @@ def test_a_file_replaced_by_a_symlink_is_not_followed(tmp_path):
 UNPRIVILEGED_WALK = textwrap.dedent("""
     import sys
     from dsec_fs.errors import InputError
-    from erofs_builder.walk_dir import walk_directory
+    from erofs_builder.walk_dir import stat_identity, walk_directory
     try:
         tree = walk_directory(sys.argv[1])
         for _path, node in tree.walk():
