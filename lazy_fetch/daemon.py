@@ -26,7 +26,9 @@ all. mount(2) and umount(2) run in worker threads too (layer_mount.py).
 
 Traces. Each mount gets a trace file under ``state_dir/traces/`` (traced_blob.py, trace.py). Mounts of one
 layer in one mode share the blob layer_mount serves them from, so they share the trace of the first of
-them, which closes with the last. Closed traces past ``trace_keep_seconds`` or beyond
+them, which closes with the last. Each mount and each sandbox that holds it is a holder: while the
+holders' labels (role, ref, combination) change, the trace goes on in a new segment under the new label
+(``hold``, ``unhold``, ``_relabel``; trace_holders.py). Closed traces past ``trace_keep_seconds`` or beyond
 ``trace_keep_bytes`` in all are removed, oldest first, at start and every TRACE_PRUNE_SECONDS.
 
 Prefetch. A mount may name a prefetch list, read through request_paths.open_regular_file (a regular
@@ -103,6 +105,7 @@ from .prefetcher import PrefetchJob, Prefetcher, with_fill
 from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter, prune_traces
+from .trace_holders import Holder, Label
 from .traced_blob import LayerUsage, StoreFetchLog, TracedBlob
 
 log = logging.getLogger(__name__)
@@ -234,9 +237,10 @@ class NodeDaemon:
         return context
 
     async def _open_layer(self, store: StoreContext, ref: str, *, profile_of: str | None = None,
-                          want_profile: bool = False) -> tuple[LayerFiles, FoundProfile | None]:
+                          want_profile: bool = False, combination: str = "") -> tuple[LayerFiles, FoundProfile | None]:
         """open_layer, loading the pack indexes of a layer this store context has not indexed yet, and with
-        ``want_profile`` its access profile (profile_keeper.py; ``profile_of``: its ref name), while
+        ``want_profile`` its access profile (profile_keeper.py; ``profile_of``: its ref name; ``combination``:
+        the stack it is mounted for), while
         meta.erofs and the blob map are read (their round trips overlap; open_layer_blob then finds
         every chunk located and loads nothing)."""
         indexed = frozenset(store.indexed_layers)
@@ -252,7 +256,7 @@ class NodeDaemon:
                 load_pack_indexes(manifest)
                 return
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-lookup") as pool:
-                lookup = pool.submit(keeper.lookup, store.store, manifest.layer, profile_of)
+                lookup = pool.submit(keeper.lookup, store.store, manifest.layer, profile_of, combination)
                 load_pack_indexes(manifest)
                 found[0] = lookup.result()
 
@@ -283,20 +287,21 @@ class NodeDaemon:
             return
         layer.readahead.ready(files)
 
-    def _open_trace(self, files: LayerFiles, mode: str, ref: str, blob: LayerBlob,
-                    ref_name: str | None) -> tuple[str, TraceWriter | None]:
-        """A new trace of ``files`` in ``mode``; its header names the ref the mount named, else (a mount by
-        digest, as sandboxes make them) the ref name it was given."""
+    def _open_trace(self, files: LayerFiles, mode: str, blob: LayerBlob, label: Label, *, prefetch: str = "",
+                    profile_key: str = "") -> tuple[str, TraceWriter | None]:
+        """A new trace (or segment) of ``files`` in ``mode`` for ``label``'s holders, from when they came."""
         if not self.options.trace:
             return "", None
         stats = files.manifest.stats
-        shown_ref = ref_name or "" if is_hex_digest(ref.lower()) else ref
-        header = TraceHeader(layer=files.digest, ref=shown_ref, mode=mode,
+        holder = label.holder
+        started_ns = time.time_ns() - max(0, time.monotonic_ns() - label.since_ns)
+        header = TraceHeader(layer=files.digest, ref=holder.ref, role=holder.role, combination=label.combination,
+                             holders=label.holders, prefetch=prefetch, profile_key=profile_key, mode=mode,
                              chunk_size=files.manifest.chunk_size, layer_bytes=int(stats.get("bytes", 0)),
-                             layer_files=int(stats.get("files", 0)), blob_bytes=blob.size)
+                             layer_files=int(stats.get("files", 0)), blob_bytes=blob.size, started_ns=started_ns)
         name = f"{time.strftime('%Y%m%dT%H%M%S')}-{files.digest[:12]}-{mode}-{secrets.token_hex(3)}{TRACE_SUFFIX}"
         path = os.path.join(self.trace_dir, name)
-        return path, TraceWriter(path, header)
+        return path, TraceWriter(path, header, start_ns=label.since_ns)
 
     # -- paths a request names
 
@@ -327,12 +332,13 @@ class NodeDaemon:
 
     async def mount(self, ref: str, mountpoint: str, *, mode: str = "kernel", store_url: str | None = None,
                     prefetch: str | None = None, fuse_binding: str | None = None, profile: bool = True,
-                    name: str | None = None, fill: str | None = None) -> api.MountInfo:
+                    name: str | None = None, fill: str | None = None, holder: Holder | None = None) -> api.MountInfo:
         """Mount layer ``ref`` (a ref or a digest, from ``store_url`` or the default store) at the
         directory ``mountpoint``; with ``prefetch`` (a prefetch list file) fetch that list in the
         background, else (unless ``profile`` is False) the layer's access profile from the store. ``name``:
         the layer's ref name when ``ref`` is a digest (for profiles); ``fill``: one of FILLS (default: the
-        daemon's). Returns the mount's description."""
+        daemon's); ``holder``: who the mount is for (a sandbox's role, ref and combination; default a bare
+        mount of its ref). Returns the mount's description."""
         fill = fill or self.options.fill
         if fill not in FILLS:
             raise InputError(f"unknown fill policy {fill!r} (one of {', '.join(FILLS)})", where=mountpoint)
@@ -348,9 +354,12 @@ class NodeDaemon:
         if prefetch:
             prefetch, plist = await self._read_prefetch_list(prefetch)
         ref_name = name or (None if is_hex_digest(ref.lower()) else parse_ref(ref)[0])
+        holder = holder or Holder(ref=ref_name or "" if is_hex_digest(ref.lower()) else ref)
         store = await self._store_context(store_url)
         want_profile = plist is None and profile and fill != "none" and self.profiles is not None
-        files, found = await self._open_layer(store, ref, profile_of=ref_name, want_profile=want_profile)
+        files, found = await self._open_layer(store, ref, profile_of=ref_name, want_profile=want_profile,
+                                              combination=holder.combination)
+        profile_key = ""
         blob = None if files.digest in self.layers else await self._open_blob(files, store)
         async with self._lock:
             if mountpoint in self.table.mounts:
@@ -366,11 +375,12 @@ class NodeDaemon:
             if found is not None and idle:
                 plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map,
                                                       layer.index)
-                prefetch = f"profile:{found.source}"
+                prefetch, profile_key = f"profile:{found.source}", found.key
             if fill == "layer" and idle:
                 plist = with_fill(plist, files.digest, layer.blob.blob_map)
                 prefetch = f"{prefetch}+fill" if prefetch else "fill"
-            key, served = self._served_for(layer, mode, ref, ref_name)
+            key, served = self._served_for(layer, mode, holder, ref_name, prefetch=prefetch or "",
+                                           profile_key=profile_key)
             # The prefetch starts before mount(2), so its first store reads overlap the mount.
             job = None if not plist or not plist.entries else self._start_prefetch(layer, plist, prefetch, served)
             # Written ahead: a daemon killed between mount(2) and the table update below still leaves
@@ -385,7 +395,8 @@ class NodeDaemon:
                 self._drop_unused(layer, served)
                 raise
             mount = self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch=prefetch or "",
-                                       created=utc_now(), prefetch_chunks=len(plist.entries) if plist else 0)
+                                       created=utc_now(), prefetch_chunks=len(plist.entries) if plist else 0,
+                                       profile_key=profile_key, holder=holder)
             self.table.save()
             log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
         return mount_info(mount)
@@ -405,6 +416,10 @@ class NodeDaemon:
             log.info("unmounted %s%s", mountpoint, " (lazily)" if lazy else "")
             if not lazy:
                 self._release(mount)
+            else:  # still served, for no one named
+                served = self._served[served_key(mount.mode, self.layers[mount.layer].files)]
+                served.holders.remove(mountpoint)
+                self._relabel(served)
         return mountpoint
 
     def _release(self, mount: Mount) -> None:
@@ -412,9 +427,12 @@ class NodeDaemon:
         key = served_key(mount.mode, layer.files)
         served = self._served[key]
         served.mounts -= 1
+        served.holders.remove(mount.mountpoint)
         if not served.mounts:
             del self._served[key]
             self._end_trace(served)
+        else:
+            self._relabel(served)
         layer.mounts -= 1
         if not layer.mounts:
             del self.layers[mount.layer]
@@ -436,31 +454,36 @@ class NodeDaemon:
                 except DsecError as exc:
                     log.error("cannot unmount %s: %s", mountpoint, exc)
 
-    def _served_for(self, layer: Layer, mode: str, ref: str,
-                    ref_name: str | None = None) -> tuple[tuple[str, str], Served]:
+    def _served_for(self, layer: Layer, mode: str, holder: Holder, ref_name: str | None = None, *,
+                    prefetch: str = "", profile_key: str = "") -> tuple[tuple[str, str], Served]:
         """The key and the Served of ``layer`` in ``mode``: the one its mounts in that mode share, or a new
-        one with a new trace (which the caller adds to ``_served`` once its mount is made)."""
+        one with a new trace for ``holder`` (which the caller adds to ``_served`` once its mount is made)."""
         key = served_key(mode, layer.files)
         served = self._served.get(key)
         if served is None:
-            trace_path, trace = self._open_trace(layer.files, mode, ref, layer.blob, ref_name)
+            label = Label(holder)
+            trace_path, trace = self._open_trace(layer.files, mode, layer.blob, label, prefetch=prefetch,
+                                                 profile_key=profile_key)
             served = Served(layer, TracedBlob(layer.blob, layer.usage, self._fetch_log, trace, layer.readahead),
-                            trace_path, ref_name)
+                            trace_path, label, ref_name)
         return key, served
 
     def _record_mount(self, mountpoint: str, mode: str, ref: str, layer: Layer, key: tuple[str, str],
-                      served: Served, *, prefetch: str, created: str, prefetch_chunks: int = 0) -> Mount:
-        """A mount just made (or adopted) at ``mountpoint``: into the tables, counted as a user of
-        ``served`` (now in ``_served``) and ``layer``."""
+                      served: Served, *, prefetch: str, created: str, prefetch_chunks: int = 0,
+                      profile_key: str = "", holder: Holder) -> Mount:
+        """A mount just made (or adopted) at ``mountpoint`` for ``holder``: into the tables, counted as a
+        user of ``served`` (now in ``_served``) and ``layer``."""
         self._served[key] = served
         served.mounts += 1
+        served.holders.add(mountpoint, holder)
+        self._relabel(served)
         layer.mounts += 1
         files = layer.files
         mount = self.table.mounts[mountpoint] = Mount(
             mountpoint=mountpoint, mode=mode, layer=files.digest, ref=ref, store=layer.store.url,
             blob_id=files.manifest.blob_id, trace=served.trace_path, prefetch=prefetch, created=created,
             chunks=len(layer.blob.blob_map.entries), data_bytes=layer.usage.data_bytes,
-            prefetch_chunks=prefetch_chunks)
+            prefetch_chunks=prefetch_chunks, profile_key=profile_key)
         return mount
 
     def _drop_unused(self, layer: Layer, served: Served) -> None:
@@ -498,14 +521,16 @@ class NodeDaemon:
         store = await self._store_context(entry["store"])
         files, _profile = await self._open_layer(store, entry["layer"])
         layer = self.layers.get(files.digest) or self._add_layer(files, store, await self._open_blob(files, store))
-        key, served = self._served_for(layer, mode, entry.get("ref", files.digest))
+        ref = entry.get("ref", files.digest)
+        holder = Holder(ref="" if is_hex_digest(ref.lower()) else ref)  # its sandboxes, if any, hold it again
+        key, served = self._served_for(layer, mode, holder)
         try:
             await self._mounter.adopt_layer(files, served.blob, mountpoint, mode=mode)
         except BaseException:
             self._drop_unused(layer, served)
             raise
-        self._record_mount(mountpoint, mode, entry.get("ref", files.digest), layer, key, served, prefetch="",
-                           created=entry.get("created", utc_now()))
+        self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch="",
+                           created=entry.get("created", utc_now()), holder=holder)
 
     async def _clean_stale_mounts(self) -> None:
         """Detach the mounts a dead daemon listed and left behind, but for those adopted."""
@@ -582,7 +607,8 @@ class NodeDaemon:
 
     async def _prune_traces(self) -> None:
         """Remove old closed traces (trace.prune_traces) past the options' age and size limits."""
-        open_traces = frozenset(served.trace_path for served in self._served.values())
+        open_traces = frozenset(path for served in self._served.values()
+                                for path in (*served.segments, served.trace_path))
         try:
             result = await trio.to_thread.run_sync(functools.partial(
                 prune_traces, self.trace_dir, max_bytes=self.options.trace_keep_bytes,
@@ -594,13 +620,57 @@ class NodeDaemon:
             log.info("pruned %d old traces (%d bytes); %d kept (%d bytes)", len(result.removed),
                      result.removed_bytes, result.kept, result.kept_bytes)
 
-    def _end_trace(self, served: Served) -> None:
-        """Close ``served``'s trace and have its profile published (profile_keeper.py)."""
+    async def hold(self, mountpoint: str, holder: Holder) -> None:
+        """One more ``holder`` (a sandbox) of the layer mounted at ``mountpoint`` (by this daemon)."""
+        async with self._lock:
+            served = self._served_at(mountpoint)
+            served.holders.add(mountpoint, holder)
+            self._relabel(served)
+
+    async def unhold(self, mountpoint: str, holder: Holder) -> None:
+        """One ``holder`` fewer of the layer mounted at ``mountpoint`` (its last goes with the unmount)."""
+        async with self._lock:
+            served = self._served_at(mountpoint)
+            served.holders.remove(mountpoint, holder)
+            self._relabel(served)
+
+    def _served_at(self, mountpoint: str) -> Served:
+        mount = self.table.mounts.get(mountpoint)
+        if mount is None:
+            raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
+        return self._served[served_key(mount.mode, self.layers[mount.layer].files)]
+
+    def _relabel(self, served: Served) -> None:
+        """When the labels of ``served``'s holders changed, its trace goes on in a new segment."""
+        label = served.holders.label()
+        if label is None or label.same(served.label):
+            return
+        if served.blob.trace is not None:
+            mode = served.blob.trace.header.mode
+            self._end_segment(served)
+            served.segments.append(served.trace_path)
+            layer = served.layer
+            served.trace_path, served.blob.trace = self._open_trace(layer.files, mode, layer.blob, label)
+        served.label = label
+
+    def _end_segment(self, served: Served) -> None:
+        """Close the segment being written; if one combination's sandboxes alone held it, publish its
+        profile for that combination."""
         served.close_trace()
+        combination = served.label.combination
+        if self.profiles is not None and served.trace_path and combination:
+            layer = served.layer
+            self.profiles.publish_soon(self._background, layer.store.store, layer.files, layer.index,
+                                       [served.trace_path], None, combination=combination)
+
+    def _end_trace(self, served: Served) -> None:
+        """Close ``served``'s trace and have its profiles published (profile_keeper.py): the layer's, from
+        every segment; the combination's, from the last segment if it was one combination's."""
+        self._end_segment(served)
         if self.profiles is not None and served.trace_path:
             layer = served.layer
             self.profiles.publish_soon(self._background, layer.store.store, layer.files, layer.index,
-                                       served.trace_path, served.ref_name)
+                                       [*served.segments, served.trace_path], served.ref_name)
 
     async def _publish_the_rest(self) -> None:
         """At the stop, after the last unmounts: the traces still open (of mounts detached lazily, whose
