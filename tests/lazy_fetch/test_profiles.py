@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
 
 import pytest
 
@@ -16,7 +15,7 @@ from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from lazy_fetch import profile
 from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace
-from tests.lazy_fetch.daemon_support import Daemons, layer_store, mount_dirs
+from tests.lazy_fetch.daemon_support import Daemons, layer_store, mount_dirs, wait_for
 
 CHUNK = 64 * 1024
 rng = random.Random(13)
@@ -65,16 +64,6 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _wait_for(condition, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _learn(daemons: Daemons, store: str, tmp_path, names=READ, ref="t/app:1", mode="fuse") -> None:
     """One daemon mounts ``ref``, reads ``names``, unmounts: its profile lands in the store."""
     daemons.start(store, profiles=True)
@@ -85,7 +74,7 @@ def _learn(daemons: Daemons, store: str, tmp_path, names=READ, ref="t/app:1", mo
         assert _read(os.path.join(mnt, name)) == FILES[name]
     node.umount(mnt)
     digest = info.layer
-    _wait_for(lambda: list(FilesystemStore(store).list(keys.layer_profiles(digest))), "the profile object")
+    wait_for(lambda: list(FilesystemStore(store).list(keys.layer_profiles(digest))), "the profile object")
     daemons.stop_all()
 
 
@@ -111,7 +100,7 @@ def test_a_profile_learned_on_one_node_prefetches_for_another(store_dir, tmp_pat
         info = node.mount("t/app:1", mnt, mode=mode)
         assert info.prefetch == "profile:layer" and info.prefetch_chunks == sum(
             -(-len(FILES[name]) // CHUNK) for name in READ)
-        _wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
+        wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
         for name in READ:
             assert _read(os.path.join(mnt, name)) == FILES[name]
         (layer,) = node.status().layers
@@ -166,7 +155,7 @@ def test_two_nodes_publishing_at_once_lose_neither(store_dir, tmp_path):
             thread.join()
         store = FilesystemStore(store_dir)
         digest = Node(a.socket).status().layers[0].layer
-        _wait_for(lambda: len(list(store.list(keys.layer_profiles(digest)))) == 2, "both nodes' objects")
+        wait_for(lambda: len(list(store.list(keys.layer_profiles(digest)))) == 2, "both nodes' objects")
         merged = profile.fetch(store, keys.layer_profiles(digest))
         assert merged.traces == 2 and {e.path for e in merged.entries} == {"/pkg/mod2.py", "/pkg/mod5.py"}
     finally:
@@ -219,7 +208,7 @@ def test_a_new_tag_of_a_ref_starts_from_its_predecessors_profile(store_dir, tmp_
         assert info.layer == v2.digest and info.prefetch == "profile:name"
         # the unchanged files found by digest, the changed one by its path: all of READ
         assert info.prefetch_chunks == sum(-(-len(FILES[name]) // CHUNK) for name in READ)
-        _wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
+        wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
         assert _read(os.path.join(mnt, "pkg/mod4.py")) == changed
         trace = node.mounts()[0].trace
         node.umount(mnt)
@@ -240,7 +229,7 @@ def test_fill_streams_the_rest_of_the_layer_until_the_cache_bound_and_never_evic
         mnt, = mount_dirs(tmp_path, "mnt-a")
         info = node.mount("t/app:1", mnt, mode="fuse", fill="layer")
         assert info.prefetch == "fill"
-        _wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the fill")
+        wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the fill")
         cache = node.cache_stats()
         assert 0.5 * cache_bytes < cache.bytes <= 0.9 * cache_bytes and cache.evictions == 0
         for name, data in FILES.items():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
 
 import pytest
 from treecmp import write_files
@@ -77,16 +76,6 @@ def _read(rootfs: str, ref: str, name: str) -> None:
         assert f.read() == FILES[ref][name]
 
 
-def _wait_for(condition, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _objects(store_dir: str, prefix: str) -> list[str]:
     return list(FilesystemStore(store_dir).list(prefix))
 
@@ -142,7 +131,7 @@ def test_a_combination_profile_learned_on_one_node_is_used_by_another_at_up(stor
     assert (base_mount.prefetch, base_mount.profile_key) == ("profile:combination", base_in_a)
     assert base_mount.prefetch_chunks == _chunks("usr/lib/mod0.py")  # mod0's only
     assert tk_mount.prefetch == "profile:combination"
-    _wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
+    daemon_support.wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
     _read(up.rootfs, BASE, "usr/lib/mod0.py")
     _read(up.rootfs, TK_A, "opt/a/a0.py")
     for mount in (base_mount, tk_mount):
@@ -255,6 +244,6 @@ def test_two_nodes_publishing_a_combination_profile_at_once_lose_neither(store_d
     for thread in threads:
         thread.join()
     prefix = keys.combination_profiles(combo_a, digests[BASE])
-    _wait_for(lambda: len(_objects(store_dir, prefix)) == 2, "both nodes' objects")
+    daemon_support.wait_for(lambda: len(_objects(store_dir, prefix)) == 2, "both nodes' objects")
     merged = profile.fetch(FilesystemStore(store_dir), prefix, combination=combo_a, layer=digests[BASE])
     assert merged.traces == 2 and _paths(merged) == {"/usr/lib/mod1.py", "/usr/lib/mod4.py"}
