@@ -3,7 +3,7 @@ traces of sandbox layers carry role, ref and combination, also while sandboxes o
 share a layer's mount; a combination's profile, learned by one daemon, is what another daemon prefetches
 by at ``sandbox up``, before the layer's own; damaged objects are ignored; two nodes lose neither's.
 
-Layers are mounted in fuse mode, so each read names its file (a kernel-mode blob read can bring a
+Layers are mounted in fuse mode (and kernel mode in the first test), so each read names its file (a kernel-mode blob read can bring a
 neighbouring file's chunks along, which would blur which sandbox read what)."""
 
 from __future__ import annotations
@@ -47,14 +47,25 @@ def store_dir(tmp_path) -> str:
 
 
 class Daemons(daemon_support.Daemons):
+    """With access profiles on, sandbox layers mounted in ``layer_mode``."""
+
+    def __init__(self, tmp_path, layer_mode: str = "fuse"):
+        super().__init__(tmp_path)
+        self.layer_mode = layer_mode
+
     def start(self, store: str, **options):
-        options["extra_args"] = ["--sandbox-layer-mode", "fuse", *options.get("extra_args", ())]
+        options["extra_args"] = ["--sandbox-layer-mode", self.layer_mode, *options.get("extra_args", ())]
         return super().start(store, profiles=True, **options)
 
 
 @pytest.fixture
-def nodes(tmp_path, nothing_left_mounted):
-    made = [Daemons(tmp_path / "a"), Daemons(tmp_path / "b")]
+def layer_mode() -> str:
+    return "fuse"
+
+
+@pytest.fixture
+def nodes(tmp_path, nothing_left_mounted, layer_mode):
+    made = [Daemons(tmp_path / "a", layer_mode), Daemons(tmp_path / "b", layer_mode)]
     try:
         yield made
     finally:
@@ -109,7 +120,10 @@ def _learn_a_then_b(node: Node) -> None:
     _down(node, "second")
 
 
-def test_a_combination_profile_learned_on_one_node_is_used_by_another_at_up(store_dir, nodes):
+@pytest.mark.parametrize("layer_mode", ["fuse", "kernel"])
+def test_a_combination_profile_learned_on_one_node_is_used_by_another_at_up(store_dir, nodes, layer_mode):
+    """In kernel mode the kernel's readahead of the blob may bring neighbouring files' chunks along, so
+    the profiles' exact chunks are checked in fuse mode only."""
     a, b = nodes
     digests = _digests(store_dir)
     combo_a = _combination(TK_A, BASE, digests=digests)
@@ -118,8 +132,11 @@ def test_a_combination_profile_learned_on_one_node_is_used_by_another_at_up(stor
     a.stop_all()
     base_in_a = keys.combination_profiles(combo_a, digests[BASE])
     assert len(_objects(store_dir, base_in_a)) == 1
-    assert _paths(profile.fetch(FilesystemStore(store_dir), keys.layer_profiles(digests[BASE]))) == {
-        "/usr/lib/mod0.py", "/usr/lib/mod3.py"}
+    layer_paths = _paths(profile.fetch(FilesystemStore(store_dir), keys.layer_profiles(digests[BASE])))
+    assert {"/usr/lib/mod0.py", "/usr/lib/mod3.py"} <= layer_paths
+    exact = layer_mode == "fuse"
+    if exact:
+        assert layer_paths == {"/usr/lib/mod0.py", "/usr/lib/mod3.py"}
 
     assert (a.state_dir, a.cache_dir) != (b.state_dir, b.cache_dir)
     b.start(store_dir)
@@ -129,7 +146,8 @@ def test_a_combination_profile_learned_on_one_node_is_used_by_another_at_up(stor
     base_mount, tk_mount = _mount_of(node, digests[BASE]), _mount_of(node, digests[TK_A])
     # preferred over the layer's profile, which would fetch mod3 too
     assert (base_mount.prefetch, base_mount.profile_key) == ("profile:combination", base_in_a)
-    assert base_mount.prefetch_chunks == _chunks("usr/lib/mod0.py")  # mod0's only
+    if exact:
+        assert base_mount.prefetch_chunks == _chunks("usr/lib/mod0.py")  # mod0's only
     assert tk_mount.prefetch == "profile:combination"
     daemon_support.wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
     _read(up.rootfs, BASE, "usr/lib/mod0.py")
@@ -154,7 +172,8 @@ def test_a_combination_profile_learned_on_one_node_is_used_by_another_at_up(stor
     assert (base_mount.prefetch, base_mount.profile_key) == ("profile:layer", keys.layer_profiles(digests[BASE]))
     layer_profile = profile.fetch(FilesystemStore(store_dir), keys.layer_profiles(digests[BASE]))
     assert layer_profile.traces == 3  # A's two sandboxes, and "again" (mod3: read by 1 of 3, not prefetched)
-    assert base_mount.prefetch_chunks == _chunks("usr/lib/mod0.py")
+    if exact:
+        assert base_mount.prefetch_chunks == _chunks("usr/lib/mod0.py")
     _down(node, "alone")
 
 
