@@ -1,7 +1,8 @@
 """Combination profiles against layer profiles (issue 13, item 1): what a new node prefetches for a
 sandbox when one base layer is shared by several toolkits.
 
-    .venv/bin/python bench/bench_combination_profiles.py [--rounds 3] [--stores 3fs] [--cache DIR]
+    .venv/bin/python bench/bench_combination_profiles.py [--rounds 3] [--stores 3fs] [--workloads numpy,boto3]
+                                                         [--cache DIR]
 
 The layers are bench_sandbox_coldstart.py's (built there, kept under --cache): a Debian + python3 base
 and the ``numpy`` and ``boto3`` toolkits. The store is a hard-linked copy of that store (so another run
@@ -14,7 +15,7 @@ profile only what that workload read. The profiles/ objects are then kept, and p
 start below, so that no start learns from another.
 
 Starts, per workload, each on a new daemon (new state, empty cache) with the page cache dropped,
-``layer`` and ``combination`` side by side in each round:
+``layer`` and ``combination`` side by side in each round (which goes first alternates by round):
 
 - ``layer``: the combination objects removed: the base and the toolkit prefetch by their layer profiles
   (what main does);
@@ -68,10 +69,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stores", default="3fs")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--cache", default="/var/cache/dsecfs-test/sandbox-coldstart")
     args = parser.parse_args()
-    workloads = list(WORKLOADS)
-    info = setup(args.cache, workloads)
+    workloads = args.workloads.split(",")
+    info = setup(args.cache, list(WORKLOADS))
     work = tempfile.mkdtemp(prefix="dsecfs-combo-", dir=os.path.dirname(os.path.abspath(args.cache)))
     rows = []
     try:
@@ -81,7 +83,7 @@ def main() -> None:
             learner = Node_(os.path.join(work, f"learn-{store_name}"), store_dir, store_name)
             try:
                 node = learner.start()
-                for workload in workloads:
+                for workload in WORKLOADS:  # every one, whichever are measured
                     start_sandbox(node, info, info[workload]["v1"], WORKLOADS[workload][1])
             finally:
                 learner.stop()  # the last profiles go out at the stop
@@ -92,7 +94,7 @@ def main() -> None:
             results: dict[str, dict[str, list[dict]]] = {w: {v: [] for v in VARIANTS} for w in workloads}
             for r in range(args.rounds):
                 for workload in workloads:
-                    for variant in VARIANTS:
+                    for variant in VARIANTS if r % 2 == 0 else reversed(VARIANTS):  # no order effect
                         _put_profiles(store_dir, learned, combinations=variant == "combination")
                         fresh = Node_(os.path.join(work, f"{store_name}-{workload}-{variant}-{r}"), store_dir,
                                       store_name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import threading
 
 import pytest
@@ -164,6 +165,9 @@ def test_a_combination_profile_learned_on_one_node_is_used_by_another_at_up(stor
                                                        "key": base_in_a}.items()))] == 1
     assert samples[("dsecfs_layer_prefetch_bytes", frozenset({"layer": digests[BASE],
                                                               "outcome": "read"}.items()))] > 0
+    shown = subprocess.run([daemon_support.DSECFS, "status", "--socket", b.socket], capture_output=True,
+                           text=True, check=True).stdout
+    assert f"profile:combination {base_in_a}" in shown and f"predicted {digests[BASE][:12]}" in shown
     _down(node, "again")
 
     # The base alone is a new combination: it starts from the base's layer profile.
