@@ -170,6 +170,20 @@ def test_a_combination_profile_learned_on_one_node_is_used_by_another_at_up(stor
     assert f"profile:combination {base_in_a}" in shown and f"predicted {digests[BASE][:12]}" in shown
     _down(node, "again")
 
+    # ``trace report`` says, per combination, what each layer prefetched by and how well it predicted.
+    report = analyze([os.path.join(b.state_dir, "traces", name) for name in os.listdir(os.path.join(b.state_dir,
+                                                                                                   "traces"))],
+                     FilesystemStore(store_dir))
+    (combo,) = report.combinations
+    base_member = next(m for m in combo.members if m.role == "base")
+    assert combo.combination == combo_a and base_member.profiles == [f"profile:combination {base_in_a}"]
+    assert base_member.prefetched_read_bytes == base_member.prefetched_bytes > 0
+    assert base_member.prefetched_unread_bytes == base_member.read_not_prefetched_bytes == 0
+    text = subprocess.run([daemon_support.DSECFS, "trace", "report", os.path.join(b.state_dir, "traces"), "-o",
+                           str(b.tmp_path / "report"), "--store", store_dir], capture_output=True, text=True,
+                          check=True).stdout
+    assert f"by profile:combination {base_in_a}" in text
+
     # The base alone is a new combination: it starts from the base's layer profile.
     up = node.sandbox_up(BASE, name="alone")
     base_mount = _mount_of(node, digests[BASE])
