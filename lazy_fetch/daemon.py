@@ -620,12 +620,37 @@ class NodeDaemon:
             log.info("pruned %d old traces (%d bytes); %d kept (%d bytes)", len(result.removed),
                      result.removed_bytes, result.kept, result.kept_bytes)
 
-    async def hold(self, mountpoint: str, holder: Holder) -> None:
-        """One more ``holder`` (a sandbox) of the layer mounted at ``mountpoint`` (by this daemon)."""
+    async def hold(self, mountpoint: str, holder: Holder, *, profile: bool = False, fill: str | None = None) -> None:
+        """One more ``holder`` (a sandbox) of the layer mounted at ``mountpoint`` (by this daemon). With
+        ``profile`` (and a ``fill`` other than none), the layer, mounted for others, then prefetches in the
+        background by the profile of the holder's combination, if the store has one and no prefetch runs."""
         async with self._lock:
             served = self._served_at(mountpoint)
             served.holders.add(mountpoint, holder)
             self._relabel(served)
+        if (profile and (fill or self.options.fill) != "none" and holder.combination and self.profiles is not None
+                and self._background is not None):
+            self._background.start_soon(self._prefetch_for, mountpoint, holder.combination)
+
+    async def _prefetch_for(self, mountpoint: str, combination: str) -> None:
+        """A background task of ``hold``: never raises (a profile is only ever a help)."""
+        mount = self.table.mounts.get(mountpoint)
+        if mount is None:
+            return
+        layer = self.layers[mount.layer]
+        try:
+            found = await trio.to_thread.run_sync(self.profiles.lookup_combination, layer.store.store, layer.digest,
+                                                  combination)
+            async with self._lock:
+                if found is None or self.table.mounts.get(mountpoint) is not mount or (
+                        layer.prefetch is not None and layer.prefetch.state == "running"):
+                    return
+                plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, layer.files, layer.blob.blob_map,
+                                                      layer.index)
+                if plist.entries:
+                    self._start_prefetch(layer, plist, f"profile:{found.source}", self._served_at(mountpoint))
+        except DsecError as exc:
+            log.warning("no prefetch of layer %s for combination %s: %s", layer.digest[:12], combination[:12], exc)
 
     async def unhold(self, mountpoint: str, holder: Holder) -> None:
         """One ``holder`` fewer of the layer mounted at ``mountpoint`` (its last goes with the unmount)."""

@@ -3,7 +3,8 @@
 - ``lookup`` (called by the daemon while it opens a layer, in the thread that read the manifest, so its
   round trips overlap those of meta.erofs and the blob map): the merged profile of the layer in the
   sandbox's combination, if it has one, else that of the layer's digest (both looked up at once), else
-  that of its ref name (a new tag of a known name), else None.
+  that of its ref name (a new tag of a known name), else None. ``lookup_combination``: the combination's
+  only, for a sandbox that joins a layer already mounted for others (its prefetch, in the background).
 - ``plan`` turns the profile into the PrefetchList of the layer being mounted (a worker thread).
 - ``publish_soon``: once the last mount of a layer in a mode goes and its trace is closed, a background
   task learns the trace's profile (from all its segments, trace_holders.py) and merges it into this node's
@@ -76,13 +77,11 @@ class ProfileKeeper:
     def lookup(self, store: Store, digest: str, ref_name: str | None, combination: str = "") -> FoundProfile | None:
         layer_key = keys.layer_profiles(digest)
         if combination:
-            combination_key = keys.combination_profiles(combination, digest)
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-combination") as pool:
-                in_combination = pool.submit(profile.fetch, store, combination_key, combination=combination,
-                                             layer=digest)
+                in_combination = pool.submit(self.lookup_combination, store, digest, combination)
                 found = profile.fetch(store, layer_key)
                 if (best := in_combination.result()) is not None:
-                    return FoundProfile(best, "combination", combination_key)
+                    return best
         else:
             found = profile.fetch(store, layer_key)
         if found is not None:
@@ -93,6 +92,13 @@ class ProfileKeeper:
             if found is not None:
                 return FoundProfile(found, "name", name_key)
         return None
+
+    @staticmethod
+    def lookup_combination(store: Store, digest: str, combination: str) -> FoundProfile | None:
+        """The merged profile of layer ``digest`` in ``combination`` (every node's), or None."""
+        key = keys.combination_profiles(combination, digest)
+        found = profile.fetch(store, key, combination=combination, layer=digest)
+        return None if found is None else FoundProfile(found, "combination", key)
 
     @staticmethod
     def plan(found: FoundProfile, files: LayerFiles, blob_map: BlobMap,

@@ -155,8 +155,9 @@ class DaemonLayers:
             if held is None:
                 held = self._held[digest] = _HeldLayer(await self._mount(store, digest, name=name, profile=profile,
                                                                          fill=fill, holder=holder))
-            elif holder is not None:
-                await self._hold(held.mountpoint, holder, self.daemon.hold)
+            elif holder is not None:  # mounted for others: this sandbox's combination may prefetch more of it
+                await self._hold(held.mountpoint, holder, functools.partial(self.daemon.hold, profile=profile,
+                                                                            fill=fill))
             held.users += 1
             return LayerHandle(digest, held.mountpoint)
 

@@ -284,3 +284,31 @@ def test_two_nodes_publishing_a_combination_profile_at_once_lose_neither(store_d
     daemon_support.wait_for(lambda: len(_objects(store_dir, prefix)) == 2, "both nodes' objects")
     merged = profile.fetch(FilesystemStore(store_dir), prefix, combination=combo_a, layer=digests[BASE])
     assert merged.traces == 2 and _paths(merged) == {"/usr/lib/mod1.py", "/usr/lib/mod4.py"}
+
+
+def test_a_combination_that_joins_a_layer_mounted_for_another_prefetches_its_own_part(store_dir, nodes):
+    a, b = nodes
+    digests = _digests(store_dir)
+    combo_b = _combination(TK_B, BASE, digests=digests)
+    a.start(store_dir)
+    _learn_a_then_b(Node(a.socket))  # (B over base) read mod3
+    a.stop_all()
+    b.start(store_dir)
+    node = Node(b.socket)
+    node.sandbox_up(BASE, toolkit=TK_A, name="first")  # the base's prefetch: mod0 only
+    daemon_support.wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the first prefetches")
+    second = node.sandbox_up(BASE, toolkit=TK_B, name="second")
+    key = keys.combination_profiles(combo_b, digests[BASE])
+    job = daemon_support.wait_for(lambda: next((p for p in node.prefetches() if p.layer == digests[BASE]
+                                                and p.state == "done" and p.list == "profile:combination"
+                                                and p.chunks == _chunks("usr/lib/mod3.py")), None),
+                                  f"the base's prefetch by {key}")
+    assert job.failed_chunks == 0
+    _read(second.rootfs, BASE, "usr/lib/mod3.py")
+    _down(node, "second")  # the shared segment ends (and is written out)
+    _down(node, "first")
+    trace_dir = os.path.join(b.state_dir, "traces")
+    traces = [read_trace(os.path.join(trace_dir, name)) for name in os.listdir(trace_dir)]
+    (segment,) = [t for t in traces if t.header.layer == digests[BASE] and t.header.holders == 2]
+    assert any(not r.flags & FLAG_PREFETCH for r in segment.records)  # mod3 was read in it...
+    assert [r for r in segment.records if r.flags & FLAG_MISS and not r.flags & FLAG_PREFETCH] == []  # cached
