@@ -16,6 +16,7 @@ is what ``dsecfs daemon`` runs. The parts, one module each::
             ChunkCache (disk)
         MemoryChunkCache (memory_cache.py): recently read chunks, in front of every fetcher
         per served blob: a TracedBlob (traced_blob.py: each read counted and traced) and its TraceWriter
+            (in segments, one per label of its holders, and the profiles learned from them: trace_segments.py)
         Prefetcher (prefetcher.py): prefetch lists fetched in the background
 
 The daemon never waits on itself. Its trio thread serves the FUSE session (with the raw and pyfuse3
@@ -28,7 +29,7 @@ Traces. Each mount gets a trace file under ``state_dir/traces/`` (traced_blob.py
 layer in one mode share the blob layer_mount serves them from, so they share the trace of the first of
 them, which closes with the last. Each mount and each sandbox that holds it is a holder: while the
 holders' labels (role, ref, combination) change, the trace goes on in a new segment under the new label
-(``hold``, ``unhold``, ``_relabel``; trace_holders.py). Closed traces past ``trace_keep_seconds`` or beyond
+(``hold``, ``unhold``; trace_holders.py, trace_segments.py). Closed traces past ``trace_keep_seconds`` or beyond
 ``trace_keep_bytes`` in all are removed, oldest first, at start and every TRACE_PRUNE_SECONDS.
 
 Prefetch. A mount may name a prefetch list, read through request_paths.open_regular_file (a regular
@@ -69,7 +70,6 @@ import contextlib
 import functools
 import logging
 import os
-import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -104,8 +104,9 @@ from .prefetch_list import PrefetchList
 from .prefetcher import PrefetchJob, Prefetcher, with_fill
 from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
-from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter, prune_traces
+from .trace import prune_traces
 from .trace_holders import Holder, Label
+from .trace_segments import TraceSegments
 from .traced_blob import LayerUsage, StoreFetchLog, TracedBlob
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,8 @@ class NodeDaemon:
         private_dir(self.trace_dir)
         if options.profiles:
             self.profiles = ProfileKeeper(self.state_dir)
+        self.segments = TraceSegments(self.trace_dir, enabled=options.trace, profiles=self.profiles,
+                                      background=lambda: self._background)
         async with contextlib.AsyncExitStack() as stack:
             self.cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
             self._fetch_log = StoreFetchLog(self.cache)
@@ -287,22 +290,6 @@ class NodeDaemon:
             return
         layer.readahead.ready(files)
 
-    def _open_trace(self, files: LayerFiles, mode: str, blob: LayerBlob, label: Label, *, prefetch: str = "",
-                    profile_key: str = "") -> tuple[str, TraceWriter | None]:
-        """A new trace (or segment) of ``files`` in ``mode`` for ``label``'s holders, from when they came."""
-        if not self.options.trace:
-            return "", None
-        stats = files.manifest.stats
-        holder = label.holder
-        started_ns = time.time_ns() - max(0, time.monotonic_ns() - label.since_ns)
-        header = TraceHeader(layer=files.digest, ref=holder.ref, role=holder.role, combination=label.combination,
-                             holders=label.holders, prefetch=prefetch, profile_key=profile_key, mode=mode,
-                             chunk_size=files.manifest.chunk_size, layer_bytes=int(stats.get("bytes", 0)),
-                             layer_files=int(stats.get("files", 0)), blob_bytes=blob.size, started_ns=started_ns)
-        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{files.digest[:12]}-{mode}-{secrets.token_hex(3)}{TRACE_SUFFIX}"
-        path = os.path.join(self.trace_dir, name)
-        return path, TraceWriter(path, header, start_ns=label.since_ns)
-
     # -- paths a request names
 
     async def _directory(self, path: str) -> str:
@@ -419,7 +406,7 @@ class NodeDaemon:
             else:  # still served, for no one named
                 served = self._served[served_key(mount.mode, self.layers[mount.layer].files)]
                 served.holders.remove(mountpoint)
-                self._relabel(served)
+                self.segments.relabel(served)
         return mountpoint
 
     def _release(self, mount: Mount) -> None:
@@ -430,9 +417,9 @@ class NodeDaemon:
         served.holders.remove(mount.mountpoint)
         if not served.mounts:
             del self._served[key]
-            self._end_trace(served)
+            self.segments.end(served)
         else:
-            self._relabel(served)
+            self.segments.relabel(served)
         layer.mounts -= 1
         if not layer.mounts:
             del self.layers[mount.layer]
@@ -462,8 +449,8 @@ class NodeDaemon:
         served = self._served.get(key)
         if served is None:
             label = Label(holder)
-            trace_path, trace = self._open_trace(layer.files, mode, layer.blob, label, prefetch=prefetch,
-                                                 profile_key=profile_key)
+            trace_path, trace = self.segments.open(layer.files, mode, layer.blob, label, prefetch=prefetch,
+                                                   profile_key=profile_key)
             served = Served(layer, TracedBlob(layer.blob, layer.usage, self._fetch_log, trace, layer.readahead),
                             trace_path, label, ref_name)
         return key, served
@@ -476,7 +463,7 @@ class NodeDaemon:
         self._served[key] = served
         served.mounts += 1
         served.holders.add(mountpoint, holder)
-        self._relabel(served)
+        self.segments.relabel(served)
         layer.mounts += 1
         files = layer.files
         mount = self.table.mounts[mountpoint] = Mount(
@@ -627,7 +614,7 @@ class NodeDaemon:
         async with self._lock:
             served = self._served_at(mountpoint)
             served.holders.add(mountpoint, holder)
-            self._relabel(served)
+            self.segments.relabel(served)
         if (profile and (fill or self.options.fill) != "none" and holder.combination and self.profiles is not None
                 and self._background is not None):
             self._background.start_soon(self._prefetch_for, mountpoint, holder.combination)
@@ -657,7 +644,7 @@ class NodeDaemon:
         async with self._lock:
             served = self._served_at(mountpoint)
             served.holders.remove(mountpoint, holder)
-            self._relabel(served)
+            self.segments.relabel(served)
 
     def _served_at(self, mountpoint: str) -> Served:
         mount = self.table.mounts.get(mountpoint)
@@ -665,44 +652,12 @@ class NodeDaemon:
             raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
         return self._served[served_key(mount.mode, self.layers[mount.layer].files)]
 
-    def _relabel(self, served: Served) -> None:
-        """When the labels of ``served``'s holders changed, its trace goes on in a new segment."""
-        label = served.holders.label()
-        if label is None or label.same(served.label):
-            return
-        if served.blob.trace is not None:
-            mode = served.blob.trace.header.mode
-            self._end_segment(served)
-            served.segments.append(served.trace_path)
-            layer = served.layer
-            served.trace_path, served.blob.trace = self._open_trace(layer.files, mode, layer.blob, label)
-        served.label = label
-
-    def _end_segment(self, served: Served) -> None:
-        """Close the segment being written; if one combination's sandboxes alone held it, publish its
-        profile for that combination."""
-        served.close_trace()
-        combination = served.label.combination
-        if self.profiles is not None and served.trace_path and combination:
-            layer = served.layer
-            self.profiles.publish_soon(self._background, layer.store.store, layer.files, layer.index,
-                                       [served.trace_path], None, combination=combination)
-
-    def _end_trace(self, served: Served) -> None:
-        """Close ``served``'s trace and have its profiles published (profile_keeper.py): the layer's, from
-        every segment; the combination's, from the last segment if it was one combination's."""
-        self._end_segment(served)
-        if self.profiles is not None and served.trace_path:
-            layer = served.layer
-            self.profiles.publish_soon(self._background, layer.store.store, layer.files, layer.index,
-                                       [*served.segments, served.trace_path], served.ref_name)
-
     async def _publish_the_rest(self) -> None:
         """At the stop, after the last unmounts: the traces still open (of mounts detached lazily, whose
         blob stayed served) are ended too, and every profile still queued is published."""
         for served in list(self._served.values()):
             if served.blob.trace is not None:
-                self._end_trace(served)
+                self.segments.end(served)
         await self.profiles.flush()
 
     def _close_traces(self) -> None:
