@@ -12,10 +12,15 @@
    ranges, one record per chunk) and half fuse mode. 70% of sandboxes start on a cold node (the first read
    of a chunk waits for a fetch: about 7 ms, lognormal), the rest on a warm one. Times follow the strace
    timestamps plus the waits. Twenty task combinations.
-4. Time `dsecfs trace report` in its own process (wall time, peak RSS), three rounds, and take a
-   screenshot of the page with headless Chromium into docs/report-screenshot.png.
+4. Time `dsecfs trace report` in its own process (wall and CPU time, peak RSS), three rounds, and take a
+   screenshot of the page with headless Chromium into docs/report-screenshot.png. With `--baseline REV`
+   the same traces are also reported by the code of git revision REV (unpacked with `git archive` into the
+   temporary directory, run with PYTHONPATH there), the two alternating round by round, and the times are
+   shown side by side as ratios, with the CPU time of the report's phases (imports, analysis, the HTML
+   page and its plots) measured apart in one more process per round.
 
     .venv/bin/python bench/bench_report.py [--traces 500] [--rounds 3] [--rootfs DIR] [--no-screenshot]
+        [--baseline main]
 
 Needs root (chroot), strace and chromium.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import random
 import re
@@ -260,19 +266,62 @@ def synthesize(directory: str, layer: LayerIndex, recordings: dict[str, list[Acc
     return records
 
 
-def time_report(traces: str, out: str, store: str) -> tuple[float, int]:
-    """Wall seconds and peak RSS of `dsecfs trace report` in its own process."""
+@dataclass
+class Run:
+    wall: float  # seconds
+    cpu: float  # user + system seconds
+    rss: int  # peak, bytes
+
+
+def time_report(traces: str, out: str, store: str, code: str = ROOT) -> Run:
+    """`dsecfs trace report` in its own process, on the code of the tree at ``code``."""
     argv = [sys.executable, "-c", "import sys; from cli.main import main; from cli.trace_cmds import trace; "
             "main.add_command(trace); main(sys.argv[1:])", "trace", "report", traces, "-o", out, "--store", store]
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, cwd=code, env={**os.environ, "PYTHONPATH": code}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     _, status, rusage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     err = proc.stderr.read().decode(errors="replace")
     proc.stderr.close()
     if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"trace report failed: {err}")
-    return wall, rusage.ru_maxrss * 1024
+        raise SystemExit(f"trace report ({code}) failed: {err}")
+    return Run(wall, rusage.ru_utime + rusage.ru_stime, rusage.ru_maxrss * 1024)
+
+
+PHASES = """
+import glob, json, sys, time
+t0 = time.process_time()
+from dsec_fs.store import FilesystemStore
+from lazy_fetch.analysis import analyze
+from lazy_fetch.report_html import render_html
+t1 = time.process_time()
+report = analyze(sorted(glob.glob(sys.argv[1] + "/*.dtr")), FilesystemStore(sys.argv[2]))
+t2 = time.process_time()
+render_html(report)
+t3 = time.process_time()
+print(json.dumps({"import": t1 - t0, "analyze": t2 - t1, "render": t3 - t2}))
+"""
+
+
+def time_phases(traces: str, store: str, code: str = ROOT) -> dict[str, float]:
+    """CPU seconds of the report's phases (imports, analysis, HTML and plots), in a process of their own."""
+    done = subprocess.run([sys.executable, "-c", PHASES, traces, store], cwd=code, env={**os.environ, "PYTHONPATH": code},
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def checkout(rev: str, work: str) -> str:
+    """The tree of git revision ``rev`` of this repository, unpacked below ``work`` (no worktree is made)."""
+    target = os.path.join(work, "baseline")
+    os.makedirs(target)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", target], input=archive, check=True)
+    return target
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def screenshot(html: str, png: str, work: str) -> None:
@@ -290,6 +339,7 @@ def main() -> None:
     parser.add_argument("--rootfs", default=DEFAULT_ROOTFS)
     parser.add_argument("--no-screenshot", action="store_true")
     parser.add_argument("--keep", metavar="DIR", help="copy the report directory here")
+    parser.add_argument("--baseline", metavar="REV", help="also time the report of this git revision's code")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="bench-report-")
     try:
@@ -307,13 +357,30 @@ def main() -> None:
         records = synthesize(traces, layer, recordings, args.traces)
         print(f"{args.traces} traces, {records:,} records, written in {time.perf_counter() - t:.1f} s")
         out = os.path.join(work, "report")
-        runs = [time_report(traces, out, store_dir) for _ in range(args.rounds)]
-        walls = sorted(wall for wall, _rss in runs)
+        baseline = checkout(args.baseline, work) if args.baseline else None
+        runs, baseline_runs, phases, baseline_phases = [], [], [], []
+        for _ in range(args.rounds):  # alternating, so that both see the same machine
+            if baseline:
+                baseline_runs.append(time_report(traces, os.path.join(work, "baseline-report"), store_dir, baseline))
+                baseline_phases.append(time_phases(traces, store_dir, baseline))
+            runs.append(time_report(traces, out, store_dir))
+            phases.append(time_phases(traces, store_dir))
+        walls = sorted(run.wall for run in runs)
         html = os.path.join(out, "report.html")
-        print(f"trace report: {walls[len(walls) // 2]:.1f} s median of {args.rounds} (min {walls[0]:.1f}, "
-              f"max {walls[-1]:.1f}), peak RSS {max(rss for _w, rss in runs) / 2**20:.0f} MiB; report.html "
-              f"{os.path.getsize(html) / 2**20:.1f} MiB, report.json "
-              f"{os.path.getsize(os.path.join(out, 'report.json')) / 2**20:.1f} MiB")
+        print(f"trace report: {median(walls):.2f} s median of {args.rounds} (min {walls[0]:.2f}, "
+              f"max {walls[-1]:.2f}), CPU {median([run.cpu for run in runs]):.2f} s, peak RSS "
+              f"{max(run.rss for run in runs) / 2**20:.0f} MiB; report.html {os.path.getsize(html) / 2**20:.1f} MiB, "
+              f"report.json {os.path.getsize(os.path.join(out, 'report.json')) / 2**20:.1f} MiB")
+        if baseline:
+            print(f"{'median of ' + str(args.rounds):<16}{args.baseline:>10}{'this tree':>11}{'ratio':>8}")
+            rows = [(label, [pick(r) / unit for r in baseline_runs], [pick(r) / unit for r in runs])
+                    for label, unit, pick in (("wall s", 1, lambda r: r.wall), ("CPU s", 1, lambda r: r.cpu),
+                                              ("peak RSS MiB", 2**20, lambda r: r.rss))]
+            rows += [(f"  {phase} CPU s", [p[phase] for p in baseline_phases], [p[phase] for p in phases])
+                     for phase in ("import", "analyze", "render")]
+            for label, old_values, new_values in rows:
+                old, new = median(old_values), median(new_values)
+                print(f"{label:<16}{old:>10.2f}{new:>11.2f}{new / old:>7.2f}x")
         if args.keep:
             shutil.copytree(out, args.keep, dirs_exist_ok=True)
         if not args.no_screenshot:

@@ -2,8 +2,9 @@
 
 Each command is a call of the SDK (dsec_fs.client.Node, dsec_fs.sandbox_client.Sandbox). ``up`` starts a
 daemon (with its --state-dir and --cache-dir, its log in the state directory) when none answers on the
-socket, as ``mount`` does. ``exec`` writes the command's stdout and stderr as they came, bytes unchanged, and exits
-with its exit code; dsecfs's own errors exit with their class's code (2 to 7, see cli/main.py), so a
+socket, as ``mount`` does. ``exec`` attaches to the command (Sandbox.attach; terminal.py relays): it writes
+the command's stdout and stderr as they come, bytes unchanged, forwards stdin with -i, runs it on a
+terminal with -t, and exits with its exit code; dsecfs's own errors exit with their class's code (2 to 7, see cli/main.py), so a
 script that needs to tell them apart from the command's should use the SDK.
 
 cli/main.py registers the group: ``main.add_command(sandbox_cmds.sandbox)``.
@@ -11,6 +12,7 @@ cli/main.py registers the group: ``main.add_command(sandbox_cmds.sandbox)``.
 
 from __future__ import annotations
 
+import io
 import sys
 
 import click
@@ -23,6 +25,7 @@ from dsec_fs.units import parse_size
 
 from .common import emit, json_option, store_option
 from .daemon_cmds import RUNTIMES, cache_dir_option, socket_option, state_dir_option
+from .terminal import relay, terminal_size
 
 
 @click.group()
@@ -97,33 +100,37 @@ class CommandLineCommand(click.Command):
 @click.option("--cpus", type=float, default=None, help="CPU limit, in CPUs (e.g. 0.5)")
 @click.option("--pids", "pids_limit", type=int, default=None, help="most processes at once")
 @click.option("--timeout", type=float, default=None, metavar="SECONDS", help="kill the command after this")
-@click.option("-i", "--stdin", "with_stdin", is_flag=True, help="hand this command's stdin to the command")
+@click.option("-i", "--stdin", "with_stdin", is_flag=True, help="forward this command's stdin to the command")
+@click.option("-t", "--tty", "with_tty", is_flag=True,
+              help="run the command on a terminal (runc): with -i, this terminal is handed to it (raw mode, ^C "
+                   "goes to the command, resizes follow)")
 @socket_option
 @json_option
 def exec_(key: str, command: tuple[str, ...], runtime: str | None, env: tuple[str, ...], cwd: str, network: bool,
           memory: str | None, cpus: float | None, pids_limit: int | None, timeout: float | None, with_stdin: bool,
-          socket_path: str, as_json: bool) -> None:
+          with_tty: bool, socket_path: str, as_json: bool) -> None:
     """Run COMMAND in SANDBOX (an id or a name): dsecfs sandbox exec [OPTIONS] SANDBOX CMD ARGS... (put
-    -- before CMD if it starts with a dash)."""
+    -- before CMD if it starts with a dash). Its output is written as it comes; dsecfs exits with its
+    exit code."""
     variables = {}
     for item in env:
         name, equals, value = item.partition("=")
         if not equals:
             raise InputError("an environment variable is NAME=VALUE", where=f"--env {item!r}")
         variables[name] = value
-    result = Sandbox(Node(socket_path), key).exec(
-        list(command), env=variables, cwd=cwd, network=network,
-        memory_bytes=None if memory is None else parse_size(memory), cpus=cpus, pids_limit=pids_limit,
-        timeout=timeout, runtime=runtime, stdin=click.get_binary_stream("stdin").read() if with_stdin else None)
+    rows, cols = terminal_size() if with_tty else (0, 0)
+    attached = Sandbox(Node(socket_path), key).attach(
+        list(command), stdin=with_stdin, tty=with_tty, rows=rows, cols=cols, env=variables, cwd=cwd,
+        network=network, memory_bytes=None if memory is None else parse_size(memory), cpus=cpus,
+        pids_limit=pids_limit, timeout=timeout, runtime=runtime)
     if as_json:  # the output as text (undecodable bytes replaced); the SDK has the bytes
+        out, err = io.BytesIO(), io.BytesIO()
+        result = relay(attached, forward_stdin=with_stdin, tty_mode=with_tty, out=out, err=err)
         emit(True, {"exit_code": result.exit_code, "timed_out": result.timed_out,
-                    "stdout": result.stdout.decode(errors="replace"), "stderr": result.stderr.decode(errors="replace")},
-             lambda: "")
+                    "stdout": out.getvalue().decode(errors="replace"),
+                    "stderr": err.getvalue().decode(errors="replace")}, lambda: "")
         sys.exit(result.exit_code)
-    for stream, data in (("stdout", result.stdout), ("stderr", result.stderr)):
-        out = click.get_binary_stream(stream)
-        out.write(data)
-        out.flush()
+    result = relay(attached, forward_stdin=with_stdin, tty_mode=with_tty)
     if result.timed_out:
         click.echo(f"dsecfs: the command ran out of its {timeout:g} s and was killed", err=True)
     sys.exit(result.exit_code)

@@ -24,6 +24,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from . import exec_frames
 from .errors import (
     ConflictError,
     CorruptError,
@@ -109,7 +110,8 @@ class SandboxUpRequest(_Request):
     fill: Name | None = None  # and fetch this in the background (none | profile | layer); default: the daemon's
 
 
-class ExecRequest(_Request):
+class _ExecOptions(_Request):
+    """What a command runs with, for exec and attach."""
     argv: Annotated[list[Annotated[str, msgspec.Meta(max_length=1 << 17)]], msgspec.Meta(min_length=1)]
     env: dict[str, str] = {}
     cwd: Path = "/"
@@ -119,7 +121,21 @@ class ExecRequest(_Request):
     pids_limit: Count | None = None
     timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     runtime: Name | None = None  # runc | namespaces; default: the daemon's
+
+
+class ExecRequest(_ExecOptions):
     stdin: bytes | None = None  # base64 in JSON
+
+
+WindowSide = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
+
+
+class AttachRequest(_ExecOptions):
+    """A command whose stdio is relayed over the upgraded connection (dsec_fs/exec_frames.py)."""
+    stdin: bool = False  # STDIN frames feed its stdin (else /dev/null; with tty, the terminal's input is ignored)
+    tty: bool = False  # run it on a terminal (runc only): stdout and stderr are the terminal, STDOUT frames
+    rows: WindowSide = 0  # the terminal's size (0: leave runc's default); RESIZE frames change it
+    cols: WindowSide = 0
 
 
 class DownRequest(_Request):
@@ -259,6 +275,12 @@ class ExecResult(_Response):
     timed_out: bool = False
 
 
+class ExecExit(_Response):
+    """The EXIT frame of an attached command."""
+    exit_code: int  # as ExecResult's
+    timed_out: bool = False
+
+
 class CommitResult(_Response):
     sandbox: str  # id
     layer: str  # digest of the new layer
@@ -294,6 +316,7 @@ class Endpoint(msgspec.Struct, frozen=True):
     summary: str
     request: type | None = None  # the body's type; None: no body
     response: type | None = None  # None: not JSON (the Prometheus text of /metrics)
+    upgrade: str | None = None  # the protocol a 101 answer switches to (dsec_fs/exec_frames.py)
 
 
 # Every route of the node daemon's API: lazy_fetch/routes.py and overlay/node_service.py serve exactly
@@ -312,6 +335,9 @@ ROUTES = (
     Endpoint("GET", "/v1/sandboxes", "the sandboxes and the layers held for them", response=SandboxList),
     Endpoint("GET", "/v1/sandboxes/{sandbox}", "one sandbox, by id or name", response=SandboxInfo),
     Endpoint("POST", "/v1/sandboxes/{sandbox}/exec", "run a command in a sandbox", ExecRequest, ExecResult),
+    Endpoint("POST", "/v1/sandboxes/{sandbox}/attach", "run a command in a sandbox, its stdio relayed over the "
+             "connection (frames of dsec_fs/exec_frames.py), on a terminal if asked", AttachRequest,
+             upgrade=exec_frames.PROTOCOL),
     Endpoint("POST", "/v1/sandboxes/{sandbox}/down", "take a sandbox down", DownRequest, Empty),
     Endpoint("POST", "/v1/sandboxes/{sandbox}/commit", "publish a sandbox's changes as a layer", CommitRequest,
              CommitResult),
@@ -327,7 +353,7 @@ class ErrorBody(_Response, omit_defaults=True):
 
 def openapi() -> dict[str, Any]:
     """The OpenAPI 3.1 document of ROUTES (docs/openapi.json)."""
-    types = [t for e in ROUTES for t in (e.request, e.response) if t is not None] + [ErrorBody]
+    types = [t for e in ROUTES for t in (e.request, e.response) if t is not None] + [ErrorBody, ExecExit]
     (*schemas,), components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     ref = dict(zip(types, schemas))
     paths: dict[str, dict] = {}
@@ -335,10 +361,14 @@ def openapi() -> dict[str, Any]:
         error = {"description": "an error (status by kind: " + ", ".join(f"{k} {v}" for k, v in
                                                                          STATUS_BY_KIND.items()) + ")",
                  "content": {"application/json": {"schema": ref[ErrorBody]}}}
-        ok = {"description": e.summary}
-        ok["content"] = ({"application/json": {"schema": ref[e.response]}} if e.response is not None
-                         else {"text/plain": {"schema": {"type": "string"}}})
-        operation: dict[str, Any] = {"summary": e.summary, "responses": {"200": ok, "default": error}}
+        if e.upgrade is not None:
+            ok_status, ok = "101", {"description": f"switching to {e.upgrade}: frames both ways, see dsec_fs/exec_frames.py",
+                                    "headers": {"upgrade": {"schema": {"const": e.upgrade}}}}
+        else:
+            ok_status, ok = "200", {"description": e.summary}
+            ok["content"] = ({"application/json": {"schema": ref[e.response]}} if e.response is not None
+                             else {"text/plain": {"schema": {"type": "string"}}})
+        operation: dict[str, Any] = {"summary": e.summary, "responses": {ok_status: ok, "default": error}}
         if e.request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[e.request]}}}
         names = [part[1:-1] for part in e.path.split("/") if part.startswith("{")]

@@ -178,6 +178,16 @@ class Node:
         value = self.request(method, path, None if body is None else api.to_builtins(body), timeout=timeout)
         return api.decode(value, answer, where=f"{method} {path} on {self.socket_path}")
 
+    def connect(self, timeout: float | None = None) -> socket.socket:
+        """A socket connected to the daemon, for a route that switches protocols (sandbox_client's attach);
+        UnavailableError when no daemon answers."""
+        connection = _UnixConnection(self.socket_path, self.timeout if timeout is None else timeout)
+        try:
+            connection.connect()
+        except OSError as exc:
+            raise _unanswered(exc, self.socket_path) from None
+        return connection.sock
+
     def request(self, method: str, path: str, body: dict | None = None, *, timeout: float | None = None) -> Any:
         """One request to any route of the daemon's API (those other packages add too): the parsed JSON
         answer (the text, for other content types); an error answer raises its DsecError class."""
@@ -189,8 +199,7 @@ class Node:
             response = connection.getresponse()
             data = response.read()
         except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise UnavailableError(f"no daemon answers on this socket ({exc.strerror}); start one with "
-                                   "`dsecfs daemon`", where=self.socket_path, transient=True) from None
+            raise _unanswered(exc, self.socket_path) from None
         except (OSError, http.client.HTTPException) as exc:
             raise UnavailableError(f"{method} {path} failed: {exc or type(exc).__name__}", where=self.socket_path,
                                    transient=True) from None
@@ -322,6 +331,13 @@ class DaemonProcess:
                 return "; its log ends:\n" + f.read().decode(errors="replace")
         except OSError:
             return ""
+
+
+def _unanswered(exc: OSError, socket_path: str) -> UnavailableError:
+    if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)):
+        return UnavailableError(f"no daemon answers on this socket ({exc.strerror}); start one with `dsecfs daemon`",
+                                where=socket_path, transient=True)
+    return UnavailableError(f"cannot connect: {exc.strerror or exc}", where=socket_path, transient=True)
 
 
 def _dsecfs_command() -> list[str]:

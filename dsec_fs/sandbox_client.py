@@ -19,9 +19,10 @@ answer: NotFoundError (no such ref, layer, pack or sandbox), ConflictError (a na
 UnavailableError (no daemon answers, a stopped sandbox, a runtime that failed). A command's own failure
 is no error: it is its ``exit_code``.
 
-Limits: a command's stdout and stderr travel back whole in one answer (base64 in JSON), so a command
-with a lot of output should write it to a file in the sandbox; ``stdin`` is at most about 700 KiB (the
-API's requests are at most 1 MiB).
+Limits: ``exec``'s stdout and stderr travel back whole in one answer (base64 in JSON), so a command
+with a lot of output should write it to a file in the sandbox, or run with ``attach``, which relays its
+output as it comes (and stdin, and a terminal: attach_client.py); ``exec``'s ``stdin`` is at most about
+700 KiB (the API's requests are at most 1 MiB).
 
 Threads: a Sandbox holds its node and its key only, so it is as thread-safe as Node (any thread).
 """
@@ -33,7 +34,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from . import api
-from .api import CommitResult, ExecResult, SandboxInfo, SandboxLayerInfo  # noqa: F401 (the SDK's types)
+from .api import CommitResult, ExecExit, ExecResult, SandboxInfo, SandboxLayerInfo  # noqa: F401 (the SDK's types)
+from .attach_client import AttachedCommand
 from .errors import InputError
 
 if TYPE_CHECKING:
@@ -83,14 +85,26 @@ class Sandbox:
         unless ``network``, with no new privileges, and wait for it. ``timeout`` (seconds) kills it;
         ``memory_bytes``, ``cpus`` (CPU seconds per second) and ``pids_limit`` bound it; ``runtime`` is
         runc (the daemon's default) or namespaces."""
-        if isinstance(argv, (str, bytes)):
-            raise InputError("argv is a list of strings; for a shell line use ['/bin/sh', '-c', line]",
-                             where=f"exec in sandbox {self.key}")
+        _check_argv(argv, self.key)
         body = api.ExecRequest(argv=list(argv), env=dict(env or {}), cwd=cwd, network=network,
                                memory_bytes=memory_bytes, cpus=cpus, pids_limit=pids_limit, timeout=timeout,
                                runtime=runtime, stdin=stdin)
         wait = EXEC_WAIT_UNBOUNDED if timeout is None else timeout + EXEC_ANSWER_GRACE
         return self.node.call("POST", self._path("exec"), body, answer=ExecResult, timeout=wait)
+
+    def attach(self, argv: Sequence[str], *, stdin: bool = False, tty: bool = False, rows: int = 0, cols: int = 0,
+               env: Mapping[str, str] | None = None, cwd: str = "/", timeout: float | None = None,
+               network: bool = False, memory_bytes: int | None = None, cpus: float | None = None,
+               pids_limit: int | None = None, runtime: str | None = None) -> AttachedCommand:
+        """Start ``argv`` as ``exec`` does, its output relayed as it comes (attach_client.AttachedCommand):
+        ``stdin`` to feed it (else /dev/null), ``tty`` to run it on a terminal of ``rows`` x ``cols``
+        (runc only; stdout and stderr are the terminal then, stdin its keyboard). Returns once the daemon
+        took the command on (errors found before that, such as no such sandbox, are raised here)."""
+        _check_argv(argv, self.key)
+        body = api.AttachRequest(argv=list(argv), env=dict(env or {}), cwd=cwd, network=network,
+                                 memory_bytes=memory_bytes, cpus=cpus, pids_limit=pids_limit, timeout=timeout,
+                                 runtime=runtime, stdin=stdin, tty=tty, rows=rows, cols=cols)
+        return AttachedCommand.open(self.node, self._path("attach"), body)
 
     def down(self, *, keep: bool = False) -> None:
         """Unmount the sandbox and drop its layers; its upper dir is removed unless ``keep`` (then it stays,
@@ -108,3 +122,9 @@ class Sandbox:
 
     def _path(self, action: str = "") -> str:
         return f"/v1/sandboxes/{quote(self.key, safe='')}" + (f"/{action}" if action else "")
+
+
+def _check_argv(argv: Sequence[str], key: str) -> None:
+    if isinstance(argv, (str, bytes)):
+        raise InputError("argv is a list of strings; for a shell line use ['/bin/sh', '-c', line]",
+                         where=f"exec in sandbox {key}")

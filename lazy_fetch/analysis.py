@@ -753,15 +753,18 @@ def _chunk_sizes(layer: LayerIndex, accesses: list[TraceAccess], mean_read: floa
     n = len(accesses)
     for chunk_size in CHUNK_SIZES:
         union: set[tuple[int, int]] = set()
+        sizes_of: dict[tuple[int, int], int] = {}  # traces read mostly the same chunks: each is measured once
         total_bytes = total_chunks = 0
         for a in accesses:
             keys = {(nid, k) for nid, spans in a.ranges.items() for start, end in spans
                     for k in range(start // chunk_size, (end - 1) // chunk_size + 1)}
             union |= keys
-            sizes = [layer.chunk_bytes(nid, k, chunk_size) for nid, k in keys]
+            for key in keys - sizes_of.keys():
+                sizes_of[key] = layer.chunk_bytes(key[0], key[1], chunk_size)
+            sizes = [sizes_of[key] for key in keys]
             total_bytes += sum(sizes)
             total_chunks += sum(1 for size in sizes if size)
-        union_sizes = [layer.chunk_bytes(nid, k, chunk_size) for nid, k in union]
+        union_sizes = [sizes_of[key] for key in union]
         mean_bytes = total_bytes / n
         estimates.append(ChunkSizeEstimate(
             chunk_size=chunk_size, current=chunk_size == layer.chunk_size, mean_bytes=mean_bytes,

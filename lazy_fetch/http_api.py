@@ -15,7 +15,9 @@ Bodies: a handler decodes its request with ``request.decode(RequestType)`` and r
 raises a DsecError answers the one error format of dsec_fs/api.py (``error_body``), so a client can
 raise the same class again. Anything else a handler raises is a bug: logged with its
 traceback and answered 500 ``{"error": "internal"}``. Unknown paths answer 404, known paths with another
-method 405, malformed HTTP 400 (then the connection closes).
+method 405, malformed HTTP 400 (then the connection closes). A handler may answer ``Upgrade`` instead:
+the connection of a request that asked for that protocol (``Upgrade:``) switches to it (101) and is the
+handler's until it closes (a sandbox's attached command: overlay/attach.py).
 
 Access: the socket is the only door, so its permissions are the access control: the socket file is
 created 0600 (and chmod 0600 again before listen()), and its directory 0700 when we create it (an
@@ -108,6 +110,15 @@ class Response:
     headers: list[tuple[str, str]] = field(default_factory=list)
 
 
+@dataclass
+class Upgrade:
+    """A handler's answer that takes the connection over: ``101 Switching Protocols`` to ``protocol`` (the
+    request must have asked for it: ``Upgrade: protocol``), then ``run(stream, early_bytes)`` owns the
+    connection until it returns; the connection is closed then."""
+    protocol: str
+    run: Callable[[trio.SocketStream, bytes], Awaitable[None]]
+
+
 Handler = Callable[[Request], Awaitable[Any]]
 T = TypeVar("T")
 
@@ -182,7 +193,7 @@ class HttpApi:
     def routes(self) -> list[tuple[str, str]]:
         return [(r.method, r.pattern) for r in self._routes]
 
-    async def dispatch(self, request: Request) -> Response:
+    async def dispatch(self, request: Request) -> Response | Upgrade:
         """The response to one request: the route's, or an error response."""
         allowed = []
         for route in self._routes:
@@ -202,7 +213,10 @@ class HttpApi:
                           exc_info=exc)
                 return json_response(api.ErrorBody("internal", f"internal error: {exc!r}",
                                                    f"{request.method} {request.path}"), 500)
-            return result if isinstance(result, Response) else json_response(result)
+            if isinstance(result, Upgrade) and request.headers.get("upgrade", "").lower() != result.protocol.lower():
+                return error_response(InputError(f"this path switches protocols: send Connection: Upgrade and "
+                                                 f"Upgrade: {result.protocol}", where=request.path))
+            return result if isinstance(result, (Response, Upgrade)) else json_response(result)
         if allowed:
             response = json_response(api.error_body(InputError(f"method {request.method} not allowed",
                                                                where=request.path)), 405)
@@ -298,7 +312,11 @@ class HttpApi:
                         return
                     if request is None:  # the client closed the connection, or was too slow
                         return
-                    await _send(conn, stream, await self.dispatch(request))
+                    response = await self.dispatch(request)
+                    if isinstance(response, Upgrade):
+                        await _switch(conn, stream, response)
+                        return
+                    await _send(conn, stream, response)
                     if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                         return  # a body we did not read, or the client asked to close
                     conn.start_next_cycle()
@@ -355,6 +373,16 @@ async def _send(conn: h11.Connection, stream: trio.SocketStream, response: Respo
     data += conn.send(h11.Data(data=response.body)) if response.body else b""
     data += conn.send(h11.EndOfMessage())
     await stream.send_all(data)
+
+
+async def _switch(conn: h11.Connection, stream: trio.SocketStream, upgrade: Upgrade) -> None:
+    await stream.send_all(conn.send(h11.InformationalResponse(
+        status_code=101, headers=[("connection", "upgrade"), ("upgrade", upgrade.protocol)])))
+    early, _closed = conn.trailing_data  # what the client sent after its request
+    try:
+        await upgrade.run(stream, bytes(early))
+    except Exception as exc:  # a bug in the protocol's handler: the daemon stays up
+        log.error("the %s connection failed with an unexpected error: %r", upgrade.protocol, exc, exc_info=exc)
 
 
 async def _listen(path: str) -> trio.socket.SocketType:

@@ -6,7 +6,9 @@ the one module that imports matplotlib (Agg backend: no display needed). To stay
 of traces, plots show distributions (box plots, percentile bands, histograms) rather than a line per trace,
 long tables scroll inside their box, and the per-trace table is folded away.
 
-Threads: matplotlib's pyplot keeps global state, so call write_report from one thread at a time.
+Threads: while render_html draws a page, its figures are kept in a module-level pool and drawn again
+(_FigurePool), so call render_html and write_report from one thread at a time. Nothing here uses
+pyplot's global state.
 """
 
 from __future__ import annotations
@@ -18,15 +20,13 @@ import json
 import os
 import random
 
-import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from matplotlib.patches import Patch  # noqa: E402
+from dsec_fs.units import human_size
 
-from dsec_fs.units import human_size  # noqa: E402
-
-from .analysis import PRODUCTION_BAND, LayerReport, Report  # noqa: E402
+from .analysis import PRODUCTION_BAND, LayerReport, Report
 
 ROLE_COLORS = {"base": "#4C72B0", "workspace": "#DD8452", "toolkit": "#55A868", "": "#8172B3"}
 PLOT_DPI = 100
@@ -53,16 +53,75 @@ def _esc(text) -> str:
     return html.escape(str(text), quote=True)
 
 
-# ---- plots -------------------------------------------------------------------------------------------
+# ---- figures -----------------------------------------------------------------------------------------
+# Drawing is most of the report's time, and most of a figure's cost is fixed (axes, ticks, their text), so
+# each kind of plot has one figure, drawn again for every layer: its axes are emptied, not made anew. Axes
+# sit at fixed margins, in inches, sized for the longest label _short lets through, so no layout engine
+# runs (constrained layout cost a second layout pass per figure). Measured in bench/bench_report.py.
+
+Margins = tuple[float, float, float, float]  # an axes' left, bottom, right and top margins, in inches
+
+
+class _FigurePool:
+    def __init__(self):
+        self._figures: dict[str, tuple[Figure, list]] = {}
+
+    def clear(self) -> None:
+        self._figures.clear()
+
+    def get(self, kind: str, width: float, height: float, boxes: list[Margins], *, twin: int | None = None):
+        """The figure of ``kind``, ``width`` x ``height`` inches, and its axes, one per box, emptied; with
+        ``twin``, one more axes at the end: a second y axis of axes number ``twin``."""
+        if kind not in self._figures:
+            fig = Figure(dpi=PLOT_DPI)
+            FigureCanvasAgg(fig)
+            axes = [fig.add_axes((0, 0, 1, 1)) for _ in boxes]
+            if twin is not None:
+                axes.append(axes[twin].twinx())
+            self._figures[kind] = fig, axes
+        fig, axes = self._figures[kind]
+        fig.set_size_inches(width, height)
+        placed = boxes + ([boxes[twin]] if twin is not None else [])
+        for ax, (left, bottom, right, top) in zip(axes, placed):
+            ax.set_position((left / width, bottom / height, 1 - (left + right) / width, 1 - (bottom + top) / height))
+            _empty(ax)
+        return fig, axes
+
+
+def _empty(ax) -> None:
+    """Remove what the last drawing put on ``ax`` and let it scale to the next one's data."""
+    for container in list(ax.containers):
+        container.remove()
+    for artist in [*ax.lines, *ax.collections, *ax.patches, *ax.texts]:
+        artist.remove()
+    if ax.legend_ is not None:
+        ax.legend_.remove()
+    ax.relim()
+    ax.set_autoscale_on(True)
+    ax.set_prop_cycle(None)  # the next lines take the first colours again
+    ax.set_visible(True)
+
+
+_FIGURES = _FigurePool()
 
 
 def _png(fig) -> str:
-    """An <img> holding the figure as a base64 PNG; the figure is closed."""
+    """An <img> holding the figure as a base64 PNG."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=PLOT_DPI)
-    plt.close(fig)
     data = base64.b64encode(buffer.getvalue()).decode("ascii")
     return f'<img class="plot" alt="plot" src="data:image/png;base64,{data}">'
+
+
+# ---- plots -------------------------------------------------------------------------------------------
+# Margins: LABEL_IN fits a y axis of tick numbers and a label, PATHS_IN the 40 characters of a shortened
+# path at 8 points (TINY_PATHS_IN: at 7), TITLE_IN a title, TICKS_IN an x axis of tick labels and a label.
+LABEL_IN, PATHS_IN, TINY_PATHS_IN, TITLE_IN, TICKS_IN, EDGE_IN = 0.75, 2.6, 2.3, 0.35, 0.6, 0.15
+
+
+def _title(ax, text: str, fontsize: float) -> None:
+    """A title at a fixed height: placed automatically, it measured every tick label of the axes first."""
+    ax.set_title(text, fontsize=fontsize, y=1.0)
 
 
 def _band(ax) -> None:
@@ -85,44 +144,50 @@ def _fraction_figure(report: Report):
         by_layer[s.layer][1].append(s.file_fraction * 100)
     columns = min(len(report.layers), FRACTION_COLUMNS) or 1
     rows = -(-len(report.layers) // columns) or 1
-    fig, axes = plt.subplots(rows, columns, figsize=(max(6.5, 2.6 * columns), 3.4 * rows), layout="constrained",
-                             squeeze=False)
+    width, height = max(6.5, 2.6 * columns), 3.4 * rows
+    cell_w, cell_h = width / columns, height / rows
+    boxes = [(c * cell_w + 0.6, (rows - 1 - r) * cell_h + 0.35, width - (c + 1) * cell_w + EDGE_IN,
+              r * cell_h + TITLE_IN) for r in range(rows) for c in range(columns)]
+    fig, axes = _FIGURES.get(f"fractions-{rows}x{columns}", width, height, boxes)
     rng = random.Random(0)  # fixed jitter: the same report draws the same picture
     low, high = PRODUCTION_BAND
-    for ax, layer in zip(axes.flat, report.layers):
+    for ax, layer in zip(axes, report.layers):
         values = by_layer[layer.layer]
         ax.boxplot(values, showfliers=False, widths=0.5)
-        for i, vals in enumerate(values, start=1):
-            ax.scatter([i + rng.uniform(-0.18, 0.18) for _ in vals], vals, s=8, alpha=0.35,
-                       color=ROLE_COLORS.get(layer.roles[0], "#555"), zorder=3)
+        ax.scatter([i + rng.uniform(-0.18, 0.18) for i, vals in enumerate(values, start=1) for _ in vals],
+                   [v for vals in values for v in vals], s=8, alpha=0.35,
+                   color=ROLE_COLORS.get(layer.roles[0], "#555"), zorder=3)
         top = max([v for vals in values for v in vals] + [high * 100])
         _band(ax)
         ax.set_ylim(0, top * 1.1)
         ax.set_xticks([1, 2], ["bytes read", "files read"])
         ax.set_ylabel("% of the layer", fontsize=9)
-        ax.set_title(_short(layer.name, 32), fontsize=10)
+        _title(ax, _short(layer.name, 32), fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    for ax in list(axes.flat)[len(report.layers):]:
+    for ax in axes[len(report.layers):]:
         ax.set_visible(False)
-    axes.flat[0].legend(loc="upper right", fontsize=8)
+    axes[0].legend(loc="upper right", fontsize=8)
     return fig
 
 
 def _combination_plot(report: Report) -> str:
     """Per combination, each role's share of the combined bytes read (the top 40 by traces)."""
     combos = sorted(report.combinations, key=lambda c: -sum(m.traces for m in c.members))[:40]
-    fig, ax = plt.subplots(figsize=(13, max(2.2, 0.32 * len(combos) + 1)), layout="constrained")
+    height = max(2.2, 0.32 * len(combos) + 1)
+    fig, (ax,) = _FIGURES.get("combinations", 13, height, [(3.2, TICKS_IN, EDGE_IN, EDGE_IN)])
+    ys, lefts, widths, colors = [], [], [], []
     for y, combo in enumerate(combos):
         total_bytes = sum(m.layer_bytes for m in combo.members) or 1
         left = 0.0
         for m in combo.members:
             width = m.mean_bytes_read / total_bytes * 100
-            ax.barh(y, width, left=left, color=ROLE_COLORS.get(m.role, "#555"), edgecolor="white")
+            ys.append(y), lefts.append(left), widths.append(width), colors.append(ROLE_COLORS.get(m.role, "#555"))
             left += width
+    ax.barh(ys, widths, left=lefts, color=colors, edgecolor="white")
     low, high = PRODUCTION_BAND
     ax.axvspan(low * 100, high * 100, color="#2ca02c", alpha=0.12, zorder=0)
     ax.set_yticks(range(len(combos)), [_short(c.combination or "(no combination)", 40) for c in combos])
-    ax.invert_yaxis()
+    ax.yaxis.set_inverted(True)
     ax.set_xlabel("bytes read, % of the combination's layers (colour: base / workspace / toolkit)")
     ax.grid(axis="x", alpha=0.3)
     return _png(fig)
@@ -133,12 +198,12 @@ def _cold_start_plot(layer: LayerReport) -> str:
     def mib(values: list[float]) -> list[float]:
         return [v / (1 << 20) for v in values]
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
+    fig, (ax,) = _FIGURES.get("cold-start", 6.4, 3.6, [(LABEL_IN, TICKS_IN, EDGE_IN, TITLE_IN)])
     ax.fill_between(band.t_ms, mib(band.p10), mib(band.p90), alpha=0.25, label="p10–p90 of traces")
     ax.plot(band.t_ms, mib(band.median), lw=2, label="median")
     ax.set_xlabel("ms after mount")
     ax.set_ylabel("MiB of chunks needed")
-    ax.set_title("cold start: chunk bytes needed over time", fontsize=11)
+    _title(ax, "cold start: chunk bytes needed over time", fontsize=11)
     ax.legend(fontsize=9)
     ax.grid(alpha=0.3)
     return _png(fig)
@@ -146,17 +211,18 @@ def _cold_start_plot(layer: LayerReport) -> str:
 
 def _timeline_plot(layer: LayerReport) -> str:
     rows = layer.timeline.rows
-    fig, ax = plt.subplots(figsize=(7.6, max(2.5, 0.17 * len(rows) + 1.1)), layout="constrained")
-    for y, row in enumerate(rows):
-        for start, end in row.waits:
-            ax.barh(y, max(end - start, 0.05), left=start, height=0.6, color="#d62728", alpha=0.75)
+    fig, (ax,) = _FIGURES.get("timeline", 7.6, max(2.5, 0.17 * len(rows) + 1.1),
+                              [(TINY_PATHS_IN, TICKS_IN, EDGE_IN, TITLE_IN)])
+    waits = [(y, start, end) for y, row in enumerate(rows) for start, end in row.waits]
+    ax.barh([y for y, _s, _e in waits], [max(end - start, 0.05) for _y, start, end in waits],
+            left=[start for _y, start, _e in waits], height=0.6, color="#d62728", alpha=0.75)
     ax.scatter([row.first_read_ms for row in rows], range(len(rows)), s=10, color="black", zorder=3,
                label="first byte")
     ax.set_yticks(range(len(rows)), [_short(row.path, 40) for row in rows], fontsize=7)
-    ax.invert_yaxis()
+    ax.yaxis.set_inverted(True)
     ax.set_xlabel("ms after mount")
     more = f" (+{layer.timeline.more_files} more files)" if layer.timeline.more_files else ""
-    ax.set_title(f"files in first-read order, median trace{more}", fontsize=10)
+    _title(ax, f"files in first-read order, median trace{more}", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles + [Patch(color="#d62728", alpha=0.75)], labels + ["waiting for a fetch"], fontsize=8,
               loc="lower right")
@@ -165,27 +231,29 @@ def _timeline_plot(layer: LayerReport) -> str:
 
 
 def _waits_and_sizes_plot(layer: LayerReport) -> str:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 3.8), layout="constrained")
+    fig, (left, right) = _FIGURES.get("waits-and-sizes", 13, 3.8, [
+        (PATHS_IN, TICKS_IN, 6.5 + EDGE_IN, TITLE_IN), (6.5 + LABEL_IN, 1.0, EDGE_IN, TITLE_IN)])
     waited = layer.wait_files[:15]
     left.barh(range(len(waited)), [f.wait_ms for f in waited], color="#d62728")
     left.set_yticks(range(len(waited)), [_short(f.path, 40) for f in waited], fontsize=8)
-    left.invert_yaxis()
+    left.yaxis.set_inverted(True)
     left.set_xlabel("ms waiting for fetches, all traces")
-    left.set_title("what the cold start waits on" if waited else "no read waited for a fetch", fontsize=11)
+    _title(left, "what the cold start waits on" if waited else "no read waited for a fetch", fontsize=11)
     sizes = layer.read_sizes
     right.bar(range(len(sizes)), [count for _size, count in sizes], color="#4C72B0")
     right.set_xticks(range(len(sizes)), [human_size(size).replace(".0", "") for size, _count in sizes],
                      rotation=45, fontsize=8)
     right.set_xlabel("read size (at least; under twice)")
     right.set_ylabel("reads")
-    right.set_title("read sizes", fontsize=11)
+    _title(right, "read sizes", fontsize=11)
     for ax in (left, right):
         ax.grid(alpha=0.3)
     return _png(fig)
 
 
 def _chunk_plot(layer: LayerReport) -> str:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 3.8), layout="constrained")
+    fig, (left, right, twin) = _FIGURES.get("chunks", 13, 3.8, [
+        (LABEL_IN, TICKS_IN, 6.5 + LABEL_IN, TITLE_IN), (6.5 + LABEL_IN, TICKS_IN, EDGE_IN, TITLE_IN)], twin=0)
     estimates = layer.chunk_sizes
     x = [e.chunk_size for e in estimates]
     left.plot(x, [e.mean_bytes / (1 << 20) for e in estimates], marker="o", label="MiB fetched per trace")
@@ -195,14 +263,14 @@ def _chunk_plot(layer: LayerReport) -> str:
         left.axvline(current[0].chunk_size, color="grey", ls=":", label="this layer's chunk size")
     left.set_xscale("log", base=2)
     left.set_xticks(x, [human_size(c).replace(".0", "") for c in x])
+    left.minorticks_off()
     left.set_ylabel("MiB")
-    twin = left.twinx()
     twin.plot(x, [e.mean_chunks for e in estimates], color="#DD8452", marker="^", label="fetches per trace")
     twin.set_ylabel("fetches per trace")
     handles = left.get_legend_handles_labels()
     extra = twin.get_legend_handles_labels()
     left.legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=8, loc="upper left")
-    left.set_title("bytes a cold node fetches, by chunk size", fontsize=11)
+    _title(left, "bytes a cold node fetches, by chunk size", fontsize=11)
     left.grid(alpha=0.3)
     # Chunk bytes by the share of traces that read them, in ten bins: the same picture for 5 or 500 traces.
     bins = [0.0] * 10
@@ -211,14 +279,14 @@ def _chunk_plot(layer: LayerReport) -> str:
     right.bar([10 * i + 5 for i in range(10)], bins, width=9, color="#55A868")
     right.set_xlabel("% of traces that read the chunk")
     right.set_ylabel("MiB of chunks")
-    right.set_title("chunks shared across sandboxes", fontsize=11)
+    _title(right, "chunks shared across sandboxes", fontsize=11)
     right.grid(alpha=0.3)
     return _png(fig)
 
 
 def _prefetch_plot(layer: LayerReport) -> str:
     rows = [p for p in layer.prefetch if p.scope == "all"]
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
+    fig, (ax,) = _FIGURES.get("prefetch", 6.4, 3.6, [(LABEL_IN, TICKS_IN, EDGE_IN, TITLE_IN)])
     x = [p.min_fraction * 100 for p in rows]
     ax.plot(x, [p.coverage * 100 for p in rows], marker="o", label="coverage: needed bytes prefetched")
     ax.plot(x, [p.precision * 100 for p in rows], marker="s", label="precision: prefetched bytes read")
@@ -226,12 +294,11 @@ def _prefetch_plot(layer: LayerReport) -> str:
     ax.set_xlabel("learned list: chunks read by at least this % of training traces")
     ax.set_ylabel("%")
     ax.set_ylim(0, 105)
-    ax.set_title(f"prefetch list quality on held-out traces ({rows[0].test_traces} of "
+    _title(ax, f"prefetch list quality on held-out traces ({rows[0].test_traces} of "
                  f"{rows[0].test_traces + rows[0].train_traces})", fontsize=10)
     ax.legend(fontsize=8, loc="lower left")
     ax.grid(alpha=0.3)
     return _png(fig)
-
 
 # ---- tables ------------------------------------------------------------------------------------------
 
@@ -426,6 +493,14 @@ document.querySelectorAll("table.sortable th").forEach(function (th) {
 
 
 def render_html(report: Report) -> str:
+    """The page; the figures drawn for it are let go at the end (a few MiB of pixels each)."""
+    try:
+        return _page(report)
+    finally:
+        _FIGURES.clear()
+
+
+def _page(report: Report) -> str:
     low, high = PRODUCTION_BAND
     n_traces = len(report.traces)
     parts = [

@@ -23,6 +23,8 @@ Routes (JSON in and out; ``{sandbox}`` is a sandbox id or name; errors as every 
     POST /v1/sandboxes/{sandbox}/exec    {argv, env, cwd, runtime, network, memory_bytes, cpus, pids_limit,
                                           timeout, stdin (base64)}  -> {exit_code, stdout, stderr (base64),
                                           timed_out}
+    POST /v1/sandboxes/{sandbox}/attach  {argv, env, ..., runtime, stdin, tty, rows, cols}, Upgrade: dsecfs-exec/1
+                                         -> 101, then frames both ways (attach.py, dsec_fs/exec_frames.py)
     POST /v1/sandboxes/{sandbox}/down    {keep}  -> {}
     POST /v1/sandboxes/{sandbox}/commit  {name, store, keep_privileged}  -> {sandbox, layer, ref, store, stats, dropped}
 
@@ -65,7 +67,7 @@ from typing import Any
 
 import trio
 
-from dsec_fs import api, mounts
+from dsec_fs import api, exec_frames, mounts
 from dsec_fs.api import MODES
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.digest import is_hex_digest
@@ -75,9 +77,10 @@ from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
 from erofs_builder.build import build_tree
 from lazy_fetch.daemon import NodeDaemon
-from lazy_fetch.http_api import Request
+from lazy_fetch.http_api import Request, Upgrade
 from lazy_fetch.trace_holders import Holder, combination_id
 
+from .attach import AttachCommand, relay
 from .runtime import RUNTIMES, reap_containers
 from .sandbox import LayerHandle, SandboxManager, SandboxSpec, SandboxState
 from .stack import StackOptions
@@ -305,6 +308,7 @@ class SandboxService:
         api.route("GET", "/v1/sandboxes", self._get_list)
         api.route("GET", "/v1/sandboxes/{sandbox}", self._get_one)
         api.route("POST", "/v1/sandboxes/{sandbox}/exec", self._post_exec)
+        api.route("POST", "/v1/sandboxes/{sandbox}/attach", self._post_attach)
         api.route("POST", "/v1/sandboxes/{sandbox}/down", self._post_down)
         api.route("POST", "/v1/sandboxes/{sandbox}/commit", self._post_commit)
         daemon.on_start.append(self.start)
@@ -382,16 +386,26 @@ class SandboxService:
     async def _post_exec(self, request: Request) -> api.ExecResult:
         self._check_serving()
         body = request.decode(api.ExecRequest)
-        options: dict[str, Any] = dict(
-            env=body.env, cwd=body.cwd, network=body.network, memory_bytes=body.memory_bytes, cpus=body.cpus,
-            pids_limit=body.pids_limit, timeout=body.timeout, stdin=body.stdin)
-        if body.runtime is not None:
-            options["runtime"] = body.runtime
-        run = functools.partial(self.manager.exec, request.params["sandbox"], body.argv, **options)
+        run = functools.partial(self.manager.exec, request.params["sandbox"], body.argv, **_run_options(body),
+                                stdin=body.stdin)
         # Abandoned if the daemon stops meanwhile: a namespaces command cannot be killed from here.
         result = await trio.to_thread.run_sync(run, limiter=self._execs, abandon_on_cancel=True)
         return api.ExecResult(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr,
                               timed_out=result.timed_out)
+
+    async def _post_attach(self, request: Request) -> Upgrade:
+        self._check_serving()
+        body = request.decode(api.AttachRequest)
+        rootfs, options = self.manager.run_target(request.params["sandbox"], _run_options(body))
+        command = AttachCommand(rootfs, body.argv, options, stdin=body.stdin, tty=body.tty, rows=body.rows,
+                                cols=body.cols)
+        command.check()
+
+        async def run(stream, early: bytes) -> None:
+            async with self._execs:
+                await relay(stream, early, command)
+
+        return Upgrade(exec_frames.PROTOCOL, run)
 
     async def _post_down(self, request: Request) -> api.Empty:
         keep = request.decode(api.DownRequest).keep
@@ -445,6 +459,15 @@ def attach(daemon: NodeDaemon, *, layer_mode: str = "kernel", runtime: str = "ru
     service = SandboxService(daemon, layer_mode=layer_mode, runtime=runtime, stack_options=stack_options)
     service.register()
     return service
+
+
+def _run_options(body: api.ExecRequest | api.AttachRequest) -> dict[str, Any]:
+    """run_in_rootfs's keyword arguments from a request's fields (the runtime only if it names one)."""
+    options: dict[str, Any] = dict(env=body.env, cwd=body.cwd, network=body.network, memory_bytes=body.memory_bytes,
+                                   cpus=body.cpus, pids_limit=body.pids_limit, timeout=body.timeout)
+    if body.runtime is not None:
+        options["runtime"] = body.runtime
+    return options
 
 
 def _state_json(state: SandboxState) -> api.SandboxInfo:

@@ -19,7 +19,7 @@ Two runtimes:
   cgroup and the masked paths). runc's state lives in ``runc_root`` (default: a directory in the
   temporary bundle dir); ``reap_containers`` deletes containers a crashed caller left behind there.
 - ``"namespaces"``, for machines without runc. util-linux ``unshare`` makes the namespaces and forks;
-  the child is this module run as a program (``python -m overlay.runtime``), which reads its
+  the child is overlay/namespace_child.py run as a program (``python -m overlay.namespace_child``), which reads its
   instructions from a pipe, chroots into the rootfs, mounts /proc, /dev (tmpfs with null, zero, full,
   random, urandom, tty), /dev/pts, /dev/shm and sysfs (read-only) there, applies the binds and the masked
   and read-only paths, sets the hostname, drops capabilities to DEFAULT_CAPABILITIES minus CAP_SYS_CHROOT
@@ -43,19 +43,14 @@ its own bundle, container id and pipes).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import json
 import math
 import os
 import re
-import resource
 import secrets
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -63,7 +58,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from dsec_fs import mounts
 from dsec_fs.errors import DsecError, InputError, NotFoundError, UnavailableError, UnsupportedError
 
 RUNTIMES = ("runc", "namespaces")
@@ -160,12 +154,7 @@ def run_in_rootfs(rootfs: str | os.PathLike, argv: Sequence[str], *, runtime: st
                   extra_binds: Sequence[Bind | tuple[str, str, bool]] = (), stdin: bytes | None = None,
                   timeout: float | None = None) -> RunResult:
     """Run ``argv`` (argv[0] looked up in the sandbox's PATH) in ``rootfs``; see the module docstring."""
-    rootfs = os.path.abspath(os.fsdecode(rootfs))
-    if not os.path.isdir(rootfs):
-        raise NotFoundError("root filesystem does not exist or is not a directory", where=rootfs)
-    argv = list(argv)
-    if not argv or not all(isinstance(arg, str) and "\0" not in arg for arg in argv):
-        raise InputError(f"argv must be a non-empty list of strings without NUL, not {argv!r}", where=rootfs)
+    rootfs, argv = checked_command(rootfs, argv)
     options = RunOptions(env=env, cwd=cwd, hostname=hostname, network=network, memory_bytes=memory_bytes,
                          cpus=cpus, pids_limit=pids_limit, readonly_paths=readonly_paths,
                          extra_binds=extra_binds, stdin=stdin, timeout=timeout).checked()
@@ -174,6 +163,22 @@ def run_in_rootfs(rootfs: str | os.PathLike, argv: Sequence[str], *, runtime: st
     if runtime == "namespaces":
         return _run_namespaces(rootfs, argv, options)
     raise InputError(f"unknown runtime {runtime!r}, expected one of {', '.join(RUNTIMES)}", where=rootfs)
+
+
+def checked_command(rootfs: str | os.PathLike, argv: Sequence[str]) -> tuple[str, list[str]]:
+    """``rootfs`` made absolute and ``argv`` as a list; NotFoundError/InputError if they cannot be run."""
+    rootfs = os.path.abspath(os.fsdecode(rootfs))
+    if not os.path.isdir(rootfs):
+        raise NotFoundError("root filesystem does not exist or is not a directory", where=rootfs)
+    argv = list(argv)
+    if not argv or not all(isinstance(arg, str) and "\0" not in arg for arg in argv):
+        raise InputError(f"argv must be a non-empty list of strings without NUL, not {argv!r}", where=rootfs)
+    return rootfs, argv
+
+
+def exit_code(returncode: int) -> int:
+    """A process's exit code as shells and runc report it: 128 + N for a process killed by signal N."""
+    return SIGNAL_EXIT_BASE - returncode if returncode < 0 else returncode
 
 
 def _check_sandbox_path(path: str, where: str) -> None:
@@ -192,8 +197,7 @@ def _require(program: str, runtime: str) -> str:
 
 
 def _finish(returncode: int, stdout: bytes, stderr: bytes, timed_out: bool = False) -> RunResult:
-    code = SIGNAL_EXIT_BASE - returncode if returncode < 0 else returncode
-    return RunResult(exit_code=code, stdout=stdout or b"", stderr=stderr or b"", timed_out=timed_out)
+    return RunResult(exit_code=exit_code(returncode), stdout=stdout or b"", stderr=stderr or b"", timed_out=timed_out)
 
 
 def _communicate(process: subprocess.Popen, options: RunOptions, stop: Callable[[], None]) -> RunResult:
@@ -209,8 +213,10 @@ def _communicate(process: subprocess.Popen, options: RunOptions, stop: Callable[
 
 # --- runc -------------------------------------------------------------------------------------------------
 
-def oci_config(rootfs: str, argv: Sequence[str], options: RunOptions) -> dict:
-    """The OCI runtime spec (1.0) config.json of one run (``options`` as returned by RunOptions.checked)."""
+def oci_config(rootfs: str, argv: Sequence[str], options: RunOptions,
+               terminal: tuple[int, int] | None = None) -> dict:
+    """The OCI runtime spec (1.0) config.json of one run (``options`` as returned by RunOptions.checked);
+    ``terminal``: (rows, columns) of the terminal runc gives the command (0, 0: its default size)."""
     capabilities = sorted(DEFAULT_CAPABILITIES)
     mounts_ = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -236,10 +242,13 @@ def oci_config(rootfs: str, argv: Sequence[str], options: RunOptions) -> dict:
         resources["cpu"] = {"quota": max(1000, round(options.cpus * CPU_PERIOD_US)), "period": CPU_PERIOD_US}
     if options.pids_limit is not None:
         resources["pids"] = {"limit": int(options.pids_limit)}
+    process: dict = {"terminal": terminal is not None}
+    if terminal is not None and all(terminal):
+        process["consoleSize"] = {"height": terminal[0], "width": terminal[1]}
     return {
         "ociVersion": "1.0.2",
         "process": {
-            "terminal": False,
+            **process,
             "user": {"uid": 0, "gid": 0},
             "args": list(argv),
             "env": [f"{name}={value}" for name, value in options.environment().items()],
@@ -259,38 +268,74 @@ def oci_config(rootfs: str, argv: Sequence[str], options: RunOptions) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class RuncContainer:
+    """One container's bundle (config.json, runc's log) in a temporary directory, and the runc commands
+    for it; ``remove()`` deletes the bundle (after ``delete_command`` ran)."""
+
+    runc: str
+    bundle: str
+    state_root: str
+    id: str
+
+    @classmethod
+    def create(cls, rootfs: str, argv: Sequence[str], options: RunOptions, runc_root: str | None, *,
+               terminal: tuple[int, int] | None = None) -> "RuncContainer":
+        runc = _require("runc", "runc")
+        bundle = tempfile.mkdtemp(prefix="dsecfs-run-")
+        container = cls(runc, bundle, os.path.abspath(runc_root) if runc_root else os.path.join(bundle, "state"),
+                        "dsecfs-" + secrets.token_hex(8))
+        try:
+            with open(os.path.join(bundle, "config.json"), "w") as f:
+                json.dump(oci_config(rootfs, argv, options, terminal), f)
+        except BaseException:
+            container.remove()
+            raise
+        return container
+
+    def run_command(self) -> list[str]:
+        """``runc run`` in the foreground: it exits with the command's status, 128 + N after signal N."""
+        return [self.runc, "--root", self.state_root, "--log", os.path.join(self.bundle, "runc.log"),
+                "--log-format", "json", "run", "--bundle", self.bundle, self.id]
+
+    def delete_command(self) -> list[str]:
+        """Kill whatever still runs in the container and remove its state and cgroups."""
+        return [self.runc, "--root", self.state_root, "delete", "--force", self.id]
+
+    def failure(self, argv: Sequence[str], rootfs: str) -> DsecError | None:
+        """The error runc logged when it could not start the command, or None."""
+        failure = _runc_error(os.path.join(self.bundle, "runc.log"))
+        if failure is None:
+            return None
+        where = f"runc container {self.id} in {rootfs}"
+        if "unable to start container process: exec:" in failure:
+            return InputError(f"cannot execute {argv[0]!r}: {failure}", where=where)
+        return UnavailableError(failure, where=where, transient=False)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.bundle, ignore_errors=True)
+
+
 def _run_runc(rootfs: str, argv: list[str], options: RunOptions, runc_root: str | None) -> RunResult:
-    runc = _require("runc", "runc")
-    bundle = tempfile.mkdtemp(prefix="dsecfs-run-")
-    state_root = os.path.abspath(runc_root) if runc_root else os.path.join(bundle, "state")
-    container = "dsecfs-" + secrets.token_hex(8)
-    log_path = os.path.join(bundle, "runc.log")
+    container = RuncContainer.create(rootfs, argv, options, runc_root)
 
     def delete() -> None:
-        """Kill whatever still runs in the container and remove its state and cgroups."""
-        subprocess.run([runc, "--root", state_root, "delete", "--force", container],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(container.delete_command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
 
     try:
-        with open(os.path.join(bundle, "config.json"), "w") as f:
-            json.dump(oci_config(rootfs, argv, options), f)
         process = subprocess.Popen(
-            [runc, "--root", state_root, "--log", log_path, "--log-format", "json", "run", "--bundle", bundle,
-             container],
-            stdin=subprocess.DEVNULL if options.stdin is None else subprocess.PIPE,
+            container.run_command(), stdin=subprocess.DEVNULL if options.stdin is None else subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         # A killed `runc run` leaves the container running (and holding our pipes): delete it first.
         result = _communicate(process, options, stop=lambda: (delete(), process.kill()))
-        failure = None if result.timed_out else _runc_error(log_path)
+        failure = None if result.timed_out else container.failure(argv, rootfs)
         if failure is not None:
-            where = f"runc container {container} in {rootfs}"
-            if "unable to start container process: exec:" in failure:
-                raise InputError(f"cannot execute {argv[0]!r}: {failure}", where=where)
-            raise UnavailableError(failure, where=where, transient=False)
+            raise failure
         return result
     finally:
         delete()
-        shutil.rmtree(bundle, ignore_errors=True)
+        container.remove()
 
 
 def _runc_error(log_path: str) -> str | None:
@@ -373,6 +418,9 @@ def _container_root(bundle: str) -> str | None:
 
 # --- namespaces -------------------------------------------------------------------------------------------
 
+CHILD_STARTED = b"+"  # the first byte the child (namespace_child.py) writes on its report pipe
+
+
 def _run_namespaces(rootfs: str, argv: list[str], options: RunOptions) -> RunResult:
     for limit in ("cpus", "pids_limit"):
         if getattr(options, limit) is not None:
@@ -393,7 +441,7 @@ def _run_namespaces(rootfs: str, argv: list[str], options: RunOptions) -> RunRes
     with open(todo_w, "wb") as to_child, open(report_r, "rb") as from_child:
         try:
             process = subprocess.Popen(
-                command + ["--", sys.executable, "-s", "-m", "overlay.runtime", str(todo_r), str(report_w)],
+                command + ["--", sys.executable, "-s", "-m", "overlay.namespace_child", str(todo_r), str(report_w)],
                 stdin=subprocess.DEVNULL if options.stdin is None else subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(todo_r, report_w),
                 env={"PATH": os.environ.get("PATH", DEFAULT_PATH), "PYTHONPATH": project_root},
@@ -419,145 +467,3 @@ def _run_namespaces(rootfs: str, argv: list[str], options: RunOptions) -> RunRes
             raise InputError(f"cannot execute {argv[0]!r}: {failure['message']}", where=where)
         raise UnavailableError(f"sandbox setup failed: {failure['message']}", where=where, transient=False)
     return result
-
-
-# The child of the namespaces runtime: pid 1 of the new pid namespace until it execs the command. It runs
-# with every capability in fresh namespaces. On the report pipe (closed by a successful exec) it writes
-# CHILD_STARTED first, then, if anything fails, {"stage": "setup" | "exec", "message": ...} as JSON.
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-CHILD_STARTED = b"+"
-PR_CAPBSET_DROP = 24
-PR_SET_NO_NEW_PRIVS = 38
-PR_CAP_AMBIENT = 47
-PR_CAP_AMBIENT_CLEAR_ALL = 4
-O_PATH = getattr(os, "O_PATH", 0o10000000)
-MS_NOEXEC, MS_REC = 0x8, 0x4000
-MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = mounts.MS_NOSUID, mounts.MS_NODEV, mounts.MS_REMOUNT, mounts.MS_BIND
-DEVICE_NODES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
-DEVICE_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-                "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx"}
-
-
-class _Failure(Exception):
-    def __init__(self, stage: str, message: str):
-        super().__init__(message)
-        self.stage = stage
-
-
-def _namespace_child(todo_fd: int, report_fd: int) -> None:
-    os.set_inheritable(report_fd, False)
-    os.write(report_fd, CHILD_STARTED)
-    try:
-        with open(todo_fd, "rb") as f:
-            todo = json.loads(f.read())
-        _enter_sandbox(todo)
-        try:
-            os.execvpe(todo["argv"][0], todo["argv"], todo["env"])
-        except OSError as exc:
-            raise _Failure("exec", os.strerror(exc.errno or 0)) from None
-    except BaseException as exc:  # the child must report whatever went wrong, then exit
-        stage = exc.stage if isinstance(exc, _Failure) else "setup"
-        message = str(exc) if isinstance(exc, (_Failure, DsecError)) else f"{type(exc).__name__}: {exc}"
-        os.write(report_fd, json.dumps({"stage": stage, "message": message}).encode())
-        os._exit(127)
-
-
-def _enter_sandbox(todo: dict) -> None:
-    # Bind sources are host paths: open them before the chroot hides them, mount them through
-    # /proc/self/fd once /proc is back. Every other path is resolved inside the chroot, so a symlink in the
-    # rootfs cannot point a mount outside it.
-    sources = [os.open(source, O_PATH | os.O_CLOEXEC) for source, _dst, _ro in todo["binds"]]
-    os.chroot(todo["rootfs"])
-    os.chdir("/")
-    _mount_at("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    _mount_at("tmpfs", "/dev", "tmpfs", MS_NOSUID, "mode=755,size=65536k")
-    for name, (major, minor) in DEVICE_NODES.items():
-        os.mknod(f"/dev/{name}", stat.S_IFCHR | 0o666, os.makedev(major, minor))
-        os.chmod(f"/dev/{name}", 0o666)  # mknod obeys the umask
-    for name, target in DEVICE_LINKS.items():
-        os.symlink(target, f"/dev/{name}")
-    _mount_at("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5")
-    _mount_at("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777,size=65536k")
-    _mount_at("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | mounts.MS_RDONLY)
-    for fd, (_source, destination, readonly) in zip(sources, todo["binds"]):
-        _prepare_mountpoint(destination, directory=stat.S_ISDIR(os.fstat(fd).st_mode))
-        mounts.mount(f"/proc/self/fd/{fd}", destination, "", MS_BIND | MS_REC)
-        mounts.mount("none", destination, "", MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV
-                     | (mounts.MS_RDONLY if readonly else 0))
-        os.close(fd)
-    for path in MASKED_PATHS:
-        if os.path.isdir(path):
-            mounts.mount("tmpfs", path, "tmpfs", mounts.MS_RDONLY, "size=0")
-        elif os.path.exists(path):
-            mounts.mount("/dev/null", path, "", MS_BIND)
-    for path in todo["readonly_paths"]:
-        if os.path.exists(path):
-            mounts.mount(path, path, "", MS_BIND | MS_REC)
-            mounts.mount("none", path, "", MS_BIND | MS_REMOUNT | mounts.MS_RDONLY)
-    socket.sethostname(todo["hostname"])
-    if todo["memory_bytes"] is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (todo["memory_bytes"], todo["memory_bytes"]))
-    try:
-        os.chdir(todo["cwd"])
-    except OSError as exc:
-        raise _Failure("setup", f"cwd {todo['cwd']}: {os.strerror(exc.errno or 0)}") from None
-    _drop_privileges()
-
-
-def _prepare_mountpoint(path: str, *, directory: bool) -> None:
-    if os.path.lexists(path):
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if directory:
-        os.mkdir(path)
-    else:
-        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
-
-
-def _mount_at(source: str, path: str, fstype: str, flags: int, data: str = "") -> None:
-    _prepare_mountpoint(path, directory=True)
-    mounts.mount(source, path, fstype, flags, data)
-
-
-def _prctl(option: int, arg: int, what: str) -> None:
-    if _libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
-        err = ctypes.get_errno()
-        raise _Failure("setup", f"prctl {what}: {os.strerror(err)}")
-
-
-def _drop_privileges() -> None:
-    """Leave only the allowed capabilities in the bounding set (uid 0 gets exactly those on exec)."""
-    allowed = {number for name, number in DEFAULT_CAPABILITIES.items() if name not in NAMESPACES_WITHHELD}
-    with open("/proc/sys/kernel/cap_last_cap") as f:
-        last = int(f.read())
-    for cap in range(last + 1):
-        if cap not in allowed:
-            _prctl(PR_CAPBSET_DROP, cap, f"drop capability {cap}")
-    _clear_inheritable()
-    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "clear ambient capabilities")
-    _prctl(PR_SET_NO_NEW_PRIVS, 1, "no_new_privs")
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
-
-def _clear_inheritable() -> None:
-    """Empty the inheritable set, which exec would otherwise add to the new permitted set for uid 0."""
-    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words per set
-    data = (_CapData * 2)()
-    if _libc.capget(ctypes.byref(header), data) != 0 or not any(word.inheritable for word in data):
-        return
-    for word in data:
-        word.inheritable = 0
-    if _libc.capset(ctypes.byref(header), data) != 0:
-        raise _Failure("setup", f"capset: {os.strerror(ctypes.get_errno())}")
-
-
-if __name__ == "__main__":
-    _namespace_child(int(sys.argv[1]), int(sys.argv[2]))

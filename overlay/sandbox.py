@@ -269,16 +269,21 @@ class SandboxManager:
 
     def exec(self, key: str, argv: Sequence[str], **options) -> RunResult:
         """Run ``argv`` in the sandbox; ``options`` are run_in_rootfs's (runtime, env, cwd, limits, ...)."""
+        rootfs, options = self.run_target(key, options)
+        return run_in_rootfs(rootfs, argv, **options)
+
+    def run_target(self, key: str, options: dict) -> tuple[str, dict]:
+        """The root of the running sandbox ``key`` and run_in_rootfs's ``options`` with this sandbox's
+        defaults (runtime, hostname, runc_root) added; for exec, and for commands relayed elsewhere."""
         with self._lock:
             state = self._find(key)
         if state.status != "running":
             raise UnavailableError(f"sandbox is {state.status}", where=f"sandbox {state.name}",
                                    transient=state.status == "creating")
-        options.setdefault("runtime", self.runtime)
-        options.setdefault("hostname", state.name.replace("_", "-"))
+        options = {"runtime": self.runtime, "hostname": state.name.replace("_", "-"), **options}
         if options["runtime"] == "runc":
             options.setdefault("runc_root", self.runc_root)
-        return run_in_rootfs(state.rootfs, argv, **options)
+        return state.rootfs, options
 
     def commit(self, key: str, publish: Callable[[Tree], object] | None = None, *,
                keep_privileged: bool = False) -> Commit:

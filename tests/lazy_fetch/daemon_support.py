@@ -4,7 +4,8 @@ uses ``Daemons`` is in conftest.py.
 - ``Daemons``: ``dsecfs daemon`` subprocesses on one test's directories, driven through dsec_fs.client.
 - ``metrics``/``layer_metric``: samples of a daemon's /metrics.
 - ``file_chunks``: the chunks holding a file's data, from a layer's image and blob map.
-- ``drop_caches``/``mount_dirs``: a cold page cache, fresh mount points; ``wait_for``: poll a condition.
+- ``drop_caches``/``mount_dirs``: a cold page cache, fresh mount points.
+- ``wait_for``: poll a condition until it holds, or fail naming what was awaited.
 
 Import it as ``tests.lazy_fetch.daemon_support`` (not through conftest: pytest loads every directory's
 conftest under the one name "conftest").
@@ -104,19 +105,19 @@ def layer_store(base, files: dict[str, bytes], ref: str, chunk_size: int) -> str
     return store
 
 
-def wait_for(condition, what: str, timeout: float = 20.0):
-    """``condition()``'s first true value, polled until ``timeout`` seconds (AssertionError naming ``what``)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def mount_dirs(tmp_path, *names) -> list[str]:
     paths = [str(tmp_path / name) for name in names]
     for path in paths:
         os.makedirs(path)
     return paths
+
+
+def wait_for(condition, what: str, timeout: float = 20.0):
+    """``condition()``'s first true value, polled every 20 ms; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

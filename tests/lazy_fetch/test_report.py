@@ -86,6 +86,14 @@ def test_report_json_and_html(report_dir):
     # Self-contained: nothing is fetched from anywhere.
     assert not re.search(r'(src|href)="(https?:|//|file:)', page) and "<script src" not in page
     assert "/usr/share/doc/unread" in page and page.count('<table class="sortable">') >= 10
+    for section in ("<h2>Layers</h2>", "<h2>Combinations</h2>", "<h2>Chunks shared across layers</h2>",
+                    "<h2>Traces <small>(16)</small></h2>"):
+        assert page.count(section) == 1, section
+    for layer in ("base/test:1", "ws/repo:1"):  # each layer's section, open, with its plots and tables
+        section = page.split(f'<details class="layer" open><summary><h2>{layer} ')[1].split("</details>")[0]
+        assert len(_images(section)) == PLOTS_PER_LAYER
+        for heading in ("Hottest files", "Hottest directories", "Other chunk sizes", "Prefetch lists"):
+            assert f"<h3>{heading}</h3>" in section, (layer, heading)
 
 
 class DevTools:
@@ -308,3 +316,22 @@ def test_every_layer_section_is_open_and_each_layer_has_its_own_scale(layers, tm
         most = max(max(s.byte_fraction, s.file_fraction) for s in report.traces if s.layer == layer.layer) * 100
         assert most <= tops[name] <= max(most, 10) * 1.1 + 1e-9, name  # scaled to its own layer
     assert tops["small/0:1"] == pytest.approx(110) and tops["ws/repo:1"] < 50  # read whole; read little
+
+
+def test_a_figure_drawn_again_shows_only_the_layer_drawn_last(layers, tmp_path, monkeypatch):
+    """The report draws each kind of plot on one figure, layer after layer: drawing layer A, then B, then A
+    again gives A's picture byte for byte, as the first drawing on a new figure did."""
+    from lazy_fetch import report_html
+    from lazy_fetch.analysis import analyze
+
+    paths = [write_trace(tmp_path / f"base{i}.dtr", layers.base, WORKLOAD, mode="kernel" if i % 2 else "fuse",
+                         ref="base/test:1", started_ns=i) for i in range(3)]
+    paths += [write_trace(tmp_path / f"ws{i}.dtr", layers.workspace, [Read("work/main.py", 0, 3000, 100)],
+                          role="workspace", ref="ws/repo:1", started_ns=i) for i in range(2)]
+    base, workspace = analyze(paths, layers.store).layers
+    monkeypatch.setattr(report_html, "_FIGURES", report_html._FigurePool())  # none drawn by an earlier test
+    for plot in (report_html._cold_start_plot, report_html._timeline_plot, report_html._waits_and_sizes_plot,
+                 report_html._chunk_plot, report_html._prefetch_plot):
+        first = plot(base)
+        other = plot(workspace)
+        assert plot(base) == first != other, plot.__name__
