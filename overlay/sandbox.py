@@ -3,8 +3,8 @@
 A sandbox is (base, workspace, toolkits...) layer refs and a name. ``SandboxManager.up`` resolves every
 ref (side by side), names the stack's combination (lazy_fetch/trace_holders.combination_id of the
 digests, top first), and acquires every layer, as a holder of its role, ref and combination (what its
-traces are labelled with and its profiles looked up by), from a ``LayerProvider`` (reference-counted layer mounts: the node daemon's implementation sits
-on its LayerMounter; ``ExportedLayers`` here mounts layers exported from a store with kernel EROFS, for
+traces are labelled with and its profiles looked up by), from a ``LayerProvider`` (reference-counted
+layer mounts: the node daemon's implementation sits on its LayerMounter; ``ExportedLayers`` here mounts layers exported from a store with kernel EROFS, for
 use without a daemon and for tests), stacks them (stack.mount_stack, top first: toolkits in the order
 given, workspace, base) over a fresh upper dir, and records the sandbox in a JSON state file. ``exec``
 runs a command in it (runtime.run_in_rootfs), ``commit`` reads its upper dir as a Tree to publish as a
