@@ -158,7 +158,7 @@ class MountInfo(_Response):
     ref: str = ""  # how the mount named the layer (a ref or the digest)
     store: str = ""
     blob_id: str = ""
-    trace: str = ""  # the mount's access trace file ("" when tracing is off)
+    trace: str = ""  # the access trace file it started ("" when tracing is off; later segments: trace_segments.py)
     prefetch: str = ""  # the prefetch list it was mounted with, "profile:combination|layer|name", or ""
     created: str = ""
     chunks: int = 0  # distinct chunks of the layer
