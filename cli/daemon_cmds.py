@@ -26,7 +26,7 @@ import logging
 
 import click
 
-from dsec_fs.api import BINDINGS, FILLS, MODES
+from dsec_fs.api import BINDINGS, DEFAULT_FILL, FILLS, MODES
 from dsec_fs.client import (CACHE_DIR_ENV, DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR, SOCKET_ENV,
                              STATE_DIR_ENV, Node)
 from dsec_fs.units import human_size, parse_size
@@ -73,13 +73,23 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
                    "(e.g. 127.0.0.1:9402; off by default)")
 @click.option("--no-profiles", is_flag=True,
               help="do not learn access profiles from traces, share them through the store, or prefetch by them")
-@click.option("--fill", type=click.Choice(FILLS), default="profile", show_default=True,
+@click.option("--fill", type=click.Choice(FILLS), default=DEFAULT_FILL, show_default=True,
               help="what a new mount fetches in the background: nothing, its profile, or that and then the rest "
-                   "of the layer (until the cache bound); mounts and sandboxes may say otherwise")
+                   "of the layer (until the cache bound); auto: its profile if it has one, else the whole layer; "
+                   "mounts and sandboxes may say otherwise")
 @click.option("--trace-keep-size", default="1GiB", show_default=True, metavar="SIZE",
               help="closed traces beyond this size in all are removed, oldest first")
 @click.option("--trace-keep-age", type=Duration(), default="7d", show_default=True, metavar="DURATION",
               help="closed traces older than this are removed")
+@click.option("--ref-ttl", type=Duration(), default="15s", show_default=True, metavar="DURATION",
+              help="use a ref read from the store for this long (refs move, the layers they name do not; 0: read it "
+                   "every time)")
+@click.option("--meta-cache-size", default="512MiB", show_default=True, metavar="SIZE",
+              help="keep layer metadata (manifests, meta.erofs, blob maps, pack indexes) in the cache directory up to "
+                   "this size, so a layer opens again without the store (0: do not)")
+@click.option("--idle-grace", type=Duration(), default="60s", show_default=True, metavar="DURATION",
+              help="a sandbox layer no sandbox uses stays mounted this long, for the next `sandbox up` (0: unmount it "
+                   "at once)")
 @click.option("--log-file", default=None, metavar="PATH", help="log here instead of stderr")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
@@ -90,7 +100,7 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
            store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: str | None,
            fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, metrics_address: str | None,
-           no_profiles: bool, fill: str,
+           no_profiles: bool, fill: str, ref_ttl: float, meta_cache_size: str, idle_grace: float,
            trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
            sandbox_runtime: str) -> None:
     """Run the node daemon: mounts layers, fetches and caches chunks, runs sandboxes, serves the API on the
@@ -110,7 +120,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
         bandwidth=None if bandwidth is None else parse_size(bandwidth),
         fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead),
         read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, metrics_address=metrics_address,
-        profiles=not no_profiles, fill=fill,
+        profiles=not no_profiles, fill=fill, ref_ttl=ref_ttl, meta_cache_bytes=parse_size(meta_cache_size),
+        idle_grace=idle_grace,
         trace_keep_bytes=parse_size(trace_keep_size),
         trace_keep_seconds=trace_keep_age)
     sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)
@@ -126,7 +137,7 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
               type=click.Path(exists=True, dir_okay=False, path_type=str),
               help="a prefetch list (dsecfs prefetch build) to fetch in the background, instead of the profile")
 @click.option("--no-profile", is_flag=True, help="do not prefetch by the layer's access profile from the store")
-@click.option("--fill", type=click.Choice(FILLS), default=None, help="none, profile or layer (default: the daemon's)")
+@click.option("--fill", type=click.Choice(FILLS), default=None, help="auto, none, profile or layer (default: the daemon's)")
 @store_option
 @click.option("--fuse-binding", type=click.Choice(BINDINGS), default=None,
               help="the FUSE binding of a daemon this command starts (and that a running one must use)")
@@ -182,7 +193,8 @@ def status(socket_path: str, as_json: bool) -> None:
             lines.append(f"cleaned  {', '.join(st.cleaned)} (left by a daemon that died)")
         lines.append(f"\n{'MOUNTPOINT':<40} {'MODE':<6} {'LAYER':<12} {'REF':<24} PREFETCHED BY")
         lines += [f"{m.mountpoint:<40} {m.mode:<6} {m.layer[:12]:<12} {m.ref:<24} "
-                  f"{m.prefetch or '-'}{' ' + m.profile_key if m.profile_key else ''}" for m in st.mounts]
+                  f"{m.prefetch or '-'}{' ' + m.profile_key if m.profile_key else ''}"
+                  + (f" (idle, unmounted at {m.idle_until})" if m.idle_until else "") for m in st.mounts]
         lines.append(f"\n{'LAYER':<12} {'MOUNTS':>6} {'USED':>7} {'FETCHED':>10} {'CHUNKS':>7} {'ERRORS':>6}")
         lines += [f"{layer.layer[:12]:<12} {layer.mounts:>6} {layer.fetched_ratio * 100:>6.1f}% "
                   f"{human_size(layer.bytes_fetched):>10} {layer.chunks_fetched:>7,} {layer.fetch_errors:>6,}"

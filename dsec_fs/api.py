@@ -45,8 +45,10 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 MODES = ("kernel", "fuse")  # kernel: EROFS over the daemon's FUSE blob file; fuse: the whole tree over FUSE
 BINDINGS = ("pyfuse3", "fusepy", "raw")  # raw: mounts survive a daemon restart (docs/architecture.md)
 # What a mount fetches in the background besides what is read: none; its profile (or its prefetch list);
-# layer: that, then the rest of the layer in blob order, until the cache bound.
-FILLS = ("none", "profile", "layer")
+# layer: that, then the rest of the layer in blob order, until the cache bound; auto: the profile if
+# there is one (or a list), else the whole layer (docs/benchmarks.md, issue 13, says why it is the default).
+FILLS = ("auto", "none", "profile", "layer")
+DEFAULT_FILL = "auto"
 
 # HTTP status of each DsecError kind; a client maps the kind back to the class.
 STATUS_BY_KIND = {
@@ -165,6 +167,7 @@ class MountInfo(_Response):
     data_bytes: int = 0  # their bytes
     prefetch_chunks: int = 0  # chunks the prefetch (list or profile) was to fetch
     profile_key: str = ""  # the store prefix of the profile it prefetched by (keys.*_profiles)
+    idle_until: str = ""  # an idle sandbox layer (no sandbox uses it): when it is unmounted, unless used again
 
 
 class UmountInfo(_Response):
@@ -199,8 +202,9 @@ class LayerStatus(_Response):
 class PrefetchInfo(_Response):
     layer: str
     list: str
-    chunks: int = 0
+    chunks: int = 0  # the list's and the fill's
     bytes: int = 0
+    fill_chunks: int = 0  # of those, the fill's (the rest of the layer, fetched after the list)
     state: str = ""  # running | done | cancelled | failed
     done_chunks: int = 0
     done_bytes: int = 0
@@ -264,7 +268,7 @@ class SandboxInfo(_Response):
 
 class SandboxList(_Response):
     sandboxes: list[SandboxInfo] = []
-    layers: list[dict] = []  # the layers held for sandboxes: {layer, mountpoint, users}
+    layers: list[dict] = []  # the layers held for sandboxes: {layer, mountpoint, users, idle_until}
     removed_at_start: list[str] = []
 
 

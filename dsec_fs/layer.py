@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Protocol
 
 from . import compress
 from .digest import is_hex_digest, sha256, to_hex
@@ -230,16 +230,28 @@ def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest)
     return digest
 
 
-def open_layer(store: Store, ref_or_digest: str, *,
-               on_manifest: Callable[[Manifest], object] | None = None) -> LayerFiles:
-    """Read a published layer: manifest first, then meta.erofs and the blob map side by side, each verified.
-    ``on_manifest(manifest)`` runs in the calling thread once the manifest is verified, while the two
-    are read; what it raises is raised here (after both reads have ended)."""
+class LayerReads(Protocol):
+    """Where open_layer reads a layer's parts: this module's read_manifest, read_meta and read_blobmap, or
+    something with their signatures and guarantees (verified results) in front of them, such as the
+    node daemon's copies (lazy_fetch/meta_cache.py)."""
+
+    def manifest(self, store: Store, digest: str) -> Manifest: ...
+
+    def meta(self, store: Store, manifest: Manifest) -> bytes: ...
+
+    def blobmap(self, store: Store, manifest: Manifest) -> bytes: ...
+
+
+def open_layer(store: Store, ref_or_digest: str, *, on_manifest: Callable[[Manifest], object] | None = None,
+               reads: LayerReads | None = None) -> LayerFiles:
+    """Read a published layer: manifest first, then meta.erofs and the blob map side by side, each verified
+    (through ``reads`` when given). ``on_manifest(manifest)`` runs in the calling thread once the manifest
+    is verified, while the two are read; what it raises is raised here (after both reads have ended)."""
     digest = resolve(store, ref_or_digest)
-    manifest = read_manifest(store, digest)
+    manifest = reads.manifest(store, digest) if reads else read_manifest(store, digest)
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="open-layer") as pool:
-        meta_read = pool.submit(read_meta, store, manifest)
-        blobmap_read = pool.submit(read_blobmap, store, manifest)
+        meta_read = pool.submit(reads.meta if reads else read_meta, store, manifest)
+        blobmap_read = pool.submit(reads.blobmap if reads else read_blobmap, store, manifest)
         if on_manifest is not None:
             on_manifest(manifest)
         meta, blobmap = meta_read.result(), blobmap_read.result()

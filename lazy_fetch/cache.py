@@ -140,7 +140,7 @@ class ChunkCache:
             if entry.name in INDEX_FILES and entry.is_file(follow_symlinks=False):
                 _narrow_path(entry.path, FILE_MODE)
             else:
-                _remove_stray(entry.path)
+                remove_stray(entry.path)
         try:
             return CacheIndex(index_dir, map_size)
         except (CorruptError, UnavailableError) as exc:
@@ -157,7 +157,7 @@ class ChunkCache:
         removed = 0
         for fan_out in _scan(self._chunks_dir):
             if fan_out.name not in FAN_OUTS or not fan_out.is_dir(follow_symlinks=False):
-                removed += _remove_stray(fan_out.path)
+                removed += remove_stray(fan_out.path)
                 continue
             _narrow_path(fan_out.path, DIR_MODE)
             for entry in _scan(fan_out.path):
@@ -172,7 +172,7 @@ class ChunkCache:
                         continue
                 # A temporary file, a chunk whose put never reached the index, one evicted from the index
                 # but not yet unlinked, one truncated, or something that is not a chunk file at all.
-                removed += _remove_stray(entry.path)
+                removed += remove_stray(entry.path)
         missing = sizes.keys() - present
         if missing:
             self._index.delete(missing)
@@ -373,10 +373,10 @@ def _make_room(path: str, *, directory: bool) -> None:
     if stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode):
         return
     log.warning("chunk cache: %s is not a %s; replacing it", path, "directory" if directory else "regular file")
-    _remove_stray(path)
+    remove_stray(path)
 
 
-def _remove_stray(path: str) -> int:
+def remove_stray(path: str) -> int:
     """Remove a file, symlink (not its target), FIFO, socket or directory tree that does not belong in
     the cache; 1 if removed, 0 (logged) when it cannot be, or holds a mount (whose files are not ours)."""
     try:
@@ -389,9 +389,9 @@ def _remove_stray(path: str) -> int:
     except FileNotFoundError:
         return 0
     except OSError as exc:
-        log.warning("chunk cache: cannot remove the stray %s, leaving it: %s", path, exc.strerror or exc)
+        log.warning("cache: cannot remove the stray %s, leaving it: %s", path, exc.strerror or exc)
         return 0
-    log.debug("chunk cache: removed the stray %s", path)
+    log.debug("cache: removed the stray %s", path)
     return 1
 
 

@@ -15,6 +15,9 @@ is what ``dsecfs daemon`` runs. The parts, one module each::
             its ChunkIndex, and a ChunkFetcher (single flight, priorities, deadlines) over the node's one
             ChunkCache (disk)
         MemoryChunkCache (memory_cache.py): recently read chunks, in front of every fetcher
+        MetaCache (meta_cache.py): the node's copies of layer metadata by digest, in the cache directory;
+            refs are read at most every ``ref_ttl`` (dsec_fs/store/ref_cache.py, outermost on each store)
+        IdleMounts (idle_mounts.py): sandbox layers no sandbox uses, kept mounted for ``idle_grace``
         per served blob: a TracedBlob (traced_blob.py: each read counted and traced) and its TraceWriter
             (in segments, one per label of its holders, and the profiles learned from them: trace_segments.py)
         Prefetcher (prefetcher.py): prefetch lists fetched in the background
@@ -85,23 +88,26 @@ from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, 
 from dsec_fs.files import private_dir
 from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, utc_now
 from dsec_fs.mounts import is_below, top_mount, umount
-from dsec_fs.store import default_store_url, open_store
+from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
-from dsec_fs.store.wrappers import wrap_store
+from dsec_fs.store.ref_cache import RefCacheStore
+from dsec_fs.store.wrappers import CountingStore, wrap_store
 
 from . import node_status, request_paths, routes
 from .blob_reader import LayerBlob, open_layer_blob
 from .cache import ChunkCache
 from .fetcher import ChunkFetcher
 from .http_api import HttpApi, raise_fd_limit
+from .idle_mounts import IdleMounts
 from .layer_mount import LayerMounter, open_mounter
 from .memory_cache import MemoryChunkCache, MemoryFrontedFetcher
+from .meta_cache import MetaCache
 from .metrics import MetricsPage, NodeFigures
 from .mount_table import Mount, MountTable, is_ours
 from .miss_readahead import FileChunks, MissReadahead
 from .daemon_options import DaemonOptions
-from .prefetch_list import PrefetchList
-from .prefetcher import PrefetchJob, Prefetcher, with_fill
+from .prefetch_list import PrefetchEntry, PrefetchList
+from .prefetcher import PrefetchJob, Prefetcher, fill_entries
 from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import prune_traces
@@ -142,12 +148,15 @@ class NodeDaemon:
         self._served: dict[tuple[str, str], Served] = {}
         self.started = utc_now()
         self.cache: ChunkCache | None = None
+        self._own_dirs: tuple[str, ...] = ()  # the state and cache directories, resolved: no mount may hide them
         self._fetch_log: StoreFetchLog | None = None
         self._mounter: LayerMounter | None = None
         self._flights: trio.Nursery | None = None
         self.prefetcher: Prefetcher | None = None
         self._background: trio.Nursery | None = None  # profile publishing; None once the daemon stops
         self.profiles: ProfileKeeper | None = None
+        self.meta_copies: MetaCache | None = None  # the node's copies of layer metadata (meta_cache.py)
+        self.idle = IdleMounts(options.idle_grace)  # sandbox layers no one uses, for a while (idle_mounts.py)
         self.on_start: list[Callable[[], Awaitable[None]]] = []  # see "Extensions" in the module docstring
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
         routes.register(self.api, self)
@@ -169,7 +178,10 @@ class NodeDaemon:
                                       background=lambda: self._background)
         async with contextlib.AsyncExitStack() as stack:
             self.cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
-            self._fetch_log = StoreFetchLog(self.cache)
+            self._fetch_log = StoreFetchLog()
+            self._own_dirs = (os.path.realpath(self.state_dir), os.path.realpath(self.cache.directory))
+            if options.meta_cache_bytes:
+                self.meta_copies = MetaCache(os.path.join(self.cache.directory, "meta"), options.meta_cache_bytes)
             stack.callback(self._close_stores)
             stack.callback(self._close_traces)
             self._flights = await stack.enter_async_context(_nursery_cancelled_on_exit())
@@ -193,6 +205,7 @@ class NodeDaemon:
                     await nursery.start(metrics_only.serve_tcp, options.metrics_address)
                     log.info("metrics on http://%s/metrics", options.metrics_address)
                 nursery.start_soon(self._flush_traces_now_and_then)
+                nursery.start_soon(self.idle.run)
                 log.info("dsecfs daemon %d serving on %s (state %s, cache %s, FUSE %s)", os.getpid(),
                          options.socket_path, self.state_dir, self.cache.directory, options.fuse_binding)
                 task_status.started()
@@ -203,6 +216,7 @@ class NodeDaemon:
                     with trio.CancelScope(shield=True):
                         for hook in reversed(self.on_stop):
                             await hook()
+                        await self.idle.unmount_all()
                     self._background = None
         log.info("stopped")
 
@@ -227,17 +241,29 @@ class NodeDaemon:
             if context is None:
                 options = self.options
                 backend = await trio.to_thread.run_sync(open_store, url)
+                requests = CountingStore(backend)  # what the store itself saw (metrics)
                 faults = options.faults if options.faults is not None else os.environ.get(FAULTS_ENV)
-                store = wrap_store(backend, retry=True, max_concurrent=options.store_concurrency,
+                store = wrap_store(requests, retry=True, max_concurrent=options.store_concurrency,
                                    stuck_after=options.fetch_timeout, latency=options.latency,
                                    bandwidth=options.bandwidth, faults=faults or None)
-                fetcher = ChunkFetcher(store, self._fetch_log, self._flights, max_concurrent=options.fetch_concurrency,
-                                       timeout=options.fetch_timeout)
+                if options.ref_ttl:
+                    store = RefCacheStore(store, options.ref_ttl)
+                fetcher = ChunkFetcher(store, self.cache, self._flights, max_concurrent=options.fetch_concurrency,
+                                       timeout=options.fetch_timeout, on_fetched=self._fetch_log.note)
                 context = StoreContext(url, store, ChunkIndex(), fetcher,
-                                       MemoryFrontedFetcher(fetcher, self.memory, self._flights))
+                                       MemoryFrontedFetcher(fetcher, self.memory, self._flights),
+                                       copies=self.meta_copies, requests=requests)
                 self.stores[url] = context
                 log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
         return context
+
+    def ref_moved(self, store_url: str, ref: str) -> None:
+        """This node just pointed ``ref`` elsewhere in ``store_url`` through a store of its own (a sandbox
+        commit): the ref cache of the daemon's store context for that URL forgets it."""
+        name, tag = parse_ref(ref)
+        for url, context in self.stores.items():
+            if api.absolute_store(url) == api.absolute_store(store_url) and isinstance(context.store, RefCacheStore):
+                context.store.forget(keys.ref(name, tag))
 
     async def _open_layer(self, store: StoreContext, ref: str, *, profile_of: str | None = None,
                           want_profile: bool = False, combination: str = "") -> tuple[LayerFiles, FoundProfile | None]:
@@ -252,7 +278,7 @@ class NodeDaemon:
 
         def load_pack_indexes(manifest: Manifest) -> None:
             if manifest.layer not in indexed:
-                store.chunk_index.load_packs(store.store, manifest.packs)
+                store.chunk_index.load_packs(store.index_reads, manifest.packs)
 
         def on_manifest(manifest: Manifest) -> None:
             if keeper is None:
@@ -265,7 +291,7 @@ class NodeDaemon:
 
         # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
         files = await store.fetcher.call_store(f"layer {ref} in {store.url}", functools.partial(
-            open_layer, store.store, ref, on_manifest=on_manifest))
+            open_layer, store.store, ref, on_manifest=on_manifest, reads=store.copies))
         store.indexed_layers.add(files.digest)
         return files, found[0]
 
@@ -337,6 +363,9 @@ class NodeDaemon:
         if request_paths.lexical(mountpoint, "mountpoint") in self.table.mounts:
             raise ConflictError("a layer is already mounted here", where=mountpoint)
         mountpoint = await self._directory(mountpoint)
+        if any(is_below(own, mountpoint) for own in self._own_dirs):
+            raise InputError("a layer mounted here would hide the daemon's own state or cache directory",
+                             where=mountpoint)
         plist = None
         if prefetch:
             prefetch, plist = await self._read_prefetch_list(prefetch)
@@ -363,13 +392,17 @@ class NodeDaemon:
                 plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map,
                                                       layer.index)
                 prefetch, profile_key = f"profile:{found.source}", found.key
-            if fill == "layer" and idle:
-                plist = with_fill(plist, files.digest, layer.blob.blob_map)
+            fill_list = []
+            if idle and (fill == "layer" or (fill == "auto" and plist is None)):
+                fill_list = await trio.to_thread.run_sync(fill_entries, plist, layer.blob.blob_map)
+            if fill_list:
                 prefetch = f"{prefetch}+fill" if prefetch else "fill"
             key, served = self._served_for(layer, mode, holder, ref_name, prefetch=prefetch or "",
                                            profile_key=profile_key)
             # The prefetch starts before mount(2), so its first store reads overlap the mount.
-            job = None if not plist or not plist.entries else self._start_prefetch(layer, plist, prefetch, served)
+            job = None
+            if (plist and plist.entries) or fill_list:
+                job = self._start_prefetch(layer, plist, prefetch, served, fill=fill_list)
             # Written ahead: a daemon killed between mount(2) and the table update below still leaves
             # the mountpoint listed, so the next daemon detaches it.
             self.table.save(mounting=(mountpoint, mode, files.digest))
@@ -381,8 +414,10 @@ class NodeDaemon:
                 self.table.save()
                 self._drop_unused(layer, served)
                 raise
+            if job is not None:
+                job.fill_ready.set()
             mount = self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch=prefetch or "",
-                                       created=utc_now(), prefetch_chunks=len(plist.entries) if plist else 0,
+                                       created=utc_now(), prefetch_chunks=job.chunks if job else 0,
                                        profile_key=profile_key, holder=holder)
             self.table.save()
             log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
@@ -554,11 +589,12 @@ class NodeDaemon:
         stats = self.cache.stats()
         return int(stats.max_bytes * FILL_CACHE_SHARE) - stats.bytes
 
-    def _start_prefetch(self, layer: Layer, plist: PrefetchList, path: str, served: Served) -> PrefetchJob:
+    def _start_prefetch(self, layer: Layer, plist: PrefetchList | None, path: str, served: Served, *,
+                        fill: list[PrefetchEntry] = ()) -> PrefetchJob:
         if layer.prefetch is not None and layer.prefetch.state == "running":
             raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
         layer.prefetch = self.prefetcher.start(layer.digest, plist, path, layer.store.fetcher,
-                                                layer.blob.location, lambda: served.blob.trace,
+                                                layer.blob.location, lambda: served.blob.trace, fill=fill,
                                                 landed=layer.usage.note_prefetched)
         return layer.prefetch
 
@@ -673,7 +709,7 @@ class NodeDaemon:
     # -- status, cache, metrics (node_status.py)
 
     def mounts(self) -> list[api.MountInfo]:
-        return [mount_info(mount) for mount in self.table.mounts.values()]
+        return [mount_info(mount, idle_until=self.idle.until(mount.mountpoint)) for mount in self.table.mounts.values()]
 
     def cache_status(self, *, evicted: int = 0) -> api.CacheInfo:
         return node_status.cache_info(self, evicted=evicted)
@@ -694,8 +730,8 @@ class NodeDaemon:
         return node_status.status(self)
 
 
-def mount_info(mount: Mount) -> api.MountInfo:
-    return api.MountInfo(**mount.to_json())
+def mount_info(mount: Mount, *, idle_until: str = "") -> api.MountInfo:
+    return api.MountInfo(**mount.to_json(), idle_until=idle_until)
 
 
 @contextlib.asynccontextmanager

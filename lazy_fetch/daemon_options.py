@@ -7,19 +7,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsec_fs.api import BINDINGS, FILLS
+from dsec_fs.api import BINDINGS, DEFAULT_FILL, FILLS
 from dsec_fs.client import DEFAULT_CACHE_DIR, DEFAULT_SOCKET, DEFAULT_STATE_DIR
 from dsec_fs.errors import InputError
 
 from .fetcher import DEFAULT_MAX_CONCURRENT, DEFAULT_TIMEOUT
+from .idle_mounts import DEFAULT_IDLE_GRACE
 from .layer_mount import DEFAULT_READ_AHEAD
 from .memory_cache import DEFAULT_MEMORY_CACHE_BYTES
+from .meta_cache import DEFAULT_META_CACHE_BYTES
 from .miss_readahead import DEFAULT_WINDOW
 
 DEFAULT_CACHE_BYTES = 10 << 30
 DEFAULT_STORE_CONCURRENCY = 16  # store calls at once (fetches, index loads, layer opens), per store
 DEFAULT_TRACE_KEEP_BYTES = 1 << 30
 DEFAULT_TRACE_KEEP_SECONDS = 7 * 86400.0
+DEFAULT_REF_TTL = 15.0
 
 
 @dataclass
@@ -44,9 +47,16 @@ class DaemonOptions:
     trace: bool = True
     metrics_address: str | None = None  # HOST:PORT to serve /metrics alone on over TCP; None: off
     profiles: bool = True  # learn access profiles from traces, share them through the store, prefetch by them
-    fill: str = "profile"  # what a new mount fetches in the background (FILLS); a mount may say otherwise
+    fill: str = DEFAULT_FILL  # what a new mount fetches in the background (FILLS); a mount may say otherwise
     trace_keep_bytes: int | None = DEFAULT_TRACE_KEEP_BYTES  # closed traces beyond this go, oldest first
     trace_keep_seconds: float | None = DEFAULT_TRACE_KEEP_SECONDS  # closed traces older than this go
+    # A repeat sandbox up (docs/architecture.md, "Repeat starts"): refs read from the store are used for
+    # this long (dsec_fs/store/ref_cache.py; 0: always read); layer metadata is kept in the cache directory
+    # up to this size (meta_cache.py; 0: not kept); a sandbox layer no one uses stays mounted this long
+    # (idle_mounts.py; 0: unmounted at once).
+    ref_ttl: float = DEFAULT_REF_TTL
+    meta_cache_bytes: int = DEFAULT_META_CACHE_BYTES
+    idle_grace: float = DEFAULT_IDLE_GRACE
 
     def check(self) -> None:
         if self.fuse_binding not in BINDINGS:
@@ -55,7 +65,7 @@ class DaemonOptions:
         for name in ("cache_bytes", "fetch_timeout", "fetch_concurrency", "store_concurrency"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)}", where="daemon options")
-        for name in ("miss_readahead_bytes", "read_ahead_bytes"):
+        for name in ("miss_readahead_bytes", "read_ahead_bytes", "ref_ttl", "meta_cache_bytes", "idle_grace"):
             if getattr(self, name) < 0:
                 raise InputError(f"{name} must not be negative, got {getattr(self, name)}", where="daemon options")
         for name in ("trace_keep_bytes", "trace_keep_seconds"):

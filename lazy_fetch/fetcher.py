@@ -15,10 +15,13 @@ How a request is served:
   ranged GET of at most MAX_READ_BYTES; each run is one *store read*, in a worker thread of its own, and
   the runs of a call go to the store side by side, queued for store slots in the order of their first
   chunk in the call (a prefetch list names the first-needed chunks first). A store read decompresses and
-  sha256-verifies each chunk before anything else sees it, and puts the verified chunks into the cache in
-  one batch (``put_many``: one index commit) from the same worker thread, so a fetch whose caller gave up
-  still fills the cache. When a run fails on one corrupt chunk, each chunk of it is read alone, so the
-  good ones are still served and only the bad one fails, with an error naming it.
+  sha256-verifies each chunk before anything else sees it, and the chunks go into the cache in one batch
+  (``put_many``: one index commit) in a worker thread: for a read a reader waits for, after the readers
+  have them, their flights still listed (done) until they are in, so a request meanwhile takes them from
+  the flight rather than reading the store again; for a prefetch or fill, before. The caching is the fetcher's task, not the
+  caller's, so a fetch whose caller gave up still fills the cache. When a run fails on one corrupt
+  chunk, each chunk of it is read alone, so the good ones are still served and only the bad one fails,
+  with an error naming it.
 - **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
   the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
@@ -29,9 +32,10 @@ How a request is served:
   stored side by side arrive together. Readahead chunks get flights at PREFETCH priority, so a reader
   that needs one meanwhile joins it.
 - **Bounded concurrency with priorities.** At most ``max_concurrent`` store reads (GETs) run at once, and
-  prefetch reads use at most ``prefetch_slots`` of them, so on-demand reads always find a slot soon. Queued
-  on-demand reads go before queued prefetch reads; a queued prefetch that an on-demand request joins is
-  promoted.
+  prefetch and fill reads use at most ``prefetch_slots`` of them, so on-demand reads always find a slot
+  soon; fill reads (the rest of a layer) are at most FILL_READS of FILL_READ_BYTES and start only while
+  no on-demand read waits (store_slots.py says why). Queued on-demand reads go before queued prefetch
+  reads, those before fill; a queued read that a request of a higher priority joins is promoted.
 - **Per object.** At most ``object_reads`` reads of one store object (a pack) are in the air at once, its
   abandoned ones (below) included, until it answers: while one of its reads came back within the last
   second (store_slots.ANSWERING_WINDOW) and none was abandoned, it may have as many as there are slots.
@@ -85,7 +89,7 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .cache import ChunkCache
-from .store_slots import ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, ThreadWatch, Ticket
+from .store_slots import FILL, ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, ThreadWatch, Ticket
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,6 +105,13 @@ DEFAULT_MAX_ABANDONED = 64
 # Compressed bytes per store read: large enough to merge a run of neighbours, small enough that a big
 # request is spread over several slots and its first chunks are not held up by its last.
 MAX_READ_BYTES = 4 * 1024 * 1024
+# Fill reads (store_slots.FILL) at once, and their compressed bytes per store read: what a miss may find
+# on the link ahead of it is at most their product (2 MiB: 20 ms at 100 MB/s), while two reads side by
+# side still keep a link of that speed about busy behind a 20 ms round trip.
+FILL_READS = 2
+FILL_READ_BYTES = 1024 * 1024
+# Worker threads putting fetched chunks into the disk cache at once (after their waiters have them).
+CACHE_WRITERS = 4
 # Upper bounds (seconds) of the latency histogram's buckets; the last catches everything.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, math.inf)
 RECENT_LATENCIES = 1024
@@ -163,7 +174,10 @@ class ChunkFetcher:
         timeout: float = DEFAULT_TIMEOUT,
         object_reads: int = DEFAULT_OBJECT_READS,
         max_abandoned: int = DEFAULT_MAX_ABANDONED,
+        on_fetched: Callable[[list[bytes]], object] = lambda digests: None,
     ):
+        """``on_fetched(digests)`` is told, in the trio thread, of the chunks each store read brought,
+        before anyone waiting for them has them."""
         prefetch_slots = max(1, max_concurrent * 3 // 4) if prefetch_slots is None else prefetch_slots
         if max_concurrent < 1 or not 0 < prefetch_slots <= max_concurrent:
             raise InputError(f"need 0 < prefetch_slots ({prefetch_slots}) <= max_concurrent ({max_concurrent})",
@@ -174,10 +188,13 @@ class ChunkFetcher:
         self.store = store
         self.cache = cache
         self.timeout = timeout
+        self._on_fetched = on_fetched
         self._nursery = nursery
-        self._slots = StoreSlots(max_concurrent, prefetch_slots, object_reads, max_abandoned)
+        self._slots = StoreSlots(max_concurrent, prefetch_slots, min(FILL_READS, prefetch_slots), object_reads,
+                                 max_abandoned)
         self._stalled_since: dict[str, float] = {}  # store key -> when its first read still stuck was abandoned
         self._flights: dict[bytes, _Flight] = {}
+        self._cache_writers = trio.CapacityLimiter(CACHE_WRITERS)
         self._stats: dict[str, FetchStats] = {}
         self._reads_planned = 0  # numbers the store reads' tickets (see StoreSlots)
 
@@ -211,7 +228,7 @@ class ChunkFetcher:
 
     @property
     def in_flight(self) -> int:
-        """Chunks being fetched right now (in the cache lookup, queued or being read)."""
+        """Chunks being fetched right now (in the cache lookup, queued, being read, or being cached)."""
         return len(self._flights)
 
     async def fetch(self, digest: bytes, location: ChunkLocation, *, priority: Priority = ONDEMAND,
@@ -265,7 +282,7 @@ class ChunkFetcher:
                 if priority < flight.priority:
                     flight.priority = priority
                     if flight.ticket is not None:
-                        self._slots.promote(flight.ticket)
+                        self._slots.promote(flight.ticket, priority)
             waits[digest] = flight
         if started:
             self._nursery.start_soon(self._fly, started, stats, list(readahead))
@@ -288,8 +305,9 @@ class ChunkFetcher:
                     missed[digest] = (location, flight)
             ahead = {digest: location for digest, location in readahead
                      if digest not in ahead_cached and digest not in self._flights}
+            filling = all(flight.priority == FILL for _location, flight in missed.values())
             runs = plan_runs([*((digest, location) for digest, (location, _) in missed.items()), *ahead.items()],
-                             max_bytes=MAX_READ_BYTES)
+                             max_bytes=FILL_READ_BYTES if filling else MAX_READ_BYTES)
             first = {digest: n for n, digest in enumerate(missed)}
             planned = []
             for run in runs:
@@ -346,6 +364,14 @@ class ChunkFetcher:
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
+        verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
+        # A prefetch or fill run was cached by its read's thread (ticket.cached), so a job that is done has
+        # its chunks in the cache and its bound on the cache's room holds. A reader waits for any other
+        # run (it was asked for, or promoted): it gets its bytes first, and the cache's writes and index
+        # commit follow. Until the chunks are in, their flights stay listed (done), so a request meanwhile
+        # gets the bytes from the flight instead of missing the cache and reading the store again.
+        readers_first = not ticket.cached
+        self._on_fetched([digest for digest, _data in verified])
         for (digest, _location), flight in zip(items, flights):
             result = results[digest]
             if isinstance(result, BaseException):
@@ -358,7 +384,15 @@ class ChunkFetcher:
             else:
                 stats.chunks_fetched += 1
                 stats.bytes_fetched += len(result)
-                self._land(digest, flight, data=result)
+                self._land(digest, flight, data=result, cached=not readers_first)
+        if verified and readers_first:
+            try:
+                await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
+            finally:
+                for digest, _data in verified:
+                    flight = self._flights.get(digest)
+                    if flight is not None and flight.done.is_set():
+                        del self._flights[digest]
 
     async def call_store(self, what: str, fn: Callable[..., T], *args) -> T:
         """``fn(*args)``: blocking store calls other than chunk reads (opening a layer, loading its pack
@@ -391,7 +425,7 @@ class ChunkFetcher:
         await self._slots.acquire(ticket)
         watch = ThreadWatch(ticket, self._abandoned_read_returned)
         try:
-            return await trio.to_thread.run_sync(self._read_and_cache, run, abandon_on_cancel=True, limiter=watch)
+            return await trio.to_thread.run_sync(self._read_for, run, ticket, abandon_on_cancel=True, limiter=watch)
         finally:
             abandoned = watch.started and not watch.returned
             self._slots.release(ticket, abandoned=abandoned, answered=watch.returned)
@@ -415,9 +449,11 @@ class ChunkFetcher:
                         ticket.key, stalled)
 
     def _land(self, digest: bytes, flight: _Flight, *, data: bytes | None = None,
-              error: BaseException | None = None) -> None:
+              error: BaseException | None = None, cached: bool = True) -> None:
+        """End ``flight``; unless ``cached`` is False (its bytes are still to be put in the cache: the
+        caller unlists it then), it leaves the table of flights."""
         flight.data, flight.error = data, error
-        if self._flights.get(digest) is flight:
+        if cached and self._flights.get(digest) is flight:
             del self._flights[digest]
         flight.done.set()
 
@@ -451,13 +487,21 @@ class ChunkFetcher:
                 found[digest] = data
         return found
 
-    def _read_and_cache(self, run: ChunkRun) -> dict[bytes, bytes | Exception]:
-        results = self._read(run)
-        verified = [(digest, result) for digest, result in results.items() if isinstance(result, bytes)]
+    def _cache_put(self, pack_id: str, verified: list[tuple[bytes, bytes]]) -> None:
         try:
             self.cache.put_many(verified)
         except (DsecError, OSError) as exc:
-            log.warning("caching %d chunks of pack %s failed: %s", len(verified), run.pack_id, exc)
+            log.warning("caching %d chunks of pack %s failed: %s", len(verified), pack_id, exc)
+
+    def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Exception]:
+        """``_read``, and the cache put (``ticket.cached``) of a read no reader waits for: a prefetch or
+        fill (so a job that is done has its chunks in the cache), or one abandoned at its deadline (nobody
+        is left to take its result; one abandoned just as it returned may be cached by neither side, and
+        is read again when next asked for)."""
+        results = self._read(run)
+        if ticket.abandoned or ticket.priority != ONDEMAND:
+            self._cache_put(run.pack_id, [(digest, data) for digest, data in results.items() if isinstance(data, bytes)])
+            ticket.cached = True
         return results
 
     def _read(self, run: ChunkRun) -> dict[bytes, bytes | Exception]:

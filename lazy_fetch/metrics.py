@@ -36,6 +36,11 @@ turns it into metric families:
                                                process_resident_memory_bytes, process_open_fds, ...
     dsecfs_prefetch_running                    prefetch lists being fetched now
     dsecfs_store_reads_running, dsecfs_store_reads_waiting{priority}
+    dsecfs_store_requests_total{op}            requests the stores answered (or failed), by operation:
+                                               get | put | exists | size | list | ... (every kind of call)
+    dsecfs_meta_cache_hits_total, dsecfs_meta_cache_misses_total
+                                               layer metadata read from the node's copies, or not there
+    dsecfs_idle_mounts                         sandbox layers mounted with no sandbox using them
 
 Threads: ``render`` runs in the daemon's trio thread, like everything that changes the counters, so a
 snapshot is consistent.
@@ -88,6 +93,10 @@ class NodeFigures:
     prefetch_running: int
     store_reads_running: int
     store_reads_waiting: dict[str, int]  # priority name -> store reads queued for a slot
+    store_requests: dict[str, int]  # operation -> requests the stores answered
+    meta_cache_hits: int
+    meta_cache_misses: int
+    idle_mounts: int
 
 
 class NodeCollector(Collector):
@@ -100,19 +109,29 @@ class NodeCollector(Collector):
         node = self._figures()
         yield from _layer_families(node.layers)
         yield from _cache_families(node.cache, node.memory)
-        mounts = GaugeMetricFamily("dsecfs_mounts", "Layers mounted now, by mode.", labels=["mode"])
-        for mode, count in sorted(node.mounts.items()):
-            mounts.add_metric([mode], count)
-        yield mounts
+        yield _by_label(GaugeMetricFamily("dsecfs_mounts", "Layers mounted now, by mode.", labels=["mode"]),
+                        node.mounts)
         yield GaugeMetricFamily("dsecfs_prefetch_running", "Prefetch lists being fetched now.",
                                 value=node.prefetch_running)
         yield GaugeMetricFamily("dsecfs_store_reads_running", "Store reads holding a fetcher slot.",
                                 value=node.store_reads_running)
-        waiting = GaugeMetricFamily("dsecfs_store_reads_waiting", "Store reads queued for a fetcher slot.",
-                                    labels=["priority"])
-        for priority, count in sorted(node.store_reads_waiting.items()):
-            waiting.add_metric([priority], count)
-        yield waiting
+        yield _by_label(GaugeMetricFamily("dsecfs_store_reads_waiting", "Store reads queued for a fetcher slot.",
+                                          labels=["priority"]), node.store_reads_waiting)
+        yield _by_label(_counter("dsecfs_store_requests", "Requests the stores answered, by operation.", ["op"]),
+                        node.store_requests)
+        yield CounterMetricFamily("dsecfs_meta_cache_hits", "Layer metadata read from the node's copies.",
+                                  value=node.meta_cache_hits)
+        yield CounterMetricFamily("dsecfs_meta_cache_misses", "Layer metadata not among the node's copies.",
+                                  value=node.meta_cache_misses)
+        yield GaugeMetricFamily("dsecfs_idle_mounts", "Sandbox layers mounted that no sandbox uses.",
+                                value=node.idle_mounts)
+
+
+def _by_label(family: GaugeMetricFamily | CounterMetricFamily, values: dict[str, int]) -> Metric:
+    """``family`` with one sample per label value, in order."""
+    for label, value in sorted(values.items()):
+        family.add_metric([label], value)
+    return family
 
 
 def _counter(name: str, documentation: str, labels: list[str] | None = None) -> CounterMetricFamily:

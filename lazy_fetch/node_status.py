@@ -8,6 +8,7 @@ they are (FetchStats: plain integers the trio thread updates).
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import asdict
 from importlib import metadata
 from typing import TYPE_CHECKING
@@ -67,12 +68,24 @@ def figures(daemon: NodeDaemon) -> NodeFigures:
             prediction=usage.prediction() if usage else None, profile=profiles.get(digest)))
     fetchers = [context.fetcher for context in daemon.stores.values()]
     mounts = daemon.table.mounts.values()
+    copies = daemon.meta_copies
     return NodeFigures(
         layers=layers, cache=daemon.cache.stats(), memory=daemon.memory.figures(),
         mounts={mode: sum(m.mode == mode for m in mounts) for mode in MODES},
         prefetch_running=daemon.prefetcher.running if daemon.prefetcher else 0,
         store_reads_running=sum(f.store_reads_running for f in fetchers),
-        store_reads_waiting={p.name.lower(): sum(f.waiting(p) for f in fetchers) for p in Priority})
+        store_reads_waiting={p.name.lower(): sum(f.waiting(p) for f in fetchers) for p in Priority},
+        store_requests=store_requests(daemon.stores), meta_cache_hits=copies.hits if copies else 0,
+        meta_cache_misses=copies.misses if copies else 0, idle_mounts=len(daemon.idle))
+
+
+def store_requests(stores: dict[str, StoreContext]) -> dict[str, int]:
+    """Operation -> requests the stores answered, summed over the stores."""
+    total: Counter[str] = Counter()
+    for context in stores.values():
+        if context.requests is not None:
+            total.update(context.requests.snapshot()["calls"])
+    return dict(total)
 
 
 def status(daemon: NodeDaemon) -> api.NodeStatus:

@@ -13,10 +13,13 @@ flights and queued store reads a prefetch makes at once. A job stops when the la
 when the mount it was started with fails (its cancel scope), or before a group that would not fit in
 the room the disk cache has left (``room``: a prefetch never makes the cache evict what readers use).
 
-Fill. ``with_fill`` appends to a list the rest of the layer's chunks in blob order (the daemon's
-``fill`` policy ``layer``): the profile's chunks come first, then everything else streams in behind
-on-demand reads, until the cache bound. Each chunk that lands is counted and, while
-the mount's trace is open, recorded in it (FLAG_PREFETCH).
+Fill. ``fill_entries`` is the rest of the layer's chunks in blob order (the daemon's ``fill`` policy
+``layer``), fetched after the list at FILL priority: a fill read starts only while no on-demand read
+waits, few at a time and small (fetcher.FILL_READS, FILL_READ_BYTES), so the bytes a miss finds ahead
+of it on the link stay a round trip's worth. The list's chunks come first, then everything else streams
+in behind them and behind every on-demand read, until the cache bound. Each chunk that lands is counted
+and, while the mount's trace is open, recorded in it (FLAG_PREFETCH); only the list's are reported as
+prefetched (``landed``), since those are what a profile predicted.
 
 Threads: the daemon's trio thread; the fetcher does its store reads in its own worker threads.
 """
@@ -35,7 +38,7 @@ from dsec_fs.chunks import ChunkLocation
 from dsec_fs.errors import DsecError
 from dsec_fs.layer import utc_now
 
-from .fetcher import PREFETCH, ChunkFetcher
+from .fetcher import FILL, PREFETCH, ChunkFetcher, Priority
 from .memory_cache import MemoryChunkCache
 from .prefetch_list import PrefetchEntry, PrefetchList
 from .trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, TraceWriter
@@ -55,8 +58,9 @@ Locate = Callable[[int, bytes], ChunkLocation]
 class PrefetchJob:
     layer: str
     list: str  # path of the prefetch list
-    chunks: int
+    chunks: int  # of the list and the fill
     bytes: int
+    fill_chunks: int = 0  # of those, the fill's
     state: str = "running"  # running | done | cancelled | failed
     done_chunks: int = 0
     done_bytes: int = 0
@@ -64,9 +68,12 @@ class PrefetchJob:
     started: str = field(default_factory=utc_now)
     finished: str = ""
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    # Set once the fill may start (the daemon: once the layer is mounted, so that the fill's planning and
+    # first reads do not hold up the mount it belongs to).
+    fill_ready: trio.Event = field(default_factory=trio.Event)
 
     def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cancel_scope"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("cancel_scope", "fill_ready")}
 
 
 def prefetch_groups(entries: Iterable[PrefetchEntry]) -> Iterator[list[PrefetchEntry]]:
@@ -108,40 +115,47 @@ class Prefetcher:
     def running(self) -> int:
         return sum(job.state == "running" for job in self.jobs)
 
-    def start(self, layer: str, plist: PrefetchList, path: str, fetcher: ChunkFetcher, locate: Locate,
-              trace: Callable[[], TraceWriter | None], *, landed: Callable[[int], None] = lambda entry: None
-              ) -> PrefetchJob:
-        """Fetch ``plist`` (already verified against ``layer``'s blob map) in the background; ``trace``
-        gives the trace to record landed chunks in (None once closed); ``landed(entry)`` is called with
-        the blob-map entry of each chunk that arrives."""
-        job = PrefetchJob(layer=layer, list=path, chunks=len(plist.entries), bytes=plist.bytes)
+    def start(self, layer: str, plist: PrefetchList | None, path: str, fetcher: ChunkFetcher, locate: Locate,
+              trace: Callable[[], TraceWriter | None], *, fill: list[PrefetchEntry] = (),
+              landed: Callable[[int], None] = lambda entry: None) -> PrefetchJob:
+        """Fetch ``plist`` (if any, already verified against ``layer``'s blob map), then ``fill``, in the
+        background; ``trace`` gives the trace to record landed chunks in (None once closed);
+        ``landed(entry)`` is called with the blob-map entry of each chunk of ``plist`` that arrives. The
+        fill waits for the job's ``fill_ready``."""
+        entries = plist.entries if plist else []
+        job = PrefetchJob(layer=layer, list=path, chunks=len(entries) + len(fill),
+                          bytes=sum(entry.length for entry in (*entries, *fill)), fill_chunks=len(fill))
         self.jobs.append(job)
-        self._nursery.start_soon(self._run, plist, job, fetcher, locate, trace, landed)
+        self._nursery.start_soon(self._run, [(entries, PREFETCH, landed), (fill, FILL, lambda entry: None)],
+                                 job, fetcher, locate, trace)
         return job
 
-    async def _run(self, plist: PrefetchList, job: PrefetchJob, fetcher: ChunkFetcher, locate: Locate,
-                   trace: Callable[[], TraceWriter | None], on_landed: Callable[[int], None]) -> None:
+    async def _run(self, parts: list[tuple[list[PrefetchEntry], Priority, Callable[[int], None]]], job: PrefetchJob,
+                   fetcher: ChunkFetcher, locate: Locate, trace: Callable[[], TraceWriter | None]) -> None:
         started = time.monotonic()
         with job.cancel_scope:
             try:
                 window = trio.Semaphore(PREFETCH_GROUPS_IN_FLIGHT)
                 in_flight = [0]  # bytes of the groups fetching now, not in the cache yet
 
-                async def fetch_group(group: list[PrefetchEntry], size: int) -> None:
+                async def fetch_group(group: list[PrefetchEntry], size: int, priority: Priority,
+                                      on_landed: Callable[[int], None]) -> None:
                     try:
-                        await self._fetch_group(group, job, fetcher, locate, trace, on_landed)
+                        await self._fetch_group(group, priority, job, fetcher, locate, trace, on_landed)
                     finally:
                         in_flight[0] -= size
                         window.release()
 
                 async with trio.open_nursery() as nursery:
-                    for group in prefetch_groups(plist.entries):
+                    for group, priority, on_landed in _groups(parts):
+                        if priority == FILL:
+                            await job.fill_ready.wait()
                         await window.acquire()
                         fitting = _fitting(group, self.room() - in_flight[0])
                         if fitting:
                             size = sum(entry.length for entry in fitting)
                             in_flight[0] += size
-                            nursery.start_soon(fetch_group, fitting, size)
+                            nursery.start_soon(fetch_group, fitting, size, priority, on_landed)
                         else:
                             window.release()
                         if len(fitting) < len(group):
@@ -157,8 +171,8 @@ class Prefetcher:
         log.info("prefetch of layer %s %s: %d of %d chunks (%d bytes) in %.1f s, %d failed", job.layer[:12],
                  job.state, job.done_chunks, job.chunks, job.done_bytes, time.monotonic() - started, job.failed_chunks)
 
-    async def _fetch_group(self, group: list[PrefetchEntry], job: PrefetchJob, fetcher: ChunkFetcher,
-                           locate: Locate, trace: Callable[[], TraceWriter | None],
+    async def _fetch_group(self, group: list[PrefetchEntry], priority: Priority, job: PrefetchJob,
+                           fetcher: ChunkFetcher, locate: Locate, trace: Callable[[], TraceWriter | None],
                            on_landed: Callable[[int], None]) -> None:
         """Fetch one group into the cache (fetcher.warm: planned in one go, no bytes held); count and
         trace each chunk as it lands."""
@@ -189,15 +203,20 @@ class Prefetcher:
                               latency_us=(time.monotonic_ns() - started) // 1000, flags=flags)
 
         await fetcher.warm([(digest, locate(entry.chunk, digest)) for digest, entry in entries.items()],
-                           priority=PREFETCH, label=job.layer, landed=landed)
+                           priority=priority, label=job.layer, landed=landed)
 
 
-def with_fill(plist: PrefetchList | None, layer: str, blob_map: BlobMap) -> PrefetchList:
-    """``plist`` (if any) followed by every other chunk of ``blob_map`` in blob order."""
+def _groups(parts: list[tuple[list[PrefetchEntry], Priority, Callable[[int], None]]]
+            ) -> Iterator[tuple[list[PrefetchEntry], Priority, Callable[[int], None]]]:
+    """Each part's prefetch_groups, with the part's priority and landed callback, parts in order."""
+    for entries, priority, on_landed in parts:
+        for group in prefetch_groups(entries):
+            yield group, priority, on_landed
+
+
+def fill_entries(plist: PrefetchList | None, blob_map: BlobMap) -> list[PrefetchEntry]:
+    """Every chunk of ``blob_map`` that ``plist`` (if any) does not name, in blob order."""
     listed = plist.chunks if plist else frozenset()
-    rest = [PrefetchEntry(chunk=index, digest=digest, offset=blkaddr * blob_map.block_size, length=length,
+    return [PrefetchEntry(chunk=index, digest=digest, offset=blkaddr * blob_map.block_size, length=length,
                           first_read_us=0, traces=0)
             for index, (blkaddr, digest, length) in enumerate(blob_map.entries) if index not in listed]
-    return PrefetchList(layer=layer, chunk_size=blob_map.chunk_size, traces=plist.traces if plist else 0,
-                        min_fraction=plist.min_fraction if plist else 0.0,
-                        entries=(plist.entries if plist else []) + rest)

@@ -1,7 +1,8 @@
 """What the node daemon holds for each layer it serves: the store it came from, its blob, its users.
 
-    StoreContext  one per store URL: the store (wrapped: faults, latency, limit, retry), its ChunkIndex,
-                  its ChunkFetcher and the MemoryFrontedFetcher blobs read through
+    StoreContext  one per store URL: the store (wrapped: faults, latency, limit, retry, refs cached for a
+                  short time), its ChunkIndex, its ChunkFetcher and the MemoryFrontedFetcher blobs read
+                  through, the node's metadata copies (meta_cache.py) and the requests the store saw
     Layer         a layer some mount uses: its files, its blob, its store, its usage, its prefetch
     Served        the blob layer_mount serves for one layer in one mode, shared by that layer's mounts in
                   that mode, with their one trace (in segments, one per label: trace_holders.py)
@@ -17,11 +18,13 @@ from dataclasses import dataclass, field
 from dsec_fs.chunks import ChunkIndex
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store.base import Store
+from dsec_fs.store.wrappers import CountingStore
 
 from .analysis import LayerIndex
 from .blob_reader import LayerBlob
 from .fetcher import ChunkFetcher
 from .memory_cache import MemoryFrontedFetcher
+from .meta_cache import MetaCache
 from .miss_readahead import MissReadahead
 from .prefetcher import PrefetchJob
 from .trace_holders import Holders, Label
@@ -36,6 +39,13 @@ class StoreContext:
     fetcher: ChunkFetcher
     reader: MemoryFrontedFetcher
     indexed_layers: set[str] = field(default_factory=set)  # layers whose pack indexes chunk_index holds
+    copies: MetaCache | None = None  # the node's copies of layer metadata (None: every open reads the store)
+    requests: CountingStore | None = None  # the requests the store itself answered (below every wrapper)
+
+    @property
+    def index_reads(self) -> Store:
+        """Where pack indexes are read: the node's copies in front of the store."""
+        return self.copies.pack_indexes(self.store) if self.copies else self.store
 
 
 @dataclass

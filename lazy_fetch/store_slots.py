@@ -1,7 +1,7 @@
 """The scheduler of a ChunkFetcher's store calls: slots with priorities, places per store object, and the
 threads left behind in a store that does not answer (fetcher.py's docstring says why; this is how).
 
-    slots = StoreSlots(total=16, prefetch_limit=12, per_object=4, max_abandoned=64)
+    slots = StoreSlots(total=16, prefetch_limit=12, fill_limit=2, per_object=4, max_abandoned=64)
     ticket = Ticket(key, priority, order)
     await slots.acquire(ticket)          # or Refused: the object (or the store) has too many calls stuck
     watch = ThreadWatch(ticket, on_return=slots.returned)   # (the fetcher logs, then calls returned)
@@ -37,17 +37,19 @@ class Priority(enum.IntEnum):
     """Lower goes first."""
 
     ONDEMAND = 0  # a reader is waiting for these bytes (a FUSE read)
-    PREFETCH = 1  # warming the cache ahead of need
+    PREFETCH = 1  # warming the cache ahead of need: chunks a profile or a list says will be read
+    FILL = 2  # the rest of a layer, streamed in while nothing better uses the link (prefetcher.py)
 
 
 ONDEMAND = Priority.ONDEMAND
 PREFETCH = Priority.PREFETCH
+FILL = Priority.FILL
 
 
 class Ticket:
     """A store read's claim on a store slot and on a place among its object's reads."""
 
-    __slots__ = ("key", "priority", "order", "queued", "granted", "as_prefetch", "event", "refused", "abandoned")
+    __slots__ = ("key", "priority", "order", "queued", "granted", "granted_as", "cached", "event", "refused", "abandoned")
 
     def __init__(self, key: str, priority: Priority, order: int):
         self.key = key  # the store object it reads
@@ -55,7 +57,8 @@ class Ticket:
         self.order = order  # queues are kept in this order: the fetcher numbers store reads as it plans them
         self.queued = False
         self.granted = False
-        self.as_prefetch = False  # it was granted as a prefetch and counts against the prefetch limit
+        self.granted_as = priority  # the priority it was granted at, whose limits it counts against
+        self.cached = False  # its read's worker thread put what it read into the cache (fetcher._read_for)
         self.event = trio.Event()
         self.refused: str | None = None  # why it may not start (too many reads stuck), once decided
         self.abandoned = False  # its thread passed the deadline in the store and still holds its place
@@ -67,8 +70,11 @@ class Refused(Exception):
 
 class StoreSlots:
     """The scheduler of store reads. At most ``total`` at once, at most ``prefetch_limit`` of them
-    prefetch; queued on-demand reads are granted before queued prefetch reads, each queue in ticket
-    ``order`` (the order the reads were planned in, not the order trio happens to start their tasks in).
+    prefetch or fill, at most ``fill_limit`` of those fill; queued reads are granted on-demand first, then
+    prefetch, then fill, each queue in ticket ``order`` (the order the reads were planned in, not the order
+    trio happens to start their tasks in). A fill read starts only while no on-demand read is queued, and
+    fill reads are few because every byte they have in the air is link time a miss queues behind: with
+    ``fill_limit`` reads of FILL_READ_BYTES (fetcher.py) a miss waits for at most that much transfer.
     A ticket is granted only while its object has fewer than ``per_object`` reads in the air (abandoned
     ones included), or fewer than ``total`` while the object is *answering*: one of its reads came back
     within the last ANSWERING_WINDOW seconds and none was abandoned. So a pack being read hard gets every
@@ -78,18 +84,20 @@ class StoreSlots:
     object that stalls in the middle of a burst may have up to ``total`` reads abandoned: those granted
     in the window before its answers stopped.)"""
 
-    def __init__(self, total: int, prefetch_limit: int, per_object: int, max_abandoned: int):
+    def __init__(self, total: int, prefetch_limit: int, fill_limit: int, per_object: int, max_abandoned: int):
         self.total = total
         self.prefetch_limit = prefetch_limit
+        self.fill_limit = fill_limit
         self.per_object = per_object
         self.max_abandoned = max_abandoned
         self.in_use = 0
-        self.prefetch_in_use = 0
+        self.prefetch_in_use = 0  # granted as prefetch or fill
+        self.fill_in_use = 0  # granted as fill
         self.abandoned_total = 0
         self.reads_of: dict[str, int] = {}  # store key -> reads of it in the air, abandoned ones included
         self.abandoned_of: dict[str, int] = {}  # store key -> of those, abandoned ones (keys with none absent)
         self.answered_at: dict[str, float] = {}  # store key (with reads in the air) -> when one last came back
-        self._queues: dict[Priority, list[Ticket]] = {ONDEMAND: [], PREFETCH: []}
+        self._queues: dict[Priority, list[Ticket]] = {priority: [] for priority in Priority}
 
     def waiting(self, priority: Priority) -> int:
         return len(self._queues[priority])
@@ -119,8 +127,10 @@ class StoreSlots:
         ``abandoned`` (its thread stays in the store and keeps its object's place until ``returned``);
         either way its slot is free."""
         self.in_use -= 1
-        if ticket.as_prefetch:
+        if ticket.granted_as != ONDEMAND:
             self.prefetch_in_use -= 1
+        if ticket.granted_as == FILL:
+            self.fill_in_use -= 1
         self.leave(ticket, abandoned=abandoned, answered=answered)
 
     def enter_unslotted(self, ticket: Ticket) -> str | None:
@@ -154,14 +164,14 @@ class StoreSlots:
         self._leave_object(ticket.key)
         self._grant_queued()
 
-    def promote(self, ticket: Ticket) -> None:
-        """Make a prefetch ticket on-demand; a queued one moves to the on-demand queue."""
-        if ticket.priority == ONDEMAND:
+    def promote(self, ticket: Ticket, priority: Priority = ONDEMAND) -> None:
+        """Raise a ticket to ``priority``; a queued one moves to that queue."""
+        if ticket.priority <= priority:
             return
         queued = ticket.queued
         if queued:
-            self._queues[PREFETCH].remove(ticket)
-        ticket.priority = ONDEMAND
+            self._queues[ticket.priority].remove(ticket)
+        ticket.priority = priority
         if queued:
             self._enqueue(ticket)
         self._grant_queued()
@@ -185,7 +195,13 @@ class StoreSlots:
         bisect.insort(self._queues[ticket.priority], ticket, key=lambda t: t.order)
 
     def _may_start(self, priority: Priority) -> bool:
-        return self.in_use < self.total and (priority == ONDEMAND or self.prefetch_in_use < self.prefetch_limit)
+        if self.in_use >= self.total:
+            return False
+        if priority == ONDEMAND:
+            return True
+        if priority == FILL and (self._queues[ONDEMAND] or self.fill_in_use >= self.fill_limit):
+            return False
+        return self.prefetch_in_use < self.prefetch_limit
 
     def _refusal(self, key: str) -> str | None:
         stuck = self.abandoned_of.get(key, 0)
@@ -200,7 +216,7 @@ class StoreSlots:
     def _grant_queued(self) -> None:
         """Grant queued tickets in order while slots are free, passing over those whose object is full."""
         now = trio.current_time()
-        for priority in (ONDEMAND, PREFETCH):
+        for priority in Priority:
             queue = self._queues[priority]
             position = 0
             while position < len(queue) and self._may_start(priority):
@@ -228,9 +244,10 @@ class StoreSlots:
 
     def _grant(self, ticket: Ticket) -> None:
         ticket.granted = True
-        ticket.as_prefetch = ticket.priority == PREFETCH
+        ticket.granted_as = ticket.priority
         self.in_use += 1
-        self.prefetch_in_use += ticket.as_prefetch
+        self.prefetch_in_use += ticket.priority != ONDEMAND
+        self.fill_in_use += ticket.priority == FILL
         self.reads_of[ticket.key] = self.reads_of.get(ticket.key, 0) + 1
 
 

@@ -3,20 +3,18 @@
 Traces. Each mount gets a trace file (trace.py). In kernel mode the daemon only sees reads of the virtual
 blob, so records name blob ranges (FLAG_BLOB); in fuse mode LayerTree says which file it is reading
 (fs_core.FILE_READ) and records name the nid and file offset. A record has FLAG_MISS when its read
-waited for a chunk fetched from the store: ``StoreFetchLog`` (the cache as the fetchers see it) numbers
-every chunk the fetchers put into the cache, which they do for each chunk read from the store before
-anyone is answered, so a read that finds one of its chunks numbered after it started waited for the store.
+waited for a chunk fetched from the store: ``StoreFetchLog`` numbers every chunk the fetchers read from
+the store, before anyone is answered, so a read that finds one of its chunks numbered after it started
+waited for the store.
 
 Preload. A blob read in order that has gone on for PRELOAD_AFTER_BYTES has the next PRELOAD_BYTES of
 chunks loaded from the disk cache into memory ahead of it (memory_cache.MemoryFrontedFetcher.preload).
 
-Threads: TracedBlob and LayerUsage belong to the daemon's trio thread. StoreFetchLog is shared:
-the fetchers' worker threads put, the trio thread marks and asks; its ``_lock`` guards the numbering.
+Threads: TracedBlob, LayerUsage and StoreFetchLog belong to the daemon's trio thread.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -24,7 +22,6 @@ from collections.abc import Iterable
 from dsec_fs.errors import DsecError
 
 from .blob_reader import BlobChunk, LayerBlob
-from .cache import ChunkCache
 from .fs_core import FILE_READ
 from .miss_readahead import MissReadahead
 from .trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, NO_CHUNK, TraceWriter
@@ -39,41 +36,28 @@ FETCH_LOG_KEPT = 1 << 16  # store fetches StoreFetchLog remembers: far more than
 
 
 class StoreFetchLog:
-    """The ChunkCache as the fetchers see it. A fetcher puts each chunk it read from the store (and only
-    those) before answering anyone, so numbering the puts tells a read whether it waited for the store:
-    take ``mark()`` before reading, ask ``fetched_since(mark, digests)`` after. Worker threads put; the
-    trio thread marks and asks; ``_lock`` guards the numbering."""
+    """Which chunks the fetchers read from the store, numbered: each fetcher ``note``s the chunks of a
+    store read before anyone waiting for them is answered (its ``on_fetched``), so a read that finds one
+    of its chunks numbered after it started waited for the store: take ``mark()`` before reading, ask
+    ``fetched_since(mark, digests)`` after. Used in the trio thread only."""
 
-    def __init__(self, cache: ChunkCache):
-        self.cache = cache
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
         self._count = 0
-        self._fetched: OrderedDict[bytes, int] = OrderedDict()  # digest -> number of its latest put
+        self._fetched: OrderedDict[bytes, int] = OrderedDict()  # digest -> number of its latest fetch
 
-    def get(self, digest: bytes) -> bytes | None:
-        return self.cache.get(digest)
-
-    def holds(self, digests: Iterable[bytes]) -> set[bytes]:
-        return self.cache.holds(digests)
-
-    def put_many(self, chunks: Iterable[tuple[bytes, bytes | memoryview]]) -> int:
-        chunks = list(chunks)
-        with self._lock:
-            for digest, _data in chunks:
-                self._count += 1
-                self._fetched[digest] = self._count
-                self._fetched.move_to_end(digest)
-                if len(self._fetched) > FETCH_LOG_KEPT:
-                    self._fetched.popitem(last=False)
-        return self.cache.put_many(chunks)
+    def note(self, digests: Iterable[bytes]) -> None:
+        for digest in digests:
+            self._count += 1
+            self._fetched[digest] = self._count
+            self._fetched.move_to_end(digest)
+            if len(self._fetched) > FETCH_LOG_KEPT:
+                self._fetched.popitem(last=False)
 
     def mark(self) -> int:
-        with self._lock:
-            return self._count
+        return self._count
 
     def fetched_since(self, mark: int, digests: Iterable[bytes]) -> bool:
-        with self._lock:
-            return any(self._fetched.get(digest, 0) > mark for digest in digests)
+        return any(self._fetched.get(digest, 0) > mark for digest in digests)
 
 
 class LayerUsage:

@@ -8,7 +8,9 @@
 
 - ``DaemonLayers``, the LayerProvider of the node's SandboxManager: each layer a sandbox uses is mounted
   once per node by the daemon (``NodeDaemon.mount``, kernel mode unless told otherwise) at
-  ``state_dir/sandbox/layers/<digest>`` and counted; the last release unmounts it. The mounts are the
+  ``state_dir/sandbox/layers/<digest>`` and counted; the last release leaves it mounted, idle, for the
+  daemon's ``idle_grace`` (lazy_fetch/idle_mounts.py), and an acquire meanwhile takes it as it is (no
+  store request, no mount(2)); once the grace ends, or the daemon stops, it is unmounted. The mounts are the
   daemon's own, so ``dsecfs status`` lists them and a restarted daemon detaches them like any other.
   Before a layer's first mount every pack holding its chunks is checked to be in the store, so a layer
   whose data is gone fails ``up`` with NotFoundError instead of failing reads (EIO) inside a command.
@@ -62,6 +64,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,15 +72,17 @@ import trio
 
 from dsec_fs import api, exec_frames, mounts
 from dsec_fs.api import MODES
+from dsec_fs.chunks import INDEX_LOAD_THREADS
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.files import private_dir
-from dsec_fs.layer import Manifest, parse_ref, resolve
+from dsec_fs.layer import parse_ref, read_manifest, resolve
 from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
 from erofs_builder.build import build_tree
 from lazy_fetch.daemon import NodeDaemon
 from lazy_fetch.http_api import Request, Upgrade
+from lazy_fetch.meta_cache import MetaCache
 from lazy_fetch.trace_holders import Holder, combination_id
 
 from .attach import AttachCommand, relay
@@ -145,22 +150,25 @@ class DaemonLayers:
     # -- in the daemon's loop
 
     def held(self) -> list[dict]:
-        return [{"layer": digest, "mountpoint": held.mountpoint, "users": held.users}
-                for digest, held in sorted(self._held.items())]
+        return [{"layer": digest, "mountpoint": held.mountpoint, "users": held.users,
+                 "idle_until": self.daemon.idle.until(held.mountpoint)} for digest, held in sorted(self._held.items())]
 
     async def acquire_async(self, layer_ref: str, profile: bool = True, fill: str | None = None, *,
                             digest: str | None = None, holder: Holder | None = None) -> LayerHandle:
         store = await self.daemon.store()
-        digest = digest or await trio.to_thread.run_sync(resolve, store, layer_ref)
+        digest = digest or await trio.to_thread.run_sync(resolve, store, layer_ref)  # refs: cached for the daemon's ref_ttl
         name = None if is_hex_digest(layer_ref.lower()) else parse_ref(layer_ref)[0]
         async with self._turn(digest):
             held = self._held.get(digest)
             if held is None:
                 held = self._held[digest] = _HeldLayer(await self._mount(store, digest, name=name, profile=profile,
                                                                          fill=fill, holder=holder))
-            elif holder is not None:  # mounted for others: this sandbox's combination may prefetch more of it
-                await self._hold(held.mountpoint, holder, functools.partial(self.daemon.hold, profile=profile,
-                                                                            fill=fill))
+            else:
+                if not held.users:
+                    self.daemon.idle.take(held.mountpoint)  # idle: used again within its grace
+                if holder is not None:  # mounted for others: this sandbox's combination may prefetch more of it
+                    await self._hold(held.mountpoint, holder, functools.partial(self.daemon.hold, profile=profile,
+                                                                                fill=fill))
             held.users += 1
             return LayerHandle(digest, held.mountpoint)
 
@@ -170,16 +178,27 @@ class DaemonLayers:
             if held is None:
                 raise NotFoundError("no sandbox holds this layer", where=f"layer {digest}")
             held.users -= 1
-            if held.users:
-                if holder is not None:
-                    await self._hold(held.mountpoint, holder, self.daemon.unhold)
+            if holder is not None:
+                await self._hold(held.mountpoint, holder, self.daemon.unhold)
+            if held.users or self.daemon.idle.park(held.mountpoint, functools.partial(self._unmount_idle, digest)):
                 return
-            del self._held[digest]
-            try:
-                await self._unmount(held.mountpoint)
-            except BaseException:
-                self._held[digest] = held  # still mounted: the next acquire uses it, the next release retries
-                raise
+            await self._unmount_held(digest, held)
+
+    async def _unmount_idle(self, digest: str) -> None:
+        """The grace of an idle layer ended (lazy_fetch/idle_mounts.py): unmount it, unless it found a user
+        meanwhile."""
+        async with self._turn(digest):
+            held = self._held.get(digest)
+            if held is not None and not held.users:
+                await self._unmount_held(digest, held)
+
+    async def _unmount_held(self, digest: str, held: _HeldLayer) -> None:
+        del self._held[digest]
+        try:
+            await self._unmount(held.mountpoint)
+        except BaseException:
+            self._held[digest] = held  # still mounted: the next acquire uses it, the next release retries
+            raise
 
     async def adopt_async(self, handle: LayerHandle, *, holder: Holder | None = None) -> None:
         async with self._turn(handle.digest):
@@ -199,12 +218,19 @@ class DaemonLayers:
         except NotFoundError:
             pass
 
-    def remove_strays(self) -> None:
+    async def remove_strays(self) -> None:
         """Remove the layer directories no sandbox holds (left by a crash between mkdir and mount, or
-        after an unmount); one that still carries a mount no sandbox recorded is left alone."""
+        after an unmount); one that still carries a mount no sandbox recorded is left alone, unless it is
+        the daemon's (an idle layer of a daemon that died, adopted with the rest of its mounts): that one
+        is idle here too, for a grace from now."""
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
             if name in self._held:
+                continue
+            if path in self.daemon.table.mounts:
+                held = self._held[name] = _HeldLayer(path)
+                if not self.daemon.idle.park(path, functools.partial(self._unmount_idle, name)):
+                    await self._unmount_held(name, held)
                 continue
             if mounts.top_mount(path) is not None:  # from mountinfo: a stat could be a FUSE request to ourselves
                 log.warning("%s is no layer of a sandbox, yet something is mounted there; leaving it", path)
@@ -213,7 +239,7 @@ class DaemonLayers:
 
     async def _mount(self, store: Store, digest: str, *, name: str | None, profile: bool, fill: str | None,
                      holder: Holder | None) -> str:
-        await trio.to_thread.run_sync(_check_packs, store, digest)
+        await trio.to_thread.run_sync(_check_packs, store, digest, self.daemon.meta_copies)
         mountpoint = os.path.join(self.directory, digest)
         os.makedirs(mountpoint, exist_ok=True)
         try:
@@ -254,14 +280,14 @@ class DaemonLayers:
                 del self._turns[digest]
 
 
-def _check_packs(store: Store, digest: str) -> None:
-    """NotFoundError unless the layer is published and every pack holding its chunks is in the store."""
-    key = keys.layer_manifest(digest)
-    try:
-        manifest = Manifest.from_json(store.get(key), source=key)
-    except NotFoundError:
-        raise NotFoundError("layer is not published (no manifest)", where=f"layer {digest}") from None
-    missing = [pack for pack in manifest.packs if not store.exists(keys.pack(pack))]
+def _check_packs(store: Store, digest: str, copies: MetaCache | None) -> None:
+    """NotFoundError unless the layer is published and every pack holding its chunks is in the store. The
+    manifest may come from the node's copies (``copies``, lazy_fetch/meta_cache.py); the packs are asked
+    for side by side, in one round trip."""
+    manifest = copies.manifest(store, digest) if copies else read_manifest(store, digest)
+    with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="check-packs") as pool:
+        present = list(pool.map(lambda pack: store.exists(keys.pack(pack)), manifest.packs))
+    missing = [pack for pack, there in zip(manifest.packs, present) if not there]
     if missing:
         raise NotFoundError(f"{len(missing)} of the {len(manifest.packs)} packs holding the layer's chunks are "
                             "not in the store", where=f"layer {digest}, pack {missing[0]}")
@@ -325,7 +351,7 @@ class SandboxService:
         self.manager = await self._in_thread(functools.partial(
             SandboxManager, self.root, self.layers, runtime=self.runtime, stack_options=self.stack_options))
         recovery = await self._in_thread(self.manager.recover)
-        self.layers.remove_strays()
+        await self.layers.remove_strays()
         self.removed_at_start = recovery.removed
         log.info("sandboxes in %s (layers in %s mode, runtime %s): %d kept, %d dead ones removed", self.root,
                  self.layer_mode, self.runtime, len(self.manager.list()), len(recovery.removed))
@@ -369,10 +395,28 @@ class SandboxService:
             raise ConflictError(f"this daemon's sandboxes read layers from {ours}; start a daemon with --store "
                                 "to use another store", where=f"store {store}")
         started = time.monotonic()
+        await self._read_refs(spec)
         state = await self._lifecycle_call(self.manager.up, spec)
         log.info("sandbox %s (%s) up in %.3f s: %s", state.id, state.name, time.monotonic() - started,
                  ", ".join(f"{layer.role} {layer.ref}" for layer in state.layers))
         return _state_json(state)
+
+    async def _read_refs(self, spec: SandboxSpec) -> None:
+        """Read the refs of the sandbox's layers side by side, into the daemon's ref cache, so that ``up``
+        (which acquires its layers one after another) waits for one round trip to the store, not one per
+        layer. Errors are left for ``up`` to meet and report."""
+        if not self.daemon.options.ref_ttl:
+            return
+        store = await self.daemon.store()
+
+        async def read(ref: str) -> None:
+            with contextlib.suppress(DsecError):
+                await trio.to_thread.run_sync(resolve, store, ref)
+
+        async with trio.open_nursery() as nursery:
+            for _role, ref in spec.layers():
+                if not is_hex_digest(ref.lower()):
+                    nursery.start_soon(read, ref)
 
     async def _get_list(self, request: Request) -> api.SandboxList:
         self._check_serving()
@@ -416,8 +460,11 @@ class SandboxService:
         body = request.decode(api.CommitRequest)
         parse_ref(body.name)
         store = api.absolute_store(body.store or self._store_url())
-        return await self._lifecycle_call(self._commit, request.params["sandbox"], body.name, store,
-                                          body.keep_privileged)
+        try:
+            return await self._lifecycle_call(self._commit, request.params["sandbox"], body.name, store,
+                                              body.keep_privileged)
+        finally:
+            self.daemon.ref_moved(store, body.name)  # the next up here finds the new layer, not a cached ref
 
     def _commit(self, key: str, name: str, store_url: str, keep_privileged: bool) -> api.CommitResult:
         """Build the sandbox's upper dir into a layer of ``store_url`` named ``name`` (a worker thread)."""

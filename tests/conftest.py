@@ -26,6 +26,10 @@ from dsec_fs.store import init_store
 from tests.s3server import MotoServer
 
 DEBIAN_ROOTFS = os.environ.get("DSECFS_TEST_ROOTFS", "/var/cache/dsecfs-test/debian-minbase")
+# Daemons the tests start fill by their profile only, not the whole layer (the default fill, ``auto``, of
+# a layer with no profile): tests count store requests and chunks fetched, and a background stream of
+# the rest of the layer would race them. Tests of the fill ask for it (mount/sandbox ``fill=``).
+os.environ.setdefault("DSECFS_DAEMON_FILL", "profile")
 SWEPT_FSTYPES = ("erofs", "overlay", "fuse")
 
 

@@ -50,10 +50,13 @@ class Daemons:
     def start(self, store: str, *, binding: str | None = None, profiles: bool = False, **options) -> DaemonProcess:
         """Start one (the previous one must have stopped: they share the directories); ``binding`` None:
         the daemon's default. Access profiles are off unless ``profiles``: tests share stores, and a
-        profile one test's mount published would make another's mount prefetch."""
+        profile one test's mount published would make another's mount prefetch. Idle sandbox layers are
+        unmounted at once unless ``extra_args`` give ``--idle-grace``."""
         options.setdefault("fetch_timeout", 10)
+        # Sandbox layers go at the last down (later arguments may say otherwise): tests look for them gone.
+        options["extra_args"] = ["--idle-grace", "0", *options.get("extra_args", ())]
         if not profiles:
-            options["extra_args"] = [*options.get("extra_args", ()), "--no-profiles"]
+            options["extra_args"] = [*options["extra_args"], "--no-profiles"]
         options.setdefault("cache_dir", self.cache_dir)
         options.setdefault("command", [DSECFS])
         daemon = Node.start_daemon(self.socket, state_dir=self.state_dir, store=store, fuse_binding=binding,

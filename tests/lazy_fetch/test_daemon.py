@@ -25,7 +25,7 @@ import pytest
 from treecmp import assert_same_tree, snapshot
 
 from dsec_fs.digest import to_hex
-from dsec_fs.errors import ConflictError, NotFoundError, UnavailableError
+from dsec_fs.errors import ConflictError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import LayerFiles, open_layer
 from dsec_fs.pack import decode_index
 from dsec_fs.store import FilesystemStore, keys, open_store
@@ -333,6 +333,8 @@ def test_an_unreachable_store_fails_reads_within_the_timeout(daemons, tmp_path, 
         url = "s3://unreachable/layers"
         with open_store(url) as store:
             digest = build_layer(str(source), store, chunk_size=CHUNK).digest
+            _write(source / "third.bin", b"a layer never opened\n")
+            unopened = build_layer(str(source), store, chunk_size=CHUNK).digest
         node = daemons.start(url, fetch_timeout=3).node
         kernel, fuse = mount_dirs(tmp_path, "kernel", "fuse")
         node.mount(digest, kernel)
@@ -350,8 +352,14 @@ def test_an_unreachable_store_fails_reads_within_the_timeout(daemons, tmp_path, 
         assert info.value.errno == errno.EIO
         assert time.monotonic() - started < 30
     assert node.ping()
+    again, = mount_dirs(tmp_path, "again")
     with pytest.raises(UnavailableError):
-        node.mount(digest, str(tmp_path))  # a layer cannot be opened either
+        node.mount(unopened, again)  # a layer the node never opened cannot be opened either
+    node.mount(digest, again)  # one it did opens from its copies of the metadata (meta_cache.py)
+    with open(os.path.join(again, "first.bin"), "rb") as f:
+        assert f.read() == FILES["medium.bin"]
+    with pytest.raises(InputError):  # and nothing may be mounted over the daemon's own directories
+        node.mount(digest, str(tmp_path))
 
 
 def test_a_prefetch_list_learned_from_a_trace_is_fetched_in_the_background(layers, daemons, tmp_path):

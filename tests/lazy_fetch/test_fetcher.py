@@ -13,7 +13,7 @@ from dsec_fs.errors import IntegrityError, UnavailableError
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import CountingStore, FaultStore, LatencyStore, StoreWrapper
 from lazy_fetch.cache import ChunkCache
-from lazy_fetch.fetcher import ONDEMAND, PREFETCH, open_fetcher
+from lazy_fetch.fetcher import FILL, FILL_READ_BYTES, FILL_READS, ONDEMAND, PREFETCH, open_fetcher
 from tests.lazy_fetch.hung_store import HungPack
 
 
@@ -90,7 +90,8 @@ def test_sixteen_readers_fetch_each_chunk_once(backend, cache):
             stats = fetcher.stats("layer")
             assert (stats.chunks_fetched, stats.misses, stats.store_reads) == (8, 8, 1)
             assert stats.coalesced == 15 * 8
-            # Later readers are served by the cache.
+            # Later readers are served by the cache, once the chunks are in (after their readers had them).
+            await until(lambda: fetcher.in_flight == 0)
             assert await fetcher.fetch(*items[3], label="layer") == chunks[3]
             assert stats.hits == 1
 
@@ -126,6 +127,7 @@ def test_corrupted_cache_file_is_dropped_and_refetched(backend, cache, tmp_path)
     async def main():
         async with open_fetcher(counting, cache) as fetcher:
             assert await fetcher.fetch(digest, location) == data
+            await until(lambda: fetcher.in_flight == 0)  # cached after the reader had it
             path = os.path.join(cache.directory, "chunks", to_hex(digest)[:2], to_hex(digest))
             with open(path, "r+b") as f:
                 f.write(bytes([data[0] ^ 0x80]))
@@ -564,3 +566,131 @@ def test_an_object_that_answers_may_have_more_reads_at_once(backend, cache):
             assert counting.max_in_flight > 2
 
     trio.run(main)
+
+
+class KeyGatedStore(StoreWrapper):
+    """Holds each get of a gated key until the test opens that key's gate."""
+
+    def __init__(self, inner, keys_to_gate):
+        super().__init__(inner)
+        self.gates = {key: threading.Event() for key in keys_to_gate}
+
+    def _call(self, op, key, fn, sent=0):
+        if op == "get" and key in self.gates:
+            self.gates[key].wait()
+        return fn()
+
+
+def test_fill_reads_are_few_and_start_only_while_no_ondemand_read_waits(backend, cache):
+    a, b, c, d, e = (upload(backend, [chunk(n)])[0] for n in range(5))  # a pack each: a store read each
+    gated = KeyGatedStore(backend, [keys.pack(location.pack_id) for _, location in (a, b, c, d, e)])
+    gate = {name: gated.gates[keys.pack(item[1].pack_id)] for name, item in zip("abcde", (a, b, c, d, e))}
+    finished = []
+
+    async def main():
+        async with open_fetcher(gated, cache, max_concurrent=3, prefetch_slots=3) as fetcher:
+            async def fetch(name, item, priority):
+                await fetcher.fetch(*item, priority=priority)
+                finished.append(name)
+
+            async with trio.open_nursery() as nursery:
+                for name, item in (("a", a), ("b", b)):
+                    nursery.start_soon(fetch, name, item, FILL)
+                await until(lambda: fetcher.store_reads_running == 2)
+                nursery.start_soon(fetch, "c", c, FILL)
+                await until(lambda: fetcher.waiting(FILL) == 1)
+                # FILL_READS fill reads at once, though a slot is free.
+                assert (fetcher.store_reads_running, FILL_READS) == (2, 2)
+                nursery.start_soon(fetch, "d", d, ONDEMAND)
+                await until(lambda: fetcher.store_reads_running == 3)
+                nursery.start_soon(fetch, "e", e, ONDEMAND)
+                await until(lambda: fetcher.waiting(ONDEMAND) == 1)
+                gate["a"].set()
+                # The slot a leaves goes to the waiting reader, not to the queued fill.
+                await until(lambda: fetcher.waiting(ONDEMAND) == 0)
+                assert (fetcher.waiting(FILL), fetcher.store_reads_running) == (1, 3)
+                gate["e"].set()
+                await until(lambda: "e" in finished)
+                # No reader waits now, but two fill reads are: b, and c once granted, up to the limit.
+                await until(lambda: fetcher.waiting(FILL) == 0)
+                for name in "bcd":
+                    gate[name].set()
+
+    trio.run(main)
+    assert finished.index("a") < finished.index("e")
+
+
+def test_a_reader_promotes_a_queued_fill_read(backend, cache):
+    a, b, c = (upload(backend, [chunk(n)])[0] for n in range(3))
+    gated = KeyGatedStore(backend, [keys.pack(location.pack_id) for _, location in (a, b, c)])
+
+    async def main():
+        async with open_fetcher(gated, cache, max_concurrent=3, prefetch_slots=3) as fetcher:
+            async with trio.open_nursery() as nursery:
+                for item in (a, b):
+                    nursery.start_soon(lambda item=item: fetcher.fetch(*item, priority=FILL))
+                await until(lambda: fetcher.store_reads_running == 2)
+                nursery.start_soon(lambda: fetcher.fetch(*c, priority=FILL))
+                await until(lambda: fetcher.waiting(FILL) == 1)
+                nursery.start_soon(lambda: fetcher.fetch(*c, priority=ONDEMAND))  # c was queued as fill
+                await until(lambda: fetcher.store_reads_running == 3)
+                assert (fetcher.waiting(FILL), fetcher.waiting(ONDEMAND)) == (0, 0)
+                for event in gated.gates.values():
+                    event.set()
+
+    trio.run(main)
+
+
+def test_fill_reads_are_small(backend, cache):
+    incompressible = [chunk(n, size=512 * 1024) for n in range(8)]  # 4 MiB side by side in one pack
+    items = upload(backend, incompressible)
+    log = GetLog(backend)
+
+    async def main():
+        async with open_fetcher(log, cache) as fetcher:
+            await fetcher.warm(items, priority=FILL, landed=lambda digest, data, error: None)
+
+    trio.run(main)
+    assert len(log.gets) >= 4
+    assert all(length <= FILL_READ_BYTES for _offset, length in log.gets)
+
+
+class BlockingPutCache(ChunkCache):
+    """A chunk cache whose put_many waits until ``release`` is set."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+        self.puts = 0
+
+    def put_many(self, chunks):
+        self.puts += 1
+        self.release.wait()
+        return super().put_many(chunks)
+
+
+def test_a_reader_has_its_bytes_before_the_cache_has_written_them(backend, tmp_path):
+    data = chunk(1)
+    (digest, location), = upload(backend, [data])
+    counting = CountingStore(backend)
+    cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
+
+    async def main():
+        async with open_fetcher(counting, cache) as fetcher:
+            try:
+                with trio.fail_after(10):
+                    assert await fetcher.fetch(digest, location) == data
+                    await until(lambda: cache.puts == 1)
+                    # While the cache is still writing it, the next reader gets it from the flight.
+                    assert await fetcher.fetch(digest, location) == data
+                    assert fetcher.in_flight == 1
+            finally:
+                cache.release.set()
+            await until(lambda: fetcher.in_flight == 0)
+
+    try:
+        trio.run(main)
+        assert counting.calls["get"] == 1
+        assert cache.get(digest) == data
+    finally:
+        cache.close()

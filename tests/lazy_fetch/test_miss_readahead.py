@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from array import array
 
 import pytest
@@ -15,7 +14,7 @@ from dsec_fs.store import FilesystemStore
 from lazy_fetch.blob_reader import BlobChunk
 from lazy_fetch.miss_readahead import WINDOW_START, FileChunks, MissReadahead
 from lazy_fetch.trace import FLAG_MISS, read_trace
-from tests.lazy_fetch.daemon_support import Daemons, file_chunks, layer_metric, layer_store, mount_dirs
+from tests.lazy_fetch.daemon_support import Daemons, file_chunks, layer_metric, layer_store, mount_dirs, wait_for
 
 CHUNK = 64 * 1024
 rng = random.Random(21)
@@ -87,13 +86,6 @@ def store_dir(tmp_path) -> str:
     return layer_store(tmp_path, FILES, "t/walk:1", CHUNK)
 
 
-def _wait_for(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def _read(path):
     with open(path, "rb") as f:
         return f.read()
@@ -112,7 +104,7 @@ def test_one_file_fetches_its_chunks_only_and_a_walk_fewer_requests(store_dir, t
         info = node.mount("t/walk:1", mnt, mode=mode)
         layer = open_layer(FilesystemStore(store_dir), info.layer)
         if window != "0":  # the file map is built in a worker thread once the layer is mounted
-            _wait_for(lambda: node.status().layers[0].miss_readahead == "ready")
+            wait_for(lambda: node.status().layers[0].miss_readahead == "ready", "the file map")
         assert _read(os.path.join(mnt, "pkg/mod9.py")) == FILES["pkg/mod9.py"]  # the last in the blob
         assert layer_metric(node, "dsecfs_fetch_chunks_total", info.layer) == len(file_chunks(layer, "pkg/mod9.py"))
         for i in range(9):  # a walk: an import of a package, a directory scan

@@ -241,6 +241,43 @@ def test_fill_streams_the_rest_of_the_layer_until_the_cache_bound_and_never_evic
 
 @pytest.mark.fuse
 @pytest.mark.root
+def test_auto_fill_streams_a_layer_that_has_no_profile_and_only_the_profile_of_one_that_has(store_dir, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.delenv("DSECFS_DAEMON_FILL")  # the daemon's own default
+    a, b = _two_daemons(tmp_path)
+    try:
+        a.start(store_dir, profiles=True)
+        node = Node(a.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-a")
+        info = node.mount("t/app:1", mnt, mode="fuse")  # first ever: no profile anywhere
+        assert info.prefetch == "fill"
+        wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the fill")
+        (job,) = node.prefetches()
+        assert job.fill_chunks == job.chunks == job.done_chunks == node.cache_stats().entries > 0
+        for name in READ:
+            assert _read(os.path.join(mnt, name)) == FILES[name]
+        (layer,) = node.status().layers
+        assert layer.prefetched_bytes == 0  # a fill predicts nothing: it is not counted as prefetched
+        node.umount(mnt)
+        wait_for(lambda: list(FilesystemStore(store_dir).list(keys.layer_profiles(info.layer))), "the profile")
+        a.stop_all()
+
+        b.start(store_dir, profiles=True)
+        node = Node(b.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-b")
+        info = node.mount("t/app:1", mnt, mode="fuse")
+        assert info.prefetch == "profile:layer"
+        assert info.prefetch_chunks == sum(-(-len(FILES[name]) // CHUNK) for name in READ)
+        wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
+        assert node.prefetches()[0].fill_chunks == 0
+        node.umount(mnt)
+    finally:
+        a.stop_all()
+        b.stop_all()
+
+
+@pytest.mark.fuse
+@pytest.mark.root
 def test_a_daemon_that_stops_publishes_the_profiles_of_its_last_mounts(store_dir, tmp_path):
     a = Daemons(tmp_path / "a")
     try:

@@ -47,6 +47,7 @@ from tests.reliability.support import (
     read_until_correct,
     s3_environment,
 )
+from tests.lazy_fetch.daemon_support import wait_for
 from tests.s3server import MotoServer
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root, pytest.mark.s3]
@@ -270,6 +271,7 @@ def test_cache_directory_deleted_under_the_daemon(fault_layer, daemons, tmp_path
     mnt = mountpoint(tmp_path)
     daemon.node.mount(fault_layer.digest, mnt, mode=mode)
     assert read_checked(os.path.join(mnt, "cached.bin"), FILES["cached.bin"]) == DATA
+    wait_for(lambda: daemon.node.cache_stats().entries > 0, "the chunks read to be cached")  # after the reader has them
 
     shutil.rmtree(daemons.cache_dir)
     assert read_checked(os.path.join(mnt, "cached.bin"), FILES["cached.bin"]) == DATA  # its files are gone

@@ -13,6 +13,7 @@ import pytest
 
 from dsec_fs.errors import CorruptError, InputError, NotFoundError
 from dsec_fs.store import FilesystemStore, init_store, open_store
+from dsec_fs.store.ref_cache import RefCacheStore
 from dsec_fs.store.s3 import S3Store
 from dsec_fs.store.wrappers import RetryStore
 
@@ -20,11 +21,13 @@ from dsec_fs.store.wrappers import RetryStore
 PART_SIZE = 5 * 1024 * 1024
 
 
-@pytest.fixture(params=["path", "file", "posix", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["path", "file", "posix", "ref-cached", pytest.param("s3", marks=pytest.mark.s3)])
 def store(request, tmp_path):
     kind = request.param
     if kind == "s3":
         store = S3Store.from_url(request.getfixturevalue("s3_url"), multipart_threshold=PART_SIZE, part_size=PART_SIZE)
+    elif kind == "ref-cached":  # the node daemon's wrapper (ref_cache.py) is a Store like any other
+        store = RefCacheStore(open_store(str(tmp_path / "store"), create=True), ttl=60)
     else:
         root = tmp_path / "store"
         url = {"path": str(root), "file": f"file://{root}", "posix": f"posix://{root}"}[kind]

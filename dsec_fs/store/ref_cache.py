@@ -1,0 +1,72 @@
+"""A Store wrapper that answers reads of refs (``refs/<name>:<tag>``) from memory for a short time.
+
+    store = RefCacheStore(inner, ttl=15.0)
+
+Why a TTL is safe: a ref is the one thing in a store that moves (``dsecfs ref set``, a new build of the
+same name), and it names a layer by digest, which never changes meaning: meta.erofs is the digest's own
+bytes. A reader that sees a ref up to ``ttl`` seconds old mounts the layer the ref named that long ago,
+exactly as if it had asked then; it never mixes two layers. A ref set or deleted through this wrapper is
+forgotten at once, and ``forget`` does the same for one set through another Store (the node daemon's
+sandbox commit), so a node sees its own changes; another node's change is seen within ``ttl``. A missing
+ref is not remembered (a ref about to be made must be found as soon as it is). ``ttl`` 0 turns caching off.
+
+Only whole reads of a ref key are cached; every other call goes to ``inner`` unchanged.
+
+Threads: any thread; ``_lock`` guards ``_refs`` and is never held while the inner store is called.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .base import Store
+from .keys import REFS
+from .wrappers import StoreWrapper
+
+
+class RefCacheStore(StoreWrapper):
+    def __init__(self, inner: Store, ttl: float):
+        super().__init__(inner)
+        self.ttl = ttl
+        self.hits = 0
+        self._lock = threading.Lock()
+        self._refs: dict[str, tuple[float, bytes]] = {}  # key -> (monotonic time it was read, its bytes)
+
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        if not self.ttl or not key.startswith(REFS) or offset or length is not None:
+            return self.inner.get(key, offset, length)
+        now = time.monotonic()
+        with self._lock:
+            cached = self._refs.get(key)
+            if cached is not None and now - cached[0] < self.ttl:
+                self.hits += 1
+                return cached[1]
+        data = self.inner.get(key)
+        with self._lock:
+            self._refs[key] = (now, data)
+            for stale in [k for k, (read_at, _) in self._refs.items() if now - read_at >= self.ttl]:
+                del self._refs[stale]
+        return data
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        self._forget(key)
+        try:
+            self.inner.put(key, data)
+        finally:
+            self._forget(key)  # a read that raced the put may have cached the old value
+
+    def delete(self, key: str) -> None:
+        self._forget(key)
+        try:
+            self.inner.delete(key)
+        finally:
+            self._forget(key)
+
+    def forget(self, key: str) -> None:
+        """The ref at ``key`` was set elsewhere by this node (through another Store): read it again."""
+        self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._refs.pop(key, None)
