@@ -487,7 +487,7 @@ class NodeDaemon:
             trace_path, trace = self.segments.open(layer.files, mode, layer.blob, label, prefetch=prefetch,
                                                    profile_key=profile_key)
             served = Served(layer, TracedBlob(layer.blob, layer.usage, self._fetch_log, trace, layer.readahead),
-                            trace_path, label, ref_name)
+                            trace_path, label, mode=mode, ref_name=ref_name)
         return key, served
 
     def _record_mount(self, mountpoint: str, mode: str, ref: str, layer: Layer, key: tuple[str, str],

@@ -76,8 +76,9 @@ class Layer:
 class Served:
     layer: Layer
     blob: TracedBlob
-    trace_path: str  # the segment being written
-    label: Label
+    trace_path: str  # the segment being written ("" between segments, or with tracing off)
+    label: Label | None  # its holders' (None: no one holds it now)
+    mode: str = "kernel"
     ref_name: str | None = None  # the layer's ref name as its first mount named it (for profiles)
     mounts: int = 0
     holders: Holders = field(default_factory=Holders)

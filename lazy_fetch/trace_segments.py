@@ -57,14 +57,18 @@ class TraceSegments:
         return path, TraceWriter(path, header, start_ns=label.since_ns)
 
     def relabel(self, served: Served) -> None:
-        """When the labels of ``served``'s holders changed, its trace goes on in a new segment."""
+        """When the labels of ``served``'s holders changed, its trace goes on in a new segment; when no one
+        holds it (an idle mount: overlay/node_service.py keeps a sandbox layer mounted for a grace after
+        its last ``down``), the segment ends, and the next holder starts one."""
         label = served.holders.label()
-        if label is None or label.same(served.label):
+        if label is None and served.label is None or label is not None and label.same(served.label):
             return
-        if served.blob.trace is not None:
-            mode = served.blob.trace.header.mode
+        mode = served.mode
+        if served.trace_path:
             self._end_segment(served)
             served.segments.append(served.trace_path)
+            served.trace_path = ""
+        if label is not None:
             layer = served.layer
             served.trace_path, served.blob.trace = self.open(layer.files, mode, layer.blob, label)
         served.label = label
@@ -73,16 +77,17 @@ class TraceSegments:
         """Close ``served``'s trace and have its profiles published: the layer's, from every segment; the
         combination's, from the last segment if it was one combination's."""
         self._end_segment(served)
-        if self.profiles is not None and served.trace_path:
+        segments = [*served.segments, served.trace_path] if served.trace_path else served.segments
+        if self.profiles is not None and segments:
             layer = served.layer
             self.profiles.publish_soon(self._background(), layer.store.store, layer.files, layer.index,
-                                       [*served.segments, served.trace_path], served.ref_name)
+                                       segments, served.ref_name)
 
     def _end_segment(self, served: Served) -> None:
         """Close the segment being written; if one combination's sandboxes alone held it, publish its
         profile for that combination."""
         served.close_trace()
-        combination = served.label.combination
+        combination = served.label.combination if served.label is not None else ""
         if self.profiles is not None and served.trace_path and combination:
             layer = served.layer
             self.profiles.publish_soon(self._background(), layer.store.store, layer.files, layer.index,
