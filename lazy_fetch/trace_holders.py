@@ -10,7 +10,7 @@ A ``Holder`` is what a user of a mount stands for: a sandbox's (role, ref, combi
 ref. ``Holders`` counts them per mountpoint. While every holder has one label the trace is theirs:
 its header names the role, the ref and the combination, and a combination profile may be learned from it.
 When the set of labels changes, the daemon ends the trace (a *segment*) and starts another under the new
-label; while holders of two or more labels share the blob, the segment is ``shared`` (its header says how
+label (trace_segments.py; none while no one holds it); while holders of two or more labels share the blob, the segment is ``shared`` (its header says how
 many: ``holders``), its reads count for the layer only. So a read is attributed to a combination only when
 it can only be that combination's; the cost is one more trace file per change of the set of labels.
 
