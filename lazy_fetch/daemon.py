@@ -437,11 +437,7 @@ class NodeDaemon:
             self.table.save()
             log.info("unmounted %s%s", mountpoint, " (lazily)" if lazy else "")
             if not lazy:
-                self._release(mount)
-            else:  # still served, for no one named
-                served = self._served[served_key(mount.mode, self.layers[mount.layer].files)]
-                served.holders.remove(mountpoint)
-                self.segments.relabel(served)
+                self._release(mount)  # (lazily: still served and traced, for its holders, until the daemon stops)
         return mountpoint
 
     def _release(self, mount: Mount) -> None:
