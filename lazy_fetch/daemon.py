@@ -213,11 +213,13 @@ class NodeDaemon:
                     await self._stop.wait()
                 finally:
                     log.info("shutting down")
+                    # From here on, profiles are published at the end (``flush``), not in tasks of the
+                    # nursery this block is about to cancel: the stop hooks and idle mounts unmount layers.
+                    self._background = None
                     with trio.CancelScope(shield=True):
                         for hook in reversed(self.on_stop):
                             await hook()
                         await self.idle.unmount_all()
-                    self._background = None
         log.info("stopped")
 
     def shutdown(self) -> None:
