@@ -205,6 +205,7 @@ class PrefetchInfo(_Response):
     chunks: int = 0  # the list's and the fill's
     bytes: int = 0
     fill_chunks: int = 0  # of those, the fill's (the rest of the layer, fetched after the list)
+    fill_skipped: bool = False  # fill auto found the store fast: the fill was not made
     state: str = ""  # running | done | cancelled | failed
     done_chunks: int = 0
     done_bytes: int = 0

@@ -107,7 +107,7 @@ from .mount_table import Mount, MountTable, is_ours
 from .miss_readahead import FileChunks, MissReadahead
 from .daemon_options import DaemonOptions
 from .prefetch_list import PrefetchEntry, PrefetchList
-from .prefetcher import PrefetchJob, Prefetcher, fill_entries
+from .prefetcher import AUTO_FILL_MIN_ROUND_TRIP, PrefetchJob, Prefetcher, fill_entries
 from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import prune_traces
@@ -213,8 +213,8 @@ class NodeDaemon:
                     await self._stop.wait()
                 finally:
                     log.info("shutting down")
-                    # From here on, profiles are published at the end (``flush``), not in tasks of the
-                    # nursery this block is about to cancel: the stop hooks and idle mounts unmount layers.
+                    # Profiles of what unmounts from here on are published at the flush (the nursery is
+                    # about to be cancelled: a publish started in it now would be lost).
                     self._background = None
                     with trio.CancelScope(shield=True):
                         for hook in reversed(self.on_stop):
@@ -283,6 +283,9 @@ class NodeDaemon:
                 store.chunk_index.load_packs(store.index_reads, manifest.packs)
 
         def on_manifest(manifest: Manifest) -> None:
+            # The manifest is one small GET (or a copy kept on the node: this node had the layer before): a
+            # sample of the store's round trip, for fill auto.
+            store.fetcher.note_round_trip(time.monotonic() - asked)
             if keeper is None:
                 load_pack_indexes(manifest)
                 return
@@ -292,6 +295,7 @@ class NodeDaemon:
                 found[0] = lookup.result()
 
         # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
+        asked = time.monotonic()
         files = await store.fetcher.call_store(f"layer {ref} in {store.url}", functools.partial(
             open_layer, store.store, ref, on_manifest=on_manifest, reads=store.copies))
         store.indexed_layers.add(files.digest)
@@ -394,9 +398,11 @@ class NodeDaemon:
                 plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map,
                                                       layer.index)
                 prefetch, profile_key = f"profile:{found.source}", found.key
-            fill_list = []
+            fill_list, fill_when = [], (lambda: True)
             if idle and (fill == "layer" or (fill == "auto" and plist is None)):
                 fill_list = await trio.to_thread.run_sync(fill_entries, plist, layer.blob.blob_map)
+                if fill == "auto":
+                    fill_when = functools.partial(_store_is_slow, layer.store.fetcher)
             if fill_list:
                 prefetch = f"{prefetch}+fill" if prefetch else "fill"
             key, served = self._served_for(layer, mode, holder, ref_name, prefetch=prefetch or "",
@@ -404,7 +410,7 @@ class NodeDaemon:
             # The prefetch starts before mount(2), so its first store reads overlap the mount.
             job = None
             if (plist and plist.entries) or fill_list:
-                job = self._start_prefetch(layer, plist, prefetch, served, fill=fill_list)
+                job = self._start_prefetch(layer, plist, prefetch, served, fill=fill_list, fill_when=fill_when)
             # Written ahead: a daemon killed between mount(2) and the table update below still leaves
             # the mountpoint listed, so the next daemon detaches it.
             self.table.save(mounting=(mountpoint, mode, files.digest))
@@ -588,11 +594,12 @@ class NodeDaemon:
         return int(stats.max_bytes * FILL_CACHE_SHARE) - stats.bytes
 
     def _start_prefetch(self, layer: Layer, plist: PrefetchList | None, path: str, served: Served, *,
-                        fill: list[PrefetchEntry] = ()) -> PrefetchJob:
+                        fill: list[PrefetchEntry] = (), fill_when: Callable[[], bool | None] = lambda: True
+                        ) -> PrefetchJob:
         if layer.prefetch is not None and layer.prefetch.state == "running":
             raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
         layer.prefetch = self.prefetcher.start(layer.digest, plist, path, layer.store.fetcher,
-                                                layer.blob.location, lambda: served.blob.trace, fill=fill,
+                                                layer.blob.location, lambda: served.blob.trace, fill=fill, fill_when=fill_when,
                                                 landed=layer.usage.note_prefetched)
         return layer.prefetch
 
@@ -726,6 +733,12 @@ class NodeDaemon:
 
     def status(self) -> api.NodeStatus:
         return node_status.status(self)
+
+
+def _store_is_slow(fetcher: ChunkFetcher) -> bool | None:
+    """Fill ``auto``'s test (prefetcher.AUTO_FILL_MIN_ROUND_TRIP): None until the store's round trip is known."""
+    round_trip = fetcher.round_trip()
+    return None if round_trip is None else round_trip >= AUTO_FILL_MIN_ROUND_TRIP
 
 
 def mount_info(mount: Mount, *, idle_until: str = "") -> api.MountInfo:

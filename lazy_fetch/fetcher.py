@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -112,6 +113,12 @@ FILL_READS = 2
 FILL_READ_BYTES = 1024 * 1024
 # Worker threads putting fetched chunks into the disk cache at once (after their waiters have them).
 CACHE_WRITERS = 4
+# The store's round trip (``round_trip``): the least of the last ROUND_TRIP_SAMPLES times of small store
+# calls: chunk reads of at most ROUND_TRIP_READ_BYTES (their transfer a small part: 2.6 ms at 100 MB/s),
+# the slot's wait excluded, and what callers note (the daemon: a layer's manifest read). The least,
+# because a call can only be slowed (a cold disk, a busy core), never sped up, by what is not the store.
+ROUND_TRIP_SAMPLES = 16
+ROUND_TRIP_READ_BYTES = 256 * 1024
 # Upper bounds (seconds) of the latency histogram's buckets; the last catches everything.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, math.inf)
 RECENT_LATENCIES = 1024
@@ -195,6 +202,8 @@ class ChunkFetcher:
         self._stalled_since: dict[str, float] = {}  # store key -> when its first read still stuck was abandoned
         self._flights: dict[bytes, _Flight] = {}
         self._cache_writers = trio.CapacityLimiter(CACHE_WRITERS)
+        # Appended to by store-read worker threads (deque appends are atomic), read in the trio thread.
+        self._round_trips: deque[float] = deque(maxlen=ROUND_TRIP_SAMPLES)
         self._stats: dict[str, FetchStats] = {}
         self._reads_planned = 0  # numbers the store reads' tickets (see StoreSlots)
 
@@ -225,6 +234,14 @@ class ChunkFetcher:
     def stuck_objects(self) -> dict[str, int]:
         """Store key -> its abandoned reads still in the store, for the keys that have any."""
         return dict(self._slots.abandoned_of)
+
+    def round_trip(self) -> float | None:
+        """Seconds a small store call takes (ROUND_TRIP_SAMPLES above), or None before the first."""
+        return min(self._round_trips, default=None)
+
+    def note_round_trip(self, seconds: float) -> None:
+        """A small store call took ``seconds`` (any thread)."""
+        self._round_trips.append(seconds)
 
     @property
     def in_flight(self) -> int:
@@ -498,7 +515,10 @@ class ChunkFetcher:
         fill (so a job that is done has its chunks in the cache), or one abandoned at its deadline (nobody
         is left to take its result; one abandoned just as it returned may be cached by neither side, and
         is read again when next asked for)."""
+        started = time.monotonic()
         results = self._read(run)
+        if run.end - run.start <= ROUND_TRIP_READ_BYTES:
+            self.note_round_trip(time.monotonic() - started)
         if ticket.abandoned or ticket.priority != ONDEMAND:
             self._cache_put(run.pack_id, [(digest, data) for digest, data in results.items() if isinstance(data, bytes)])
             ticket.cached = True

@@ -49,6 +49,15 @@ log = logging.getLogger(__name__)
 PREFETCH_FIRST_GROUP_BYTES = 2 << 20
 PREFETCH_GROUP_BYTES = 256 << 20
 PREFETCH_GROUPS_IN_FLIGHT = 2
+# Fill ``auto`` fills a layer with no profile only when its store's round trip is at least this: each
+# miss then waits a round trip the fill can save it, and that outweighs what the fill costs the node
+# (decompressing, verifying and caching the whole layer on the cores the sandbox starts on). Measured
+# (bench_sandbox_coldstart, first-ever, docs/benchmarks.md): at 20 ms per request the fill took the
+# start from 2.3-2.9x the pull to 1.2-1.3x; at 1 ms it made it slower (1.0x -> 2.3x); the daemon's own
+# cost per miss is 2-6 ms under load (bench_miss_cost).
+AUTO_FILL_MIN_ROUND_TRIP = 0.005
+FILL_DECISION_SECONDS = 30.0
+FILL_DECISION_POLL = 0.05
 # Where to read a chunk (blob-map entry, digest) from: the layer's own packs first (LayerBlob.location),
 # so a forged index in a shared store cannot make a prefetch read another writer's pack.
 Locate = Callable[[int, bytes], ChunkLocation]
@@ -61,6 +70,7 @@ class PrefetchJob:
     chunks: int  # of the list and the fill
     bytes: int
     fill_chunks: int = 0  # of those, the fill's
+    fill_skipped: bool = False  # the fill was not worth it (``fill_when``): those chunks were not fetched
     state: str = "running"  # running | done | cancelled | failed
     done_chunks: int = 0
     done_bytes: int = 0
@@ -117,21 +127,24 @@ class Prefetcher:
 
     def start(self, layer: str, plist: PrefetchList | None, path: str, fetcher: ChunkFetcher, locate: Locate,
               trace: Callable[[], TraceWriter | None], *, fill: list[PrefetchEntry] = (),
+              fill_when: Callable[[], bool | None] = lambda: True,
               landed: Callable[[int], None] = lambda entry: None) -> PrefetchJob:
         """Fetch ``plist`` (if any, already verified against ``layer``'s blob map), then ``fill``, in the
         background; ``trace`` gives the trace to record landed chunks in (None once closed);
         ``landed(entry)`` is called with the blob-map entry of each chunk of ``plist`` that arrives. The
-        fill waits for the job's ``fill_ready``."""
+        fill waits for the job's ``fill_ready``, then for ``fill_when()`` to say whether it is worth it
+        (None: not known yet; asked again every FILL_DECISION_POLL seconds, for FILL_DECISION_SECONDS)."""
         entries = plist.entries if plist else []
         job = PrefetchJob(layer=layer, list=path, chunks=len(entries) + len(fill),
                           bytes=sum(entry.length for entry in (*entries, *fill)), fill_chunks=len(fill))
         self.jobs.append(job)
         self._nursery.start_soon(self._run, [(entries, PREFETCH, landed), (fill, FILL, lambda entry: None)],
-                                 job, fetcher, locate, trace)
+                                 job, fetcher, locate, trace, fill_when)
         return job
 
     async def _run(self, parts: list[tuple[list[PrefetchEntry], Priority, Callable[[int], None]]], job: PrefetchJob,
-                   fetcher: ChunkFetcher, locate: Locate, trace: Callable[[], TraceWriter | None]) -> None:
+                   fetcher: ChunkFetcher, locate: Locate, trace: Callable[[], TraceWriter | None],
+                   fill_when: Callable[[], bool | None]) -> None:
         started = time.monotonic()
         with job.cancel_scope:
             try:
@@ -147,9 +160,12 @@ class Prefetcher:
                         window.release()
 
                 async with trio.open_nursery() as nursery:
+                    deciding = True
                     for group, priority, on_landed in _groups(parts):
-                        if priority == FILL:
-                            await job.fill_ready.wait()
+                        if priority == FILL and deciding:
+                            deciding = False
+                            if not await _fill_wanted(job, fill_when, fetcher):
+                                break
                         await window.acquire()
                         fitting = _fitting(group, self.room() - in_flight[0])
                         if fitting:
@@ -204,6 +220,22 @@ class Prefetcher:
 
         await fetcher.warm([(digest, locate(entry.chunk, digest)) for digest, entry in entries.items()],
                            priority=priority, label=job.layer, landed=landed)
+
+
+async def _fill_wanted(job: PrefetchJob, fill_when: Callable[[], bool | None], fetcher: ChunkFetcher) -> bool:
+    """Once the job's layer is mounted: whether its fill goes ahead (``fill_when``); a fill not wanted,
+    or not decided within FILL_DECISION_SECONDS, is skipped, and the job counts only its list."""
+    await job.fill_ready.wait()
+    deadline = trio.current_time() + FILL_DECISION_SECONDS
+    while (wanted := fill_when()) is None and trio.current_time() < deadline:
+        await trio.sleep(FILL_DECISION_POLL)
+    if not wanted:
+        job.fill_skipped = True
+        job.chunks -= job.fill_chunks
+        round_trip = fetcher.round_trip()
+        log.info("fill of layer %s skipped: %s", job.layer[:12], "no store reads to judge it by" if round_trip is None
+                 else f"its store answers in {round_trip * 1e3:.1f} ms")
+    return bool(wanted)
 
 
 def _groups(parts: list[tuple[list[PrefetchEntry], Priority, Callable[[int], None]]]

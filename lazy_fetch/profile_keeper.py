@@ -10,8 +10,8 @@
   task learns the trace's profile (from all its segments, trace_holders.py) and merges it into this node's
   objects in the store, under the layer's digest and, if the mount named one, its ref name; and when a
   segment that only one combination's sandboxes held ends, under that combination. Best effort and off
-  every request's path: a failure is logged, never raised. A publish under way when the daemon stops finishes (its worker thread is waited
-  for), and ``flush`` (when the daemon stops, after its last unmounts) publishes what is still queued,
+  every request's path: a failure is logged, never raised. A publish under way when the daemon stops
+  finishes (its worker thread is waited for), and ``flush`` (when the daemon stops, after its last unmounts) publishes what is still queued,
   within FLUSH_SECONDS.
 
 The node id names this node's objects: 16 random hex digits made once, kept in ``state_dir/node-id``.
@@ -128,6 +128,8 @@ class ProfileKeeper:
     async def _publish(self, job: _Publish) -> None:
         if job.started:
             return
+        # A task started in a nursery that is being cancelled stops here, its job still queued for flush.
+        await trio.lowlevel.checkpoint_if_cancelled()
         job.started = True
         files, trace_path = job.files, job.trace_paths[-1]
         try:

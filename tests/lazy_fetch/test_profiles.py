@@ -241,21 +241,21 @@ def test_fill_streams_the_rest_of_the_layer_until_the_cache_bound_and_never_evic
 
 @pytest.mark.fuse
 @pytest.mark.root
-def test_auto_fill_streams_a_layer_that_has_no_profile_and_only_the_profile_of_one_that_has(store_dir, tmp_path,
-                                                                                          monkeypatch):
+def test_auto_fill_streams_a_layer_that_has_no_profile_from_a_slow_store_and_only_the_profile_of_one_that_has(
+        store_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("DSECFS_DAEMON_FILL")  # the daemon's own default
     a, b = _two_daemons(tmp_path)
     try:
-        a.start(store_dir, profiles=True)
+        a.start(store_dir, profiles=True, latency_ms=10)  # a round trip worth saving
         node = Node(a.socket)
         mnt, = mount_dirs(tmp_path, "mnt-a")
         info = node.mount("t/app:1", mnt, mode="fuse")  # first ever: no profile anywhere
         assert info.prefetch == "fill"
-        wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the fill")
-        (job,) = node.prefetches()
-        assert job.fill_chunks == job.chunks == job.done_chunks == node.cache_stats().entries > 0
         for name in READ:
             assert _read(os.path.join(mnt, name)) == FILES[name]
+        wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the fill")
+        (job,) = node.prefetches()
+        assert not job.fill_skipped and job.fill_chunks == job.chunks == job.done_chunks == node.cache_stats().entries
         (layer,) = node.status().layers
         assert layer.prefetched_bytes == 0  # a fill predicts nothing: it is not counted as prefetched
         node.umount(mnt)
@@ -274,6 +274,31 @@ def test_auto_fill_streams_a_layer_that_has_no_profile_and_only_the_profile_of_o
     finally:
         a.stop_all()
         b.stop_all()
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_auto_fill_skips_the_fill_when_the_store_answers_fast(store_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("DSECFS_DAEMON_FILL")
+    a = Daemons(tmp_path / "a")
+    try:
+        # A local directory: a miss costs less than streaming the whole layer would. (No miss readahead, so
+        # that what is cached is what was read.)
+        a.start(store_dir, extra_args=["--miss-readahead", "0"])
+        node = Node(a.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-a")
+        assert node.mount("t/app:1", mnt, mode="fuse").prefetch == "fill"
+        for name in READ:
+            assert _read(os.path.join(mnt, name)) == FILES[name]
+        wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the fill's decision")
+        (job,) = node.prefetches()
+        assert job.fill_skipped and job.done_chunks == job.chunks == 0
+        read_chunks = sum(-(-len(FILES[name]) // CHUNK) for name in READ)
+        wait_for(lambda: node.cache_stats().entries == read_chunks, "what was read, and only that, cached")
+        node.umount(mnt)
+        assert "fill of layer" in a.log() and "skipped: its store answers in" in a.log()
+    finally:
+        a.stop_all()
 
 
 @pytest.mark.fuse

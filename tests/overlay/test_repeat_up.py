@@ -20,7 +20,7 @@ from treecmp import write_files
 
 from dsec_fs.layer import resolve, set_ref
 from dsec_fs.sandbox_client import Sandbox
-from dsec_fs.store import init_store, open_store
+from dsec_fs.store import init_store, keys, open_store
 from erofs_builder import build_layer
 from lazy_fetch.meta_cache import HEADER
 from tests.lazy_fetch import daemon_support
@@ -134,6 +134,20 @@ def test_an_idle_layer_is_unmounted_when_its_grace_ends(daemons, store_url, tmp_
     assert mounts_below(tmp_path) == [(os.path.join(daemons.state_dir, "fuse"), "fuse.dsecfs")]
     assert os.listdir(os.path.join(daemons.state_dir, "sandbox", "layers")) == []
     assert up_read_down(node) > 0  # mounted anew, and right
+
+
+def test_a_daemon_that_stops_with_idle_layers_publishes_the_profile_of_each(daemons, store_url, tmp_path):
+    """Idle layers are unmounted at the stop: their traces end then, and every profile must still go out
+    (a publish started in the nursery being cancelled was lost: one layer of two was published)."""
+    node = daemons.start(store_url, profiles=True, extra_args=["--idle-grace", "1h"]).node
+    info = node.sandbox_up(BASE, toolkit=TOOLKIT)
+    assert read_tree(info.rootfs, TOOL_FILES) == TOOL_FILES and read_tree(info.rootfs, BASE_FILES) == BASE_FILES
+    Sandbox(node, info.id).down()
+    assert len([m for m in node.status().mounts if m.idle_until]) == 2
+    daemons.stop_all()
+    with open_store(store_url) as store:
+        for ref in (BASE, TOOLKIT):
+            assert list(store.list(keys.layer_profiles(resolve(store, ref)))), f"no profile of {ref}"
 
 
 def copies(daemons, kind: str) -> list[str]:
