@@ -312,19 +312,3 @@ def test_a_combination_that_joins_a_layer_mounted_for_another_prefetches_its_own
     (segment,) = [t for t in traces if t.header.layer == digests[BASE] and t.header.holders == 2]
     assert any(not r.flags & FLAG_PREFETCH for r in segment.records)  # mod3 was read in it...
     assert [r for r in segment.records if r.flags & FLAG_MISS and not r.flags & FLAG_PREFETCH] == []  # cached
-
-
-def test_a_daemon_that_stops_publishes_the_profiles_of_its_idle_layers(store_dir, nodes):
-    """The layers a ``down`` left idle are unmounted when the daemon stops; their profiles must go out then.
-    (The race this guards, a publish started as a task of the nursery the stop then cancels, needs a
-    layer whose publish is slow to start; bench_combination_profiles.py's Debian base showed it.)"""
-    a, _b = nodes
-    digests = _digests(store_dir)
-    a.start(store_dir, latency_ms=150)
-    node = Node(a.socket)
-    up = node.sandbox_up(BASE, toolkit=TK_A, name="idle")
-    _read(up.rootfs, BASE, "usr/lib/mod0.py")
-    _down(node, "idle")  # its layers stay mounted, idle, for the grace
-    a.stop_all()
-    store = FilesystemStore(store_dir)
-    assert _paths(profile.fetch(store, keys.layer_profiles(digests[BASE]))) == {"/usr/lib/mod0.py"}
