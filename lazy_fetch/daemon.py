@@ -107,7 +107,7 @@ from .mount_table import Mount, MountTable, is_ours
 from .miss_readahead import FileChunks, MissReadahead
 from .daemon_options import DaemonOptions
 from .prefetch_list import PrefetchEntry, PrefetchList
-from .prefetcher import AUTO_FILL_MIN_ROUND_TRIP, PrefetchJob, Prefetcher, fill_entries
+from .prefetcher import AUTO_FILL_MIN_ROUND_TRIP, AUTO_FILL_PATIENCE, AUTO_FILL_SAMPLES, PrefetchJob, Prefetcher, fill_entries
 from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import prune_traces
@@ -398,7 +398,7 @@ class NodeDaemon:
                 plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map,
                                                       layer.index)
                 prefetch, profile_key = f"profile:{found.source}", found.key
-            fill_list, fill_when = [], (lambda: True)
+            fill_list, fill_when = [], (lambda waited: True)
             if idle and (fill == "layer" or (fill == "auto" and plist is None)):
                 fill_list = await trio.to_thread.run_sync(fill_entries, plist, layer.blob.blob_map)
                 if fill == "auto":
@@ -594,7 +594,8 @@ class NodeDaemon:
         return int(stats.max_bytes * FILL_CACHE_SHARE) - stats.bytes
 
     def _start_prefetch(self, layer: Layer, plist: PrefetchList | None, path: str, served: Served, *,
-                        fill: list[PrefetchEntry] = (), fill_when: Callable[[], bool | None] = lambda: True
+                        fill: list[PrefetchEntry] = (),
+                        fill_when: Callable[[float], bool | None] = lambda waited: True
                         ) -> PrefetchJob:
         if layer.prefetch is not None and layer.prefetch.state == "running":
             raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
@@ -735,9 +736,10 @@ class NodeDaemon:
         return node_status.status(self)
 
 
-def _store_is_slow(fetcher: ChunkFetcher) -> bool | None:
-    """Fill ``auto``'s test (prefetcher.AUTO_FILL_MIN_ROUND_TRIP): None until the store's round trip is known."""
-    round_trip = fetcher.round_trip()
+def _store_is_slow(fetcher: ChunkFetcher, waited: float) -> bool | None:
+    """Fill ``auto``'s test (prefetcher.AUTO_FILL_MIN_ROUND_TRIP), ``waited`` seconds after the mount: None
+    until the store's round trip is known well enough."""
+    round_trip = fetcher.round_trip(AUTO_FILL_SAMPLES if waited < AUTO_FILL_PATIENCE else 1)
     return None if round_trip is None else round_trip >= AUTO_FILL_MIN_ROUND_TRIP
 
 

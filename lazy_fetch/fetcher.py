@@ -235,9 +235,10 @@ class ChunkFetcher:
         """Store key -> its abandoned reads still in the store, for the keys that have any."""
         return dict(self._slots.abandoned_of)
 
-    def round_trip(self) -> float | None:
-        """Seconds a small store call takes (ROUND_TRIP_SAMPLES above), or None before the first."""
-        return min(self._round_trips, default=None)
+    def round_trip(self, samples: int = 1) -> float | None:
+        """Seconds a small store call takes (ROUND_TRIP_SAMPLES above), or None before ``samples`` were
+        taken."""
+        return min(self._round_trips) if len(self._round_trips) >= samples else None
 
     def note_round_trip(self, seconds: float) -> None:
         """A small store call took ``seconds`` (any thread)."""

@@ -56,6 +56,11 @@ PREFETCH_GROUPS_IN_FLIGHT = 2
 # start from 2.3-2.9x the pull to 1.2-1.3x; at 1 ms it made it slower (1.0x -> 2.3x); the daemon's own
 # cost per miss is 2-6 ms under load (bench_miss_cost).
 AUTO_FILL_MIN_ROUND_TRIP = 0.005
+# It judges by the least of the first AUTO_FILL_SAMPLES small store calls (one may be slowed by a cold
+# disk or a busy core: with one sample a 1 ms store was once taken for a slow one), or of those there are
+# after AUTO_FILL_PATIENCE seconds.
+AUTO_FILL_SAMPLES = 4
+AUTO_FILL_PATIENCE = 1.0
 FILL_DECISION_SECONDS = 30.0
 FILL_DECISION_POLL = 0.05
 # Where to read a chunk (blob-map entry, digest) from: the layer's own packs first (LayerBlob.location),
@@ -127,13 +132,14 @@ class Prefetcher:
 
     def start(self, layer: str, plist: PrefetchList | None, path: str, fetcher: ChunkFetcher, locate: Locate,
               trace: Callable[[], TraceWriter | None], *, fill: list[PrefetchEntry] = (),
-              fill_when: Callable[[], bool | None] = lambda: True,
+              fill_when: Callable[[float], bool | None] = lambda waited: True,
               landed: Callable[[int], None] = lambda entry: None) -> PrefetchJob:
         """Fetch ``plist`` (if any, already verified against ``layer``'s blob map), then ``fill``, in the
         background; ``trace`` gives the trace to record landed chunks in (None once closed);
         ``landed(entry)`` is called with the blob-map entry of each chunk of ``plist`` that arrives. The
-        fill waits for the job's ``fill_ready``, then for ``fill_when()`` to say whether it is worth it
-        (None: not known yet; asked again every FILL_DECISION_POLL seconds, for FILL_DECISION_SECONDS)."""
+        fill waits for the job's ``fill_ready``, then for ``fill_when(seconds waited)`` to say whether it
+        is worth it (None: not known yet; asked again every FILL_DECISION_POLL seconds, for
+        FILL_DECISION_SECONDS)."""
         entries = plist.entries if plist else []
         job = PrefetchJob(layer=layer, list=path, chunks=len(entries) + len(fill),
                           bytes=sum(entry.length for entry in (*entries, *fill)), fill_chunks=len(fill))
@@ -144,7 +150,7 @@ class Prefetcher:
 
     async def _run(self, parts: list[tuple[list[PrefetchEntry], Priority, Callable[[int], None]]], job: PrefetchJob,
                    fetcher: ChunkFetcher, locate: Locate, trace: Callable[[], TraceWriter | None],
-                   fill_when: Callable[[], bool | None]) -> None:
+                   fill_when: Callable[[float], bool | None]) -> None:
         started = time.monotonic()
         with job.cancel_scope:
             try:
@@ -222,12 +228,14 @@ class Prefetcher:
                            priority=priority, label=job.layer, landed=landed)
 
 
-async def _fill_wanted(job: PrefetchJob, fill_when: Callable[[], bool | None], fetcher: ChunkFetcher) -> bool:
+async def _fill_wanted(job: PrefetchJob, fill_when: Callable[[float], bool | None], fetcher: ChunkFetcher) -> bool:
     """Once the job's layer is mounted: whether its fill goes ahead (``fill_when``); a fill not wanted,
     or not decided within FILL_DECISION_SECONDS, is skipped, and the job counts only its list."""
     await job.fill_ready.wait()
-    deadline = trio.current_time() + FILL_DECISION_SECONDS
-    while (wanted := fill_when()) is None and trio.current_time() < deadline:
+    started = trio.current_time()
+    while (wanted := fill_when(trio.current_time() - started)) is None:
+        if trio.current_time() - started > FILL_DECISION_SECONDS:
+            break
         await trio.sleep(FILL_DECISION_POLL)
     if not wanted:
         job.fill_skipped = True
