@@ -191,13 +191,18 @@ def status(socket_path: str, as_json: bool) -> None:
                  f"{cache.memory_hits:,} hits)"]
         if st.cleaned:
             lines.append(f"cleaned  {', '.join(st.cleaned)} (left by a daemon that died)")
-        lines.append(f"\n{'MOUNTPOINT':<40} {'MODE':<6} {'LAYER':<12} REF")
-        lines += [f"{m.mountpoint:<40} {m.mode:<6} {m.layer[:12]:<12} {m.ref}"
+        lines.append(f"\n{'MOUNTPOINT':<40} {'MODE':<6} {'LAYER':<12} {'REF':<24} PREFETCHED BY")
+        lines += [f"{m.mountpoint:<40} {m.mode:<6} {m.layer[:12]:<12} {m.ref:<24} "
+                  f"{m.prefetch or '-'}{' ' + m.profile_key if m.profile_key else ''}"
                   + (f" (idle, unmounted at {m.idle_until})" if m.idle_until else "") for m in st.mounts]
         lines.append(f"\n{'LAYER':<12} {'MOUNTS':>6} {'USED':>7} {'FETCHED':>10} {'CHUNKS':>7} {'ERRORS':>6}")
         lines += [f"{layer.layer[:12]:<12} {layer.mounts:>6} {layer.fetched_ratio * 100:>6.1f}% "
                   f"{human_size(layer.bytes_fetched):>10} {layer.chunks_fetched:>7,} {layer.fetch_errors:>6,}"
                   for layer in st.layers]
+        lines += [f"predicted {layer.layer[:12]}: prefetched {human_size(layer.prefetched_bytes)}, of which read "
+                  f"{human_size(layer.prefetched_read_bytes)}, never read {human_size(layer.prefetched_unread_bytes)}; "
+                  f"read, not prefetched {human_size(layer.read_not_prefetched_bytes)}"
+                  for layer in st.layers if layer.prefetched_bytes]
         lines += [f"prefetch {p.layer[:12]} {p.state}: {p.done_chunks:,}/{p.chunks:,} chunks, "
                   f"{human_size(p.done_bytes)}, {p.failed_chunks} failed" for p in st.prefetches]
         return "\n".join(lines)

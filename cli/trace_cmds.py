@@ -71,11 +71,25 @@ def report_cmd(traces: tuple[str, ...], out_dir: str, store_url: str | None, as_
         lines = [f"{r.name:<32} {r.traces:>5} traces  bytes read {r.byte_fraction.median * 100:5.1f}% "
                  f"(median of {human_size(r.layer_bytes)})  files {r.file_fraction.median * 100:5.1f}%  "
                  f"stalled {r.stalled_ms.median:,.1f} ms" for r in report.layers]
+        lines += _combination_lines(report)
         lines += [f"note: {note}" for note in report.notes]
         return "\n".join([*lines, f"wrote {html_path} and {json_path}"])
 
     emit(as_json, {"html": html_path, "json": json_path, "traces": len(report.traces), "layers": layers,
                    "notes": report.notes}, text, result=html_path)
+
+
+def _combination_lines(report) -> list[str]:
+    """Per combination and layer: what its mounts prefetched by, and how well that predicted."""
+    lines = []
+    for combo in report.combinations:
+        for m in combo.members:
+            lines.append(f"{(combo.combination or '(no combination)')[:16]:<16} {m.role or 'bare':<9} {m.name:<24} "
+                         f"by {'; '.join(m.profiles) or 'nothing':<24} prefetched {human_size(m.prefetched_bytes)}: "
+                         f"read {human_size(m.prefetched_read_bytes)}, never read "
+                         f"{human_size(m.prefetched_unread_bytes)}; read, not prefetched "
+                         f"{human_size(m.read_not_prefetched_bytes)}")
+    return lines
 
 
 @trace.command("ls")

@@ -160,12 +160,13 @@ class MountInfo(_Response):
     ref: str = ""  # how the mount named the layer (a ref or the digest)
     store: str = ""
     blob_id: str = ""
-    trace: str = ""  # the mount's access trace file ("" when tracing is off)
-    prefetch: str = ""  # the prefetch list it was mounted with, "profile:layer" or "profile:name", or ""
+    trace: str = ""  # the access trace file it started ("" when tracing is off; later segments: trace_segments.py)
+    prefetch: str = ""  # the prefetch list it was mounted with, "profile:combination|layer|name", or ""
     created: str = ""
     chunks: int = 0  # distinct chunks of the layer
     data_bytes: int = 0  # their bytes
     prefetch_chunks: int = 0  # chunks the prefetch (list or profile) was to fetch
+    profile_key: str = ""  # the store prefix of the profile it prefetched by (keys.*_profiles)
     idle_until: str = ""  # an idle sandbox layer (no sandbox uses it): when it is unmounted, unless used again
 
 
@@ -263,6 +264,7 @@ class SandboxInfo(_Response):
     upper: str = ""  # its writes
     created: str = ""
     layers: tuple[SandboxLayerInfo, ...] = ()  # top first
+    combination: str = ""  # the id of its stack of layers: its traces and combination profiles name it
 
 
 class SandboxList(_Response):

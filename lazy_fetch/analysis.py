@@ -333,6 +333,9 @@ class TraceSummary:
     prefetched_bytes: int
     prefetch_used_bytes: int  # of those, bytes of chunks a reader then read
     ambiguous_bytes: int
+    holders: int = 1  # distinct holders sharing the blob while it was written (trace_holders.py)
+    prefetch: str = ""  # what its mount prefetched by (a list, "profile:combination|layer|name", "fill")
+    profile_key: str = ""  # the store prefix of that profile
 
 
 def summarize(access: TraceAccess, layer: LayerIndex) -> TraceSummary:
@@ -354,7 +357,7 @@ def summarize(access: TraceAccess, layer: LayerIndex) -> TraceSummary:
         last_wait_ms=_ms(max((w.end_ns for w in waits), default=0)), duration_ms=_ms(access.duration_ns),
         prefetched_bytes=sum(lengths[c][2] for c in access.prefetched),
         prefetch_used_bytes=sum(lengths[c][2] for c in access.prefetched if c in read_chunks),
-        ambiguous_bytes=access.ambiguous_bytes,
+        ambiguous_bytes=access.ambiguous_bytes, holders=h.holders, prefetch=h.prefetch, profile_key=h.profile_key,
     )
 
 
@@ -521,6 +524,16 @@ class CombinationMember:
     mean_files_read: float
     byte_fraction: float  # mean over the member's traces
     mean_stalled_ms: float
+    # which profiles its mounts prefetched by ("profile:combination <store prefix>", ...), and how well
+    # they predicted its reads, in chunk bytes summed over its traces:
+    profiles: list[str] = field(default_factory=list)
+    prefetched_bytes: int = 0
+    prefetched_read_bytes: int = 0
+    prefetched_unread_bytes: int = 0
+    read_not_prefetched_bytes: int = 0
+
+
+SHARED = "(shared)"  # the combination of trace segments written while sandboxes of several shared the layer
 
 
 @dataclass
@@ -845,7 +858,7 @@ def _combinations(summaries: list[TraceSummary], layers: dict[str, LayerIndex],
                   names: dict[str, str]) -> list[CombinationReport]:
     groups: dict[str, dict[tuple[str, str], list[TraceSummary]]] = defaultdict(lambda: defaultdict(list))
     for s in summaries:
-        groups[s.combination][(s.role, s.layer)].append(s)
+        groups[SHARED if s.holders > 1 else s.combination][(s.role, s.layer)].append(s)
     reports = []
     for combination in sorted(groups):
         members = []
@@ -858,7 +871,7 @@ def _combinations(summaries: list[TraceSummary], layers: dict[str, LayerIndex],
                 layer_files=layer.layer_files, mean_bytes_read=sum(s.bytes_read for s in group) / n,
                 mean_files_read=sum(s.files_read for s in group) / n,
                 byte_fraction=sum(s.byte_fraction for s in group) / n,
-                mean_stalled_ms=sum(s.stalled_ms for s in group) / n))
+                mean_stalled_ms=sum(s.stalled_ms for s in group) / n, **_prediction(group)))
         total_bytes = sum(m.layer_bytes for m in members)
         total_files = sum(m.layer_files for m in members)
         byte_fraction = sum(m.mean_bytes_read for m in members) / total_bytes if total_bytes else 0.0
@@ -868,6 +881,16 @@ def _combinations(summaries: list[TraceSummary], layers: dict[str, LayerIndex],
             mean_stalled_ms=sum(m.mean_stalled_ms for m in members),
             in_band=PRODUCTION_BAND[0] <= byte_fraction <= PRODUCTION_BAND[1]))
     return reports
+
+
+def _prediction(group: list[TraceSummary]) -> dict:
+    """The profiles the traces' mounts prefetched by, and how well the prefetch predicted their reads."""
+    prefetched = sum(s.prefetched_bytes for s in group)
+    read = sum(s.prefetch_used_bytes for s in group)
+    return {"profiles": sorted({f"{s.prefetch} {s.profile_key}".strip() for s in group if s.prefetch}),
+            "prefetched_bytes": prefetched, "prefetched_read_bytes": read,
+            "prefetched_unread_bytes": prefetched - read,
+            "read_not_prefetched_bytes": sum(s.chunk_bytes for s in group) - read}
 
 
 def _cross_layer(by_layer: dict[str, list[TraceAccess]], layers: dict[str, LayerIndex], names: dict[str, str], *,

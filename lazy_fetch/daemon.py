@@ -19,6 +19,7 @@ is what ``dsecfs daemon`` runs. The parts, one module each::
             refs are read at most every ``ref_ttl`` (dsec_fs/store/ref_cache.py, outermost on each store)
         IdleMounts (idle_mounts.py): sandbox layers no sandbox uses, kept mounted for ``idle_grace``
         per served blob: a TracedBlob (traced_blob.py: each read counted and traced) and its TraceWriter
+            (in segments, one per label of its holders, and the profiles learned from them: trace_segments.py)
         Prefetcher (prefetcher.py): prefetch lists fetched in the background
 
 The daemon never waits on itself. Its trio thread serves the FUSE session (with the raw and pyfuse3
@@ -29,7 +30,9 @@ all. mount(2) and umount(2) run in worker threads too (layer_mount.py).
 
 Traces. Each mount gets a trace file under ``state_dir/traces/`` (traced_blob.py, trace.py). Mounts of one
 layer in one mode share the blob layer_mount serves them from, so they share the trace of the first of
-them, which closes with the last. Closed traces past ``trace_keep_seconds`` or beyond
+them, which closes with the last. Each mount and each sandbox that holds it is a holder: while the
+holders' labels (role, ref, combination) change, the trace goes on in a new segment under the new label
+(``hold``, ``unhold``; trace_holders.py, trace_segments.py). Closed traces past ``trace_keep_seconds`` or beyond
 ``trace_keep_bytes`` in all are removed, oldest first, at start and every TRACE_PRUNE_SECONDS.
 
 Prefetch. A mount may name a prefetch list, read through request_paths.open_regular_file (a regular
@@ -70,7 +73,6 @@ import contextlib
 import functools
 import logging
 import os
-import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -108,7 +110,9 @@ from .prefetch_list import PrefetchEntry, PrefetchList
 from .prefetcher import AUTO_FILL_MIN_ROUND_TRIP, AUTO_FILL_PATIENCE, AUTO_FILL_SAMPLES, PrefetchJob, Prefetcher, fill_entries
 from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
-from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter, prune_traces
+from .trace import prune_traces
+from .trace_holders import Holder, Label
+from .trace_segments import TraceSegments
 from .traced_blob import LayerUsage, StoreFetchLog, TracedBlob
 
 log = logging.getLogger(__name__)
@@ -170,6 +174,8 @@ class NodeDaemon:
         private_dir(self.trace_dir)
         if options.profiles:
             self.profiles = ProfileKeeper(self.state_dir)
+        self.segments = TraceSegments(self.trace_dir, enabled=options.trace, profiles=self.profiles,
+                                      background=lambda: self._background)
         async with contextlib.AsyncExitStack() as stack:
             self.cache = stack.enter_context(ChunkCache(options.cache_dir, options.cache_bytes))
             self._fetch_log = StoreFetchLog()
@@ -262,9 +268,10 @@ class NodeDaemon:
                 context.store.forget(keys.ref(name, tag))
 
     async def _open_layer(self, store: StoreContext, ref: str, *, profile_of: str | None = None,
-                          want_profile: bool = False) -> tuple[LayerFiles, FoundProfile | None]:
+                          want_profile: bool = False, combination: str = "") -> tuple[LayerFiles, FoundProfile | None]:
         """open_layer, loading the pack indexes of a layer this store context has not indexed yet, and with
-        ``want_profile`` its access profile (profile_keeper.py; ``profile_of``: its ref name), while
+        ``want_profile`` its access profile (profile_keeper.py; ``profile_of``: its ref name; ``combination``:
+        the stack it is mounted for), while
         meta.erofs and the blob map are read (their round trips overlap; open_layer_blob then finds
         every chunk located and loads nothing)."""
         indexed = frozenset(store.indexed_layers)
@@ -283,7 +290,7 @@ class NodeDaemon:
                 load_pack_indexes(manifest)
                 return
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-lookup") as pool:
-                lookup = pool.submit(keeper.lookup, store.store, manifest.layer, profile_of)
+                lookup = pool.submit(keeper.lookup, store.store, manifest.layer, profile_of, combination)
                 load_pack_indexes(manifest)
                 found[0] = lookup.result()
 
@@ -315,21 +322,6 @@ class NodeDaemon:
             return
         layer.readahead.ready(files)
 
-    def _open_trace(self, files: LayerFiles, mode: str, ref: str, blob: LayerBlob,
-                    ref_name: str | None) -> tuple[str, TraceWriter | None]:
-        """A new trace of ``files`` in ``mode``; its header names the ref the mount named, else (a mount by
-        digest, as sandboxes make them) the ref name it was given."""
-        if not self.options.trace:
-            return "", None
-        stats = files.manifest.stats
-        shown_ref = ref_name or "" if is_hex_digest(ref.lower()) else ref
-        header = TraceHeader(layer=files.digest, ref=shown_ref, mode=mode,
-                             chunk_size=files.manifest.chunk_size, layer_bytes=int(stats.get("bytes", 0)),
-                             layer_files=int(stats.get("files", 0)), blob_bytes=blob.size)
-        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{files.digest[:12]}-{mode}-{secrets.token_hex(3)}{TRACE_SUFFIX}"
-        path = os.path.join(self.trace_dir, name)
-        return path, TraceWriter(path, header)
-
     # -- paths a request names
 
     async def _directory(self, path: str) -> str:
@@ -359,12 +351,13 @@ class NodeDaemon:
 
     async def mount(self, ref: str, mountpoint: str, *, mode: str = "kernel", store_url: str | None = None,
                     prefetch: str | None = None, fuse_binding: str | None = None, profile: bool = True,
-                    name: str | None = None, fill: str | None = None) -> api.MountInfo:
+                    name: str | None = None, fill: str | None = None, holder: Holder | None = None) -> api.MountInfo:
         """Mount layer ``ref`` (a ref or a digest, from ``store_url`` or the default store) at the
         directory ``mountpoint``; with ``prefetch`` (a prefetch list file) fetch that list in the
         background, else (unless ``profile`` is False) the layer's access profile from the store. ``name``:
         the layer's ref name when ``ref`` is a digest (for profiles); ``fill``: one of FILLS (default: the
-        daemon's). Returns the mount's description."""
+        daemon's); ``holder``: who the mount is for (a sandbox's role, ref and combination; default a bare
+        mount of its ref). Returns the mount's description."""
         fill = fill or self.options.fill
         if fill not in FILLS:
             raise InputError(f"unknown fill policy {fill!r} (one of {', '.join(FILLS)})", where=mountpoint)
@@ -383,9 +376,12 @@ class NodeDaemon:
         if prefetch:
             prefetch, plist = await self._read_prefetch_list(prefetch)
         ref_name = name or (None if is_hex_digest(ref.lower()) else parse_ref(ref)[0])
+        holder = holder or Holder(ref=ref_name or "" if is_hex_digest(ref.lower()) else ref)
         store = await self._store_context(store_url)
         want_profile = plist is None and profile and fill != "none" and self.profiles is not None
-        files, found = await self._open_layer(store, ref, profile_of=ref_name, want_profile=want_profile)
+        files, found = await self._open_layer(store, ref, profile_of=ref_name, want_profile=want_profile,
+                                              combination=holder.combination)
+        profile_key = ""
         blob = None if files.digest in self.layers else await self._open_blob(files, store)
         async with self._lock:
             if mountpoint in self.table.mounts:
@@ -401,7 +397,7 @@ class NodeDaemon:
             if found is not None and idle:
                 plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map,
                                                       layer.index)
-                prefetch = f"profile:{found.source}"
+                prefetch, profile_key = f"profile:{found.source}", found.key
             fill_list, fill_when = [], (lambda waited: True)
             if idle and (fill == "layer" or (fill == "auto" and plist is None)):
                 fill_list = await trio.to_thread.run_sync(fill_entries, plist, layer.blob.blob_map)
@@ -409,7 +405,8 @@ class NodeDaemon:
                     fill_when = functools.partial(_store_is_slow, layer.store.fetcher)
             if fill_list:
                 prefetch = f"{prefetch}+fill" if prefetch else "fill"
-            key, served = self._served_for(layer, mode, ref, ref_name)
+            key, served = self._served_for(layer, mode, holder, ref_name, prefetch=prefetch or "",
+                                           profile_key=profile_key)
             # The prefetch starts before mount(2), so its first store reads overlap the mount.
             job = None
             if (plist and plist.entries) or fill_list:
@@ -428,7 +425,8 @@ class NodeDaemon:
             if job is not None:
                 job.fill_ready.set()
             mount = self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch=prefetch or "",
-                                       created=utc_now(), prefetch_chunks=job.chunks if job else 0)
+                                       created=utc_now(), prefetch_chunks=job.chunks if job else 0,
+                                       profile_key=profile_key, holder=holder)
             self.table.save()
             log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
         return mount_info(mount)
@@ -447,7 +445,7 @@ class NodeDaemon:
             self.table.save()
             log.info("unmounted %s%s", mountpoint, " (lazily)" if lazy else "")
             if not lazy:
-                self._release(mount)
+                self._release(mount)  # (lazily: still served and traced, for its holders, until the daemon stops)
         return mountpoint
 
     def _release(self, mount: Mount) -> None:
@@ -455,9 +453,12 @@ class NodeDaemon:
         key = served_key(mount.mode, layer.files)
         served = self._served[key]
         served.mounts -= 1
+        served.holders.remove(mount.mountpoint)
         if not served.mounts:
             del self._served[key]
-            self._end_trace(served)
+            self.segments.end(served)
+        else:
+            self.segments.relabel(served)
         layer.mounts -= 1
         if not layer.mounts:
             del self.layers[mount.layer]
@@ -479,31 +480,36 @@ class NodeDaemon:
                 except DsecError as exc:
                     log.error("cannot unmount %s: %s", mountpoint, exc)
 
-    def _served_for(self, layer: Layer, mode: str, ref: str,
-                    ref_name: str | None = None) -> tuple[tuple[str, str], Served]:
+    def _served_for(self, layer: Layer, mode: str, holder: Holder, ref_name: str | None = None, *,
+                    prefetch: str = "", profile_key: str = "") -> tuple[tuple[str, str], Served]:
         """The key and the Served of ``layer`` in ``mode``: the one its mounts in that mode share, or a new
-        one with a new trace (which the caller adds to ``_served`` once its mount is made)."""
+        one with a new trace for ``holder`` (which the caller adds to ``_served`` once its mount is made)."""
         key = served_key(mode, layer.files)
         served = self._served.get(key)
         if served is None:
-            trace_path, trace = self._open_trace(layer.files, mode, ref, layer.blob, ref_name)
+            label = Label(holder)
+            trace_path, trace = self.segments.open(layer.files, mode, layer.blob, label, prefetch=prefetch,
+                                                   profile_key=profile_key)
             served = Served(layer, TracedBlob(layer.blob, layer.usage, self._fetch_log, trace, layer.readahead),
-                            trace_path, ref_name)
+                            trace_path, label, mode=mode, ref_name=ref_name)
         return key, served
 
     def _record_mount(self, mountpoint: str, mode: str, ref: str, layer: Layer, key: tuple[str, str],
-                      served: Served, *, prefetch: str, created: str, prefetch_chunks: int = 0) -> Mount:
-        """A mount just made (or adopted) at ``mountpoint``: into the tables, counted as a user of
-        ``served`` (now in ``_served``) and ``layer``."""
+                      served: Served, *, prefetch: str, created: str, prefetch_chunks: int = 0,
+                      profile_key: str = "", holder: Holder) -> Mount:
+        """A mount just made (or adopted) at ``mountpoint`` for ``holder``: into the tables, counted as a
+        user of ``served`` (now in ``_served``) and ``layer``."""
         self._served[key] = served
         served.mounts += 1
+        served.holders.add(mountpoint, holder)
+        self.segments.relabel(served)
         layer.mounts += 1
         files = layer.files
         mount = self.table.mounts[mountpoint] = Mount(
             mountpoint=mountpoint, mode=mode, layer=files.digest, ref=ref, store=layer.store.url,
             blob_id=files.manifest.blob_id, trace=served.trace_path, prefetch=prefetch, created=created,
             chunks=len(layer.blob.blob_map.entries), data_bytes=layer.usage.data_bytes,
-            prefetch_chunks=prefetch_chunks)
+            prefetch_chunks=prefetch_chunks, profile_key=profile_key)
         return mount
 
     def _drop_unused(self, layer: Layer, served: Served) -> None:
@@ -541,14 +547,16 @@ class NodeDaemon:
         store = await self._store_context(entry["store"])
         files, _profile = await self._open_layer(store, entry["layer"])
         layer = self.layers.get(files.digest) or self._add_layer(files, store, await self._open_blob(files, store))
-        key, served = self._served_for(layer, mode, entry.get("ref", files.digest))
+        ref = entry.get("ref", files.digest)
+        holder = Holder(ref="" if is_hex_digest(ref.lower()) else ref)  # its sandboxes, if any, hold it again
+        key, served = self._served_for(layer, mode, holder)
         try:
             await self._mounter.adopt_layer(files, served.blob, mountpoint, mode=mode)
         except BaseException:
             self._drop_unused(layer, served)
             raise
-        self._record_mount(mountpoint, mode, entry.get("ref", files.digest), layer, key, served, prefetch="",
-                           created=entry.get("created", utc_now()))
+        self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch="",
+                           created=entry.get("created", utc_now()), holder=holder)
 
     async def _clean_stale_mounts(self) -> None:
         """Detach the mounts a dead daemon listed and left behind, but for those adopted."""
@@ -628,7 +636,8 @@ class NodeDaemon:
 
     async def _prune_traces(self) -> None:
         """Remove old closed traces (trace.prune_traces) past the options' age and size limits."""
-        open_traces = frozenset(served.trace_path for served in self._served.values())
+        open_traces = frozenset(path for served in self._served.values()
+                                for path in (*served.segments, served.trace_path))
         try:
             result = await trio.to_thread.run_sync(functools.partial(
                 prune_traces, self.trace_dir, max_bytes=self.options.trace_keep_bytes,
@@ -640,20 +649,57 @@ class NodeDaemon:
             log.info("pruned %d old traces (%d bytes); %d kept (%d bytes)", len(result.removed),
                      result.removed_bytes, result.kept, result.kept_bytes)
 
-    def _end_trace(self, served: Served) -> None:
-        """Close ``served``'s trace and have its profile published (profile_keeper.py)."""
-        served.close_trace()
-        if self.profiles is not None and served.trace_path:
-            layer = served.layer
-            self.profiles.publish_soon(self._background, layer.store.store, layer.files, layer.index,
-                                       served.trace_path, served.ref_name)
+    async def hold(self, mountpoint: str, holder: Holder, *, profile: bool = False, fill: str | None = None) -> None:
+        """One more ``holder`` (a sandbox) of the layer mounted at ``mountpoint`` (by this daemon). With
+        ``profile`` (and a ``fill`` other than none), the layer, mounted for others, then prefetches in the
+        background by the profile of the holder's combination, if the store has one and no prefetch runs."""
+        async with self._lock:
+            served = self._served_at(mountpoint)
+            served.holders.add(mountpoint, holder)
+            self.segments.relabel(served)
+        if (profile and (fill or self.options.fill) != "none" and holder.combination and self.profiles is not None
+                and self._background is not None):
+            self._background.start_soon(self._prefetch_for, mountpoint, holder.combination)
+
+    async def _prefetch_for(self, mountpoint: str, combination: str) -> None:
+        """A background task of ``hold``: never raises (a profile is only ever a help)."""
+        mount = self.table.mounts.get(mountpoint)
+        if mount is None:
+            return
+        layer = self.layers[mount.layer]
+        try:
+            found = await trio.to_thread.run_sync(self.profiles.lookup_combination, layer.store.store, layer.digest,
+                                                  combination)
+            async with self._lock:
+                if found is None or self.table.mounts.get(mountpoint) is not mount or (
+                        layer.prefetch is not None and layer.prefetch.state == "running"):
+                    return
+                plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, layer.files, layer.blob.blob_map,
+                                                      layer.index)
+                if plist.entries:
+                    self._start_prefetch(layer, plist, f"profile:{found.source}", self._served_at(mountpoint))
+        except DsecError as exc:
+            log.warning("no prefetch of layer %s for combination %s: %s", layer.digest[:12], combination[:12], exc)
+
+    async def unhold(self, mountpoint: str, holder: Holder) -> None:
+        """One ``holder`` fewer of the layer mounted at ``mountpoint`` (its last goes with the unmount)."""
+        async with self._lock:
+            served = self._served_at(mountpoint)
+            served.holders.remove(mountpoint, holder)
+            self.segments.relabel(served)
+
+    def _served_at(self, mountpoint: str) -> Served:
+        mount = self.table.mounts.get(mountpoint)
+        if mount is None:
+            raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
+        return self._served[served_key(mount.mode, self.layers[mount.layer].files)]
 
     async def _publish_the_rest(self) -> None:
         """At the stop, after the last unmounts: the traces still open (of mounts detached lazily, whose
         blob stayed served) are ended too, and every profile still queued is published."""
         for served in list(self._served.values()):
             if served.blob.trace is not None:
-                self._end_trace(served)
+                self.segments.end(served)
         await self.profiles.flush()
 
     def _close_traces(self) -> None:

@@ -21,6 +21,11 @@ turns it into metric families:
     dsecfs_layer_read_errors_total{layer}      of those, reads that failed (EIO)
     dsecfs_layer_chunk_hits_total{layer}       chunk lookups the local disk cache answered
     dsecfs_layer_chunk_misses_total{layer}     chunk lookups that went to the store
+    dsecfs_layer_prefetch_bytes{layer,outcome} how well the prefetch predicted the reads, in chunk bytes:
+                                               outcome read (prefetched, then read) | unread (prefetched,
+                                               never read so far) | missed (read, never prefetched)
+    dsecfs_layer_profile{layer,source,key}     1 for the profile a mounted layer prefetched by: source
+                                               combination | layer | name, key its store prefix
     dsecfs_cache_hits_total, dsecfs_cache_misses_total, dsecfs_cache_evictions_total,
     dsecfs_cache_rotten_total, dsecfs_cache_bytes, dsecfs_cache_max_bytes, dsecfs_cache_entries
                                                the local chunk cache (disk)
@@ -66,6 +71,8 @@ class LayerFigures:
     used_bytes: int  # of those, bytes served to readers since the daemon started
     reads: int
     read_errors: int
+    prediction: dict[str, int] | None = None  # traced_blob.LayerUsage.prediction()
+    profile: tuple[str, str] | None = None  # (source, store key) of the profile its mount prefetched by
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,12 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
     read_errors = _counter("dsecfs_layer_read_errors", "Reads of the layer that failed (EIO).", by_layer)
     hits = _counter("dsecfs_layer_chunk_hits", "Chunk lookups answered by the local disk cache.", by_layer)
     misses = _counter("dsecfs_layer_chunk_misses", "Chunk lookups that went to the store.", by_layer)
+    prediction = GaugeMetricFamily("dsecfs_layer_prefetch_bytes", "How well the prefetch predicted the reads, in "
+                                   "chunk bytes: read (prefetched, read), unread (prefetched, never read), "
+                                   "missed (read, never prefetched).", labels=["layer", "outcome"])
+    profile = GaugeMetricFamily("dsecfs_layer_profile", "1 for the access profile a mounted layer prefetched by "
+                                "(source: combination, layer or name; key: its store prefix).",
+                                labels=["layer", "source", "key"])
     for figures in layers:
         label, stats = [figures.layer], figures.fetch
         fetch_bytes.add_metric(label, stats.bytes_fetched)
@@ -169,8 +182,14 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
         read_errors.add_metric(label, figures.read_errors)
         hits.add_metric(label, stats.hits)
         misses.add_metric(label, stats.misses)
+        if figures.prediction is not None:
+            for outcome, name in (("read", "prefetched_read_bytes"), ("unread", "prefetched_unread_bytes"),
+                                  ("missed", "read_not_prefetched_bytes")):
+                prediction.add_metric([figures.layer, outcome], figures.prediction[name])
+        if figures.profile is not None:
+            profile.add_metric([figures.layer, *figures.profile], 1)
     yield from (fetch_bytes, fetch_chunks, store_reads, coalesced, readahead, errors, abandoned, latency, ratio, reads,
-                read_errors, hits, misses)
+                read_errors, hits, misses, prediction, profile)
 
 
 def _buckets(counts: list[int]) -> list[tuple[str, float]]:

@@ -36,11 +36,12 @@ class Mount:
     store: str  # store URL
     blob_id: str
     trace: str  # trace file ("" when tracing is off)
-    prefetch: str  # prefetch list path, "profile:layer" / "profile:name" (profile_keeper.py), or ""
+    prefetch: str  # prefetch list path, "profile:combination|layer|name" (profile_keeper.py), or ""
     created: str
     chunks: int
     data_bytes: int
     prefetch_chunks: int = 0  # chunks the prefetch was to fetch
+    profile_key: str = ""  # the store prefix of the profile it prefetched by
 
     def to_json(self) -> dict:
         return asdict(self)

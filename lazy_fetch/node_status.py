@@ -56,13 +56,16 @@ def cache_info(daemon: NodeDaemon, *, evicted: int = 0) -> api.CacheInfo:
 
 def figures(daemon: NodeDaemon) -> NodeFigures:
     fetch = fetch_stats(daemon.stores)
+    profiles = {m.layer: (m.prefetch.removeprefix("profile:").split("+")[0], m.profile_key)
+                for m in daemon.table.mounts.values() if m.profile_key}
     layers = []
     for digest in sorted(set(fetch) | set(daemon.usage)):
         usage = daemon.usage.get(digest)
         layers.append(LayerFigures(
             layer=digest, fetch=fetch.get(digest) or FetchStats(digest),
             data_bytes=usage.data_bytes if usage else 0, used_bytes=usage.used_bytes if usage else 0,
-            reads=usage.reads if usage else 0, read_errors=usage.read_errors if usage else 0))
+            reads=usage.reads if usage else 0, read_errors=usage.read_errors if usage else 0,
+            prediction=usage.prediction() if usage else None, profile=profiles.get(digest)))
     fetchers = [context.fetcher for context in daemon.stores.values()]
     mounts = daemon.table.mounts.values()
     copies = daemon.meta_copies

@@ -12,6 +12,10 @@ In the store (dsec_fs/store/keys.py)::
     profiles/layers/<layer digest>/<node id>   what the node <node id> learned of that layer
     profiles/names/<sha256 of the ref name>/<node id>   the same, under the layer's name (any tag): what a
                                                  new tag starts from when its own digest has no profile
+    profiles/combinations/<combination id>/<layer digest>/<node id>   the same, learned only from what
+                                                 the layer read for sandboxes of that one stack of layers
+                                                 (trace_holders.combination_id); the body names the
+                                                 combination, and an object under another key is refused
 
 One object per node and key, written only by that node (it merges what it learned before into it), so
 two nodes publishing at once never lose each other's update; a reader merges the objects of every
@@ -73,9 +77,11 @@ class Profile:
     traces: int
     entries: list[ProfileEntry]  # in first-read order
     updated: str = field(default_factory=utc_now)
+    combination: str = ""  # the combination id it was learned in (trace_holders.py); "" for any
 
     def encode(self) -> bytes:
         body = {"layer": self.layer, "traces": self.traces, "updated": self.updated,
+                **({"combination": self.combination} if self.combination else {}),
                 "entries": [[to_hex(e.digest), e.length, e.first_read_us, e.traces, e.path, e.file_chunk]
                             for e in self.entries]}
         body_bytes = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
@@ -101,10 +107,13 @@ class Profile:
                 raise IntegrityError("the body does not match its sha256", where=source)
             body = json.loads(body_bytes)
             layer, traces, raw_entries = body["layer"], body["traces"], body["entries"]
+            combination = body.get("combination", "")
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise fail("profile", f"not a profile: {exc!r:.200}") from None
         if not (isinstance(layer, str) and is_hex_digest(layer)):
             raise fail("profile.layer", "not a layer digest")
+        if combination != "" and not (isinstance(combination, str) and is_hex_digest(combination)):
+            raise fail("profile.combination", "not a combination id (64 lowercase hex)")
         if type(traces) is not int or not 1 <= traces <= 1 << 40:
             raise fail("profile.traces", f"{traces!r:.40} is not a positive count")
         if not isinstance(raw_entries, list) or len(raw_entries) > MAX_ENTRIES:
@@ -122,12 +131,13 @@ class Profile:
             if not 1 <= entry_traces <= traces or not isinstance(path, str) or len(path) > MAX_PATH:
                 raise fail(where, "traces out of range, or a bad path")
             entries.append(ProfileEntry(from_hex(digest), length, first_read_us, entry_traces, path, file_chunk))
-        return cls(layer=layer, traces=traces, entries=entries, updated=str(body.get("updated", "")))
+        return cls(layer=layer, traces=traces, entries=entries, updated=str(body.get("updated", "")),
+                   combination=combination)
 
 
-def learn(layer: LayerIndex, trace: Trace) -> Profile | None:
-    """The profile of one trace of ``layer``: the chunks its readers read (not the prefetcher), in
-    first-read order; None if they read nothing."""
+def learn(layer: LayerIndex, trace: Trace, *, combination: str = "") -> Profile | None:
+    """The profile of one trace of ``layer`` (learned in ``combination``, if one): the chunks its readers
+    read (not the prefetcher), in first-read order; None if they read nothing."""
     use = layer.access(trace).use
     if not use.first_read:
         return None
@@ -137,11 +147,12 @@ def learn(layer: LayerIndex, trace: Trace) -> Profile | None:
         owner = layer.owner[entry]
         path, file_chunk = ("", 0) if owner is None else (layer.files[owner[0]].path, owner[1] >> layer.chunk_bits)
         entries.append(ProfileEntry(digest, length, first_ns // 1000, 1, path, file_chunk))
-    return Profile(layer=layer.digest, traces=1, entries=entries[:MAX_ENTRIES])
+    return Profile(layer=layer.digest, traces=1, entries=entries[:MAX_ENTRIES], combination=combination)
 
 
 def merge(profiles: Iterable[Profile], *, layer: str | None = None) -> Profile | None:
-    """One profile of what all of ``profiles`` saw (``layer``: the digest to name; default the first's)."""
+    """One profile of what all of ``profiles`` saw (``layer``: the digest to name; default the first's;
+    the combination is the first's)."""
     profiles = list(profiles)
     if not profiles:
         return None
@@ -161,7 +172,8 @@ def merge(profiles: Iterable[Profile], *, layer: str | None = None) -> Profile |
     if len(entries) > MAX_ENTRIES:  # keep what most traces read
         keep = set(sorted(entries, key=lambda e: -e.traces)[:MAX_ENTRIES])
         entries = [e for e in entries if e in keep]
-    return Profile(layer=layer or profiles[0].layer, traces=traces, entries=entries)
+    return Profile(layer=layer or profiles[0].layer, traces=traces, entries=entries,
+                   combination=profiles[0].combination)
 
 
 def to_prefetch_list(profile: Profile, digest: str, blob_map: BlobMap, layer_index: Callable[[], LayerIndex], *,
@@ -201,10 +213,10 @@ def name_id(ref_name: str) -> str:
     return hashlib.sha256(ref_name.encode()).hexdigest()
 
 
-def fetch(store: Store, prefix: str) -> Profile | None:
-    """The merged profile of every node's object under ``prefix`` (keys.profile_prefix); objects that do
-    not decode are logged and skipped; None when there are none (or the store fails: a profile is only
-    ever a help)."""
+def fetch(store: Store, prefix: str, *, combination: str = "", layer: str = "") -> Profile | None:
+    """The merged profile of every node's object under ``prefix`` (keys.*_profiles); objects that do
+    not decode, or (given ``combination`` and ``layer``) are not of that combination and layer, are
+    logged and skipped; None when there are none (or the store fails: a profile is only ever a help)."""
     try:
         names = sorted(store.list(prefix))[:MAX_PUBLISHERS]
     except DsecError as exc:
@@ -216,7 +228,11 @@ def fetch(store: Store, prefix: str) -> Profile | None:
             size = store.size(key)
             if size > MAX_PROFILE_BYTES:
                 raise FormatError("profile", None, f"{size} bytes, over the limit of {MAX_PROFILE_BYTES}", source=key)
-            return Profile.decode(store.get(key), source=key)
+            found = Profile.decode(store.get(key), source=key)
+            if combination and (found.combination, found.layer) != (combination, layer):
+                raise FormatError("profile.combination", None, f"learned on layer {found.layer[:12]} in "
+                                  f"combination {found.combination[:12] or '(none)'}, not this key's", source=key)
+            return found
         except NotFoundError:
             return None
         except DsecError as exc:
@@ -239,6 +255,9 @@ def publish(store: Store, key: str, learned: Profile) -> Profile:
         previous = None
     except DsecError as exc:
         log.warning("replacing this node's unreadable profile %s: %s", key, exc)
+        previous = None
+    if previous is not None and previous.combination != learned.combination:
+        log.warning("replacing this node's profile %s: it was of another combination", key)
         previous = None
     merged = merge([learned] + ([previous] if previous else []), layer=learned.layer)
     data = merged.encode()

@@ -1,14 +1,17 @@
 """The node daemon's side of access profiles (profile.py): look them up for a mount, publish them after.
 
 - ``lookup`` (called by the daemon while it opens a layer, in the thread that read the manifest, so its
-  round trips overlap those of meta.erofs and the blob map): the merged profile of the layer's digest,
-  else that of its ref name (a new tag of a known name), else None.
+  round trips overlap those of meta.erofs and the blob map): the merged profile of the layer in the
+  sandbox's combination, if it has one, else that of the layer's digest (both looked up at once), else
+  that of its ref name (a new tag of a known name), else None. ``lookup_combination``: the combination's
+  only, for a sandbox that joins a layer already mounted for others (its prefetch, in the background).
 - ``plan`` turns the profile into the PrefetchList of the layer being mounted (a worker thread).
 - ``publish_soon``: once the last mount of a layer in a mode goes and its trace is closed, a background
-  task learns the trace's profile and merges it into this node's objects in the store, under the layer's
-  digest and, if the mount named one, its ref name. Best effort and off every request's path: a failure is
-  logged, never raised. A publish under way when the daemon stops finishes (its worker thread is waited
-  for), and ``flush`` (when the daemon stops, after its last unmounts) publishes what is still queued,
+  task learns the trace's profile (from all its segments, trace_holders.py) and merges it into this node's
+  objects in the store, under the layer's digest and, if the mount named one, its ref name; and when a
+  segment that only one combination's sandboxes held ends, under that combination. Best effort and off
+  every request's path: a failure is logged, never raised. A publish under way when the daemon stops
+  finishes (its worker thread is waited for), and ``flush`` (when the daemon stops, after its last unmounts) publishes what is still queued,
   within FLUSH_SECONDS.
 
 The node id names this node's objects: 16 random hex digits made once, kept in ``state_dir/node-id``.
@@ -23,6 +26,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import trio
@@ -37,7 +41,7 @@ from dsec_fs.store.base import Store
 from . import profile
 from .analysis import LayerIndex
 from .prefetch_list import PrefetchList
-from .trace import read_trace
+from .trace import join_segments, read_trace
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +54,17 @@ class _Publish:
     store: Store
     files: LayerFiles
     index: Callable[[], LayerIndex]
-    trace_path: str
+    trace_paths: list[str]  # the segments of the trace, in order
     ref_name: str | None
+    combination: str  # "": publish for the layer (and its name); else for this combination only
     started: bool = False
 
 
 @dataclass(frozen=True)
 class FoundProfile:
     profile: profile.Profile
-    source: str  # "layer" (learned on this very layer) or "name" (on another layer of its ref name)
+    source: str  # "combination" (this layer in this stack), "layer" (this layer) or "name" (its ref name)
+    key: str  # the store prefix it was read from
 
 
 class ProfileKeeper:
@@ -68,15 +74,31 @@ class ProfileKeeper:
         self.publish_failures = 0
         self._queued: list[_Publish] = []
 
-    def lookup(self, store: Store, digest: str, ref_name: str | None) -> FoundProfile | None:
-        found = profile.fetch(store, keys.layer_profiles(digest))
+    def lookup(self, store: Store, digest: str, ref_name: str | None, combination: str = "") -> FoundProfile | None:
+        layer_key = keys.layer_profiles(digest)
+        if combination:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-combination") as pool:
+                in_combination = pool.submit(self.lookup_combination, store, digest, combination)
+                found = profile.fetch(store, layer_key)
+                if (best := in_combination.result()) is not None:
+                    return best
+        else:
+            found = profile.fetch(store, layer_key)
         if found is not None:
-            return FoundProfile(found, "layer")
+            return FoundProfile(found, "layer", layer_key)
         if ref_name:
-            found = profile.fetch(store, keys.name_profiles(profile.name_id(ref_name)))
+            name_key = keys.name_profiles(profile.name_id(ref_name))
+            found = profile.fetch(store, name_key)
             if found is not None:
-                return FoundProfile(found, "name")
+                return FoundProfile(found, "name", name_key)
         return None
+
+    @staticmethod
+    def lookup_combination(store: Store, digest: str, combination: str) -> FoundProfile | None:
+        """The merged profile of layer ``digest`` in ``combination`` (every node's), or None."""
+        key = keys.combination_profiles(combination, digest)
+        found = profile.fetch(store, key, combination=combination, layer=digest)
+        return None if found is None else FoundProfile(found, "combination", key)
 
     @staticmethod
     def plan(found: FoundProfile, files: LayerFiles, blob_map: BlobMap,
@@ -85,10 +107,12 @@ class ProfileKeeper:
         return profile.to_prefetch_list(found.profile, files.digest, blob_map, index)
 
     def publish_soon(self, nursery: trio.Nursery | None, store: Store, files: LayerFiles,
-                     index: Callable[[], LayerIndex], trace_path: str, ref_name: str | None) -> None:
+                     index: Callable[[], LayerIndex], trace_paths: list[str], ref_name: str | None, *,
+                     combination: str = "") -> None:
         """Publish in a task of ``nursery``; with None (the daemon is stopping), at ``flush``. ``index``:
-        the layer's LayerIndex (called in a worker thread)."""
-        job = _Publish(store, files, index, trace_path, ref_name)
+        the layer's LayerIndex (called in a worker thread). ``trace_paths``: the segments of one trace,
+        learned as one; with ``combination``, one segment, published for that combination only."""
+        job = _Publish(store, files, index, list(trace_paths), ref_name, combination)
         self._queued.append(job)
         if nursery is not None:
             nursery.start_soon(self._publish, job)
@@ -107,7 +131,7 @@ class ProfileKeeper:
         # A task started in a nursery that is being cancelled stops here, its job still queued for flush.
         await trio.lowlevel.checkpoint_if_cancelled()
         job.started = True
-        files, trace_path = job.files, job.trace_path
+        files, trace_path = job.files, job.trace_paths[-1]
         try:
             # Not abandoned when cancelled: a publish under way finishes even as the daemon stops.
             learned = await trio.to_thread.run_sync(self._publish_blocking, job)
@@ -119,14 +143,19 @@ class ProfileKeeper:
             self._queued.remove(job)
         if learned is not None:
             self.published += 1
-            log.info("published the profile of layer %s (%d chunks, %d traces)", files.digest[:12],
-                     len(learned.entries), learned.traces)
+            log.info("published the profile of layer %s%s (%d chunks, %d traces)", files.digest[:12],
+                     f" in combination {job.combination[:12]}" if job.combination else "", len(learned.entries),
+                     learned.traces)
 
     def _publish_blocking(self, job: _Publish) -> profile.Profile | None:
         store, files, ref_name = job.store, job.files, job.ref_name
-        learned = profile.learn(job.index(), read_trace(job.trace_path))
+        trace = join_segments([read_trace(path) for path in job.trace_paths])
+        learned = profile.learn(job.index(), trace, combination=job.combination)
         if learned is None:
             return None
+        if job.combination:
+            return profile.publish(store, keys.combination_profiles(job.combination, files.digest) + self.node_id,
+                                   learned)
         merged = profile.publish(store, keys.layer_profiles(files.digest) + self.node_id, learned)
         if ref_name:
             profile.publish(store, keys.name_profiles(profile.name_id(ref_name)) + self.node_id, learned)

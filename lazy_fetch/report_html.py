@@ -349,11 +349,22 @@ def _combinations_table(report: Report) -> str:
     rows = []
     for combo in report.combinations:
         members = "; ".join(f"{m.role or 'bare'}: {m.name} ({m.traces})" for m in combo.members)
-        rows.append([combo.combination or "(none)", members, _p(combo.byte_fraction), _p(combo.file_fraction),
-                     _t(combo.mean_stalled_ms), "yes" if combo.in_band else "no"])
+        rows.append([combo.combination or "(no combination)", members, _p(combo.byte_fraction),
+                     _p(combo.file_fraction), _t(combo.mean_stalled_ms), "yes" if combo.in_band else "no"])
     low, high = PRODUCTION_BAND
     return _table(["combination", "layers (traces)", "bytes read", "files read", "stalled (sum of means)",
-                   f"within {low * 100:.1f}–{high * 100:.1f}%"], rows)
+                   f"within {low * 100:.1f}–{high * 100:.1f}%"], rows) + _combination_profiles_table(report)
+
+
+def _combination_profiles_table(report: Report) -> str:
+    """Per combination and layer: the profile its mounts prefetched by, and how well it predicted."""
+    rows = [[combo.combination or "(no combination)", f"{m.role or 'bare'}: {m.name}", "; ".join(m.profiles) or "-",
+             _b(m.prefetched_bytes), _b(m.prefetched_read_bytes), _b(m.prefetched_unread_bytes),
+             _b(m.read_not_prefetched_bytes)]
+            for combo in report.combinations for m in combo.members]
+    return "<h3>Profiles used, per combination</h3>" + _table(
+        ["combination", "layer", "prefetched by", "prefetched", "prefetched, read", "prefetched, never read",
+         "read, not prefetched"], rows)
 
 
 def _layer_section(layer: LayerReport) -> str:

@@ -5,7 +5,7 @@
                   through, the node's metadata copies (meta_cache.py) and the requests the store saw
     Layer         a layer some mount uses: its files, its blob, its store, its usage, its prefetch
     Served        the blob layer_mount serves for one layer in one mode, shared by that layer's mounts in
-                  that mode, with their one trace
+                  that mode, with their one trace (in segments, one per label: trace_holders.py)
 
 Threads: plain records of the daemon's trio thread.
 """
@@ -27,6 +27,7 @@ from .memory_cache import MemoryFrontedFetcher
 from .meta_cache import MetaCache
 from .miss_readahead import MissReadahead
 from .prefetcher import PrefetchJob
+from .trace_holders import Holders, Label
 from .traced_blob import LayerUsage, TracedBlob
 
 
@@ -75,9 +76,13 @@ class Layer:
 class Served:
     layer: Layer
     blob: TracedBlob
-    trace_path: str
+    trace_path: str  # the segment being written ("" between segments, or with tracing off)
+    label: Label | None  # its holders' (None: no one holds it now)
+    mode: str = "kernel"
     ref_name: str | None = None  # the layer's ref name as its first mount named it (for profiles)
     mounts: int = 0
+    holders: Holders = field(default_factory=Holders)
+    segments: list[str] = field(default_factory=list)  # the trace's segments that ended, oldest first
 
     def close_trace(self, *, remove: bool = False) -> None:
         trace, self.blob.trace = self.blob.trace, None

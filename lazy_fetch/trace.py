@@ -4,7 +4,8 @@ A trace file is a header followed by fixed-size records, appended while the moun
 
     magic   8 bytes  b"DSECTRC1"
     length  le32     size of the JSON header that follows
-    header  JSON     TraceHeader: layer digest, ref, role, sandbox combination, mode, chunk size, sizes
+    header  JSON     TraceHeader: layer digest, ref, role, sandbox combination, holders, mode, chunk size,
+                     sizes, the profile its mount prefetched by
     records          RECORD entries, 40 bytes each, until the end of the file
 
 Records are fixed-size so a trace cut short by a crash loses at most its last, partial record (reported,
@@ -29,7 +30,7 @@ import os
 import struct
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import BinaryIO
 
 from dsec_fs.errors import FormatError, UnsupportedError
@@ -63,8 +64,11 @@ VERSION = 1
 class TraceHeader:
     layer: str  # layer digest
     ref: str = ""  # NAME:TAG the layer was mounted as, if any
-    role: str = ""  # base | workspace | toolkit | "" (a bare mount)
-    combination: str = ""  # the sandbox's (base, workspace, toolkit) key, for per-combination reports
+    role: str = ""  # base | workspace | toolkit | "" (a bare mount; or holders of several roles)
+    combination: str = ""  # trace_holders.combination_id of the sandbox's stack; "" bare or shared
+    holders: int = 1  # distinct holders (trace_holders.Label) sharing the blob while this was written
+    prefetch: str = ""  # what the mount prefetched by: a list's path, "profile:layer|name|combination", ""
+    profile_key: str = ""  # the store prefix of the profile it prefetched by
     mode: str = "kernel"  # kernel | fuse
     chunk_size: int = 0
     layer_bytes: int = 0  # sum of regular file sizes in the layer
@@ -90,10 +94,12 @@ class TraceRecord:
 
 
 class TraceWriter:
-    def __init__(self, path: str, header: TraceHeader):
+    def __init__(self, path: str, header: TraceHeader, *, start_ns: int | None = None):
+        """``start_ns``: the time.monotonic_ns() records count from (default: now); the header's
+        ``started_ns`` should be the same moment on the wall clock."""
         self.path = path
         self.header = header
-        self._start = time.monotonic_ns()
+        self._start = time.monotonic_ns() if start_ns is None else start_ns
         self._pending: list[bytes] = []
         header_bytes = json.dumps(asdict(header), sort_keys=True).encode()
         self._file: BinaryIO = open(path, "wb")
@@ -196,6 +202,17 @@ def read_trace(path: str, *, strict: bool = False) -> Trace:
                 raise
             return Trace(path, header, records, truncated=True)
     return Trace(path, header, records)
+
+
+def join_segments(traces: list[Trace]) -> Trace:
+    """The segments of one served blob's trace (trace_holders.py), one after the other, as one trace on
+    the time base of the first (their headers' ``started_ns`` say how far apart they start)."""
+    first = traces[0]
+    records: list[TraceRecord] = []
+    for t in traces:
+        shift = max(0, t.header.started_ns - first.header.started_ns)
+        records += [replace(r, time_ns=r.time_ns + shift) for r in t.records] if shift else t.records
+    return Trace(first.path, first.header, records, truncated=any(t.truncated for t in traces))
 
 
 @dataclass(frozen=True)

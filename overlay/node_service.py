@@ -63,7 +63,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +83,7 @@ from erofs_builder.build import build_tree
 from lazy_fetch.daemon import NodeDaemon
 from lazy_fetch.http_api import Request, Upgrade
 from lazy_fetch.meta_cache import MetaCache
+from lazy_fetch.trace_holders import Holder, combination_id
 
 from .attach import AttachCommand, relay
 from .runtime import RUNTIMES, reap_containers
@@ -132,14 +133,19 @@ class DaemonLayers:
 
     # -- the LayerProvider protocol, for worker threads
 
-    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
-        return trio.from_thread.run(self.acquire_async, layer_ref, profile, fill, trio_token=self._token)
+    def resolve(self, layer_ref: str) -> str:
+        return resolve(trio.from_thread.run(self.daemon.store, trio_token=self._token), layer_ref)
 
-    def release(self, digest: str) -> None:
-        trio.from_thread.run(self.release_async, digest, trio_token=self._token)
+    def acquire(self, layer_ref: str, *, digest: str | None = None, holder: Holder | None = None,
+                profile: bool = True, fill: str | None = None) -> LayerHandle:
+        return trio.from_thread.run(functools.partial(self.acquire_async, layer_ref, profile, fill, digest=digest,
+                                                      holder=holder), trio_token=self._token)
 
-    def adopt(self, handle: LayerHandle) -> None:
-        trio.from_thread.run(self.adopt_async, handle, trio_token=self._token)
+    def release(self, digest: str, *, holder: Holder | None = None) -> None:
+        trio.from_thread.run(functools.partial(self.release_async, digest, holder=holder), trio_token=self._token)
+
+    def adopt(self, handle: LayerHandle, *, holder: Holder | None = None) -> None:
+        trio.from_thread.run(functools.partial(self.adopt_async, handle, holder=holder), trio_token=self._token)
 
     # -- in the daemon's loop
 
@@ -147,26 +153,33 @@ class DaemonLayers:
         return [{"layer": digest, "mountpoint": held.mountpoint, "users": held.users,
                  "idle_until": self.daemon.idle.until(held.mountpoint)} for digest, held in sorted(self._held.items())]
 
-    async def acquire_async(self, layer_ref: str, profile: bool = True, fill: str | None = None) -> LayerHandle:
+    async def acquire_async(self, layer_ref: str, profile: bool = True, fill: str | None = None, *,
+                            digest: str | None = None, holder: Holder | None = None) -> LayerHandle:
         store = await self.daemon.store()
-        digest = await trio.to_thread.run_sync(resolve, store, layer_ref)  # refs: cached for the daemon's ref_ttl
+        digest = digest or await trio.to_thread.run_sync(resolve, store, layer_ref)  # refs: cached for the daemon's ref_ttl
         name = None if is_hex_digest(layer_ref.lower()) else parse_ref(layer_ref)[0]
         async with self._turn(digest):
             held = self._held.get(digest)
             if held is None:
                 held = self._held[digest] = _HeldLayer(await self._mount(store, digest, name=name, profile=profile,
-                                                                         fill=fill))
-            elif not held.users:
-                self.daemon.idle.take(held.mountpoint)  # idle: used again within its grace
+                                                                         fill=fill, holder=holder))
+            else:
+                if not held.users:
+                    self.daemon.idle.take(held.mountpoint)  # idle: used again within its grace
+                if holder is not None:  # mounted for others: this sandbox's combination may prefetch more of it
+                    await self._hold(held.mountpoint, holder, functools.partial(self.daemon.hold, profile=profile,
+                                                                                fill=fill))
             held.users += 1
             return LayerHandle(digest, held.mountpoint)
 
-    async def release_async(self, digest: str) -> None:
+    async def release_async(self, digest: str, *, holder: Holder | None = None) -> None:
         async with self._turn(digest):
             held = self._held.get(digest)
             if held is None:
                 raise NotFoundError("no sandbox holds this layer", where=f"layer {digest}")
             held.users -= 1
+            if holder is not None:
+                await self._hold(held.mountpoint, holder, self.daemon.unhold)
             if held.users or self.daemon.idle.park(held.mountpoint, functools.partial(self._unmount_idle, digest)):
                 return
             await self._unmount_held(digest, held)
@@ -187,12 +200,23 @@ class DaemonLayers:
             self._held[digest] = held  # still mounted: the next acquire uses it, the next release retries
             raise
 
-    async def adopt_async(self, handle: LayerHandle) -> None:
+    async def adopt_async(self, handle: LayerHandle, *, holder: Holder | None = None) -> None:
         async with self._turn(handle.digest):
             held = self._held.setdefault(handle.digest, _HeldLayer(handle.mountpoint))
             if held.mountpoint != handle.mountpoint:
                 raise ConflictError(f"layer is mounted at {held.mountpoint} already", where=handle.mountpoint)
+            if holder is not None:
+                await self._hold(handle.mountpoint, holder, self.daemon.hold)
             held.users += 1
+
+    @staticmethod
+    async def _hold(mountpoint: str, holder: Holder, change: Callable[[str, Holder], Awaitable[None]]) -> None:
+        """Tell the daemon who holds its mount (daemon.hold / unhold); a mount a dead daemon left, not in
+        this daemon's table, has no trace to label."""
+        try:
+            await change(mountpoint, holder)
+        except NotFoundError:
+            pass
 
     async def remove_strays(self) -> None:
         """Remove the layer directories no sandbox holds (left by a crash between mkdir and mount, or
@@ -213,12 +237,14 @@ class DaemonLayers:
                 continue
             _remove_dir(path)
 
-    async def _mount(self, store: Store, digest: str, *, name: str | None, profile: bool, fill: str | None) -> str:
+    async def _mount(self, store: Store, digest: str, *, name: str | None, profile: bool, fill: str | None,
+                     holder: Holder | None) -> str:
         await trio.to_thread.run_sync(_check_packs, store, digest, self.daemon.meta_copies)
         mountpoint = os.path.join(self.directory, digest)
         os.makedirs(mountpoint, exist_ok=True)
         try:
-            await self.daemon.mount(digest, mountpoint, mode=self.mode, name=name, profile=profile, fill=fill)
+            await self.daemon.mount(digest, mountpoint, mode=self.mode, name=name, profile=profile, fill=fill,
+                                    holder=holder)
         except BaseException:
             _remove_dir(mountpoint)
             raise
@@ -492,6 +518,8 @@ def _run_options(body: api.ExecRequest | api.AttachRequest) -> dict[str, Any]:
 
 
 def _state_json(state: SandboxState) -> api.SandboxInfo:
-    return api.decode(dataclasses.asdict(state), api.SandboxInfo, where=f"sandbox {state.id}")
+    body = dataclasses.asdict(state)
+    body["combination"] = combination_id([layer.digest for layer in state.layers]) if state.layers else ""
+    return api.decode(body, api.SandboxInfo, where=f"sandbox {state.id}")
 
 

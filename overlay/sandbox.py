@@ -1,8 +1,10 @@
 """Sandboxes on one node: layers stacked with OverlayFS, a private upper dir, commands run by the runtime shim.
 
-A sandbox is (base, workspace, toolkits...) layer refs and a name. ``SandboxManager.up`` acquires every
-layer from a ``LayerProvider`` (reference-counted layer mounts: the node daemon's implementation sits
-on its LayerMounter; ``ExportedLayers`` here mounts layers exported from a store with kernel EROFS, for
+A sandbox is (base, workspace, toolkits...) layer refs and a name. ``SandboxManager.up`` resolves every
+ref (side by side), names the stack's combination (lazy_fetch/trace_holders.combination_id of the
+digests, top first), and acquires every layer, as a holder of its role, ref and combination (what its
+traces are labelled with and its profiles looked up by), from a ``LayerProvider`` (reference-counted
+layer mounts: the node daemon's implementation sits on its LayerMounter; ``ExportedLayers`` here mounts layers exported from a store with kernel EROFS, for
 use without a daemon and for tests), stacks them (stack.mount_stack, top first: toolkits in the order
 given, workspace, base) over a fresh upper dir, and records the sandbox in a JSON state file. ``exec``
 runs a command in it (runtime.run_in_rootfs), ``commit`` reads its upper dir as a Tree to publish as a
@@ -61,6 +63,7 @@ from dsec_fs.store.base import Store
 from erofs_builder.export import export_layer
 from erofs_builder.privileged import Dropped, drop_privileged
 from erofs_builder.tree import Tree
+from lazy_fetch.trace_holders import Holder, combination_id
 
 from .runtime import RunResult, containers_frozen, reap_containers, run_in_rootfs
 from .stack import StackOptions, mount_stack, unmount_stack, upper_to_tree
@@ -80,15 +83,20 @@ class LayerHandle:
 class LayerProvider(Protocol):
     """Reference-counted layer mounts: a layer stays mounted while anyone holds it."""
 
-    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
-        """Mount the layer (a ref or a digest) if no one holds it yet (prefetching by its access profile
-        unless ``profile`` is False, and filling as ``fill`` says, where the provider fetches lazily);
-        count one more user."""
+    def resolve(self, layer_ref: str) -> str:
+        """The digest of the layer a ref (or digest) names."""
 
-    def release(self, digest: str) -> None:
-        """One user fewer; the last one unmounts the layer."""
+    def acquire(self, layer_ref: str, *, digest: str | None = None, holder: Holder | None = None,
+                profile: bool = True, fill: str | None = None) -> LayerHandle:
+        """Mount the layer (a ref or a digest, ``digest`` if resolved already) if no one holds it yet
+        (prefetching by its access profile, the one of ``holder``'s combination first, unless ``profile``
+        is False, and filling as ``fill`` says, where the provider fetches lazily); count one more user,
+        ``holder`` (who it is for: trace_holders.py)."""
 
-    def adopt(self, handle: LayerHandle) -> None:
+    def release(self, digest: str, *, holder: Holder | None = None) -> None:
+        """One user fewer (``holder``, as acquired); the last one unmounts the layer."""
+
+    def adopt(self, handle: LayerHandle, *, holder: Holder | None = None) -> None:
         """Count one more user of a layer an earlier process mounted at ``handle.mountpoint``.
 
         The mount may be gone (recover adopts a dead sandbox's layers to release them); the last release
@@ -234,7 +242,11 @@ class SandboxManager:
             for path in (state.upper, state.work, state.rootfs):
                 os.mkdir(path, mode=0o755)
             state = self._save(state)
-            handles = self._acquire_all([ref for _role, ref in layer_refs], spec, undo)
+            with ThreadPoolExecutor(max_workers=min(8, len(layer_refs)), thread_name_prefix="resolve") as pool:
+                digests = list(pool.map(self.layers.resolve, [ref for _role, ref in layer_refs]))
+            combination = combination_id(digests)
+            handles = self._acquire_all([(ref, digest, Holder(role, ref, combination))
+                                         for (role, ref), digest in zip(layer_refs, digests)], spec, undo)
             state = self._save(dataclasses.replace(state, layers=tuple(
                 SandboxLayer(role, ref, handle.digest, handle.mountpoint)
                 for (role, ref), handle in zip(layer_refs, handles))))
@@ -254,15 +266,19 @@ class SandboxManager:
             raise
         return state
 
-    def _acquire_all(self, refs: list[str], spec: SandboxSpec, undo: list[Callable[[], None]]) -> list[LayerHandle]:
-        """Acquire every layer at once, each in a thread of its own: a layer's open is a few store round
-        trips in a row, and the layers of a stack need not wait for each other. Each one acquired is
-        released by ``undo``; the first failure (in the stack's order) is raised once all have ended."""
-        with ThreadPoolExecutor(max_workers=len(refs), thread_name_prefix="sandbox-layer") as pool:
-            acquiring = [pool.submit(self.layers.acquire, ref, profile=spec.profile, fill=spec.fill) for ref in refs]
-        for future in acquiring:
+    def _acquire_all(self, layers: list[tuple[str, str, Holder]], spec: SandboxSpec,
+                     undo: list[Callable[[], None]]) -> list[LayerHandle]:
+        """Acquire every layer (ref, digest, holder) at once, each in a thread of its own: a layer's open is
+        a few store round trips in a row, and the layers of a stack need not wait for each other. Each one
+        acquired is released by ``undo``; the first failure (in the stack's order) is raised once all have
+        ended."""
+        with ThreadPoolExecutor(max_workers=len(layers), thread_name_prefix="sandbox-layer") as pool:
+            acquiring = [pool.submit(self.layers.acquire, ref, digest=digest, holder=holder, profile=spec.profile,
+                                     fill=spec.fill) for ref, digest, holder in layers]
+        for (_ref, _digest, holder), future in zip(layers, acquiring):
             if future.exception() is None:
-                undo.append(lambda digest=future.result().digest: self.layers.release(digest))
+                undo.append(lambda digest=future.result().digest, holder=holder: self.layers.release(
+                    digest, holder=holder))
         return [future.result() for future in acquiring]
 
     def exec(self, key: str, argv: Sequence[str], **options) -> RunResult:
@@ -348,7 +364,7 @@ class SandboxManager:
         for state in live:
             if state.pid != os.getpid():
                 for layer in state.layers:
-                    self.layers.adopt(LayerHandle(layer.digest, layer.mountpoint))
+                    self.layers.adopt(LayerHandle(layer.digest, layer.mountpoint), holder=holder_of(state, layer))
                 state = self._save(dataclasses.replace(state, pid=os.getpid()))
             recovered.append(state)
         for state in dead:
@@ -401,10 +417,11 @@ class SandboxManager:
         foreign = state.pid != os.getpid()
         for layer in state.layers:
             try:
+                holder = holder_of(state, layer)
                 if foreign:
                     # The process that acquired it is gone: take its reference over, then drop it.
-                    self.layers.adopt(LayerHandle(layer.digest, layer.mountpoint))
-                self.layers.release(layer.digest)
+                    self.layers.adopt(LayerHandle(layer.digest, layer.mountpoint), holder=holder)
+                self.layers.release(layer.digest, holder=holder)
             except DsecError:
                 log.exception("sandbox %s: releasing layer %s", state.id, layer.digest)
 
@@ -435,6 +452,11 @@ class SandboxManager:
                 _remove(path)
 
 
+def holder_of(state: SandboxState, layer: SandboxLayer) -> Holder:
+    """Who ``state``'s ``layer`` is held for: its role, ref and the sandbox's combination."""
+    return Holder(layer.role, layer.ref, combination_id([each.digest for each in state.layers]))
+
+
 def _take_root_attributes(upper: str, top_layer: str) -> None:
     """The stack's root shows the upper dir's own mode and owner: make them the top layer's."""
     st = os.stat(top_layer)
@@ -463,10 +485,14 @@ class ExportedLayers:
         self._users: dict[str, int] = {}  # digest -> holders
         self._mountpoints: dict[str, str] = {}  # digest -> where it is mounted
 
-    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
-        """Export the layer to local files (nothing is fetched lazily: ``profile`` and ``fill`` have no use
-        here)."""
-        digest = resolve(self.store, layer_ref)
+    def resolve(self, layer_ref: str) -> str:
+        return resolve(self.store, layer_ref)
+
+    def acquire(self, layer_ref: str, *, digest: str | None = None, holder: Holder | None = None,
+                profile: bool = True, fill: str | None = None) -> LayerHandle:
+        """Export the layer to local files (nothing is fetched lazily or traced: ``holder``, ``profile``
+        and ``fill`` have no use here)."""
+        digest = digest or resolve(self.store, layer_ref)
         with self._lock:
             if digest not in self._users:
                 directory = os.path.join(self.cache_dir, digest)
@@ -482,7 +508,7 @@ class ExportedLayers:
             self._users[digest] += 1
             return LayerHandle(digest, self._mountpoints[digest])
 
-    def release(self, digest: str) -> None:
+    def release(self, digest: str, *, holder: Holder | None = None) -> None:
         with self._lock:
             if digest not in self._users:
                 raise NotFoundError("layer is not held", where=f"layer {digest}")
@@ -490,7 +516,7 @@ class ExportedLayers:
             if self._users[digest] == 0:
                 self._unmount(digest)
 
-    def adopt(self, handle: LayerHandle) -> None:
+    def adopt(self, handle: LayerHandle, *, holder: Holder | None = None) -> None:
         with self._lock:
             known = self._mountpoints.setdefault(handle.digest, handle.mountpoint)
             if known != handle.mountpoint:

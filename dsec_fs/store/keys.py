@@ -12,6 +12,8 @@
     trash/<hh>/<pack id>        JSON: when gc soft-deleted the pack by removing its index (gc.py)
     profiles/layers/<layer digest>/<node id>   JSON: what sandboxes on that node read of the layer first
     profiles/names/<sha256 of a ref name>/<node id>   the same, under the layer's name (lazy_fetch/profile.py)
+    profiles/combinations/<combination id>/<layer digest>/<node id>   the same, of the layer as part of one
+                                                 stack of layers (lazy_fetch/trace_holders.combination_id)
 
 <hh> is the first two hex characters of the id: a fan-out that keeps directories of POSIX stores small
 and spreads S3 key prefixes.
@@ -69,6 +71,11 @@ def id_from_key(key: str) -> str:
 def layer_profiles(layer: str) -> str:
     """The prefix of the profile objects of a layer (one per node)."""
     return f"{PROFILES}layers/{layer}/"
+
+
+def combination_profiles(combination: str, layer: str) -> str:
+    """The prefix of the profile objects of a layer in one combination of layers (one per node)."""
+    return f"{PROFILES}combinations/{combination}/{layer}/"
 
 
 def name_profiles(name_id: str) -> str:

@@ -41,6 +41,7 @@ from dsec_fs.client import DaemonProcess, Node
 from dsec_fs.errors import UnavailableError
 from dsec_fs.store import open_store
 from erofs_builder import build_layer
+from lazy_fetch.trace_holders import Holder
 from overlay.sandbox import LayerHandle
 
 DSECFS = os.path.join(os.path.dirname(sys.executable), "dsecfs")
@@ -248,7 +249,14 @@ class DaemonLayers:
         self._digests: dict[str, str] = {}  # ref -> digest, as the daemon resolved it
         os.makedirs(directory, exist_ok=True)
 
-    def acquire(self, layer_ref: str, *, profile: bool = True, fill: str | None = None) -> LayerHandle:
+    def resolve(self, layer_ref: str) -> str:
+        """The ref itself: the daemon resolves it at the mount, and this provider labels no trace with
+        the combination the sandbox names from these."""
+        return layer_ref
+
+    def acquire(self, layer_ref: str, *, digest: str | None = None, holder: Holder | None = None,
+                profile: bool = True, fill: str | None = None) -> LayerHandle:
+        """``digest`` (the ref, from ``resolve``) and ``holder`` are not used: the daemon's mounts are bare."""
         with self._lock:
             digest = self._digests.get(layer_ref)
             if digest not in self._users:
@@ -263,14 +271,14 @@ class DaemonLayers:
             self._users[digest] += 1
             return LayerHandle(digest, self._mountpoints[digest])
 
-    def release(self, digest: str) -> None:
+    def release(self, digest: str, *, holder: Holder | None = None) -> None:
         with self._lock:
             self._users[digest] -= 1
             if not self._users[digest]:
                 del self._users[digest]
                 self._unmount(self._mountpoints.pop(digest))
 
-    def adopt(self, handle: LayerHandle) -> None:
+    def adopt(self, handle: LayerHandle, *, holder: Holder | None = None) -> None:
         with self._lock:
             self._mountpoints.setdefault(handle.digest, handle.mountpoint)
             self._users[handle.digest] = self._users.get(handle.digest, 0) + 1
