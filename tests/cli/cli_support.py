@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -43,3 +44,9 @@ def build(source: str, store: str, *extra: str) -> str:
     result = dsecfs("build", source, "--store", store, "--json", *extra)
     assert result.exit_code == 0, result.output
     return json_of(result)["layer"]
+
+
+def interruptible() -> None:
+    """preexec_fn for a child a test will send SIGINT, as a terminal's ^C would: a shell that started the
+    test run in the background (``make test &``, nohup) leaves SIGINT ignored, and a child inherits that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -11,7 +11,7 @@ import time
 
 import click
 import pytest
-from cli_support import DSECFS, build, dsecfs, dsecfs_process, json_of
+from cli_support import DSECFS, build, dsecfs, dsecfs_process, interruptible, json_of
 from treecmp import write_files
 
 from cli.common import walk_commands
@@ -94,7 +94,7 @@ def test_ctrl_c_exits_130_and_publishes_nothing(tmp_path):
         member.size = 10**7
         tar.addfile(member, io.BytesIO(bytes(10**7)))
     build_ = subprocess.Popen([DSECFS, "build", "-", "--store", store, "--name", "a:1"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
     try:
         build_.stdin.write(archive.getvalue()[:3 * 10**6])  # stops in the middle of the file: the build waits
         build_.stdin.flush()

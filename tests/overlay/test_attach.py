@@ -23,6 +23,7 @@ from dsec_fs import exec_frames
 from dsec_fs.errors import InputError, UnavailableError, UnsupportedError
 from dsec_fs.sandbox_client import Sandbox
 from tests.lazy_fetch import daemon_support
+from tests.cli.cli_support import interruptible
 from tests.lazy_fetch.daemon_support import wait_for
 from tests.other_user import NOBODY
 # The layers (the Debian base) and the daemons of a test, as the other sandbox tests have them.
@@ -318,7 +319,8 @@ def test_a_client_that_leaves_while_its_stdin_waits_for_the_command_ends_it(sand
 
 def test_ctrl_c_without_a_terminal_stops_dsecfs_with_130_and_the_command_with_it(sandbox, daemons):
     cli = subprocess.Popen([daemon_support.DSECFS, "sandbox", "exec", "--socket", daemons.socket, "att", "/bin/sh",
-                            "-c", "echo started; exec sleep 600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            "-c", "echo started; exec sleep 600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           preexec_fn=interruptible)
     try:
         assert cli.stdout.readline() == b"started\n"
         cli.send_signal(signal.SIGINT)
