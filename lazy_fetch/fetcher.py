@@ -111,8 +111,10 @@ MAX_READ_BYTES = 4 * 1024 * 1024
 # side still keep a link of that speed about busy behind a 20 ms round trip.
 FILL_READS = 2
 FILL_READ_BYTES = 1024 * 1024
-# Worker threads putting fetched chunks into the disk cache at once (after their waiters have them).
+# Worker threads putting fetched chunks into the disk cache at once (after their waiters have them), and
+# how many runs may wait for them so, their bytes in memory (at most MAX_READ_BYTES compressed each).
 CACHE_WRITERS = 4
+UNCACHED_RUNS = 32
 # The store's round trip (``round_trip``): the least of the last ROUND_TRIP_SAMPLES times of small store
 # calls: chunk reads of at most ROUND_TRIP_READ_BYTES (their transfer a small part: 2.6 ms at 100 MB/s),
 # the slot's wait excluded, and what callers note (the daemon: a layer's manifest read). The least,
@@ -202,6 +204,7 @@ class ChunkFetcher:
         self._stalled_since: dict[str, float] = {}  # store key -> when its first read still stuck was abandoned
         self._flights: dict[bytes, _Flight] = {}
         self._cache_writers = trio.CapacityLimiter(CACHE_WRITERS)
+        self._uncached_runs = 0  # runs whose readers have their bytes, not in the cache yet
         # Appended to by store-read worker threads (deque appends are atomic), read in the trio thread.
         self._round_trips: deque[float] = deque(maxlen=ROUND_TRIP_SAMPLES)
         self._stats: dict[str, FetchStats] = {}
@@ -387,8 +390,12 @@ class ChunkFetcher:
         # its chunks in the cache and its bound on the cache's room holds. A reader waits for any other
         # run (it was asked for, or promoted): it gets its bytes first, and the cache's writes and index
         # commit follow. Until the chunks are in, their flights stay listed (done), so a request meanwhile
-        # gets the bytes from the flight instead of missing the cache and reading the store again.
-        readers_first = not ticket.cached
+        # gets the bytes from the flight instead of missing the cache and reading the store again. Runs
+        # handed over so are at most UNCACHED_RUNS at once (their bytes stay in memory until written):
+        # beyond that, as when the cache's disk is slower than the store, readers wait for the write.
+        readers_first = not ticket.cached and self._uncached_runs < UNCACHED_RUNS
+        if verified and not ticket.cached and not readers_first:
+            await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
         self._on_fetched([digest for digest, _data in verified])
         for (digest, _location), flight in zip(items, flights):
             result = results[digest]
@@ -404,9 +411,11 @@ class ChunkFetcher:
                 stats.bytes_fetched += len(result)
                 self._land(digest, flight, data=result, cached=not readers_first)
         if verified and readers_first:
+            self._uncached_runs += 1
             try:
                 await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
             finally:
+                self._uncached_runs -= 1
                 for digest, _data in verified:
                     flight = self._flights.get(digest)
                     if flight is not None and flight.done.is_set():

@@ -694,3 +694,40 @@ def test_a_reader_has_its_bytes_before_the_cache_has_written_them(backend, tmp_p
         assert cache.get(digest) == data
     finally:
         cache.close()
+
+
+def test_runs_waiting_for_a_slow_cache_are_bounded_then_readers_wait_for_the_write(backend, tmp_path, monkeypatch):
+    import lazy_fetch.fetcher as fetcher_module
+
+    monkeypatch.setattr(fetcher_module, "UNCACHED_RUNS", 2)
+    items = [upload(backend, [chunk(n)])[0] for n in range(4)]  # a pack each: a run each
+    cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
+
+    async def main():
+        async with open_fetcher(backend, cache) as fetcher:
+            try:
+                with trio.fail_after(10):
+                    for item in items[:2]:  # handed over while their cache writes hang
+                        assert await fetcher.fetch(*item) == chunk(items.index(item))
+                    got = []
+
+                    async def third():
+                        got.append(await fetcher.fetch(*items[2]))
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(third)
+                        await until(lambda: cache.puts == 3)
+                        await trio.sleep(0.2)
+                        # the third waits for its write: two runs' bytes are held already
+                        assert got == [] and fetcher.in_flight == 3
+                        cache.release.set()
+                    assert got == [chunk(2)]
+            finally:
+                cache.release.set()
+            await until(lambda: fetcher.in_flight == 0)
+
+    try:
+        trio.run(main)
+        assert all(cache.get(digest) is not None for digest, _ in items[:3])
+    finally:
+        cache.close()
