@@ -91,7 +91,7 @@ from dsec_fs.mounts import is_below, top_mount, umount
 from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
 from dsec_fs.store.ref_cache import RefCacheStore
-from dsec_fs.store.wrappers import CountingStore, wrap_store
+from dsec_fs.store.wrappers import CountingStore, StoreWrapper, wrap_store
 
 from . import node_status, request_paths, routes
 from .blob_reader import LayerBlob, open_layer_blob
@@ -283,9 +283,6 @@ class NodeDaemon:
                 store.chunk_index.load_packs(store.index_reads, manifest.packs)
 
         def on_manifest(manifest: Manifest) -> None:
-            # The manifest is one small GET (or a copy kept on the node: this node had the layer before): a
-            # sample of the store's round trip, for fill auto.
-            store.fetcher.note_round_trip(time.monotonic() - asked)
             if keeper is None:
                 load_pack_indexes(manifest)
                 return
@@ -295,9 +292,9 @@ class NodeDaemon:
                 found[0] = lookup.result()
 
         # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
-        asked = time.monotonic()
         files = await store.fetcher.call_store(f"layer {ref} in {store.url}", functools.partial(
-            open_layer, store.store, ref, on_manifest=on_manifest, reads=store.copies))
+            open_layer, _ManifestTimer(store.store, store.fetcher.note_round_trip), ref, on_manifest=on_manifest,
+            reads=store.copies))
         store.indexed_layers.add(files.digest)
         return files, found[0]
 
@@ -734,6 +731,27 @@ class NodeDaemon:
 
     def status(self) -> api.NodeStatus:
         return node_status.status(self)
+
+
+_MANIFEST_SUFFIX = keys.layer_manifest("")[len(keys.LAYERS):]  # "/manifest.json"
+
+
+class _ManifestTimer(StoreWrapper):
+    """The store as a layer open sees it, telling ``note`` how long each manifest GET took: one small
+    object, so a sample of the store's round trip for fill auto. A manifest the node's copies gave (or a
+    ref its ref cache gave) makes no GET here, so no sample: that would time this node's disk."""
+
+    def __init__(self, inner: Store, note: Callable[[float], None]):
+        super().__init__(inner)
+        self._note = note
+
+    def _call(self, op, key, fn, sent=0):
+        if not (op == "get" and key.startswith(keys.LAYERS) and key.endswith(_MANIFEST_SUFFIX)):
+            return fn()
+        started = time.monotonic()
+        result = fn()
+        self._note(time.monotonic() - started)
+        return result
 
 
 def _store_is_slow(fetcher: ChunkFetcher, waited: float) -> bool | None:

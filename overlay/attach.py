@@ -3,7 +3,7 @@ the frames of dsec_fs/exec_frames.py (node_service.py's ``POST /v1/sandboxes/{sa
 
     command = AttachCommand(rootfs, argv, run_options, stdin=True, tty=True, rows=24, cols=80)
     command.check()                       # before the connection switches protocols
-    await relay(client_stream, early_bytes, command)
+    await relay(client_stream, early_bytes, command, threads=limiter)
 
 runc runs the command in the foreground (runtime.RuncContainer), as exec does, with its stdin, stdout and
 stderr on pipes, or, with ``tty``, all three on the slave of a pty the daemon opens: runc then gives the
@@ -83,10 +83,12 @@ class AttachCommand:
         return RunOptions(**fields).checked()
 
 
-async def relay(client: trio.SocketStream, early: bytes, command: AttachCommand) -> None:
+async def relay(client: trio.SocketStream, early: bytes, command: AttachCommand, *,
+                threads: trio.CapacityLimiter) -> None:
     """Run ``command``, relaying its stdio with ``client`` until it ends (EXIT or ERROR sent) or the client
-    leaves (the command killed)."""
-    session = _Session(client, early)
+    leaves (the command killed). ``threads``: the limiter of the worker thread a runtime other than runc
+    runs its command in (never trio's default one, which the daemon's own calls need)."""
+    session = _Session(client, early, threads)
     try:
         if command.options.get("runtime") == "runc":
             await session.run_runc(command)
@@ -103,6 +105,7 @@ async def relay(client: trio.SocketStream, early: bytes, command: AttachCommand)
 class _Session:
     client: trio.SocketStream
     early: bytes
+    threads: trio.CapacityLimiter  # run_gathered's worker thread
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     gone: trio.CancelScope = field(default_factory=trio.CancelScope)  # cancelled when the client leaves
     timed_out: bool = False
@@ -270,7 +273,7 @@ class _Session:
                                              "runtime takes it whole before the command starts", where="attach")
             options = dict(command.options, stdin=bytes(data) if command.stdin else None)
             result = await trio.to_thread.run_sync(lambda: run_in_rootfs(command.rootfs, command.argv, **options),
-                                                   abandon_on_cancel=True)
+                                                   abandon_on_cancel=True, limiter=self.threads)
             for kind, output in ((exec_frames.STDOUT, result.stdout), (exec_frames.STDERR, result.stderr)):
                 for start in range(0, len(output), CHUNK):
                     await self.send(kind, output[start:start + CHUNK])

@@ -324,6 +324,7 @@ class SandboxService:
         self.removed_at_start: list[str] = []  # ids of the dead sandboxes recover() took apart
         self._lifecycle: trio.CapacityLimiter | None = None
         self._execs: trio.CapacityLimiter | None = None
+        self._gathered: trio.CapacityLimiter | None = None
         self._busy = 0  # up, down and commit calls under way
         self._stopping = False
 
@@ -345,6 +346,9 @@ class SandboxService:
     async def start(self) -> None:
         self._lifecycle = trio.CapacityLimiter(LIFECYCLE_THREADS)
         self._execs = trio.CapacityLimiter(EXEC_THREADS)
+        # The threads of attached commands of the namespaces runtime (overlay/attach.py): their own, so
+        # that commands which run on after their clients left never hold trio's default threads.
+        self._gathered = trio.CapacityLimiter(EXEC_THREADS)
         private_dir(self.root)
         self.layers = DaemonLayers(self.daemon, os.path.join(self.root, LAYER_DIR), mode=self.layer_mode,
                                    token=trio.lowlevel.current_trio_token())
@@ -447,7 +451,7 @@ class SandboxService:
 
         async def run(stream, early: bytes) -> None:
             async with self._execs:
-                await relay(stream, early, command)
+                await relay(stream, early, command, threads=self._gathered)
 
         return Upgrade(exec_frames.PROTOCOL, run)
 

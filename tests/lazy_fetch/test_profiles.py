@@ -363,3 +363,31 @@ def test_a_node_publishes_within_the_size_bound_however_long_its_paths():
     data = store.data["profiles/layers/x/n"]
     assert len(data) <= profile.MAX_PROFILE_BYTES
     assert profile.Profile.decode(data, source="k").entries
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_auto_fill_does_not_take_the_nodes_own_metadata_copies_for_the_stores_round_trip(store_dir, tmp_path,
+                                                                                      monkeypatch):
+    """A layer opened again comes from the node's copies (its ref from the ref cache): no store call, so
+    no sample of the store's round trip. A sample of the local disk once made a 20 ms store look fast."""
+    monkeypatch.delenv("DSECFS_DAEMON_FILL")
+    other = {name: random.Random(5).randbytes(len(data)) for name, data in FILES.items()}
+    src = tmp_path / "other-src"
+    for name, data in other.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    build_layer(str(src), FilesystemStore(store_dir, fsync=False), name="t/other:1", chunk_size=CHUNK)
+    a = Daemons(tmp_path / "a")
+    try:
+        a.start(store_dir, latency_ms=20)
+        node = Node(a.socket)
+        first, again, new = mount_dirs(tmp_path, "first", "again", "new")
+        for ref, mnt in (("t/app:1", first), ("t/app:1", again), ("t/other:1", new)):
+            node.mount(ref, mnt, mode="fuse")
+            wait_for(lambda: all(p.state == "done" for p in node.prefetches()), f"the fill of {ref}")
+            job = node.prefetches()[-1]
+            node.umount(mnt)
+            assert not job.fill_skipped, f"{ref} on a 20 ms store was not filled"
+    finally:
+        a.stop_all()

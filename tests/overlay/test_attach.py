@@ -14,13 +14,14 @@ import stat
 import struct
 import subprocess
 import termios
+import tempfile
 import threading
 import time
 
 import pytest
 
 from dsec_fs import exec_frames
-from dsec_fs.errors import InputError, UnavailableError, UnsupportedError
+from dsec_fs.errors import InputError, NotFoundError, UnavailableError, UnsupportedError
 from dsec_fs.sandbox_client import Sandbox
 from tests.lazy_fetch import daemon_support
 from tests.cli.cli_support import interruptible
@@ -329,3 +330,34 @@ def test_ctrl_c_without_a_terminal_stops_dsecfs_with_130_and_the_command_with_it
     finally:
         cli.kill()
         cli.wait()
+
+
+def test_attached_namespaces_commands_whose_clients_left_leave_the_daemon_its_worker_threads(sandbox, daemons):
+    """A command of the namespaces runtime runs in a worker thread that outlives a client that leaves.
+    Forty-one of them once held all of trio's default threads, which the daemon's own calls (a path
+    looked up, a cache lookup) need: those then waited out their deadlines."""
+    commands = [sandbox.attach(["sleep", "12"], runtime="namespaces") for _ in range(41)]
+    wait_for(lambda: _processes(b"sleep\x0012\x00") == 41, "the commands to start")
+    for command in commands:
+        command.close()
+    empty = tempfile.mkdtemp(dir=daemons.state_dir + "/..")
+    try:
+        started = time.monotonic()
+        with pytest.raises(NotFoundError):  # resolved in a worker thread: nothing is mounted there
+            sandbox.node.umount(empty)
+        assert time.monotonic() - started < 5.0
+    finally:
+        os.rmdir(empty)
+        # the commands end on their own (the namespaces runtime does not stop them for a client that left)
+        wait_for(lambda: _processes(b"sleep\x0012\x00") == 0, "the sleeps to end", timeout=30.0)
+
+
+def _processes(cmdline: bytes) -> int:
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                count += f.read() == cmdline
+        except OSError:  # gone meanwhile
+            pass
+    return count
