@@ -106,7 +106,7 @@ class MetaCache:
                     manifest = None
                 if manifest is None or manifest.layer != digest:
                     self._drop(self._path("manifest", name), "not the layer's manifest")
-                elif all(os.path.exists(self._path("index", pack)) for pack in manifest.packs):
+                elif all(os.path.exists(self._path("index", _index_name(store, pack))) for pack in manifest.packs):
                     return manifest
                 # else: some of its pack indexes went (evicted): were its packs repacked meanwhile, the old
                 # indexes are gone from the store too, so the pack list is read again with them.
@@ -242,18 +242,25 @@ class _PackIndexes(StoreWrapper):
         pack_id = keys.id_from_key(key)
         if offset or length is not None or key != keys.index(pack_id) or not is_hex_digest(pack_id):
             return self.inner.get(key, offset, length)
-        copy = self.copies._load("index", pack_id)
+        name = _index_name(self.inner, pack_id)
+        copy = self.copies._load("index", name)
         if copy is not None:
             return copy[0]
         data = self.inner.get(key)
         decode_index(data, source=key)  # keep only what decodes (the caller decodes it again, and says why not)
-        self.copies._keep("index", pack_id, data)
+        self.copies._keep("index", name, data)
         return data
 
 
 def _manifest_name(store: Store, digest: str) -> str:
     """Two stores may hold one layer in different packs: a manifest copy is the store's and the layer's."""
     return to_hex(sha256(f"{store.url}\n{digest}".encode()))
+
+
+def _index_name(store: Store, pack_id: str) -> str:
+    """A pack index copy is the store's too: an index object is not named by its own content (the pack id
+    is the pack's sha256), so another store's writer could publish a different one under the same id."""
+    return to_hex(sha256(f"{store.url}\n{pack_id}".encode()))
 
 
 def _check(data: bytes, kind: str, name: str) -> str | None:
