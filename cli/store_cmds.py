@@ -27,7 +27,13 @@ def gc_command(store_url: str | None, grace_seconds: float, dry_run: bool, keep_
     after the grace period and once no build that started before may still use them, deletes them.
     """
     from dsec_fs.gc import gc
+    from lazy_fetch.meta_cache import MANIFEST_FRESH_SECONDS
 
+    if grace_seconds < MANIFEST_FRESH_SECONDS and not dry_run:
+        # A repack's old packs go after the grace, and a node trusts its copy of a layer's manifest (the
+        # old pack list) for MANIFEST_FRESH_SECONDS: a shorter grace can delete packs a node still reads.
+        click.echo(f"warning: a grace under {MANIFEST_FRESH_SECONDS / 3600:g} h can delete repacked packs that "
+                   "nodes still read through their copies of layer manifests (lazy_fetch/meta_cache.py)", err=True)
     with open_store(store_url) as store:
         report = gc(store, grace_seconds=grace_seconds, dry_run=dry_run, repack_threshold=repack_threshold,
                     keep_unreferenced_layers=keep_unreferenced_layers)
