@@ -107,7 +107,8 @@ from .mount_table import Mount, MountTable, is_ours
 from .miss_readahead import FileChunks, MissReadahead
 from .daemon_options import DaemonOptions
 from .prefetch_list import PrefetchEntry, PrefetchList
-from .prefetcher import AUTO_FILL_MIN_ROUND_TRIP, AUTO_FILL_PATIENCE, AUTO_FILL_SAMPLES, PrefetchJob, Prefetcher, fill_entries
+from .prefetcher import (AUTO_FILL_MIN_ROUND_TRIP, AUTO_FILL_PATIENCE, AUTO_FILL_SAMPLES, PrefetchJob, Prefetcher,
+                         fill_entries)
 from .profile_keeper import FoundProfile, ProfileKeeper
 from .served_layers import Layer, Served, StoreContext, served_key
 from .trace import prune_traces
@@ -597,7 +598,8 @@ class NodeDaemon:
         if layer.prefetch is not None and layer.prefetch.state == "running":
             raise ConflictError("a prefetch of this layer is already running", where=f"layer {layer.digest}")
         layer.prefetch = self.prefetcher.start(layer.digest, plist, path, layer.store.fetcher,
-                                                layer.blob.location, lambda: served.blob.trace, fill=fill, fill_when=fill_when,
+                                                layer.blob.location, lambda: served.blob.trace, fill=fill,
+                                                fill_when=fill_when,
                                                 landed=layer.usage.note_prefetched)
         return layer.prefetch
 

@@ -18,10 +18,10 @@ How a request is served:
   sha256-verifies each chunk before anything else sees it, and the chunks go into the cache in one batch
   (``put_many``: one index commit) in a worker thread: for a read a reader waits for, after the readers
   have them, their flights still listed (done) until they are in, so a request meanwhile takes them from
-  the flight rather than reading the store again; for a prefetch or fill, before. The caching is the fetcher's task, not the
-  caller's, so a fetch whose caller gave up still fills the cache. When a run fails on one corrupt
-  chunk, each chunk of it is read alone, so the good ones are still served and only the bad one fails,
-  with an error naming it.
+  the flight rather than reading the store again; for a prefetch or fill, before. The caching is the
+  fetcher's task, not the caller's, so a fetch whose caller gave up still fills the cache. When a run
+  fails on one corrupt chunk, each chunk of it is read alone, so the good ones are still served and only
+  the bad one fails, with an error naming it.
 - **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
   the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
@@ -59,21 +59,22 @@ How a request is served:
 
 Metrics: a FetchStats per label (a layer, normally), exported by the daemon's prometheus adapter.
 
-Threads: ChunkFetcher lives in the trio thread; every method but ``cached`` (worker threads), the
-flights, the slots and the FetchStats are used from there only, so they need no locks. Store reads and
-cache calls run in worker threads via trio.to_thread.run_sync: the trio thread never blocks on a store or
-the disk. A store read's worker thread may block in the store for ever; nothing waits for it but the
-flights of its own chunks, and those only until the deadline. Store-read threads are counted by the
-fetcher's own limiter (ThreadWatch), not trio's default one, so stuck ones never starve the daemon's other
-worker threads (cache lookups, layer opens). Flights run as tasks of the fetcher's own nursery
-(open_fetcher), not of the caller: a caller that is cancelled stops waiting, and the fetch goes on for the
-others and the cache.
+Threads: ChunkFetcher lives in the trio thread; every method but ``cached`` and ``note_round_trip`` (any
+thread; the round-trip samples have a lock of their own), the flights, the slots and the FetchStats are
+used from there only, so they need no locks. Store reads and cache calls run in worker threads via
+trio.to_thread.run_sync: the trio thread never blocks on a store or the disk. A store read's worker thread
+may block in the store for ever; nothing waits for it but the flights of its own chunks, and those only
+until the deadline. Store-read threads are counted by the fetcher's own limiter (ThreadWatch), not trio's
+default one, so stuck ones never starve the daemon's other worker threads (cache lookups, layer opens).
+Flights run as tasks of the fetcher's own nursery (open_fetcher), not of the caller: a caller that is
+cancelled stops waiting, and the fetch goes on for the others and the cache.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -205,8 +206,10 @@ class ChunkFetcher:
         self._flights: dict[bytes, _Flight] = {}
         self._cache_writers = trio.CapacityLimiter(CACHE_WRITERS)
         self._uncached_runs = 0  # runs whose readers have their bytes, not in the cache yet
-        # Appended to by store-read worker threads (deque appends are atomic), read in the trio thread.
+        # Appended to by worker threads, read in the trio thread: _round_trips_lock guards it (iterating a
+        # deque that another thread appends to raises).
         self._round_trips: deque[float] = deque(maxlen=ROUND_TRIP_SAMPLES)
+        self._round_trips_lock = threading.Lock()
         self._stats: dict[str, FetchStats] = {}
         self._reads_planned = 0  # numbers the store reads' tickets (see StoreSlots)
 
@@ -241,11 +244,13 @@ class ChunkFetcher:
     def round_trip(self, samples: int = 1) -> float | None:
         """Seconds a small store call takes (ROUND_TRIP_SAMPLES above), or None before ``samples`` were
         taken."""
-        return min(self._round_trips) if len(self._round_trips) >= samples else None
+        with self._round_trips_lock:
+            return min(self._round_trips) if len(self._round_trips) >= samples else None
 
     def note_round_trip(self, seconds: float) -> None:
         """A small store call took ``seconds`` (any thread)."""
-        self._round_trips.append(seconds)
+        with self._round_trips_lock:
+            self._round_trips.append(seconds)
 
     @property
     def in_flight(self) -> int:
@@ -530,7 +535,8 @@ class ChunkFetcher:
         if run.end - run.start <= ROUND_TRIP_READ_BYTES:
             self.note_round_trip(time.monotonic() - started)
         if ticket.abandoned or ticket.priority != ONDEMAND:
-            self._cache_put(run.pack_id, [(digest, data) for digest, data in results.items() if isinstance(data, bytes)])
+            self._cache_put(run.pack_id, [(digest, data) for digest, data in results.items()
+                                          if isinstance(data, bytes)])
             ticket.cached = True
         return results
 

@@ -49,7 +49,8 @@ FILL = Priority.FILL
 class Ticket:
     """A store read's claim on a store slot and on a place among its object's reads."""
 
-    __slots__ = ("key", "priority", "order", "queued", "granted", "granted_as", "cached", "event", "refused", "abandoned")
+    __slots__ = ("key", "priority", "order", "queued", "granted", "granted_as", "cached", "event", "refused",
+                 "abandoned")
 
     def __init__(self, key: str, priority: Priority, order: int):
         self.key = key  # the store object it reads

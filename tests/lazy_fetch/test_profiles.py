@@ -22,6 +22,7 @@ rng = random.Random(13)
 FILES = {f"pkg/mod{i}.py": rng.randbytes(3 * CHUNK + i) for i in range(8)}
 FILES["big/data.bin"] = rng.randbytes(40 * CHUNK)
 READ = ("pkg/mod1.py", "pkg/mod4.py", "pkg/mod6.py")  # what "the workload" reads
+READ_CHUNKS = sum(-(-len(FILES[name]) // CHUNK) for name in READ)
 
 
 def _entry(i: int, traces: int = 1, first: int = 0) -> profile.ProfileEntry:
@@ -98,8 +99,7 @@ def test_a_profile_learned_on_one_node_prefetches_for_another(store_dir, tmp_pat
         node = Node(b.socket)
         mnt, = mount_dirs(tmp_path, "mnt-b")
         info = node.mount("t/app:1", mnt, mode=mode)
-        assert info.prefetch == "profile:layer" and info.prefetch_chunks == sum(
-            -(-len(FILES[name]) // CHUNK) for name in READ)
+        assert info.prefetch == "profile:layer" and info.prefetch_chunks == READ_CHUNKS
         wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
         for name in READ:
             assert _read(os.path.join(mnt, name)) == FILES[name]
@@ -207,7 +207,7 @@ def test_a_new_tag_of_a_ref_starts_from_its_predecessors_profile(store_dir, tmp_
         info = node.mount("t/app:2", mnt, mode="fuse")
         assert info.layer == v2.digest and info.prefetch == "profile:name"
         # the unchanged files found by digest, the changed one by its path: all of READ
-        assert info.prefetch_chunks == sum(-(-len(FILES[name]) // CHUNK) for name in READ)
+        assert info.prefetch_chunks == READ_CHUNKS
         wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
         assert _read(os.path.join(mnt, "pkg/mod4.py")) == changed
         trace = node.mounts()[0].trace
@@ -267,7 +267,7 @@ def test_auto_fill_streams_a_layer_that_has_no_profile_from_a_slow_store_and_onl
         mnt, = mount_dirs(tmp_path, "mnt-b")
         info = node.mount("t/app:1", mnt, mode="fuse")
         assert info.prefetch == "profile:layer"
-        assert info.prefetch_chunks == sum(-(-len(FILES[name]) // CHUNK) for name in READ)
+        assert info.prefetch_chunks == READ_CHUNKS
         wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the prefetch")
         assert node.prefetches()[0].fill_chunks == 0
         node.umount(mnt)
@@ -293,8 +293,7 @@ def test_auto_fill_skips_the_fill_when_the_store_answers_fast(store_dir, tmp_pat
         wait_for(lambda: all(p.state == "done" for p in node.prefetches()), "the fill's decision")
         (job,) = node.prefetches()
         assert job.fill_skipped and job.done_chunks == job.chunks == 0
-        read_chunks = sum(-(-len(FILES[name]) // CHUNK) for name in READ)
-        wait_for(lambda: node.cache_stats().entries == read_chunks, "what was read, and only that, cached")
+        wait_for(lambda: node.cache_stats().entries == READ_CHUNKS, "what was read, and only that, cached")
         node.umount(mnt)
         assert "fill of layer" in a.log() and "skipped: its store answers in" in a.log()
     finally:
