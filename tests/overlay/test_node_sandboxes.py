@@ -35,6 +35,7 @@ from erofs_builder.reader import ErofsImage
 from tests.lazy_fetch import daemon_support
 
 pytestmark = [pytest.mark.root, pytest.mark.fuse]
+RUNC_LIST_ATTEMPTS = 10
 
 BASE, TOOLKIT = "base/debian:12", "tk/tool:1"
 WORKSPACES = [f"task{i:02d}" for i in range(20)]
@@ -108,9 +109,15 @@ class Daemons(daemon_support.Daemons):
         return done
 
     def runc_containers(self) -> list:
-        listed = subprocess.run(["runc", "--root", os.path.join(self.sandbox_dir, "runc"), "list", "--format",
-                                 "json"], capture_output=True, check=True)
-        return json.loads(listed.stdout or b"null") or []
+        """The containers runc lists. ``runc list`` fails when a container it found is deleted before it
+        reads its state (the daemon deleting one meanwhile): it is asked again, a few times."""
+        argv = ["runc", "--root", os.path.join(self.sandbox_dir, "runc"), "list", "--format", "json"]
+        for _attempt in range(RUNC_LIST_ATTEMPTS):
+            listed = subprocess.run(argv, capture_output=True)
+            if listed.returncode == 0:
+                return json.loads(listed.stdout or b"null") or []
+            time.sleep(0.05)
+        raise AssertionError(f"runc list failed {RUNC_LIST_ATTEMPTS} times: {listed.stderr.decode(errors='replace')}")
 
 
 @pytest.fixture
