@@ -280,7 +280,7 @@ def bench(info: dict, workload: str, store_name: str, work: str, fill: str | Non
     return results
 
 
-def _variant(text: str) -> tuple[str, int, tuple[str, ...], tuple[str, ...] | None]:
+def parse_variant(text: str) -> tuple[str, int, tuple[str, ...], tuple[str, ...] | None]:
     """``NAME=ARGS``: the daemon's extra arguments; among them ``chunk=SIZE`` for layers built in chunks
     of SIZE (a store of their own, built on first use) and ``dsecfs=PATH`` for the daemon run by another
     checkout's dsecfs (say main's, as the baseline)."""
@@ -331,7 +331,7 @@ def main() -> None:
     unknown = set(series) - set(SERIES)
     if unknown:
         parser.error(f"unknown series {', '.join(sorted(unknown))}")
-    variants = [_variant(text) for text in args.variant] or [("default", DEFAULT_CHUNK_SIZE, (), None)]
+    variants = [parse_variant(text) for text in args.variant] or [("default", DEFAULT_CHUNK_SIZE, (), None)]
     infos = {chunk_size: setup(args.cache, workloads, chunk_size) for chunk_size in sorted({v[1] for v in variants})}
     work = args.work or tempfile.mkdtemp(prefix="dsecfs-sbcold-")
     rows, missed = [], []

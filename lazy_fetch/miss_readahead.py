@@ -1,6 +1,7 @@
 """What an on-demand read brings along when it misses: more of its file, a directory's small files, and,
-while a reader walks files stored one after another, a window of the files after it. Each starts small
-and grows only while the reader reads what it named, as the kernel's readahead does.
+while a reader walks files stored one after another, a window of the files after it. The windows over a
+file and over a walk start small and grow only while the reader reads what they named, as the kernel's
+readahead does.
 
 Why. With a store 20 ms away, a first start is its misses one after another: the kernel asks for a big
 file a window at a time (or, for a library mapped into memory, a page fault at a time, all over the
@@ -13,11 +14,9 @@ cover most of them:
   the file's window, up to FILE_BYTES, and the grown window is fetched in the background. A read of the
   file elsewhere (a page fault of a library mapped into memory, somewhere in the file) names none of it.
 - **A directory's small files.** Once a reader has read two files of one directory (an import of a
-  package, a scan), a read names DIRECTORY_START of the directory's other files of at most
-  SMALL_FILE_BYTES, nearest in the blob first: the build lays them out side by side, so they come in the
-  GETs of one miss. Each time the reader reads one of them, the next step, twice the last, is named and
-  fetched in the background, up to DIRECTORY_BYTES for the directory in all. A reader of one file never
-  gets them.
+  package, a scan), a read names the directory's other files of at most SMALL_FILE_BYTES, nearest in the
+  blob first, up to DIRECTORY_BYTES: the build lays them out side by side, so they come in the GETs of one
+  miss. A reader of one file never gets them.
 - **A walk in blob order.** The build lays a directory's files out one after another in the blob. When a
   read starts a new file right where the previous file read ended (within WALK_GAP entries), the reader
   is walking: the window of chunks named after the file doubles with each new file, from WINDOW_START up
@@ -29,14 +28,14 @@ cover most of them:
 Why windows that must be earned. Measured on a Debian + python3 base with numpy and pandas (``import
 numpy, pandas``, fill none, no profile; docs/benchmarks.md, issue 13), the rest of a file up to 16 MiB on
 every read brought 12 MB the command never read, most of it of the 25 MB OpenBLAS library, which the
-loader maps and touches in a few places; in order only, 3 MB. 2 MiB of a directory's small files at
-once, and a walk's window doubling with each file whatever their size, brought another 15 MB unread
-(numpy; 11 MB of boto3's 37 MB); in steps that must be read into, 2-3 MB less on each of three
-workloads.
+loader maps and touches in a few places; in order only, 3 MB. A walk's window that doubled with each file
+whatever their size ran megabytes ahead of walks of small files. A directory's small files named in
+steps that must be read into (256 KiB, doubling) fetched 1.7-3 MB less on numpy, boto3 and sympy but made
+15% more store requests on numpy (425 -> 490; the steps are warmed one GET each), so they come at once.
 
 The fetcher fetches readahead only when a wanted chunk missed and only within the runs it reads for
 the miss (fetcher.py): it costs link bytes, never a round trip. What a read names that no miss brought
-(a walk's window while its reads hit, a grown file or directory window) is fetched in the background at
+(a walk's window while its reads hit, a grown file window, a directory's small files) is fetched in the background at
 prefetch priority (``to_warm``), so the reader does not stop at the window's end. The map of which
 chunks belong to which file comes from the layer's image (``FileChunks.of``, about 0.3 s for 8,000
 files, so it is built in a worker thread once the layer is mounted; reads before it is ready get no
@@ -60,10 +59,9 @@ WINDOW_START = 256 << 10
 DEFAULT_WINDOW = 4 << 20
 WALK_GAP = 2  # blob entries between one file's last read chunk and the next file's first: still a walk
 SMALL_FILE_BYTES = 256 << 10  # a directory's files up to this size come along as its neighbours
-DIRECTORY_BYTES = 2 << 20  # at most this much of a directory's small files named in all
+DIRECTORY_BYTES = 2 << 20  # at most this much of a directory's small files named at once
 WALK = -1  # in MissReadahead._named: named by the walk's window (a file's number: by that file's)
-DIRECTORY = -2  # in MissReadahead._named: DIRECTORY - d, named as a small file of directory d
-DIRECTORY_START = 256 << 10  # of a directory's small files, named at its second file read
+DIRECTORY = -2  # in MissReadahead._named: named as a directory's small file
 
 
 class FileChunks:
@@ -123,7 +121,6 @@ class MissReadahead:
         self._file_end: dict[int, int] = {}  # file -> the last entry of its latest read
         self._read_files: set[int] = set()  # files read so far
         self._directory_reads: dict[int, int] = {}  # directory -> files of it read so far
-        self._directory_named: dict[int, list[int]] = {}  # directory -> [bytes named so far, next step]
         self._warm: list[int] = []  # what the latest read named for the background (to_warm)
 
     def ready(self, files: FileChunks) -> None:
@@ -163,13 +160,7 @@ class MissReadahead:
             parent = files.directory[number]
             self._directory_reads[parent] = self._directory_reads.get(parent, 0) + 1
             if self._directory_reads[parent] == 2:  # a reader of several files of this directory
-                self._directory_named[parent] = [0, DIRECTORY_START]
-                self._name_neighbours(ahead, files, parent, number)
-        for key in earned:
-            if key <= DIRECTORY and number >= 0:  # the reader reads the small files it was given
-                parent = DIRECTORY - key
-                self._directory_named[parent][1] *= 2
-                self._name_neighbours(ahead, files, parent, number)
+                self._warm += self._name(ahead, self._near(files, parent, number), DIRECTORY_BYTES, DIRECTORY)
         wanted = {chunk.entry for chunk in chunks}
         entries = self.blob.blob_map.entries
         return [(entries[entry][1], self.blob.location(entry, entries[entry][1])) for entry in ahead
@@ -206,16 +197,6 @@ class MissReadahead:
         named = self._name(ahead, own[own.index(last) + 1:] if last in own else own, window, number)
         if grown:
             self._warm += named  # what the window grew by
-
-    def _name_neighbours(self, ahead: dict[int, None], files: FileChunks, parent: int, number: int) -> None:
-        """Name the directory's next step of small files not named yet, nearest first, within
-        DIRECTORY_BYTES for the directory in all."""
-        named, step = self._directory_named[parent]
-        budget = min(step, DIRECTORY_BYTES - named)
-        fresh = (entry for entry in self._near(files, parent, number) if entry not in self._named)
-        added = self._name(ahead, fresh, budget, DIRECTORY - parent)
-        self._directory_named[parent][0] += sum(self.blob.blob_map.entries[entry][2] for entry in added)
-        self._warm += added
 
     def _near(self, files: FileChunks, parent: int, number: int):
         """The chunks of the directory's small files not read yet, nearest in the blob to ``number`` first."""

@@ -13,8 +13,7 @@ import pytest
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from lazy_fetch.blob_reader import BlobChunk
-from lazy_fetch.miss_readahead import (DIRECTORY_BYTES, DIRECTORY_START, FILE_BYTES, FILE_START, WINDOW_START, FileChunks,
-                                       MissReadahead)
+from lazy_fetch.miss_readahead import FILE_BYTES, FILE_START, WINDOW_START, FileChunks, MissReadahead
 from lazy_fetch.trace import FLAG_MISS, read_trace
 from tests.lazy_fetch.daemon_support import Daemons, file_chunks, layer_metric, layer_store, mount_dirs, wait_for
 
@@ -151,26 +150,6 @@ def test_pages_of_a_big_file_read_in_places_fetch_their_chunks_not_the_file(tmp_
         daemons.stop_all()
     assert mounts_below(tmp_path) == []
     assert 3 <= fetched <= 1 + FILE_START // CHUNK + 2, f"{fetched} chunks of {size // CHUNK} fetched"
-
-
-def test_a_directory_s_small_files_come_in_steps_the_reader_reads_into():
-    small = 16 * 1024
-    count = 2 * DIRECTORY_BYTES // small
-    planner = _planner([[i] for i in range(count)], [small] * count, max_window=0, directories=[0] * count)
-    planner.plan(_chunks(0, length=small))
-    first = _locations(planner.plan(_chunks(10, length=small)))  # the second file: the first step
-    assert len(first) == DIRECTORY_START // small and 9 in first and 11 in first  # nearest first
-    assert planner.to_warm() and planner.to_warm() == []
-    planner.plan(_chunks(50, length=small))  # one not named: no step
-    assert planner.to_warm() == []
-    step = _locations(planner.plan(_chunks(first[-1], length=small)))  # one it was given: the next step
-    assert len(step) == 2 * DIRECTORY_START // small and not set(step) & set(first)
-    named = len(first) + len(step)
-    for _ in range(10):
-        nxt = _locations(planner.plan(_chunks(step[0], length=small)))
-        named += len(nxt)
-        step = nxt or step[1:]
-    assert named * small <= DIRECTORY_BYTES  # in all, never more
 
 
 @pytest.fixture
