@@ -104,8 +104,9 @@ def main() -> None:
                 info = infos[chunk_size]
                 fetched, total, cache_dir = start(info, workload, args.store, daemon_args, command, home)
                 parts = split(info["store"], home, cache_dir)
-                print(f"{workload} {name}: fetched {fetched / 1e6:.1f} MB ({fetched / total:.1%} of {total / 1e6:.1f} MB)"
-                      f" = read chunks {parts['read_chunks'] / 1e6:.1f} + readahead unread {parts['unread'] / 1e6:.1f};"
+                print(f"{workload} {name}: fetched {fetched / 1e6:.1f} MB ({fetched / total:.1%} of "
+                      f"{total / 1e6:.1f} MB) = read chunks {parts['read_chunks'] / 1e6:.1f}"
+                      f" + readahead unread {parts['unread'] / 1e6:.1f};"
                       f" kernel asked {parts['asked'] / 1e6:.1f} MB ({parts['asked'] / total:.1%})", flush=True)
                 for path, length in parts["top_unread"]:
                     log(f"  unread {length / 1e6:.2f} MB of {path}")

@@ -35,8 +35,8 @@ steps that must be read into (256 KiB, doubling) fetched 1.7-3 MB less on numpy,
 
 The fetcher fetches readahead only when a wanted chunk missed and only within the runs it reads for
 the miss (fetcher.py): it costs link bytes, never a round trip. What a read names that no miss brought
-(a walk's window while its reads hit, a grown file window, a directory's small files) is fetched in the background at
-prefetch priority (``to_warm``), so the reader does not stop at the window's end. The map of which
+(a walk's window while its reads hit, a grown file window, a directory's small files) is fetched in the
+background at prefetch priority (``to_warm``), so the reader does not stop at the window's end. The map of which
 chunks belong to which file comes from the layer's image (``FileChunks.of``, about 0.3 s for 8,000
 files, so it is built in a worker thread once the layer is mounted; reads before it is ready get no
 readahead).
