@@ -31,7 +31,9 @@ every read brought 12 MB the command never read, most of it of the 25 MB OpenBLA
 loader maps and touches in a few places; in order only, 3 MB. A walk's window that doubled with each file
 whatever their size ran megabytes ahead of walks of small files. A directory's small files named in
 steps that must be read into (256 KiB, doubling) fetched 1.7-3 MB less on numpy, boto3 and sympy but made
-15% more store requests on numpy (425 -> 490; the steps are warmed one GET each), so they come at once.
+15% more store requests on numpy (425 -> 490; the steps are warmed one GET each); riding along with the
+misses instead, 2-4 MB less, but 4-17% more requests (boto3, sympy): more of a directory's files missed
+one by one. So they come at once.
 
 The fetcher fetches readahead only when a wanted chunk missed and only within the runs it reads for
 the miss (fetcher.py): it costs link bytes, never a round trip. What a read names that no miss brought
@@ -60,8 +62,6 @@ DEFAULT_WINDOW = 4 << 20
 WALK_GAP = 2  # blob entries between one file's last read chunk and the next file's first: still a walk
 SMALL_FILE_BYTES = 256 << 10  # a directory's files up to this size come along as its neighbours
 DIRECTORY_BYTES = 2 << 20  # at most this much of a directory's small files named at once
-WALK = -1  # in MissReadahead._named: named by the walk's window (a file's number: by that file's)
-DIRECTORY = -2  # in MissReadahead._named: named as a directory's small file
 
 
 class FileChunks:
@@ -115,8 +115,7 @@ class MissReadahead:
         self._warmed_to = -1  # the last entry a walk's window was warmed up to
         self._last_file = -1
         self._last_end = -1  # the last blob entry of the latest read
-        # what was named and not read yet: entry -> what named it (a file's number, WALK or DIRECTORY)
-        self._named: dict[int, int] = {}
+        self._named: set[int] = set()  # entries named as readahead and not read yet
         self._file_window: dict[int, int] = {}  # file -> its window, once read
         self._file_end: dict[int, int] = {}  # file -> the last entry of its latest read
         self._read_files: set[int] = set()  # files read so far
@@ -134,7 +133,8 @@ class MissReadahead:
             return []
         first, last = chunks[0].entry, chunks[-1].entry
         number = files.owner[first]
-        earned = {self._named.pop(chunk.entry) for chunk in chunks if chunk.entry in self._named}
+        foreseen = [chunk.entry for chunk in chunks if chunk.entry in self._named]  # readahead that was read
+        self._named.difference_update(foreseen)
         if number != self._last_file:  # a new file: the next one in the blob, or a jump
             adjacent = number >= 0 and self._last_file >= 0 and 0 < first - self._last_end <= WALK_GAP
             if adjacent:
@@ -148,11 +148,11 @@ class MissReadahead:
         self._last_file, self._last_end = number, last
         ahead: dict[int, None] = {}
         if number >= 0:
-            self._plan_file(ahead, files.files[number], number, first, last, earned)
+            self._plan_file(ahead, files.files[number], number, first, last, bool(foreseen))
         window_entries: dict[int, None] = {}
         if number >= 0 and self._window:
             after = range(max(last, files.files[number][-1]) + 1, len(self.blob.blob_map.entries))
-            self._name(window_entries, after, self._window, WALK)
+            self._name(window_entries, after, self._window)
         self._window_entries = list(window_entries)
         ahead.update(window_entries)
         if number >= 0 and number not in self._read_files:
@@ -160,7 +160,7 @@ class MissReadahead:
             parent = files.directory[number]
             self._directory_reads[parent] = self._directory_reads.get(parent, 0) + 1
             if self._directory_reads[parent] == 2:  # a reader of several files of this directory
-                self._warm += self._name(ahead, self._near(files, parent, number), DIRECTORY_BYTES, DIRECTORY)
+                self._warm += self._name(ahead, self._near(files, parent, number), DIRECTORY_BYTES)
         wanted = {chunk.entry for chunk in chunks}
         entries = self.blob.blob_map.entries
         return [(entries[entry][1], self.blob.location(entry, entries[entry][1])) for entry in ahead
@@ -181,20 +181,21 @@ class MissReadahead:
         return [(entries[entry][1], self.blob.location(entry, entries[entry][1])) for entry in fresh]
 
     def _plan_file(self, ahead: dict[int, None], own: tuple[int, ...], number: int, first: int, last: int,
-                   earned: set[int]) -> None:
+                   foreseen: bool) -> None:
         """Name the file's window after this read: on its first read and on reads that go on where its
         previous read ended; a read of it elsewhere (a page fault of a mapped library) names none of it.
-        A read in order of a chunk the window named doubles the window, and what it grew by is warmed."""
+        A read in order of a chunk readahead named (``foreseen``: this file's window, or a walk's that
+        reached into the file) doubles the window, and what it grew by is warmed."""
         previous = self._file_end.get(number)
         self._file_end[number] = last
         if previous is not None and not previous <= first <= previous + 1:
             return
         window = self._file_window.get(number, FILE_START)
-        grown = number in earned and window < FILE_BYTES
+        grown = foreseen and window < FILE_BYTES
         if grown:
             window = min(2 * window, FILE_BYTES)
         self._file_window[number] = window
-        named = self._name(ahead, own[own.index(last) + 1:] if last in own else own, window, number)
+        named = self._name(ahead, own[own.index(last) + 1:] if last in own else own, window)
         if grown:
             self._warm += named  # what the window grew by
 
@@ -206,9 +207,9 @@ class MissReadahead:
         for member in members:
             yield from files.files[member]
 
-    def _name(self, ahead: dict[int, None], candidates, budget: int, key: int) -> list[int]:
+    def _name(self, ahead: dict[int, None], candidates, budget: int) -> list[int]:
         """Add to ``ahead`` the ``candidates`` that fit in ``budget`` bytes, in order, and note those not
-        named yet as ``key``'s. Returns those."""
+        named yet as named. Returns those."""
         entries = self.blob.blob_map.entries
         named = []
         for entry in candidates:
@@ -217,6 +218,6 @@ class MissReadahead:
                 break
             ahead[entry] = None
             if entry not in self._named:
-                self._named[entry] = key
+                self._named.add(entry)
                 named.append(entry)
         return named

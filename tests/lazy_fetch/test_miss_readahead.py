@@ -100,6 +100,17 @@ def test_a_walk_in_blob_order_grows_a_window_and_a_jump_resets_it():
     assert [loc for _d, loc in planner.plan(_chunks(8))] == [9]
 
 
+def test_a_big_file_a_walk_reaches_grows_its_window_as_it_is_read_in_order():
+    """The walk's window named the big file's first chunks: reading them in order is reading ahead
+    that came true, whoever named it."""
+    start = FILE_START // CHUNK
+    planner = _planner([[0], [1], list(range(2, 2 + 8 * start))], [CHUNK] * (2 + 8 * start))
+    planner.plan(_chunks(0))
+    planner.plan(_chunks(1))  # a walk: its window names entries 2.. (the big file's first chunks)
+    planner.plan(_chunks(2))
+    assert len(planner.plan(_chunks(3))) >= 2 * start
+
+
 def test_a_walk_of_small_files_names_at_most_twice_what_it_has_read():
     """A walk ends with its last window unread: the window must not run far ahead of the walk."""
     small = 16 * 1024
