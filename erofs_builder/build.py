@@ -50,6 +50,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
@@ -62,18 +63,21 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
-from .archive_kind import is_image_archive
 from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, blob_map_of, regular_files
 from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, shared_chunks
-from .patch import Patched, Rescan, missing_packs, scan_changes
 from .tree import Node, Tree
 from .walk_dir import listing_order, walk_directory
-from .images import is_image_ref, open_image
+from .images import is_image_ref
 from .limits import DEFAULT_LAYER_LIMITS, DEFAULT_LIMITS, LayerBudget, LayerLimits, TarLimits, check_tree
-from .registry import RegistryOptions
-from .walk_oci import OciImage, walk_layers
-from .walk_tar import OnFile, walk_tar
 from .writer import write_image
+
+# Only the build of a tar, an image or with a parent needs these modules: imported where used, so that a
+# directory build does not pay for importing them (see docs/benchmarks.md, issue 17, third session).
+if TYPE_CHECKING:
+    from .patch import Patched, Rescan
+    from .registry import RegistryOptions
+    from .walk_oci import OciImage
+    from .walk_tar import OnFile
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +124,16 @@ def build_layer(
             raise InputError("--parent needs a directory source (tar and OCI input have no inode identities)",
                              where=os.fsdecode(source))
         if kind == "tar":
+            from .walk_tar import walk_tar
+
             def walk(on_file: OnFile) -> list[Tree]:
                 stream = sys.stdin.buffer if os.fsdecode(source) == "-" else source
                 return [walk_tar(stream, on_file=on_file, lenient=lenient, limits=tar_limits,
                                  budget=LayerBudget(limits, chunk_size))]
         else:
+            from .images import open_image
+            from .walk_oci import walk_layers
+
             image = open_image(source, platform, registry)
 
             def walk(on_file: OnFile) -> list[Tree]:
@@ -144,6 +153,8 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     described = os.path.abspath(os.fsdecode(source))
     base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
     if base is not None:
+        from .patch import scan_changes
+
         rescan = scan_changes(source, base, time.time_ns())
         patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described, own_packs)
         if patched:
@@ -172,6 +183,9 @@ def build_image_layers(
     bottom first, with OCI whiteouts turned into overlay whiteouts and opaque directories, so OverlayFS
     applies them when the layers are stacked. With ``name`` "NAME:TAG", layer k is published as
     "NAME:TAG-lK"."""
+    from .images import open_image
+    from .walk_oci import OciImage, walk_layers
+
     _check_options(name, chunk_size)
     image = source if isinstance(source, OciImage) else open_image(source, platform, registry)
     names = [None if name is None else f"{name}-l{k}" for k in range(len(image.layers))]
@@ -207,6 +221,8 @@ def source_kind(source: str | bytes | os.PathLike) -> str:
         raise InputError("no such file or directory", where=path)
     if not os.path.isfile(path):
         raise InputError("not a directory, tar file or OCI image", where=path)
+    from .archive_kind import is_image_archive
+
     return "oci" if is_image_archive(path) else "tar"
 
 
@@ -363,6 +379,8 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
     change needs the full path after all."""
+    from .patch import missing_packs
+
     parent = rescan.parent
     missing = missing_packs(store, parent)
     if missing:
