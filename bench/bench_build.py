@@ -19,7 +19,9 @@ before a change) builds too, in the same rounds, with this venv's Python. With -
 from an uncompressed tar of each tree (made once with tar(1)), as a builder of its own in the same
 rounds. With --phases, each tree is first built once more in a child process of this script that times
 each phase of the build (wall, CPU of the process, RSS after it; the phase functions of
-erofs_builder.build wrapped), printed as a table.
+erofs_builder.build wrapped), printed as a table. Before the trees, the start of the command itself is timed:
+`dsecfs --help` and `dsecfs build --help` (the interpreter and the imports every build pays), median of
+5 runs, for this checkout and the baseline.
 """
 
 from __future__ import annotations
@@ -84,14 +86,36 @@ def run_dsecfs(tree: str, work: str, label: str, source: str | None = None) -> t
     this venv's Python)."""
     store = os.path.join(work, "store")
     args = ["build", tree, "--store", store, "--name", f"bench/{label}", "--json"]
-    if source is None:
-        wall, cpu, rss = run_measured([DSECFS, *args])
-    else:
-        wall, cpu, rss = run_measured([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
-                                       "from cli.main import main; main()", source, *args])
+    wall, cpu, rss = run_measured([*dsecfs_argv(source), *args])
     stored = dir_bytes(store)
     shutil.rmtree(store)
     return wall, cpu, rss, stored
+
+
+def dsecfs_argv(source: str | None) -> list[str]:
+    """The command that runs this checkout's dsecfs, or with ``source`` the one in that source directory."""
+    if source is None:
+        return [DSECFS]
+    return [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); from cli.main import main; main()",
+            source]
+
+
+def bench_startup(baseline: str | None, runs: int = 5) -> dict:
+    """Median wall and CPU of `dsecfs --help` and `dsecfs build --help`, alternating with the baseline."""
+    sources = {"dsecfs": None, **({"dsecfs baseline": baseline} if baseline else {})}
+    samples: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+    for _ in range(runs):
+        for label, source in sources.items():
+            for command in (["--help"], ["build", "--help"]):
+                samples.setdefault((label, " ".join(command)), []).append(
+                    run_measured([*dsecfs_argv(source), *command]))
+    result = {}
+    for (label, command), runs_ in samples.items():
+        wall = statistics.median(run[0] for run in runs_)
+        cpu = statistics.median(run[1] for run in runs_)
+        result[f"{label}: {command}"] = {"wall_s": wall, "cpu_s": cpu}
+        print(f"{label:<18}dsecfs {command:<14} wall {wall:.3f} s  cpu {cpu:.3f} s")
+    return result
 
 
 def make_tar(tree: str, work: str) -> str:
@@ -255,6 +279,7 @@ def main() -> None:
     mkfs_list = args.mkfs or ["/usr/bin/mkfs.erofs"]
     results: list[dict] = []
     phases: list[dict] = []
+    startup = bench_startup(args.baseline)
     with tempfile.TemporaryDirectory(prefix="dsecfs-bench-", dir=args.work) as work:
         def bench(name: str, tree: str) -> None:
             if args.phases:
@@ -274,7 +299,7 @@ def main() -> None:
             shutil.rmtree(synth)
     print()
     print_table(results)
-    print(json.dumps({"builds": results, "phases": phases}, indent=2))
+    print(json.dumps({"startup": startup, "builds": results, "phases": phases}, indent=2))
 
 
 if __name__ == "__main__":
