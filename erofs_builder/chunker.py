@@ -23,10 +23,8 @@ Pipeline and threads:
 - The threads share no state of the chunker: a thread that meets a new chunk claims it from the uploader
   (``ChunkUploader.claim``, under the uploader's lock) before compressing it, so two threads that meet
   the same new chunk do not both compress it, and nothing per chunk outlives the chunk's upload.
-- At most ``_max_batches`` batches (INFLIGHT_BYTES of them, at least 2 per worker) are read and not yet
-  settled, so memory does not grow with the amount of data (only the Tree grows, with the entries). A
-  queue of several batches per worker lets the main thread read on through a run of large files while
-  the workers compress, and name the small files after them while the workers catch up.
+- At most ``_max_batches`` batches (about 2 per worker, capped by INFLIGHT_BYTES) are read and not yet
+  settled, so memory does not grow with the amount of data (only the Tree grows, with the entries).
 """
 
 from __future__ import annotations
@@ -50,10 +48,10 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 BATCH_BYTES = 1 << 20
 # Files smaller than this are named in the main thread (see the module docstring).
 INLINE_BYTES = 16 << 10
-# Batches read and not yet named: a Debian rootfs alternates runs of large files (work for the pool) and of
-# small ones (work for the main thread); with 4 MiB in flight the main thread waited for the pool in one
-# and the pool for it in the other. See docs/benchmarks.md (issue 17, third session).
-INFLIGHT_BYTES = 16 << 20
+# Read-ahead beyond two batches per worker adds memory, not speed (16 MiB in flight instead of 4 was
+# within noise for the Debian rootfs, for 8 MB more RSS: docs/benchmarks.md, issue 17, third session);
+# with large chunks fewer batches fit.
+INFLIGHT_BYTES = 64 << 20
 _END = object()  # sentinel for next(): the reader has no more pieces
 
 # Called with (bytes of file content chunked so far, bytes of file content in the tree).
@@ -110,7 +108,7 @@ class Chunker:
         self._zeros = bytes(chunk_size)
         workers = max(1, workers or os.cpu_count() or 1)
         self._batch_bytes = max(BATCH_BYTES, chunk_size)
-        self._max_batches = max(2 * workers, INFLIGHT_BYTES // self._batch_bytes)
+        self._max_batches = max(2, min(2 * workers, INFLIGHT_BYTES // self._batch_bytes))
         self._inline_below = min(INLINE_BYTES, chunk_size + 1)  # a file this small is one piece
         self._pool = ThreadPoolExecutor(max_workers=min(workers, self._max_batches), thread_name_prefix="chunker")
         self._batch: list[_Slot] = []  # pieces read, not yet handed to a worker
