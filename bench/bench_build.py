@@ -42,10 +42,10 @@ DEBIAN_ROOTFS = "/var/cache/dsecfs-test/debian-minbase"
 CHUNK_SIZE = 1 << 20
 
 
-def run_measured(argv: list[str]) -> tuple[float, float, int]:
+def run_measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float, int]:
     """(wall seconds, CPU seconds, peak RSS bytes) of one child process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, rusage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -84,11 +84,13 @@ def mkfs_version(mkfs: str) -> str:
 def run_dsecfs(tree: str, work: str, label: str, source: str | None = None) -> tuple[float, float, int, int]:
     """One `dsecfs build`: this checkout's, or with ``source``, the dsecfs in that source directory (run with
     this venv's Python)."""
-    store = os.path.join(work, "store")
+    store, index = os.path.join(work, "store"), os.path.join(work, "index")
     args = ["build", tree, "--store", store, "--name", f"bench/{label}", "--json"]
-    wall, cpu, rss = run_measured([*dsecfs_argv(source), *args])
+    # A fresh index mirror too, under the work directory, so that no round leaves one behind.
+    wall, cpu, rss = run_measured([*dsecfs_argv(source), *args], env={**os.environ, "DSECFS_INDEX_DIR": index})
     stored = dir_bytes(store)
     shutil.rmtree(store)
+    shutil.rmtree(index, ignore_errors=True)
     return wall, cpu, rss, stored
 
 
