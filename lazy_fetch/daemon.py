@@ -91,7 +91,7 @@ from dsec_fs.mounts import is_below, top_mount, umount
 from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
 from dsec_fs.store.ref_cache import RefCacheStore
-from dsec_fs.store.wrappers import CountingStore, StoreWrapper, wrap_store
+from dsec_fs.store.wrappers import CountingStore, LatencyStore, StoreWrapper, find_wrapper, wrap_store
 
 from . import node_status, request_paths, routes
 from .blob_reader import LayerBlob, open_layer_blob
@@ -255,7 +255,8 @@ class NodeDaemon:
                                        timeout=options.fetch_timeout, on_fetched=self._fetch_log.note)
                 context = StoreContext(url, store, ChunkIndex(), fetcher,
                                        MemoryFrontedFetcher(fetcher, self.memory, self._flights),
-                                       copies=self.meta_copies, requests=requests)
+                                       copies=self.meta_copies, requests=requests,
+                                       emulated=find_wrapper(store, LatencyStore))
                 self.stores[url] = context
                 log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
         return context
