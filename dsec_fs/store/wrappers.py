@@ -61,6 +61,9 @@ class StoreWrapper(Store):
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         return self._call("get", key, lambda: self.inner.get(key, offset, length))
 
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        return self._call("get", key, lambda: self.inner.get_at_most(key, limit))
+
     def put(self, key: str, data: bytes | memoryview) -> None:
         self._call("put", key, lambda: self.inner.put(key, data), sent=memoryview(data).nbytes)
 
