@@ -213,8 +213,10 @@ class Node_:
         os.makedirs(self.home, exist_ok=True)
         command, env = None, None
         if self.source:
-            command = [sys.executable, "-c", "import sys; from cli.main import main; sys.argv[0] = 'dsecfs'; main()"]
-            env = {**os.environ, "PYTHONPATH": self.source, "PYTHONDONTWRITEBYTECODE": "1"}
+            # SRC first: before the current directory that ``-c`` puts first, and before our installed tree.
+            command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {self.source!r}); "
+                       "from cli.main import main; sys.argv[0] = 'dsecfs'; main()"]
+            env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
         self.daemon = Node.start_daemon(
             os.path.join(self.home, "api.sock"), state_dir=os.path.join(self.home, state),
             cache_dir=os.path.join(self.home, f"cache-{self.cache}"), store=self.store, latency_ms=latency,
