@@ -6,10 +6,14 @@ same layers, for several workloads and two emulated stores, in the series a plat
                                                       [--series 'first-ever;first-ever, fill none']
                                                       [--variant 'main=dsecfs=/work/main/.venv/bin/dsecfs']
                                                       [--variant 'small=chunk=256KiB --read-ahead 128KiB']
+                                                      [--baseline SRC]
 
 ``--variant`` runs the series once more per variant, side by side in each round (their order turning
 round by round): the daemon's arguments, layers built in chunks of another size, another checkout's
 daemon as the baseline. Store requests: the daemon's dsecfs_store_requests_total over the start.
+``--baseline SRC``: another tree of this project (say ``git archive main | tar -x -C SRC``) whose daemon
+runs every series too, as a variant named ``baseline`` (its daemons run on this Python with SRC first on
+the path); every other row also gets the ratio of its seconds to the baseline's.
 
 Layers (built once, kept under --cache, default /var/cache/dsecfs-test/sandbox-coldstart):
 
@@ -34,10 +38,16 @@ Series, each start with an empty node cache (a fresh daemon, a new cache directo
 - ``first-ever``: no profile anywhere (the store's profiles/ removed first);
 - ``same node``: the daemon of first-ever restarted on its state directory with an empty cache;
 - ``other node``: a new daemon, new state and cache: what it knows comes from the store only;
+- ``repeat (idle mounts)``: the other node's daemon again, its layers still mounted (idle, within
+  ``--idle-grace``): a repeat start, not a cold one;
+- ``warm``: a new daemon over the other node's cache (every chunk the command reads is in it, and the
+  node's metadata copies) with a new state directory (no layer mounted), page cache dropped;
 - ``new release``: a new daemon, the toolkit's ``:2`` (its digest has no profile; its name has);
-- ``warm``: the other node's daemon again, its cache full, page cache dropped;
 - ``first-ever, fill none``: first-ever again (profiles removed) with fill ``none``: what the command
   itself makes the node fetch (the bytes goal).
+
+A drop of the page cache that cannot finish within DROP_PATIENCE (its sync hangs behind another process's
+stuck mount) is given up on, and the report counts those starts.
 
 Each start: ``Node.sandbox_up(base, toolkit)`` then ``exec`` of the command (runc), timed from the up call
 to the command's end, then ``down``. Reported per workload and store: seconds, ratio to the pull, bytes
@@ -58,6 +68,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,7 +93,8 @@ WORKLOADS = {
               "import sympy; x = sympy.Symbol('x'); print(sympy.integrate(x * sympy.sin(x), x))"),
 }
 CHANGED_MODULE = {"numpy": "pandas/__init__.py", "boto3": "botocore/__init__.py", "sympy": "sympy/__init__.py"}
-SERIES = ("first-ever", "same node", "other node", "new release", "warm", "first-ever, fill none")
+SERIES = ("first-ever", "same node", "other node", "repeat (idle mounts)", "warm", "new release",
+          "first-ever, fill none")
 PULL_RANGE = 32 << 20
 ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
        "HOME": "/root", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": "/opt/toolkit"}
@@ -91,6 +103,20 @@ GOAL_OTHER_NUMPY = 0.20
 GOAL_OTHER_WARM = 1.5
 GOAL_FETCHED = 0.15
 GOAL_UNREAD = 0.20
+# A sync (drop_caches) waits for every superblock, so it hangs while any process's mount is stuck (a FUSE
+# server stopped under a debugger, say): after this long a start goes on with the page cache as it is,
+# and the report counts it.
+DROP_PATIENCE = 20.0
+undropped = 0
+
+
+def drop_page_cache() -> None:
+    global undropped
+    done = threading.Event()
+    threading.Thread(target=lambda: (drop_caches(), done.set()), daemon=True).start()
+    if not done.wait(DROP_PATIENCE):
+        undropped += 1
+        log(f"the page cache could not be dropped within {DROP_PATIENCE:g} s (sync hangs); going on")
 
 
 def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -166,7 +192,7 @@ def pull(info: dict, toolkit: dict, command: str, store_name: str, dest: str) ->
     latency, bandwidth = STORES[store_name]
     os.makedirs(dest)
     try:
-        drop_caches()
+        drop_page_cache()
         start = time.perf_counter()
         with LatencyStore(FilesystemStore(info["store"], create=False), latency=latency / 1000,
                           bandwidth=bandwidth * 1e6) as store:
@@ -195,19 +221,30 @@ class Node_:
                  command: tuple[str, ...] | None = None):
         self.home, self.store, self.store_name, self.extra_args = home, store, store_name, extra_args
         self.command = command  # the dsecfs command to run the daemon with (None: this checkout's)
+        self.env = None
         self.cache = 0
         self.daemon = None
 
-    def start(self, *, fresh_cache: bool = True) -> Node:
+    @classmethod
+    def of_source(cls, home: str, store: str, store_name: str, extra_args: tuple[str, ...], source: str) -> "Node_":
+        """A daemon of another tree of the project (--baseline): SRC first on the path, before the current
+        directory that ``-c`` puts first, and before our installed tree."""
+        node = cls(home, store, store_name, extra_args,
+                   (sys.executable, "-c", f"import sys; sys.path.insert(0, {source!r}); "
+                    "from cli.main import main; sys.argv[0] = 'dsecfs'; main()"))
+        node.env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        return node
+
+    def start(self, *, fresh_cache: bool = True, state: str = "state") -> Node:
         if fresh_cache:
             self.cache += 1
         latency, bandwidth = STORES[self.store_name]
         os.makedirs(self.home, exist_ok=True)
         self.daemon = Node.start_daemon(
-            os.path.join(self.home, "api.sock"), state_dir=os.path.join(self.home, "state"),
+            os.path.join(self.home, "api.sock"), state_dir=os.path.join(self.home, state),
             cache_dir=os.path.join(self.home, f"cache-{self.cache}"), store=self.store, latency_ms=latency,
             bandwidth_mbps=bandwidth, fetch_timeout=120, log_file=os.path.join(self.home, "daemon.log"),
-            extra_args=self.extra_args, command=self.command)
+            extra_args=self.extra_args, command=self.command, env=self.env)
         return self.daemon.node
 
     def stop(self) -> None:
@@ -217,7 +254,7 @@ class Node_:
 
 
 def start_sandbox(node: Node, info: dict, toolkit: dict, command: str) -> dict:
-    drop_caches()
+    drop_page_cache()
     before = {layer.layer: layer.bytes_fetched for layer in node.status().layers}
     requests_before = store_requests(node)
     start = time.perf_counter()
@@ -245,17 +282,22 @@ def _forget_profiles(info: dict) -> None:
 
 
 def bench(info: dict, workload: str, store_name: str, work: str, fill: str | None, daemon_args: tuple[str, ...] = (),
-          series: tuple[str, ...] = SERIES, daemon_command: tuple[str, ...] | None = None) -> dict:
+          series: tuple[str, ...] = SERIES, daemon_command: tuple[str, ...] | None = None,
+          source: str | None = None) -> dict:
     _packages, command = WORKLOADS[workload]
     v1, v2 = info[workload]["v1"], info[workload]["v2"]
     _forget_profiles(info)
     results = {"pull": pull(info, v1, command, store_name, os.path.join(work, "pull"))}
     extra = (*daemon_args, *(("--fill", fill) if fill else ()))
-    first = Node_(os.path.join(work, "node-a"), info["store"], store_name, extra, daemon_command)
-    other = Node_(os.path.join(work, "node-b"), info["store"], store_name, extra, daemon_command)
-    fresh = Node_(os.path.join(work, "node-c"), info["store"], store_name, extra, daemon_command)
-    unfilled = Node_(os.path.join(work, "node-d"), info["store"], store_name,
-                     (*daemon_args, "--fill", "none", "--no-profiles"), daemon_command)
+
+    def node(name: str, args: tuple[str, ...]) -> Node_:
+        home = os.path.join(work, name)
+        if source:
+            return Node_.of_source(home, info["store"], store_name, args, source)
+        return Node_(home, info["store"], store_name, args, daemon_command)
+
+    first, other, fresh = node("node-a", extra), node("node-b", extra), node("node-c", extra)
+    unfilled = node("node-d", (*daemon_args, "--fill", "none", "--no-profiles"))
     try:
         if "first-ever" in series:
             results["first-ever"] = start_sandbox(first.start(), info, v1, command)
@@ -263,10 +305,12 @@ def bench(info: dict, workload: str, store_name: str, work: str, fill: str | Non
         if "same node" in series:
             results["same node"] = start_sandbox(first.start(), info, v1, command)
             first.stop()
-        if "other node" in series or "warm" in series:
-            node = other.start()
-            results["other node"] = start_sandbox(node, info, v1, command)
-            results["warm"] = start_sandbox(node, info, v1, command)
+        if {"other node", "repeat (idle mounts)", "warm"} & set(series):
+            started = other.start()
+            results["other node"] = start_sandbox(started, info, v1, command)
+            results["repeat (idle mounts)"] = start_sandbox(started, info, v1, command)
+            other.stop()
+            results["warm"] = start_sandbox(other.start(fresh_cache=False, state="state-warm"), info, v1, command)
             other.stop()
         if "new release" in series:
             results["new release"] = start_sandbox(fresh.start(), info, v2, command)
@@ -323,6 +367,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                         help="run the series also (in turns, each round) with these daemon arguments, and "
                              "chunk=SIZE for layers built in chunks of SIZE; e.g. 'old=--read-ahead 1MiB'")
+    parser.add_argument("--baseline", metavar="SRC", default=None,
+                        help="another tree of the project whose daemon runs the series too, side by side")
     parser.add_argument("--series", default=";".join(SERIES),
                         help="the series to run, separated by ';', of: " + "; ".join(SERIES))
     args = parser.parse_args()
@@ -331,7 +377,10 @@ def main() -> None:
     unknown = set(series) - set(SERIES)
     if unknown:
         parser.error(f"unknown series {', '.join(sorted(unknown))}")
-    variants = [parse_variant(text) for text in args.variant] or [("default", DEFAULT_CHUNK_SIZE, (), None)]
+    variants = [(*parse_variant(text), None) for text in args.variant]
+    variants = variants or [("default", DEFAULT_CHUNK_SIZE, (), None, None)]
+    if args.baseline:
+        variants.append(("baseline", DEFAULT_CHUNK_SIZE, (), None, os.path.abspath(args.baseline)))
     infos = {chunk_size: setup(args.cache, workloads, chunk_size) for chunk_size in sorted({v[1] for v in variants})}
     work = args.work or tempfile.mkdtemp(prefix="dsecfs-sbcold-")
     rows, missed = [], []
@@ -341,24 +390,25 @@ def main() -> None:
                 rounds: dict[str, list[dict]] = {variant[0]: [] for variant in variants}
                 for r in range(args.rounds):
                     turn = variants if r % 2 == 0 else variants[::-1]
-                    for name, chunk_size, daemon_args, command in turn:
+                    for name, chunk_size, daemon_args, command, source in turn:
                         round_work = os.path.join(work, f"{workload}-{store_name}-{name}-{r}")
                         os.makedirs(round_work)
                         rounds[name].append(bench(infos[chunk_size], workload, store_name, round_work, args.fill,
-                                                  daemon_args, series, command))
+                                                  daemon_args, series, command, source))
                         shutil.rmtree(round_work, ignore_errors=True)
-                for name, chunk_size, daemon_args, command in variants:
-                    row = _row(workload, store_name, name, rounds[name])
+                baseline = _row(workload, store_name, "baseline", rounds["baseline"]) if args.baseline else None
+                for name, chunk_size, daemon_args, command, _source in variants:
+                    row = baseline if name == "baseline" else _row(workload, store_name, name, rounds[name], baseline)
                     row["chunk_size"], row["daemon_args"] = chunk_size, [*(command or ()), *daemon_args]
                     missed += [f"{workload}/{store_name}/{name}: {goal}" for goal, ok in row["goals"].items() if not ok]
                     rows.append(row)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"rows": rows, "missed": missed}, indent=1))
+    print(json.dumps({"rows": rows, "missed": missed, "starts_with_page_cache_not_dropped": undropped}, indent=1))
     sys.exit(1 if missed else 0)
 
 
-def _row(workload: str, store_name: str, variant: str, rounds: list[dict]) -> dict:
+def _row(workload: str, store_name: str, variant: str, rounds: list[dict], baseline: dict | None = None) -> dict:
     pull_s = statistics.median(r["pull"] for r in rounds)
     row = {"workload": workload, "store": store_name, "variant": variant, "pull_s": pull_s}
     for series in SERIES:
@@ -366,10 +416,16 @@ def _row(workload: str, store_name: str, variant: str, rounds: list[dict]) -> di
             continue
         row[series] = {k: statistics.median(r[series][k] for r in rounds) for k in rounds[0][series]}
         row[series]["ratio"] = row[series]["seconds"] / pull_s
+        versus = ""
+        if baseline is not None:
+            row[series]["baseline_s"] = baseline[series]["seconds"]
+            row[series]["vs_baseline"] = row[series]["seconds"] / row[series]["baseline_s"]
+            versus = f", baseline {row[series]['baseline_s']:.2f} s ({row[series]['vs_baseline']:.2f}x)"
         log(f"{workload} {store_name} {variant} {series}: {row[series]['seconds']:.2f} s "
             f"({row[series]['ratio']:.2f}x the pull's {pull_s:.2f} s), fetched "
             f"{row[series]['fetched_fraction']:.1%} ({row[series]['fetched_bytes'] / 1e6:.1f} MB), "
-            f"store requests {row[series]['store_requests']}, prefetched unread {row[series]['unread_fraction']:.1%}")
+            f"store requests {row[series]['store_requests']}, prefetched unread {row[series]['unread_fraction']:.1%}"
+            f"{versus}")
     row["goals"] = {goal: ok for goal, ok in _goals(workload, row)}
     return row
 
