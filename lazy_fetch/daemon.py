@@ -39,8 +39,8 @@ Prefetch. A mount may name a prefetch list, read through request_paths.open_regu
 file, at most MAX_PREFETCH_LIST_BYTES, opened O_NONBLOCK: /dev/zero and a FIFO are refused at once),
 checked against the layer's blob map, and fetched in the background (prefetcher.py), starting just
 before mount(2). The mount path itself makes its store round trips side by side where it can
-(``_open_layer``). A miss brings along the rest of its file, and a growing window while a reader walks
-files in blob order (miss_readahead.py; ``miss_readahead_bytes``, 4 MiB; 0: off).
+(``_open_layer``). A miss brings along more of its file while it is read in order, and a growing window
+while a reader walks files in blob order (miss_readahead.py; ``miss_readahead_bytes``, 4 MiB; 0: off).
 
 Persisted state and crashes. With the raw FUSE binding a daemon that dies (SIGKILL, a crash) leaves its
 mounts alive: a holder process keeps the FUSE connection, and the next daemon takes it over and adopts
