@@ -285,7 +285,8 @@ class ChunkCache:
 
     def stats(self) -> CacheStats:
         with self._counters_lock:
-            hits, misses, evictions, rotten = self._hits, self._misses + self._known_misses, self._evictions, self._rotten
+            hits, misses = self._hits, self._misses + self._known_misses
+            evictions, rotten = self._evictions, self._rotten
         return CacheStats(entries=len(self._index), bytes=self._index.total_bytes, max_bytes=self.max_bytes,
                           hits=hits, misses=misses, evictions=evictions, rotten=rotten,
                           reconciled=self._reconciled)

@@ -11,23 +11,22 @@ How a request is served:
   arrive while it is in the air wait for it and get its result. A failure is delivered to every waiter and
   forgotten: the next request starts a new flight.
 - **Cache, then store.** A flight looks the chunk up in the ChunkCache (in a worker thread), unless the
-  cache says from memory that it surely lacks it (``ChunkCache.lacks``): then the miss goes to the store
-  at once, one worker-thread hop fewer (the hop before the store read cost a cold miss about as much as
-  the store read behind a 1 ms store). One call's misses are planned into *runs* (``plan_runs``): chunks that are neighbours in a pack, fetched with one
-  ranged GET of at most MAX_READ_BYTES; each run is one *store read*, in a worker thread of its own, and
-  the runs of a call go to the store side by side, queued for store slots in the order of their first
-  chunk in the call (a prefetch list names the first-needed chunks first). A store read decompresses and
-  sha256-verifies each chunk before anything else sees it, and the chunks go into the cache in a worker
-  thread: for a prefetch or fill, by the read's own thread before the read is done (one ``put_many``,
-  one index commit, per read); for a read a reader waits for, after the readers have them, by the
-  fetcher's *cache writer*: one task that puts every run handed over since its last write in one
-  ``put_many`` (one index commit for all of them: a reader that misses file after file hands over a run
-  every millisecond or two, and a commit per run took the disk and the GIL from the misses behind it),
-  their flights still listed (done) until they are in, so a request meanwhile takes them from the flight
-  rather than reading the store again. The caching is the fetcher's task, not the caller's, so a fetch
-  whose caller gave up still fills the cache. When a run
-  fails on one corrupt chunk, each chunk of it is read alone, so the good ones are still served and only
-  the bad one fails, with an error naming it.
+  cache says from memory that it surely lacks it (``ChunkCache.lacks``): then the miss goes to the store at
+  once, one worker-thread hop fewer (that hop cost a cold miss 0.1-1 ms on a busy two-core node, as much as
+  the store read behind a 1 ms store). One call's misses are planned into *runs* (``plan_runs``): chunks
+  that are neighbours in a pack, fetched with one ranged GET of at most MAX_READ_BYTES; each run is one
+  *store read*, in a worker thread of its own, and the runs of a call go to the store side by side, queued
+  for store slots in the order of their first chunk in the call (a prefetch list names the first-needed
+  chunks first). A store read decompresses and sha256-verifies each chunk before anything else sees it, and
+  the chunks go into the cache in a worker thread: for a prefetch or fill, by the read's own thread before
+  the read is done (one ``put_many``, one index commit, per read); for a read a reader waits for, after the
+  readers have them, by the fetcher's *cache writer*: one task that puts every run handed over since its
+  last write in one ``put_many`` (one index commit for all of them: a reader that misses file after file
+  hands over a run every millisecond or two, and a commit per run took the disk and the GIL from the misses
+  behind it), their flights still listed (done) until they are in, so a request meanwhile takes them from
+  the flight rather than reading the store again. The caching is the fetcher's task, not the caller's, so a
+  fetch whose caller gave up still fills the cache. When a run fails on one corrupt chunk, each chunk of it
+  is read alone, so the good ones are still served and only the bad one fails, with an error naming it.
 - **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
   the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
@@ -329,7 +328,8 @@ class ChunkFetcher:
         try:
             readahead = [(digest, location) for digest, location in readahead if digest not in self._flights]
             # What the cache surely lacks is not looked up: a miss goes to the store without a worker-thread
-            # hop first. Readahead the cache may hold is looked up only in a hop made anyway.
+            # hop first. Readahead the cache may hold is looked up only in a hop made anyway; without one
+            # it is left out (it is most likely cached).
             maybe_cached = [digest for digest, _, _ in started if not self.cache.lacks(digest)]
             ahead_unknown = [digest for digest, _ in readahead if not self.cache.lacks(digest)]
             known_misses = len(started) - len(maybe_cached)

@@ -2,6 +2,7 @@ import logging
 import os
 import random
 import threading
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -669,6 +670,19 @@ class BlockingPutCache(ChunkCache):
         return super().put_many(chunks)
 
 
+@asynccontextmanager
+async def releasing_fetcher(store, cache: BlockingPutCache):
+    """A fetcher on ``cache`` for at most 10 s; on the way out its writes are released and its flights
+    waited for."""
+    async with open_fetcher(store, cache) as fetcher:
+        try:
+            with trio.fail_after(10):
+                yield fetcher
+        finally:
+            cache.release.set()
+        await until(lambda: fetcher.in_flight == 0)
+
+
 def test_a_reader_has_its_bytes_before_the_cache_has_written_them(backend, tmp_path):
     data = chunk(1)
     (digest, location), = upload(backend, [data])
@@ -735,17 +749,12 @@ def test_runs_handed_over_during_a_cache_write_are_written_in_one_put(backend, t
     cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
 
     async def main():
-        async with open_fetcher(backend, cache) as fetcher:
-            try:
-                with trio.fail_after(10):
-                    assert await fetcher.fetch(*items[0]) == chunk(0)
-                    await until(lambda: cache.puts == 1)  # its write under way
-                    for n in (1, 2, 3):  # readers have them while the first write goes on
-                        assert await fetcher.fetch(*items[n]) == chunk(n)
-                    assert cache.puts == 1
-            finally:
-                cache.release.set()
-            await until(lambda: fetcher.in_flight == 0)
+        async with releasing_fetcher(backend, cache) as fetcher:
+            assert await fetcher.fetch(*items[0]) == chunk(0)
+            await until(lambda: cache.puts == 1)  # its write under way
+            for n in (1, 2, 3):  # readers have them while the first write goes on
+                assert await fetcher.fetch(*items[n]) == chunk(n)
+            assert cache.puts == 1
 
     try:
         trio.run(main)
@@ -763,29 +772,24 @@ def test_runs_waiting_for_a_slow_cache_are_bounded_then_readers_wait_for_the_wri
     cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
 
     async def main():
-        async with open_fetcher(backend, cache) as fetcher:
-            try:
-                with trio.fail_after(10):
-                    for item in items[:2]:  # handed over while their cache writes hang
-                        assert await fetcher.fetch(*item) == chunk(items.index(item))
-                    got = []
+        async with releasing_fetcher(backend, cache) as fetcher:
+            for item in items[:2]:  # handed over while their cache writes hang
+                assert await fetcher.fetch(*item) == chunk(items.index(item))
+            got = []
 
-                    async def third():
-                        got.append(await fetcher.fetch(*items[2]))
+            async def third():
+                got.append(await fetcher.fetch(*items[2]))
 
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(third)
-                        # the first run's write hangs, the second waits for the cache writer, and the
-                        # third writes on its own
-                        await until(lambda: cache.puts == 2)
-                        await trio.sleep(0.2)
-                        # the third waits for its write: two runs' bytes are held already
-                        assert got == [] and fetcher.in_flight == 3
-                        cache.release.set()
-                    assert got == [chunk(2)]
-            finally:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(third)
+                # the first run's write hangs, the second waits for the cache writer, and the third
+                # writes on its own
+                await until(lambda: cache.puts == 2)
+                await trio.sleep(0.2)
+                # the third waits for its write: two runs' bytes are held already
+                assert got == [] and fetcher.in_flight == 3
                 cache.release.set()
-            await until(lambda: fetcher.in_flight == 0)
+            assert got == [chunk(2)]
 
     try:
         trio.run(main)
