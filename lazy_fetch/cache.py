@@ -48,8 +48,8 @@ sha256: uniform), counting the indexed chunks of the slot, kept in step with eve
 means no indexed chunk has that slot. A non-zero slot (another chunk's, or one whose count stuck) only
 means "look it up": ``lacks`` is never wrong the other way, except about a chunk being put at that
 moment, which costs one store read that the put then finds cached. PRESENCE_SLOTS_PER_BYTE slots per byte
-of the bound, at most PRESENCE_SLOTS_MAX (4 MiB): at most one in ten slots taken by a full cache of
-chunks of 40 KiB or more.
+of the bound (a slot per 4 KiB: a full cache of chunks of 40 KiB or more takes at most one slot in ten),
+at most PRESENCE_SLOTS_MAX (4 Mi slots, 4 MiB of memory, which the default 10 GiB bound gets).
 
 Threads: every method blocks (disk I/O and index transactions); in the daemon they run in trio worker
 threads and any number may run at once. ``_lock`` serialises the changes that must agree between files
