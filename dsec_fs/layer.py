@@ -47,6 +47,10 @@ READABLE_VERSIONS = (1, 2)
 # may name any size; this keeps a lying one from making a reader allocate without limit.
 MAX_METADATA_SIZE = 4 << 30
 STORED_ENCODING = "zstd"
+# zstd level of meta.erofs and the blob map: on the Debian rootfs level 1 gives a smaller meta.erofs than
+# level 3 (153,005 against 157,716 bytes) and a blob map 1% larger (240,425 against 238,041: digests do not
+# compress), in 1.3 instead of 3 ms, which every build and rebuild pays (docs/benchmarks.md, issue 17).
+METADATA_LEVEL = 1
 META, BLOBMAP = "meta.erofs", "blobmap"  # the names of the two objects in ``Manifest.stored``
 DEFAULT_TAG = "latest"
 MAX_REF_LENGTH = 255
@@ -231,7 +235,7 @@ def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest,
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="publish-layer") as pool:
         puts = []
         for name, key, data in ((META, keys.layer_meta(digest), meta), (BLOBMAP, keys.layer_blobmap(digest), blobmap)):
-            frame = compress.compress(data)
+            frame = compress.compress(data, level=METADATA_LEVEL)
             manifest.stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
             puts.append(pool.submit(store.put, key, frame))
         if beside is not None:
