@@ -258,7 +258,8 @@ def publish(store: Store, key: str, learned: Profile) -> Profile:
     """Merge ``learned`` into this node's object at ``key`` (what it published before, if readable) and
     write it back; returns what was written."""
     try:
-        previous = Profile.decode(store.get(key), source=key)
+        # At most MAX_PROFILE_BYTES read: anyone may write the key, and a node must not read a huge object.
+        previous = Profile.decode(store.get_at_most(key, MAX_PROFILE_BYTES), source=key)
     except NotFoundError:
         previous = None
     except DsecError as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 
 from ..errors import CorruptError, InputError, NotFoundError, UnavailableError
@@ -26,6 +27,8 @@ TMP_PREFIX = ".tmp-"
 # operator's to set.)
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+# get_at_most's: objects anyone may write are opened so (see there).
+_UNTRUSTED_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _unavailable(exc: OSError, key: str) -> UnavailableError:
@@ -97,15 +100,26 @@ class FilesystemStore(Store):
     def get_at_most(self, key: str, limit: int) -> bytes:
         where = f"{self.url}/{key}"
         try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > limit:
-                    raise too_large(where, size, limit)
-                data = os.pread(f.fileno(), limit + 1, 0) if limit else b""
+            # Neither followed nor waited on: what a hostile writer leaves at the key instead of an object (a
+            # symlink to /dev/zero or to a file outside the store, a FIFO nobody writes) is refused at once.
+            fd = os.open(self._path(key), _UNTRUSTED_READ_FLAGS)
         except FileNotFoundError:
             raise NotFoundError("no such object", where=where) from None
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
+                raise CorruptError("not an object: a symlink or a socket", where=where) from None
             raise _unavailable(exc, where) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptError(f"not an object: not a regular file (mode {st.st_mode:o})", where=where)
+            if st.st_size > limit:
+                raise too_large(where, st.st_size, limit)
+            data = os.pread(fd, limit + 1, 0) if limit else b""
+        except OSError as exc:
+            raise _unavailable(exc, where) from None
+        finally:
+            os.close(fd)
         if len(data) > limit:  # grew since the fstat: writes replace objects whole, but a writer may not
             raise too_large(where, f"more than {limit}", limit)
         return data
