@@ -115,6 +115,8 @@ class FilesystemStore(Store):
                 raise CorruptError(f"not an object: not a regular file (mode {st.st_mode:o})", where=where)
             if st.st_size > limit:
                 raise too_large(where, st.st_size, limit)
+            os.set_blocking(fd, True)  # a regular file: read blocking, as ``get`` reads (a network file system may
+            # honour O_NONBLOCK on reads)
             data = os.pread(fd, limit + 1, 0) if limit else b""
         except OSError as exc:
             raise _unavailable(exc, where) from None
