@@ -18,6 +18,7 @@ import secrets
 import stat
 from collections.abc import Iterator
 
+from ..beneath import open_beneath
 from ..errors import CorruptError, InputError, NotFoundError, UnavailableError
 from .base import Store, check_key, check_range, too_large
 
@@ -27,8 +28,6 @@ TMP_PREFIX = ".tmp-"
 # operator's to set.)
 DIR_MODE = 0o700
 FILE_MODE = 0o600
-# get_at_most's: objects anyone may write are opened so (see there).
-_UNTRUSTED_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _unavailable(exc: OSError, key: str) -> UnavailableError:
@@ -99,15 +98,21 @@ class FilesystemStore(Store):
 
     def get_at_most(self, key: str, limit: int) -> bytes:
         where = f"{self.url}/{key}"
+        self._path(key)  # the key's checks
         try:
-            # Neither followed nor waited on: what a hostile writer leaves at the key instead of an object (a
-            # symlink to /dev/zero or to a file outside the store, a FIFO nobody writes) is refused at once.
-            fd = os.open(self._path(key), _UNTRUSTED_READ_FLAGS)
+            # Neither followed nor waited on: what a hostile writer leaves at the key, or at a directory of
+            # its path, instead of an object (a symlink to /dev/zero or out of the store, a FIFO nobody
+            # writes) is refused at once. The store's root is the operator's, and may be a symlink.
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = open_beneath(root_fd, os.fsencode(key), os.O_RDONLY | os.O_NONBLOCK)
+            finally:
+                os.close(root_fd)
         except FileNotFoundError:
             raise NotFoundError("no such object", where=where) from None
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
-                raise CorruptError("not an object: a symlink or a socket", where=where) from None
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EXDEV):  # a symlink; a socket; out of the root
+                raise CorruptError("not an object: a symlink on its path, or a socket", where=where) from None
             raise _unavailable(exc, where) from None
         try:
             st = os.fstat(fd)

@@ -90,7 +90,8 @@ def test_get_at_most_reads_an_object_up_to_its_limit_and_refuses_a_bigger_one(st
 def test_get_at_most_refuses_what_a_hostile_writer_leaves_in_a_directory_store_at_once(tmp_path, scheme):
     """A FIFO at the key would block the reader until someone writes to it (a daemon thread stuck, the
     mount that waits for it failing); a symlink would be read through, to /dev/zero or a file outside the
-    store. Both are refused, at once, as not being objects."""
+    store, as would a symlink in place of a directory of the key's path. All are refused, at once, as not
+    being objects."""
     store = open_store(f"{scheme}://{tmp_path / 'store'}", create=True)
     store.put("profiles/layers/ab/good", b"a profile")
     os.mkfifo(tmp_path / "store" / "profiles" / "layers" / "ab" / "fifo")
@@ -98,6 +99,10 @@ def test_get_at_most_refuses_what_a_hostile_writer_leaves_in_a_directory_store_a
     outside.write_bytes(b"not the store's")
     os.symlink(outside, tmp_path / "store" / "profiles" / "layers" / "ab" / "link")
     os.symlink("/dev/zero", tmp_path / "store" / "profiles" / "layers" / "ab" / "zero")
+    elsewhere = tmp_path / "elsewhere" / "cd"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "node").write_bytes(b"outside the store")
+    os.symlink(elsewhere, tmp_path / "store" / "profiles" / "layers" / "cd")  # a directory of the path
     with ThreadPoolExecutor(max_workers=1) as pool:
         reading = pool.submit(store.get_at_most, "profiles/layers/ab/fifo", 100)
         try:
@@ -107,7 +112,7 @@ def test_get_at_most_refuses_what_a_hostile_writer_leaves_in_a_directory_store_a
         finally:
             if not reading.done():  # it blocked in open: let it go
                 os.close(os.open(tmp_path / "store" / "profiles" / "layers" / "ab" / "fifo", os.O_WRONLY))
-    for key in ("profiles/layers/ab/link", "profiles/layers/ab/zero"):
+    for key in ("profiles/layers/ab/link", "profiles/layers/ab/zero", "profiles/layers/cd/node"):
         with pytest.raises(CorruptError, match="not an object") as refused:
             store.get_at_most(key, 100)
         assert key in refused.value.where
