@@ -12,7 +12,7 @@ import pytest
 from dsec_fs.client import Node
 from dsec_fs.errors import FormatError, IntegrityError
 from dsec_fs.store import FilesystemStore, keys
-from dsec_fs.store.wrappers import StoreWrapper
+from dsec_fs.store.wrappers import RetryStore, StoreWrapper
 from erofs_builder import build_layer
 from lazy_fetch import profile
 from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace
@@ -372,6 +372,33 @@ def test_a_node_publishing_over_a_huge_object_at_its_key_reads_no_more_than_a_pr
     again = profile.Profile.decode(store.get("profiles/layers/x/n"), source="k")
     assert again.entries == learned.entries
 
+
+def test_listing_a_profile_key_stops_after_max_listed_objects_however_many_are_there(tmp_path):
+    """Anyone may write under a profile key: a directory store's writer may put a symlink to a huge tree in
+    place of its directory (or millions of objects under it), and a lookup must not list them all."""
+
+    class ListCounted(FilesystemStore):
+        listed = 0
+
+        def list(self, prefix):
+            for key in super().list(prefix):
+                self.listed += 1
+                yield key
+
+    tree = tmp_path / "huge"
+    for d in range(3):
+        (tree / f"d{d}").mkdir(parents=True)
+        for n in range(profile.MAX_LISTED):
+            (tree / f"d{d}" / f"{n:05}").write_bytes(b"x")
+    backend = ListCounted(str(tmp_path / "store"))
+    prefix = keys.layer_profiles("ab" * 32)
+    os.makedirs(os.path.dirname(os.path.join(backend.root, prefix.rstrip("/"))), exist_ok=True)
+    os.symlink(tree, os.path.join(backend.root, prefix.rstrip("/")))
+    store = RetryStore(backend)  # through a wrapper, as the daemon's store is
+    names = profile.listed(store, prefix)
+    assert len(names) == profile.MAX_PUBLISHERS and all(name.startswith(prefix) for name in names)
+    assert backend.listed <= profile.MAX_LISTED
+    assert profile.load(store, names) is None  # each is refused: a symlink is on its path
 
 @pytest.mark.fuse
 @pytest.mark.root

@@ -86,6 +86,16 @@ def test_get_at_most_reads_an_object_up_to_its_limit_and_refuses_a_bigger_one(st
         store.get_at_most("absent", 100)
 
 
+def test_list_at_most_gives_that_many_of_the_keys(store):
+    for n in range(5):
+        store.put(f"profiles/x/{n}", b"1")
+    store.put("profiles/y", b"1")
+    some = store.list_at_most("profiles/x/", 3)
+    assert len(some) == 3 and set(some) <= {f"profiles/x/{n}" for n in range(5)}
+    assert sorted(store.list_at_most("profiles/x/", 100)) == [f"profiles/x/{n}" for n in range(5)]
+    assert store.list_at_most("profiles/z/", 100) == []
+
+
 @pytest.mark.parametrize("scheme", ["file", "posix"])
 def test_get_at_most_refuses_what_a_hostile_writer_leaves_in_a_directory_store_at_once(tmp_path, scheme):
     """A FIFO at the key would block the reader until someone writes to it (a daemon thread stuck, the
