@@ -11,7 +11,8 @@ Steps, each finished before the next starts:
    every pack and pack index is in the store before anything names it;
 4. confirm against the store's own index objects that the layer's packs hold all its chunks (the mirror
    is a cache); the chunk index is dropped then;
-5. lay out and encode the blob map, and write meta.erofs (writer.py) against it;
+5. lay out and encode the blob map (blob_layout.py: each file's chunk digests become blob blocks), and
+   write meta.erofs (writer.py) against it;
 6. publish: the build info of a directory build (incremental.py), meta.erofs, blob map, then
    manifest.json (dsec_fs.layer.publish_layer); restore any pack index a concurrent gc soft-deleted
    meanwhile (dsec_fs.gc.ensure_pack_indexes); then the ref.
@@ -63,8 +64,9 @@ from dsec_fs.store.base import Store
 
 from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
 from .archive_kind import is_image_archive
-from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, blob_map_of, regular_files
-from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, shared_chunks
+from .blob_layout import lay_out_blob
+from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, regular_files
+from .incremental import ParentLayer, encode_buildinfo, encode_rescanned
 from .patch import Patched, Rescan, missing_packs, scan_changes
 from .tree import Node, Tree
 from .walk_dir import listing_order, walk_directory
@@ -312,14 +314,12 @@ def _layer_stats(build: ChunkStats, files: list[Node], chunk_size: int, trees: i
 def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: list[str], stats: ChunkStats,
              name: str | None, chunk_size: int, source: str, scanned_at_ns: int | None) -> BuildResult:
     """Steps 5 and 6: blob map, meta.erofs, build info, manifest, ref."""
-    blob_map = blob_map_of(files, chunk_size)
-    stats = dataclasses.replace(stats, distinct_chunks=len(blob_map))
-    blob_map_bytes = blob_map.encode()
-    blob_id = to_hex(sha256(blob_map_bytes))  # blob_map.blob_id, without encoding the map again
-    shared = shared_chunks(files, blob_map) if scanned_at_ns is not None else []
-    meta = write_image(tree, blob_map, chunk_size, blob_id=blob_id)
-    blocks = blob_map.blocks
-    del blob_map  # ~160 bytes a chunk: gone before the build info is made (at 1M files, the build's peak)
+    blob = lay_out_blob(files, chunk_size)  # the files' chunk lists hold blkaddrs from here on
+    stats = dataclasses.replace(stats, distinct_chunks=len(blob))
+    blob_map_bytes = blob.encoded
+    shared = blob.shared if scanned_at_ns is not None else []
+    meta = write_image(tree, blob, chunk_size, blob_id=to_hex(sha256(blob_map_bytes)))
+    blocks = blob.blocks
 
     def buildinfo(layer: str) -> bytes:
         entries = ((path, node.identity) for path, node in listing_order(tree))

@@ -64,7 +64,6 @@ import operator
 import stat
 import struct
 from array import array
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -147,7 +146,8 @@ class BuildInfo:
 def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int], layer: str,
                      scanned_at_ns: int) -> bytes:
     """The build info of ``layer``, built from a tree whose scan started at ``scanned_at_ns`` (wall clock):
-    ``entries`` is (path, identity) of every name, in listing order; ``shared`` as ``shared_chunks``."""
+    ``entries`` is (path, identity) of every name, in listing order; ``shared``: the indexes of the blob-map entries that the layer's chunk
+    indexes name more than once (blob_layout.BlobLayout.shared)."""
     # Built in place, each identity packed as it comes, not joined from lists of pieces or kept as tuples:
     # at 1,000,000 names a list of the identities is ~180 MB at the build's peak (a walked file's
     # identity tuple is made when asked for, walk_dir.WalkedFile; its meta.erofs and tree are alive).
@@ -197,16 +197,6 @@ def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray
     header = _HEADER.pack(MAGIC, VERSION, count, len(shared), 0, len(body), sha256(frame),
                           from_hex(layer, what="layer digest"))
     return header + frame
-
-
-def shared_chunks(files: list[Node], blob_map: BlobMap) -> list[int]:
-    """The indexes of the blob-map entries that the chunk lists of ``files`` (each file once) name more
-    than once, ascending."""
-    slots = sum(len(node.chunks) for node in files) - sum(node.chunks.count(None) for node in files)
-    if slots == len(blob_map):  # every chunk index names a chunk of its own: no Counter of every digest
-        return []
-    uses = Counter(digest for node in files for digest in node.chunks if digest is not None)
-    return [index for index, (_blkaddr, digest, _length) in enumerate(blob_map.entries) if uses[digest] > 1]
 
 
 def decode_buildinfo(data: bytes, *, layer: str, source: str) -> BuildInfo:
