@@ -48,6 +48,7 @@ import os
 import stat
 import sys
 import weakref
+from array import array
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
@@ -241,28 +242,41 @@ class SourceRoot:
 
 
 class SourceDir:
-    """A directory of the source as its regular files' readers reach it: one object for all of them, so
-    that a file's node holds its name, not its path (``WalkedFile``)."""
+    """A directory of the source as its regular files' readers reach it, and the columns of its files'
+    lstat numbers: one object for all of them, so that a file's node holds its name and its row here, not
+    its path and four int objects (``WalkedFile``)."""
 
-    __slots__ = ("prefix", "root", "beneath")
+    __slots__ = ("prefix", "root", "beneath", "names", "sizes", "mtimes", "inos", "ctimes")
 
     def __init__(self, prefix: bytes, root: SourceRoot | None):
         self.prefix = prefix  # the directory's path on disk, up to and including the "/" before a name
         self.root = root  # the walk's source, shared by every file of the walk; None: open the path as is
         # the directory's path relative to the root, what a file is opened beneath it with, then its name
         self.beneath = prefix[len(root.path):].lstrip(b"/") if root is not None else b""
+        # row k: the name and lstat fields of the directory's k-th regular file
+        self.names: list[bytes] = []  # the same objects as the names in its Tree directory
+        self.sizes, self.mtimes, self.inos, self.ctimes = array("Q"), array("q"), array("Q"), array("q")
+
+    def add(self, name: bytes, st: os.stat_result) -> int:
+        """Row of a new file of this directory."""
+        self.names.append(name)
+        self.sizes.append(st.st_size)
+        self.mtimes.append(st.st_mtime_ns)
+        self.inos.append(st.st_ino)
+        self.ctimes.append(st.st_ctime_ns)
+        return len(self.names) - 1
 
 
 class WalkedFile:
-    """The node of a regular file of a walk: a Node to everything that reads it (the same fields), in 14
-    slots instead of Node's 19, since a regular file's device number, symlink target and children are
-    constants. Its ``identity``, ``reader`` and ``source`` (its path, for messages) are made when asked
-    for, from its directory (``SourceDir``) and name and the lstat fields no other slot holds: an identity
-    tuple, a reader object and a path string per file were ~250 bytes of the ~630 a large tree held per
-    entry. Nothing assigns those three after the walk."""
+    """The node of a regular file of a walk: a Node to everything that reads it (the same fields), in 10
+    slots instead of Node's 19. A regular file's device number, symlink target and children are
+    constants; its size and mtime are read from its row of its directory's columns (``SourceDir``); its
+    ``identity``, ``reader`` and ``source`` (its path, for messages) are made when asked for, from its
+    row and the slots. An identity tuple, a reader object, a path string and four int objects per file were
+    ~380 bytes of the ~630 a large tree held per entry. Nothing assigns size, mtime_ns, identity, reader or
+    source after the walk (mode, owner and xattrs may change: sandbox commit drops setuid bits)."""
 
-    __slots__ = ("mode", "uid", "gid", "mtime_ns", "size", "xattrs", "nlink", "chunks",
-                 "_dev", "_ino", "_ctime_ns", "_st_mode", "_dir", "_name")
+    __slots__ = ("mode", "uid", "gid", "xattrs", "nlink", "chunks", "_dev", "_st_mode", "_dir", "_row")
     rdev = 0
     target = b""
     children = None
@@ -272,30 +286,39 @@ class WalkedFile:
                  xattrs: Mapping[bytes, bytes], directory: SourceDir, name: bytes):
         self.mode = self._st_mode = mode  # _st_mode stays the lstat's even if the build drops mode bits
         self.uid, self.gid = uid, gid
-        self.mtime_ns = st.st_mtime_ns
-        self.size = st.st_size
         self.nlink, self.chunks = 0, None
         self.xattrs = xattrs
         self._dev = shared.setdefault(st.st_dev, st.st_dev)
-        self._ino, self._ctime_ns = st.st_ino, st.st_ctime_ns
-        self._dir, self._name = directory, name
+        self._dir = directory
+        row = directory.add(name, st)
+        self._row = shared.setdefault(row, row)  # rows repeat in every directory: one int object each
+
+    @property
+    def size(self) -> int:
+        return self._dir.sizes[self._row]
+
+    @property
+    def mtime_ns(self) -> int:
+        return self._dir.mtimes[self._row]
 
     @property
     def source(self) -> str:
         """The file's path on disk, as the walk reached it."""
-        return (self._dir.prefix + self._name).decode(_FS_ENCODING, _FS_ERRORS)
+        return (self._dir.prefix + self._dir.names[self._row]).decode(_FS_ENCODING, _FS_ERRORS)
 
     @property
     def identity(self) -> tuple:
         """stat_identity of the walk's lstat."""
-        return self._dev, self._ino, self.size, self.mtime_ns, self._ctime_ns, self._st_mode
+        directory, row = self._dir, self._row
+        return (self._dev, directory.inos[row], directory.sizes[row], directory.mtimes[row], directory.ctimes[row],
+                self._st_mode)
 
     @property
     def reader(self) -> Callable[[int], Iterator[bytes | None]]:
         return self._pieces
 
     def _pieces(self, chunk_size: int) -> Iterator[bytes | None]:
-        return _read_file(self._dir, self._name, self.identity, chunk_size)
+        return _read_file(self._dir, self._dir.names[self._row], self.identity, chunk_size)
 
 
 def _open_file(directory: SourceDir, name: bytes, where: str) -> int:
