@@ -40,8 +40,9 @@ class Node:
     children: dict[bytes, "Node"] | None = None  # directories only: name -> node
     nlink: int = 0  # names that point at this node within the tree (set by Tree.finish)
     # Filled by the chunker for regular files: one entry per chunk, the sha256 of its bytes or None
-    # for an all-zero chunk (a hole).
-    chunks: list[bytes | None] | None = None
+    # for an all-zero chunk (a hole); a tuple once complete where the chunker can tell cheaply. A build
+    # replaces each digest with its chunk's block on the blob once it has laid that out (blob_layout.py).
+    chunks: list[bytes | None] | tuple[bytes | None, ...] | None = None
     # For the walker: how to read the content (regular files) and what identifies the source file
     # for incremental rebuilds (e.g. (st_dev, st_ino, size, mtime_ns, ctime_ns)).
     reader: ChunkReader | None = None
