@@ -56,7 +56,7 @@ from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
-from dsec_fs.dedup_index import OwnPack, add_to_mirror, load_chunk_index
+from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
 from dsec_fs.store import keys
@@ -138,7 +138,7 @@ def build_layer(
 
 def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str | None, chunk_size: int,
                      progress: Progress | None, workers: int | None, parent: str | None,
-                     limits: LayerLimits, own_packs: list[OwnPack]) -> BuildResult:
+                     limits: LayerLimits, own_packs: OwnPacks) -> BuildResult:
     """build_layer for a directory, incremental with ``parent``: patched (patch.py) if the changes allow,
     else in full. Called with the cycle collector paused; what the build holds (the tree, the parent's
     image and build info) is freed when this returns, before the collector is back, so that its first
@@ -246,7 +246,7 @@ def build_tree(
 
 def _build_tree(tree: Tree, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
                 workers: int | None, source: str, parent: ParentLayer | None, scanned_at_ns: int | None,
-                limits: LayerLimits, own_packs: list[OwnPack]) -> BuildResult:
+                limits: LayerLimits, own_packs: OwnPacks) -> BuildResult:
     """build_tree, with the packs it uploads left in ``own_packs``."""
     _check_options(name, chunk_size)
     check_tree(tree, limits, chunk_size)
@@ -263,7 +263,7 @@ def _build_tree(tree: Tree, store: Store, name: str | None, chunk_size: int, pro
 
 
 def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: list[str | None], chunk_size: int,
-                    progress: Progress | None, workers: int | None, source: str, own_packs: list[OwnPack], *,
+                    progress: Progress | None, workers: int | None, source: str, own_packs: OwnPacks, *,
                     known: KnownChunks | None = None, total_bytes: int = 0,
                     scanned_at_ns: int | None = None) -> list[BuildResult]:
     """Steps 2 to 6 for the trees ``walk`` makes, calling its ``on_file`` argument for each regular file
@@ -279,7 +279,7 @@ def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: l
 
 def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size: int, progress: Progress | None,
                  workers: int | None, known: KnownChunks | None, total_bytes: int,
-                 own_packs: list[OwnPack]) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
+                 own_packs: OwnPacks) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
     """Steps 2 to 4: chunk and upload the trees ``walk`` makes, and confirm their packs; returns the
     statistics and, per tree, (tree, regular files, sorted pack ids). The chunk index, the uploader and the
     chunker hold an object per chunk: they are gone when this returns, before blob maps and images are
@@ -359,7 +359,7 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_blocks: int, bl
 
 
 def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
-                   workers: int | None, source: str, own_packs: list[OwnPack]) -> BuildResult | None:
+                   workers: int | None, source: str, own_packs: OwnPacks) -> BuildResult | None:
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
     change needs the full path after all."""
@@ -424,14 +424,14 @@ def _digests(files: list[Node]) -> Iterator[bytes]:
 
 
 @contextlib.contextmanager
-def _own_packs_mirrored(store: Store) -> Iterator[list[OwnPack]]:
-    """A list for the packs a build uploads, added to the store's index mirror when the block ends,
-    whatever its outcome: by then the build's tree is freed (dsec_fs.dedup_index, Memory)."""
-    own_packs: list[OwnPack] = []
-    try:
-        yield own_packs
-    finally:
-        add_to_mirror(store, own_packs)
+def _own_packs_mirrored(store: Store) -> Iterator[OwnPacks]:
+    """Where the packs a build uploads wait (a temporary file), added to the store's index mirror when the
+    block ends, whatever its outcome: by then the build's tree is freed (dsec_fs.dedup_index, Memory)."""
+    with OwnPacks() as own_packs:
+        try:
+            yield own_packs
+        finally:
+            add_to_mirror(store, own_packs)
 
 
 @contextlib.contextmanager
