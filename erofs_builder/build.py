@@ -13,7 +13,8 @@ Steps, each finished before the next starts:
    is a cache); the chunk index is dropped then;
 5. lay out and encode the blob map (blob_layout.py: each file's chunk digests become blob blocks), and
    write meta.erofs (writer.py) against it;
-6. publish: the build info of a directory build (incremental.py), meta.erofs, blob map, then
+6. publish: the build info of a directory build (incremental.py; encoded before meta.erofs is written,
+   named for the layer after), meta.erofs, blob map, then
    manifest.json (dsec_fs.layer.publish_layer); restore any pack index a concurrent gc soft-deleted
    meanwhile (dsec_fs.gc.ensure_pack_indexes); then the ref.
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -66,7 +68,7 @@ from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
 from .archive_kind import is_image_archive
 from .blob_layout import lay_out_blob
 from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, regular_files
-from .incremental import ParentLayer, encode_buildinfo, encode_rescanned
+from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, name_layer
 from .patch import Patched, Rescan, missing_packs, scan_changes
 from .tree import Node, Tree
 from .walk_dir import listing_order, walk_directory
@@ -317,16 +319,13 @@ def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: l
     blob = lay_out_blob(files, chunk_size)  # the files' chunk lists hold blkaddrs from here on
     stats = dataclasses.replace(stats, distinct_chunks=len(blob))
     blob_map_bytes = blob.encoded
-    shared = blob.shared if scanned_at_ns is not None else []
-    meta = write_image(tree, blob, chunk_size, blob_id=to_hex(sha256(blob_map_bytes)))
-    blocks = blob.blocks
-
-    def buildinfo(layer: str) -> bytes:
+    info = None
+    if scanned_at_ns is not None:  # before meta.erofs: its buffers are gone before the image is made
         entries = ((path, node.identity) for path, node in listing_order(tree))
-        return encode_buildinfo(entries, shared, layer, scanned_at_ns)
-
-    return _publish_layer(store, lease, meta, blocks, blob_map_bytes, packs, stats, name, chunk_size, source,
-                          buildinfo if scanned_at_ns is not None else None)
+        info = encode_buildinfo(entries, blob.shared, None, scanned_at_ns)
+    meta = write_image(tree, blob, chunk_size, blob_id=to_hex(sha256(blob_map_bytes)))
+    return _publish_layer(store, lease, meta, blob.blocks, blob_map_bytes, packs, stats, name, chunk_size, source,
+                          None if info is None else functools.partial(name_layer, info))
 
 
 def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_blocks: int, blob_map_bytes: bytes,

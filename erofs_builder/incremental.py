@@ -143,11 +143,14 @@ class BuildInfo:
                 if not flag and stat.S_ISREG(identity[5]) and identity[2]}
 
 
-def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int], layer: str,
+def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int], layer: str | None,
                      scanned_at_ns: int) -> bytes:
     """The build info of ``layer``, built from a tree whose scan started at ``scanned_at_ns`` (wall clock):
-    ``entries`` is (path, identity) of every name, in listing order; ``shared``: the indexes of the blob-map entries that the layer's chunk
-    indexes name more than once (blob_layout.BlobLayout.shared)."""
+    ``entries`` is (path, identity) of every name, in listing order; ``shared``: the indexes of the
+    blob-map entries that the layer's chunk indexes name more than once (blob_layout.BlobLayout.shared).
+    With ``layer`` None, the layer is named afterwards (``name_layer``): a build encodes its build info
+    before it writes meta.erofs, whose digest the layer's is, so that the buffers of the one are gone
+    before the other is made."""
     # Built in place, each identity packed as it comes, not joined from lists of pieces or kept as tuples:
     # at 1,000,000 names a list of the identities is ~180 MB at the build's peak (a walked file's
     # identity tuple is made when asked for, walk_dir.WalkedFile; its meta.erofs and tree are alive).
@@ -172,7 +175,13 @@ def encode_rescanned(parent: BuildInfo, identities: list[Identity], changed: lis
     return _encode(records, parent.shared, parent.paths_blob, layer, scanned_at_ns)
 
 
-def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray, layer: str,
+def name_layer(info: bytes, layer: str) -> bytes:
+    """A build info encoded with no layer (``encode_buildinfo``), naming ``layer``."""
+    at = _HEADER.size - DIGEST_SIZE  # the header's last field
+    return info[:at] + from_hex(layer, what="layer digest") + info[_HEADER.size:]
+
+
+def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray, layer: str | None,
             scanned_at_ns: int) -> bytes:
     """The build info of the identities ``records`` (a fresh bytearray, the caller's no more, which
     becomes its body)."""
@@ -194,8 +203,8 @@ def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray
     body += b"".join(_SHARED.pack(index) for index in shared)
     body += paths_blob
     frame = compress.compress(body, level=_LEVEL)
-    header = _HEADER.pack(MAGIC, VERSION, count, len(shared), 0, len(body), sha256(frame),
-                          from_hex(layer, what="layer digest"))
+    described = bytes(DIGEST_SIZE) if layer is None else from_hex(layer, what="layer digest")
+    header = _HEADER.pack(MAGIC, VERSION, count, len(shared), 0, len(body), sha256(frame), described)
     return header + frame
 
 
