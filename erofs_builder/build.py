@@ -19,10 +19,12 @@ Steps, each finished before the next starts:
    meanwhile (dsec_fs.gc.ensure_pack_indexes); then the ref.
 
 Memory: for a tree of many small files each step needs tens of MB besides the Tree, so they run one
-after another (the flush of step 3 could run beside step 5, but their peaks would add up), and what one
-step holds per chunk (the chunk index, the blob map) lives only as long as it is needed: steps 2 to 4
-run in ``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns. The packs a
-build uploads enter the store's index mirror when the build is over and its tree freed
+after another (the flush of step 3 could run beside step 5, but their peaks would add up), the C heap's
+free memory is handed back to the kernel between them (dsec_fs.heap: the chunking phase leaves it
+fragmented, and the next steps' large buffers would come on top of it), and what one step holds per
+chunk (the chunk index, the blob map) lives only as long as it is needed: steps 2 to 4 run in
+``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns. The packs a build
+uploads enter the store's index mirror when the build is over and its tree freed
 (``_own_packs_mirrored``): the LMDB pages those writes touch would otherwise add to the peak.
 
 Incremental builds: with ``parent`` (a layer built earlier from the same directory), a scan of the source
@@ -58,6 +60,7 @@ from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
+from dsec_fs.heap import release_free_memory
 from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
@@ -315,15 +318,20 @@ def _layer_stats(build: ChunkStats, files: list[Node], chunk_size: int, trees: i
 
 def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: list[str], stats: ChunkStats,
              name: str | None, chunk_size: int, source: str, scanned_at_ns: int | None) -> BuildResult:
-    """Steps 5 and 6: blob map, meta.erofs, build info, manifest, ref."""
+    """Steps 5 and 6: blob map, meta.erofs, build info, manifest, ref. Each step's freed memory is handed
+    back to the kernel before the next (dsec_fs.heap; see Memory above)."""
+    release_free_memory()  # what chunking freed
     blob = lay_out_blob(files, chunk_size)  # the files' chunk lists hold blkaddrs from here on
+    release_free_memory()  # the digests and chunk lists
     stats = dataclasses.replace(stats, distinct_chunks=len(blob))
     blob_map_bytes = blob.encoded
     info = None
     if scanned_at_ns is not None:  # before meta.erofs: its buffers are gone before the image is made
         entries = ((path, node.identity) for path, node in listing_order(tree))
         info = encode_buildinfo(entries, blob.shared, None, scanned_at_ns)
+        release_free_memory()
     meta = write_image(tree, blob, chunk_size, blob_id=to_hex(sha256(blob_map_bytes)))
+    release_free_memory()  # the image's layout
     return _publish_layer(store, lease, meta, blob.blocks, blob_map_bytes, packs, stats, name, chunk_size, source,
                           None if info is None else functools.partial(name_layer, info))
 

@@ -18,6 +18,7 @@ import os
 import stat
 
 from dsec_fs.errors import InputError, NotFoundError
+from dsec_fs.heap import release_free_memory
 
 from .layout import DEVT_OFFSET, DEVT_SLOTOFF, NS_PER_S, InodePlan, Layout, plan_layout
 from .ondisk import BLOCK_SIZE, EROFS_NULL_ADDR, INODE_SLOT_SIZE, chunk_index, dirent, xattr
@@ -50,6 +51,7 @@ def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = N
     the map already, passes ``blob_id``. Calls ``tree.finish()``.
     """
     layout = plan_layout(tree, chunk_size)
+    release_free_memory()  # planning's own tables (a count of every mtime): gone before the image is made
     image = bytearray(layout.blocks * BLOCK_SIZE)
     formats = layout.formats
     for position, node in enumerate(layout.nodes):
