@@ -56,43 +56,31 @@ def lay_out_blob(files: list[Node], chunk_size: int) -> BlobLayout:
     starts = array("I")  # blkaddr of each entry
     shared = set()
     blocks = 0
+
+    def place(digest: bytes, length: int) -> int:
+        """The blkaddr of a chunk: where it already is, or a new entry at the end of the blob."""
+        nonlocal blocks
+        index = index_of.get(digest)
+        if index is not None:
+            shared.add(index)
+            return starts[index]
+        blkaddr = blocks
+        blocks = _next_block(blkaddr, length, chunk_size, digest)
+        index_of[digest] = len(starts)
+        starts.append(blkaddr)
+        encoded.extend(pack_entry(blkaddr, length, digest))
+        return blkaddr
+
     for node in files:
         digests = node.chunks
         if digests is None:
             raise InputError("regular file was never chunked", where=node.source)
         if len(digests) == 1 and digests[0] is not None:  # the usual small file: no loop
-            digests = digests[0]
-            index = index_of.get(digests)
-            if index is None:
-                length = node.size
-                blkaddr = blocks
-                blocks = _next_block(blkaddr, length, chunk_size, digests)
-                index_of[digests] = len(starts)
-                starts.append(blkaddr)
-                encoded += pack_entry(blkaddr, length, digests)
-            else:
-                shared.add(index)
-                blkaddr = starts[index]
-            node.chunks = (blkaddr,)
-            continue
-        placed = []
-        for number, digest in enumerate(digests):
-            if digest is None:
-                placed.append(None)
-                continue
-            index = index_of.get(digest)
-            if index is None:
-                length = min(chunk_size, node.size - number * chunk_size)
-                blkaddr = blocks
-                blocks = _next_block(blkaddr, length, chunk_size, digest)
-                index_of[digest] = len(starts)
-                starts.append(blkaddr)
-                encoded += pack_entry(blkaddr, length, digest)
-            else:
-                shared.add(index)
-                blkaddr = starts[index]
-            placed.append(blkaddr)
-        node.chunks = tuple(placed)
+            node.chunks = (place(digests[0], node.size),)
+        else:
+            size = node.size
+            node.chunks = tuple(None if digest is None else place(digest, min(chunk_size, size - number * chunk_size))
+                                for number, digest in enumerate(digests))
     _HEADER.pack_into(encoded, 0, MAGIC, VERSION, BLOCK_SIZE_BITS, chunk_bits, 0, len(starts), blocks)
     return BlobLayout(encoded, len(starts), blocks, sorted(shared))
 
