@@ -18,8 +18,10 @@ Debian's /usr/bin/mkfs.erofs). With --baseline SRC, the dsecfs of another source
 before a change) builds too, in the same rounds, with this venv's Python. With --tar, dsecfs also builds
 from an uncompressed tar of each tree (made once with tar(1)), as a builder of its own in the same
 rounds. With --phases, each tree is first built once more in a child process of this script that times
-each phase of the build (wall, CPU of the process, RSS after it and the process's peak so far;
-the phase functions of erofs_builder.build wrapped), printed as a table.
+each phase of the build (wall, CPU of the process, RSS after it and the process's peak so far; the
+phase functions of erofs_builder.build wrapped), printed as a table. Before the trees, the start of the
+command itself is timed: `dsecfs --help` and `dsecfs build --help` (the interpreter and the imports every
+build pays), median of 5 runs, for this checkout and the baseline.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ DEBIAN_ROOTFS = "/var/cache/dsecfs-test/debian-minbase"
 CHUNK_SIZE = 1 << 20
 
 
-def run_measured(argv: list[str]) -> tuple[float, float, int]:
+def run_measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float, int]:
     """(wall seconds, CPU seconds, peak RSS bytes) of one child process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, rusage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -82,16 +84,40 @@ def mkfs_version(mkfs: str) -> str:
 def run_dsecfs(tree: str, work: str, label: str, source: str | None = None) -> tuple[float, float, int, int]:
     """One `dsecfs build`: this checkout's, or with ``source``, the dsecfs in that source directory (run with
     this venv's Python)."""
-    store = os.path.join(work, "store")
+    store, index = os.path.join(work, "store"), os.path.join(work, "index")
     args = ["build", tree, "--store", store, "--name", f"bench/{label}", "--json"]
-    if source is None:
-        wall, cpu, rss = run_measured([DSECFS, *args])
-    else:
-        wall, cpu, rss = run_measured([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
-                                       "from cli.main import main; main()", source, *args])
+    # A fresh index mirror too, under the work directory, so that no round leaves one behind.
+    wall, cpu, rss = run_measured([*dsecfs_argv(source), *args], env={**os.environ, "DSECFS_INDEX_DIR": index})
     stored = dir_bytes(store)
     shutil.rmtree(store)
+    shutil.rmtree(index, ignore_errors=True)
     return wall, cpu, rss, stored
+
+
+def dsecfs_argv(source: str | None) -> list[str]:
+    """The command that runs this checkout's dsecfs, or with ``source`` the one in that source directory."""
+    if source is None:
+        return [DSECFS]
+    return [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); from cli.main import main; main()",
+            source]
+
+
+def bench_startup(baseline: str | None, runs: int = 5) -> dict:
+    """Median wall and CPU of `dsecfs --help` and `dsecfs build --help`, alternating with the baseline."""
+    sources = {"dsecfs": None, **({"dsecfs baseline": baseline} if baseline else {})}
+    samples: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+    for _ in range(runs):
+        for label, source in sources.items():
+            for command in (["--help"], ["build", "--help"]):
+                samples.setdefault((label, " ".join(command)), []).append(
+                    run_measured([*dsecfs_argv(source), *command]))
+    result = {}
+    for (label, command), runs_ in samples.items():
+        wall = statistics.median(run[0] for run in runs_)
+        cpu = statistics.median(run[1] for run in runs_)
+        result[f"{label}: {command}"] = {"wall_s": wall, "cpu_s": cpu}
+        print(f"{label:<18}dsecfs {command:<14} wall {wall:.3f} s  cpu {cpu:.3f} s")
+    return result
 
 
 def make_tar(tree: str, work: str) -> str:
@@ -258,6 +284,7 @@ def main() -> None:
     mkfs_list = args.mkfs or ["/usr/bin/mkfs.erofs"]
     results: list[dict] = []
     phases: list[dict] = []
+    startup = bench_startup(args.baseline)
     with tempfile.TemporaryDirectory(prefix="dsecfs-bench-", dir=args.work) as work:
         def bench(name: str, tree: str) -> None:
             if args.phases:
@@ -277,7 +304,7 @@ def main() -> None:
             shutil.rmtree(synth)
     print()
     print_table(results)
-    print(json.dumps({"builds": results, "phases": phases}, indent=2))
+    print(json.dumps({"startup": startup, "builds": results, "phases": phases}, indent=2))
 
 
 if __name__ == "__main__":

@@ -31,21 +31,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench_sandbox_coldstart import ENV, STORES, WORKLOADS, setup  # noqa: E402
-from benchlib import log  # noqa: E402
+from benchlib import log, store_requests  # noqa: E402
 from dsec_fs.client import Node  # noqa: E402
 
 # off: what main did before; copies: refs cached and metadata kept, but the layers unmounted at down (a
 # repeat after the idle grace); on: the daemon's defaults.
 SETTINGS = {"off": ["--idle-grace", "0", "--ref-ttl", "0", "--meta-cache-size", "0"],
             "copies": ["--idle-grace", "0"], "on": []}
-
-
-def store_requests(node: Node) -> int:
-    return int(sum(sample.value for family in text_string_to_metric_families(node.metrics_text())
-                   for sample in family.samples if sample.name == "dsecfs_store_requests_total"))
 
 
 def fetched_bytes(node: Node) -> int:

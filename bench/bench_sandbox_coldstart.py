@@ -1,8 +1,19 @@
 """Cold starts on the sandbox path (issue 13): `sandbox up` + a real first command, against pulling the
 same layers, for several workloads and two emulated stores, in the series a platform sees.
 
-    .venv/bin/python bench/bench_sandbox_coldstart.py [--rounds 1] [--workloads numpy,boto3]
+    .venv/bin/python bench/bench_sandbox_coldstart.py [--rounds 1] [--workloads numpy,boto3,sympy]
                                                       [--stores s3,3fs] [--cache DIR] [--work DIR]
+                                                      [--series 'first-ever;first-ever, fill none']
+                                                      [--variant 'main=dsecfs=/work/main/.venv/bin/dsecfs']
+                                                      [--variant 'small=chunk=256KiB --read-ahead 128KiB']
+                                                      [--baseline SRC]
+
+``--variant`` runs the series once more per variant, side by side in each round (their order turning
+round by round): the daemon's arguments, layers built in chunks of another size, another checkout's
+daemon as the baseline. Store requests: the daemon's dsecfs_store_requests_total over the start.
+``--baseline SRC``: another tree of this project (say ``git archive main | tar -x -C SRC``) whose daemon
+runs every series too, as a variant named ``baseline`` (its daemons run on this Python with SRC first on
+the path); every other row also gets the ratio of its seconds to the baseline's.
 
 Layers (built once, kept under --cache, default /var/cache/dsecfs-test/sandbox-coldstart):
 
@@ -12,6 +23,7 @@ Layers (built once, kept under --cache, default /var/cache/dsecfs-test/sandbox-c
   ``numpy``: numpy and pandas, first command ``import numpy, pandas`` and a small DataFrame sum;
   ``boto3``: boto3 (botocore: thousands of small JSON and .py files), first command an S3 client made
   (it loads the service model);
+  ``sympy``: sympy (pure Python, about a thousand modules), first command an integral;
   each toolkit also as ``:2``, a new release: the same tree with one module's source changed.
 
 Stores, emulated by the daemon's LatencyStore (and the pull's): ``s3`` 20 ms per request and one 100 MB/s
@@ -26,10 +38,16 @@ Series, each start with an empty node cache (a fresh daemon, a new cache directo
 - ``first-ever``: no profile anywhere (the store's profiles/ removed first);
 - ``same node``: the daemon of first-ever restarted on its state directory with an empty cache;
 - ``other node``: a new daemon, new state and cache: what it knows comes from the store only;
+- ``repeat (idle mounts)``: the other node's daemon again, its layers still mounted (idle, within
+  ``--idle-grace``): a repeat start, not a cold one;
+- ``warm``: a new daemon over the other node's cache (every chunk the command reads is in it, and the
+  node's metadata copies) with a new state directory (no layer mounted), page cache dropped;
 - ``new release``: a new daemon, the toolkit's ``:2`` (its digest has no profile; its name has);
-- ``warm``: the other node's daemon again, its cache full, page cache dropped;
 - ``first-ever, fill none``: first-ever again (profiles removed) with fill ``none``: what the command
   itself makes the node fetch (the bytes goal).
+
+A drop of the page cache that cannot finish within DROP_PATIENCE (its sync hangs behind another process's
+stuck mount) is given up on, and the report counts those starts.
 
 Each start: ``Node.sandbox_up(base, toolkit)`` then ``exec`` of the command (runc), timed from the up call
 to the command's end, then ``down``. Reported per workload and store: seconds, ratio to the pull, bytes
@@ -50,6 +68,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,8 +78,10 @@ from dsec_fs.client import Node  # noqa: E402
 from dsec_fs.store import FilesystemStore, keys  # noqa: E402
 from dsec_fs.store.wrappers import LatencyStore  # noqa: E402
 from erofs_builder import build_layer  # noqa: E402
+from erofs_builder.chunker import DEFAULT_CHUNK_SIZE  # noqa: E402
 from overlay.runtime import run_in_rootfs  # noqa: E402
-from benchlib import drop_caches, log  # noqa: E402
+from benchlib import drop_caches, log, store_requests  # noqa: E402
+from dsec_fs.units import parse_size  # noqa: E402
 
 STORES = {"s3": (20.0, 100.0), "3fs": (1.0, 1000.0)}  # ms per request, MB/s
 WORKLOADS = {
@@ -68,9 +89,12 @@ WORKLOADS = {
               "import numpy, pandas; print(pandas.DataFrame({'a': numpy.arange(10)}).a.sum())"),
     "boto3": (("boto3",),
               "import boto3; print(boto3.session.Session().client('s3', region_name='us-east-1').meta.region_name)"),
+    "sympy": (("sympy",),
+              "import sympy; x = sympy.Symbol('x'); print(sympy.integrate(x * sympy.sin(x), x))"),
 }
-CHANGED_MODULE = {"numpy": "pandas/__init__.py", "boto3": "botocore/__init__.py"}
-SERIES = ("first-ever", "same node", "other node", "new release", "warm", "first-ever, fill none")
+CHANGED_MODULE = {"numpy": "pandas/__init__.py", "boto3": "botocore/__init__.py", "sympy": "sympy/__init__.py"}
+SERIES = ("first-ever", "same node", "other node", "repeat (idle mounts)", "warm", "new release",
+          "first-ever, fill none")
 PULL_RANGE = 32 << 20
 ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
        "HOME": "/root", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": "/opt/toolkit"}
@@ -79,6 +103,20 @@ GOAL_OTHER_NUMPY = 0.20
 GOAL_OTHER_WARM = 1.5
 GOAL_FETCHED = 0.15
 GOAL_UNREAD = 0.20
+# A sync (drop_caches) waits for every superblock, so it hangs while any process's mount is stuck (a FUSE
+# server stopped under a debugger, say): after this long a start goes on with the page cache as it is,
+# and the report counts it.
+DROP_PATIENCE = 20.0
+undropped = 0
+
+
+def drop_page_cache() -> None:
+    global undropped
+    done = threading.Event()
+    threading.Thread(target=lambda: (drop_caches(), done.set()), daemon=True).start()
+    if not done.wait(DROP_PATIENCE):
+        undropped += 1
+        log(f"the page cache could not be dropped within {DROP_PATIENCE:g} s (sync hangs); going on")
 
 
 def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -97,17 +135,19 @@ def _made(path: str, make) -> None:
         os.rename(tmp, path)
 
 
-def setup(cache: str, workloads: list[str]) -> dict:
-    """Trees, the store with every layer and each layer's tar.zst; returns what was built."""
+def setup(cache: str, workloads: list[str], chunk_size: int = DEFAULT_CHUNK_SIZE) -> dict:
+    """Trees, the store with every layer and each layer's tar.zst; returns what was built. Layers of
+    another chunk size than the build's default get a store (and a layers file) of their own."""
     os.makedirs(cache, exist_ok=True)
     rootfs = os.path.join(os.path.dirname(cache), "debian-python3")
     _made(rootfs, lambda tmp: run(["mmdebstrap", "--variant=minbase", "--include=python3", "bookworm", tmp]))
-    info_path = os.path.join(cache, "layers.json")
+    suffix = "" if chunk_size == DEFAULT_CHUNK_SIZE else f"-{chunk_size >> 10}k"
+    info_path = os.path.join(cache, f"layers{suffix}.json")
     info = json.load(open(info_path)) if os.path.exists(info_path) else {}
-    store_dir = os.path.join(cache, "store")
+    store_dir = os.path.join(cache, f"store{suffix}")
     with FilesystemStore(store_dir) as store:
         if "base" not in info:
-            info["base"] = _layer(store, rootfs, "bench/base:1")
+            info["base"] = _layer(store, rootfs, "bench/base:1", chunk_size)
         for name in workloads:
             if name in info:
                 continue
@@ -128,16 +168,21 @@ def setup(cache: str, workloads: list[str]) -> dict:
                     f.write("\n# release 2\n")
 
             _made(release, change)
-            info[name] = {"v1": _layer(store, tree, f"bench/{name}:1"), "v2": _layer(store, release, f"bench/{name}:2")}
+            info[name] = {"v1": _layer(store, tree, f"bench/{name}:1", chunk_size),
+                          "v2": _layer(store, release, f"bench/{name}:2", chunk_size)}
             with open(info_path, "w") as f:
                 json.dump(info, f, indent=1)
     info["store"] = store_dir
     return info
 
 
-def _layer(store: FilesystemStore, tree: str, ref: str) -> dict:
-    log(f"building {ref} from {tree}")
-    layer = build_layer(tree, store, name=ref)
+def _layer(store: FilesystemStore, tree: str, ref: str, chunk_size: int) -> dict:
+    log(f"building {ref} from {tree} in chunks of {chunk_size >> 10} KiB")
+    start = time.perf_counter()
+    layer = build_layer(tree, store, name=ref, chunk_size=chunk_size)
+    manifest = layer.manifest
+    log(f"built {ref} in {time.perf_counter() - start:.1f} s: meta.erofs {manifest.meta_size} bytes, blob map "
+        f"{manifest.blobmap_size}, {manifest.stats.get('chunks', 0)} chunks, {len(manifest.packs)} packs")
     tar_key = f"bench/{layer.digest}.tar.zst"
     store.put(tar_key, run(["tar", "--zstd", "-cf", "-", "-C", tree, "."]).stdout)
     return {"ref": ref, "digest": layer.digest, "tar": tar_key, "chunk_bytes": int(layer.manifest.stats.get("bytes", 0))}
@@ -147,7 +192,7 @@ def pull(info: dict, toolkit: dict, command: str, store_name: str, dest: str) ->
     latency, bandwidth = STORES[store_name]
     os.makedirs(dest)
     try:
-        drop_caches()
+        drop_page_cache()
         start = time.perf_counter()
         with LatencyStore(FilesystemStore(info["store"], create=False), latency=latency / 1000,
                           bandwidth=bandwidth * 1e6) as store:
@@ -172,21 +217,34 @@ def pull(info: dict, toolkit: dict, command: str, store_name: str, dest: str) ->
 class Node_:
     """A daemon in ``home`` (its state kept across restarts, its cache made new by ``fresh_cache``)."""
 
-    def __init__(self, home: str, store: str, store_name: str, extra_args: tuple[str, ...] = ()):
+    def __init__(self, home: str, store: str, store_name: str, extra_args: tuple[str, ...] = (),
+                 command: tuple[str, ...] | None = None):
         self.home, self.store, self.store_name, self.extra_args = home, store, store_name, extra_args
+        self.command = command  # the dsecfs command to run the daemon with (None: this checkout's)
+        self.env = None
         self.cache = 0
         self.daemon = None
 
-    def start(self, *, fresh_cache: bool = True) -> Node:
+    @classmethod
+    def of_source(cls, home: str, store: str, store_name: str, extra_args: tuple[str, ...], source: str) -> "Node_":
+        """A daemon of another tree of the project (--baseline): SRC first on the path, before the current
+        directory that ``-c`` puts first, and before our installed tree."""
+        node = cls(home, store, store_name, extra_args,
+                   (sys.executable, "-c", f"import sys; sys.path.insert(0, {source!r}); "
+                    "from cli.main import main; sys.argv[0] = 'dsecfs'; main()"))
+        node.env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        return node
+
+    def start(self, *, fresh_cache: bool = True, state: str = "state") -> Node:
         if fresh_cache:
             self.cache += 1
         latency, bandwidth = STORES[self.store_name]
         os.makedirs(self.home, exist_ok=True)
         self.daemon = Node.start_daemon(
-            os.path.join(self.home, "api.sock"), state_dir=os.path.join(self.home, "state"),
+            os.path.join(self.home, "api.sock"), state_dir=os.path.join(self.home, state),
             cache_dir=os.path.join(self.home, f"cache-{self.cache}"), store=self.store, latency_ms=latency,
             bandwidth_mbps=bandwidth, fetch_timeout=120, log_file=os.path.join(self.home, "daemon.log"),
-            extra_args=self.extra_args)
+            extra_args=self.extra_args, command=self.command, env=self.env)
         return self.daemon.node
 
     def stop(self) -> None:
@@ -196,8 +254,9 @@ class Node_:
 
 
 def start_sandbox(node: Node, info: dict, toolkit: dict, command: str) -> dict:
-    drop_caches()
+    drop_page_cache()
     before = {layer.layer: layer.bytes_fetched for layer in node.status().layers}
+    requests_before = store_requests(node)
     start = time.perf_counter()
     with node.sandbox(base=info["base"]["ref"], toolkit=toolkit["ref"]) as sandbox:
         result = sandbox.exec(["python3", "-c", command], env=ENV)
@@ -205,12 +264,13 @@ def start_sandbox(node: Node, info: dict, toolkit: dict, command: str) -> dict:
         if result.exit_code != 0:
             raise SystemExit(f"the command failed: {result.stderr.decode(errors='replace')[-2000:]}")
         layers = {layer.layer: layer for layer in node.status().layers}
+        requests = store_requests(node) - requests_before
     digests = (info["base"]["digest"], toolkit["digest"])
     fetched = sum(layers[d].bytes_fetched - before.get(d, 0) for d in digests if d in layers)
     prefetched = sum(layers[d].prefetched_bytes for d in digests if d in layers)
     unread = sum(layers[d].prefetched_unread_bytes for d in digests if d in layers)
     total = sum(layers[d].data_bytes for d in digests if d in layers)
-    return {"seconds": seconds, "fetched_bytes": fetched, "layer_bytes": total,
+    return {"seconds": seconds, "fetched_bytes": fetched, "store_requests": requests, "layer_bytes": total,
             "fetched_fraction": fetched / total if total else 0.0, "prefetched_bytes": prefetched,
             "unread_fraction": unread / prefetched if prefetched else 0.0}
 
@@ -221,33 +281,78 @@ def _forget_profiles(info: dict) -> None:
             store.delete(key)
 
 
-def bench(info: dict, workload: str, store_name: str, work: str, fill: str | None) -> dict:
+def bench(info: dict, workload: str, store_name: str, work: str, fill: str | None, daemon_args: tuple[str, ...] = (),
+          series: tuple[str, ...] = SERIES, daemon_command: tuple[str, ...] | None = None,
+          source: str | None = None) -> dict:
     _packages, command = WORKLOADS[workload]
     v1, v2 = info[workload]["v1"], info[workload]["v2"]
     _forget_profiles(info)
     results = {"pull": pull(info, v1, command, store_name, os.path.join(work, "pull"))}
-    extra = ("--fill", fill) if fill else ()
-    first = Node_(os.path.join(work, "node-a"), info["store"], store_name, extra)
-    other = Node_(os.path.join(work, "node-b"), info["store"], store_name, extra)
-    fresh = Node_(os.path.join(work, "node-c"), info["store"], store_name, extra)
-    unfilled = Node_(os.path.join(work, "node-d"), info["store"], store_name, ("--fill", "none", "--no-profiles"))
+    extra = (*daemon_args, *(("--fill", fill) if fill else ()))
+
+    def node(name: str, args: tuple[str, ...]) -> Node_:
+        home = os.path.join(work, name)
+        if source:
+            return Node_.of_source(home, info["store"], store_name, args, source)
+        return Node_(home, info["store"], store_name, args, daemon_command)
+
+    first, other, fresh = node("node-a", extra), node("node-b", extra), node("node-c", extra)
+    unfilled = node("node-d", (*daemon_args, "--fill", "none", "--no-profiles"))
     try:
-        results["first-ever"] = start_sandbox(first.start(), info, v1, command)
-        first.stop()  # publishes the profiles learned at down
-        results["same node"] = start_sandbox(first.start(), info, v1, command)
-        first.stop()
-        node = other.start()
-        results["other node"] = start_sandbox(node, info, v1, command)
-        results["warm"] = start_sandbox(node, info, v1, command)
-        other.stop()
-        results["new release"] = start_sandbox(fresh.start(), info, v2, command)
-        fresh.stop()
-        results["first-ever, fill none"] = start_sandbox(unfilled.start(), info, v1, command)
-        unfilled.stop()
+        if "first-ever" in series:
+            results["first-ever"] = start_sandbox(first.start(), info, v1, command)
+            first.stop()  # publishes the profiles learned at down
+        if "same node" in series:
+            results["same node"] = start_sandbox(first.start(), info, v1, command)
+            first.stop()
+        if {"other node", "repeat (idle mounts)", "warm"} & set(series):
+            started = other.start()
+            results["other node"] = start_sandbox(started, info, v1, command)
+            results["repeat (idle mounts)"] = start_sandbox(started, info, v1, command)
+            other.stop()
+            results["warm"] = start_sandbox(other.start(fresh_cache=False, state="state-warm"), info, v1, command)
+            other.stop()
+        if "new release" in series:
+            results["new release"] = start_sandbox(fresh.start(), info, v2, command)
+            fresh.stop()
+        if "first-ever, fill none" in series:
+            results["first-ever, fill none"] = start_sandbox(unfilled.start(), info, v1, command)
+            unfilled.stop()
     finally:
         for n in (first, other, fresh, unfilled):
             n.stop()
     return results
+
+
+def parse_variant(text: str) -> tuple[str, int, tuple[str, ...], tuple[str, ...] | None]:
+    """``NAME=ARGS``: the daemon's extra arguments; among them ``chunk=SIZE`` for layers built in chunks
+    of SIZE (a store of their own, built on first use) and ``dsecfs=PATH`` for the daemon run by another
+    checkout's dsecfs (say main's, as the baseline)."""
+    name, _, args = text.partition("=")
+    chunk_size, daemon_args, command = DEFAULT_CHUNK_SIZE, [], None
+    for arg in args.split():
+        if arg.startswith("chunk="):
+            chunk_size = parse_size(arg.removeprefix("chunk="))
+        elif arg.startswith("dsecfs="):
+            command = (arg.removeprefix("dsecfs="),)
+        else:
+            daemon_args.append(arg)
+    return name, chunk_size, tuple(daemon_args), command
+
+
+def _goals(workload: str, row: dict) -> list[tuple[str, bool]]:
+    checks = []
+    if "first-ever" in row:
+        checks.append(("first-ever <= 1.0x pull", row["first-ever"]["ratio"] <= GOAL_FIRST))
+    if "other node" in row:
+        warm = row["warm"]["seconds"]
+        checks += [("other node <= 1.5x warm", row["other node"]["seconds"] <= GOAL_OTHER_WARM * warm),
+                   ("prefetched unread <= 20%", row["other node"]["unread_fraction"] <= GOAL_UNREAD)]
+        if workload == "numpy":
+            checks.append(("other node <= 0.20x pull", row["other node"]["ratio"] <= GOAL_OTHER_NUMPY))
+    if "first-ever, fill none" in row:
+        checks.append(("fetched <= 15%", row["first-ever, fill none"]["fetched_fraction"] <= GOAL_FETCHED))
+    return checks
 
 
 def main() -> None:
@@ -259,42 +364,70 @@ def main() -> None:
     parser.add_argument("--work", default=None)
     parser.add_argument("--fill", choices=("none", "profile", "layer"), default=None,
                         help="the daemons' fill policy (default: the daemon's own)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="run the series also (in turns, each round) with these daemon arguments, and "
+                             "chunk=SIZE for layers built in chunks of SIZE; e.g. 'old=--read-ahead 1MiB'")
+    parser.add_argument("--baseline", metavar="SRC", default=None,
+                        help="another tree of the project whose daemon runs the series too, side by side")
+    parser.add_argument("--series", default=";".join(SERIES),
+                        help="the series to run, separated by ';', of: " + "; ".join(SERIES))
     args = parser.parse_args()
     workloads, stores = args.workloads.split(","), args.stores.split(",")
-    info = setup(args.cache, workloads)
+    series = tuple(name.strip() for name in args.series.split(";") if name.strip())
+    unknown = set(series) - set(SERIES)
+    if unknown:
+        parser.error(f"unknown series {', '.join(sorted(unknown))}")
+    variants = [(*parse_variant(text), None) for text in args.variant]
+    variants = variants or [("default", DEFAULT_CHUNK_SIZE, (), None, None)]
+    if args.baseline:
+        variants.append(("baseline", DEFAULT_CHUNK_SIZE, (), None, os.path.abspath(args.baseline)))
+    infos = {chunk_size: setup(args.cache, workloads, chunk_size) for chunk_size in sorted({v[1] for v in variants})}
     work = args.work or tempfile.mkdtemp(prefix="dsecfs-sbcold-")
     rows, missed = [], []
     try:
         for workload in workloads:
             for store_name in stores:
-                rounds = []
+                rounds: dict[str, list[dict]] = {variant[0]: [] for variant in variants}
                 for r in range(args.rounds):
-                    round_work = os.path.join(work, f"{workload}-{store_name}-{r}")
-                    os.makedirs(round_work)
-                    rounds.append(bench(info, workload, store_name, round_work, args.fill))
-                    shutil.rmtree(round_work, ignore_errors=True)
-                pull_s = statistics.median(r["pull"] for r in rounds)
-                row = {"workload": workload, "store": store_name, "pull_s": pull_s}
-                for series in SERIES:
-                    row[series] = {k: statistics.median(r[series][k] for r in rounds)
-                                   for k in rounds[0][series]}
-                    row[series]["ratio"] = row[series]["seconds"] / pull_s
-                    log(f"{workload} {store_name} {series}: {row[series]['seconds']:.2f} s "
-                        f"({row[series]['ratio']:.2f}x the pull's {pull_s:.2f} s), fetched "
-                        f"{row[series]['fetched_fraction']:.1%}, prefetched unread {row[series]['unread_fraction']:.1%}")
-                checks = [("first-ever <= 1.0x pull", row["first-ever"]["ratio"] <= GOAL_FIRST),
-                          ("other node <= 1.5x warm", row["other node"]["seconds"] <= GOAL_OTHER_WARM * row["warm"]["seconds"]),
-                          ("fetched <= 15%", row["first-ever, fill none"]["fetched_fraction"] <= GOAL_FETCHED),
-                          ("prefetched unread <= 20%", row["other node"]["unread_fraction"] <= GOAL_UNREAD)]
-                if workload == "numpy":
-                    checks.append(("other node <= 0.20x pull", row["other node"]["ratio"] <= GOAL_OTHER_NUMPY))
-                row["goals"] = {name: ok for name, ok in checks}
-                missed += [f"{workload}/{store_name}: {name}" for name, ok in checks if not ok]
-                rows.append(row)
+                    turn = variants if r % 2 == 0 else variants[::-1]
+                    for name, chunk_size, daemon_args, command, source in turn:
+                        round_work = os.path.join(work, f"{workload}-{store_name}-{name}-{r}")
+                        os.makedirs(round_work)
+                        rounds[name].append(bench(infos[chunk_size], workload, store_name, round_work, args.fill,
+                                                  daemon_args, series, command, source))
+                        shutil.rmtree(round_work, ignore_errors=True)
+                baseline = _row(workload, store_name, "baseline", rounds["baseline"]) if args.baseline else None
+                for name, chunk_size, daemon_args, command, _source in variants:
+                    row = baseline if name == "baseline" else _row(workload, store_name, name, rounds[name], baseline)
+                    row["chunk_size"], row["daemon_args"] = chunk_size, [*(command or ()), *daemon_args]
+                    missed += [f"{workload}/{store_name}/{name}: {goal}" for goal, ok in row["goals"].items() if not ok]
+                    rows.append(row)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"rows": rows, "missed": missed}, indent=1))
+    print(json.dumps({"rows": rows, "missed": missed, "starts_with_page_cache_not_dropped": undropped}, indent=1))
     sys.exit(1 if missed else 0)
+
+
+def _row(workload: str, store_name: str, variant: str, rounds: list[dict], baseline: dict | None = None) -> dict:
+    pull_s = statistics.median(r["pull"] for r in rounds)
+    row = {"workload": workload, "store": store_name, "variant": variant, "pull_s": pull_s}
+    for series in SERIES:
+        if series not in rounds[0]:
+            continue
+        row[series] = {k: statistics.median(r[series][k] for r in rounds) for k in rounds[0][series]}
+        row[series]["ratio"] = row[series]["seconds"] / pull_s
+        versus = ""
+        if baseline is not None:
+            row[series]["baseline_s"] = baseline[series]["seconds"]
+            row[series]["vs_baseline"] = row[series]["seconds"] / row[series]["baseline_s"]
+            versus = f", baseline {row[series]['baseline_s']:.2f} s ({row[series]['vs_baseline']:.2f}x)"
+        log(f"{workload} {store_name} {variant} {series}: {row[series]['seconds']:.2f} s "
+            f"({row[series]['ratio']:.2f}x the pull's {pull_s:.2f} s), fetched "
+            f"{row[series]['fetched_fraction']:.1%} ({row[series]['fetched_bytes'] / 1e6:.1f} MB), "
+            f"store requests {row[series]['store_requests']}, prefetched unread {row[series]['unread_fraction']:.1%}"
+            f"{versus}")
+    row["goals"] = {goal: ok for goal, ok in _goals(workload, row)}
+    return row
 
 
 if __name__ == "__main__":

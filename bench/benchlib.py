@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def log(message: str) -> None:
     """A progress line on stderr (stdout is the benchmark's result)."""
@@ -21,3 +23,9 @@ def drop_caches() -> None:
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
+
+
+def store_requests(node) -> int:
+    """The requests a daemon's stores answered so far (its dsecfs_store_requests_total, all operations)."""
+    return int(sum(sample.value for family in text_string_to_metric_families(node.metrics_text())
+                   for sample in family.samples if sample.name == "dsecfs_store_requests_total"))

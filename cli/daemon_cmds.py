@@ -61,9 +61,9 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
 @click.option("--fetch-timeout", type=float, default=30.0, show_default=True, metavar="SECONDS",
               help="a store read that takes longer fails (the reader gets EIO)")
 @click.option("--miss-readahead", default="4MiB", show_default=True, metavar="SIZE",
-              help="a read that misses the cache also fetches the rest of its file, and, while a reader walks files "
-                   "stored one after another, up to SIZE of the chunks after them, in the same requests "
-                   "(0: fetch only what is read)")
+              help="a read that misses the cache also fetches more of its file while it is read in order, and, "
+                   "while a reader walks files stored one after another, up to SIZE of the chunks after them, in "
+                   "the same requests (0: fetch only what is read)")
 @click.option("--read-ahead", default="1MiB", show_default=True, metavar="SIZE",
               help="how far the kernel reads ahead in a layer's files, in one request to the daemon (0: the "
                    "kernel's default, 128KiB)")

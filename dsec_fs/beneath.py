@@ -56,8 +56,7 @@ def open_beneath(dir_fd: int, relpath: bytes, flags: int, *, mode: int = 0, reso
 
     ``flags`` are os.open's; O_CLOEXEC is added."""
     how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
-    fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), ctypes.c_char_p(relpath), ctypes.byref(how),
-                       ctypes.c_size_t(ctypes.sizeof(how)))
+    fd = _libc.syscall(_SYS_OPENAT2, dir_fd, relpath, ctypes.byref(how), _HOW_SIZE)
     if fd < 0:
         _raise(relpath)
     return fd
@@ -90,6 +89,7 @@ def get_xattr_at(dir_fd: int, name: bytes, attribute: bytes) -> bytes:
 _have_xattr_at = True  # whether the kernel has listxattrat/getxattrat (False after the first ENOSYS)
 # The size_t arguments, made once (ints would be passed as C ints: dir_fd and the flags are ints).
 _BUFFER_SIZE = ctypes.c_size_t(XATTR_SIZE_MAX)
+_HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
 _ARGS_SIZE = ctypes.c_size_t(ctypes.sizeof(_XattrArgs))
 _buffers = threading.local()  # .buffer: XATTR_SIZE_MAX bytes for this thread's calls
 

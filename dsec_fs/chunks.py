@@ -12,8 +12,9 @@ chunk its index claims (what a build checks before it deduplicates against a pac
 Threads:
 - ChunkIndex: any thread may call any method; ``_lock`` guards the digest -> location dicts and the set
   of packs loaded.
-- ChunkUploader: builder worker threads call ``add`` concurrently; one thread calls ``flush`` (or
-  ``close``) after every ``add`` has returned. ``_lock`` guards the open pack, the set of queued digests,
+- ChunkUploader: builder worker threads call ``add`` (or ``claim`` and ``add_claimed``) concurrently;
+  one thread calls ``flush`` (or ``close``) after every ``add`` has returned. ``_lock`` guards the open
+  pack, the set of queued (or claimed) digests,
   the statistics, the list of written packs and the first upload error. Uploads run on the uploader's own
   threads; ``_slots`` (a semaphore) bounds the packs sealed but not yet uploaded, and a thread that
   seals a pack waits for a slot, so memory stays near (upload_threads + 1) x pack_target.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 from . import compress
 from .digest import is_hex_digest, to_hex, verify
-from .errors import CorruptError, FormatError, InputError
+from .errors import CorruptError, FormatError, InputError, NotFoundError
 from .pack import PackEntry, PackWriter, decode_index
 from .store import keys
 from .store.base import Store
@@ -185,20 +186,35 @@ class ChunkUploader:
 
         May block while the upload slots are full. Raises the first upload error once one has happened.
         """
+        if not self.claim(digest):
+            return False
+        self.add_claimed(digest, ulen, frame)
+        return True
+
+    def claim(self, digest: bytes) -> bool:
+        """True exactly once per chunk that is neither stored nor queued: the caller then compresses it and
+        must hand it to ``add_claimed`` (until then, other threads' ``claim`` and ``add`` of it say False).
+        This is how a builder compresses each new chunk once, however many threads meet it."""
         with self._lock:
             if self._error is not None:
                 raise self._error
             if digest in self._queued or digest in self.index:
                 return False
-            self._writer.add(digest, frame, ulen)
             self._queued.add(digest)
+            return True
+
+    def add_claimed(self, digest: bytes, ulen: int, frame: bytes) -> None:
+        """Queue a chunk this caller claimed (``claim`` said True); may block as ``add`` does."""
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            self._writer.add(digest, frame, ulen)
             self.new_chunks += 1
             self.new_bytes += ulen
             self.stored_bytes += len(frame)
             sealed = self._seal_if(self._writer.size >= self.pack_target)
         if sealed is not None:
             self._submit(sealed)
-        return True
 
     def flush(self) -> list[str]:
         """Upload the open pack, wait for every upload, and return the ids of all packs written.
@@ -350,3 +366,15 @@ def _decode_chunk(frame: bytes | memoryview, digest: bytes, loc: ChunkLocation, 
 
 def _chunk_name(digest: bytes, key: str) -> str:
     return f"chunk {to_hex(digest)} in {key}"
+
+
+def check_packs_present(store: Store, pack_ids: list[str], *, where: str) -> None:
+    """NotFoundError (naming ``where`` and the first missing pack) unless every pack is in the store; they
+    are asked for side by side, in one round trip."""
+    with ThreadPoolExecutor(max_workers=max(1, min(INDEX_LOAD_THREADS, len(pack_ids))),
+                            thread_name_prefix="check-packs") as pool:
+        present = list(pool.map(lambda pack: store.exists(keys.pack(pack)), pack_ids))
+    missing = [pack for pack, there in zip(pack_ids, present) if not there]
+    if missing:
+        raise NotFoundError(f"{len(missing)} of the {len(pack_ids)} packs holding the layer's chunks are "
+                            "not in the store", where=f"{where}, pack {missing[0]}")

@@ -22,6 +22,9 @@ DEFAULT_LEVEL = 3
 # zstandard allocates the declared size before decompressing, so this is checked first.
 MAX_EXPANSION = (128 << 10) // 4
 
+# Bytes a frame may leave allocated beyond its length rather than be copied (see compress).
+PIN_SLACK = 1024
+
 _local = threading.local()
 
 
@@ -43,14 +46,19 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def compress(data: bytes | memoryview, level: int = DEFAULT_LEVEL) -> bytes:
-    frame = _compressor(level).compress(data)
+    try:
+        comp = _local.compressors[level]
+    except (AttributeError, KeyError):
+        comp = _compressor(level)
+    frame = comp.compress(data)
     # zstandard shrinks the result's length but not its allocation (ZSTD_compressBound of the input):
-    # a 100-byte frame of a 1 MiB chunk would pin 1 MiB while it waits in a pack. Copy it to its size,
-    # unless it is about that size already: a copy of a frame that did not shrink (a layer's blob map,
-    # of digests: ~40 MB at 1,000,000 chunks) only doubles it for a while.
-    if len(data) - len(frame) <= len(frame) >> 3:
-        return frame
-    return bytes(memoryview(frame))
+    # a 100-byte frame of a 1 MiB chunk would pin 1 MiB while it waits in a pack. Copy it to its size when
+    # that frees something worth a copy: not for the frame of a small file that did not shrink, nor for a
+    # frame about its input's size (a layer's blob map, of digests: a copy of its ~40 MB frame at 1,000,000
+    # chunks only doubled it for a while).
+    if len(data) - len(frame) > max(PIN_SLACK, len(frame) >> 3):
+        return bytes(memoryview(frame))
+    return frame
 
 
 def decompress(frame: bytes | memoryview, expected_size: int, *, what: str) -> bytes:

@@ -198,7 +198,11 @@ class MirroredChunkIndex(ChunkIndex):
         return pack_id if pack_id is not None else super().pack_of(digest)
 
     def __contains__(self, digest: bytes) -> bool:
-        return digest in self._own_chunks or self.get(digest) is not None
+        if digest in self._own_chunks:
+            return True
+        # With an empty mirror only this build's own packs hold chunks (``get`` finds nothing else): asked
+        # once for every chunk a build meets, so it is answered without the calls and the lock of ``get``.
+        return not self._mirror_empty and self.get(digest) is not None
 
     def __len__(self) -> int:
         return self.mirror.chunk_count() + len(self._own_chunks)

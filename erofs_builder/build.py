@@ -55,6 +55,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
@@ -68,19 +69,22 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
-from .archive_kind import is_image_archive
 from .blob_layout import lay_out_blob
 from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, regular_files
 from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, name_layer
-from .patch import Patched, Rescan, missing_packs, scan_changes
 from .tree import Node, Tree
 from .walk_dir import listing_order, walk_directory
-from .images import is_image_ref, open_image
+from .images import is_image_ref
 from .limits import DEFAULT_LAYER_LIMITS, DEFAULT_LIMITS, LayerBudget, LayerLimits, TarLimits, check_tree
-from .registry import RegistryOptions
-from .walk_oci import OciImage, walk_layers
-from .walk_tar import OnFile, walk_tar
 from .writer import write_image
+
+# Only the build of a tar, an image or with a parent needs these modules: imported where used, so that a
+# directory build does not pay for importing them (see docs/benchmarks.md, issue 17, third session).
+if TYPE_CHECKING:
+    from .patch import Patched, Rescan
+    from .registry import RegistryOptions
+    from .walk_oci import OciImage
+    from .walk_tar import OnFile
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +131,16 @@ def build_layer(
             raise InputError("--parent needs a directory source (tar and OCI input have no inode identities)",
                              where=os.fsdecode(source))
         if kind == "tar":
+            from .walk_tar import walk_tar
+
             def walk(on_file: OnFile) -> list[Tree]:
                 stream = sys.stdin.buffer if os.fsdecode(source) == "-" else source
                 return [walk_tar(stream, on_file=on_file, lenient=lenient, limits=tar_limits,
                                  budget=LayerBudget(limits, chunk_size))]
         else:
+            from .images import open_image
+            from .walk_oci import walk_layers
+
             image = open_image(source, platform, registry)
 
             def walk(on_file: OnFile) -> list[Tree]:
@@ -151,6 +160,8 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     described = os.path.abspath(os.fsdecode(source))
     base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
     if base is not None:
+        from .patch import scan_changes
+
         rescan = scan_changes(source, base, time.time_ns())
         patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described, own_packs)
         if patched:
@@ -179,6 +190,9 @@ def build_image_layers(
     bottom first, with OCI whiteouts turned into overlay whiteouts and opaque directories, so OverlayFS
     applies them when the layers are stacked. With ``name`` "NAME:TAG", layer k is published as
     "NAME:TAG-lK"."""
+    from .images import open_image
+    from .walk_oci import OciImage, walk_layers
+
     _check_options(name, chunk_size)
     image = source if isinstance(source, OciImage) else open_image(source, platform, registry)
     names = [None if name is None else f"{name}-l{k}" for k in range(len(image.layers))]
@@ -214,6 +228,8 @@ def source_kind(source: str | bytes | os.PathLike) -> str:
         raise InputError("no such file or directory", where=path)
     if not os.path.isfile(path):
         raise InputError("not a directory, tar file or OCI image", where=path)
+    from .archive_kind import is_image_archive
+
     return "oci" if is_image_archive(path) else "tar"
 
 
@@ -264,27 +280,30 @@ def _build_tree(tree: Tree, store: Store, name: str | None, chunk_size: int, pro
         return [tree]
 
     return _build_streamed(feed, store, [name], chunk_size, progress, workers, source, own_packs, known=known,
-                           total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns)[0]
+                           total_bytes=sum(node.size for node in files), scanned_at_ns=scanned_at_ns,
+                           files=files)[0]
 
 
 def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: list[str | None], chunk_size: int,
                     progress: Progress | None, workers: int | None, source: str, own_packs: OwnPacks, *,
                     known: KnownChunks | None = None, total_bytes: int = 0,
-                    scanned_at_ns: int | None = None) -> list[BuildResult]:
+                    scanned_at_ns: int | None = None, files: list[Node] | None = None) -> list[BuildResult]:
     """Steps 2 to 6 for the trees ``walk`` makes, calling its ``on_file`` argument for each regular file
     while the file's content is readable; ``names[k]`` names the layer of tree k. The packs uploaded are
-    left in ``own_packs``."""
+    left in ``own_packs``. ``files``: the regular files of the one tree, when the caller listed them
+    already (a directory build: listing 100,000 files again costs 50 ms)."""
     # The lease is taken before the index is read: see dsec_fs/gc.py for why that keeps our packs alive.
     with Lease(store, purpose=f"build {names[0] or source}") as lease:
-        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes, own_packs)
+        stats, layers = _chunk_trees(walk, store, chunk_size, progress, workers, known, total_bytes, own_packs,
+                                     files)
         return [_publish(store, lease, tree, files, packs, _layer_stats(stats, files, chunk_size, len(layers)),
                          name, chunk_size, source, scanned_at_ns)
                 for (tree, files, packs), name in zip(layers, names)]
 
 
 def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size: int, progress: Progress | None,
-                 workers: int | None, known: KnownChunks | None, total_bytes: int,
-                 own_packs: OwnPacks) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
+                 workers: int | None, known: KnownChunks | None, total_bytes: int, own_packs: OwnPacks,
+                 listed: list[Node] | None) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
     """Steps 2 to 4: chunk and upload the trees ``walk`` makes, and confirm their packs; returns the
     statistics and, per tree, (tree, regular files, sorted pack ids). The chunk index, the uploader and the
     chunker hold an object per chunk: they are gone when this returns, before blob maps and images are
@@ -298,7 +317,7 @@ def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size:
             uploader.flush()
         layers = []
         for tree in trees:
-            files = regular_files(tree)
+            files = listed if listed is not None and len(trees) == 1 else regular_files(tree)
             packs = _packs_of(_digests(files), index)
             index.confirm(store, _digests(files), packs)
             layers.append((tree, files, packs))
@@ -370,6 +389,8 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
     change needs the full path after all."""
+    from .patch import missing_packs
+
     parent = rescan.parent
     missing = missing_packs(store, parent)
     if missing:

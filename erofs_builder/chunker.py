@@ -20,8 +20,9 @@ Pipeline and threads:
   would take turns at the GIL.
 - The main thread alone settles results (fills a node's chunk list at the piece's position, adds up the
   statistics), so those need no lock; the BlobMap is laid out from the final tree afterwards.
-- ``_Claims`` is the only state the workers share: ``_lock`` guards the set of digests some thread has
-  already taken on, so two threads that meet the same new chunk do not both compress it.
+- The threads share no state of the chunker: a thread that meets a new chunk claims it from the uploader
+  (``ChunkUploader.claim``, under the uploader's lock) before compressing it, so two threads that meet
+  the same new chunk do not both compress it, and nothing per chunk outlives the chunk's upload.
 - At most ``_max_batches`` batches (about 2 per worker, capped by INFLIGHT_BYTES) are read and not yet
   settled, so memory does not grow with the amount of data (only the Tree grows, with the entries).
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +48,9 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 BATCH_BYTES = 1 << 20
 # Files smaller than this are named in the main thread (see the module docstring).
 INLINE_BYTES = 16 << 10
-# Read-ahead beyond two batches per worker adds memory, not speed; with large chunks fewer batches fit.
+# Read-ahead beyond two batches per worker adds memory, not speed (16 MiB in flight instead of 4 was
+# within noise for the Debian rootfs, for 8 MB more RSS: docs/benchmarks.md, issue 17, third session);
+# with large chunks fewer batches fit.
 INFLIGHT_BYTES = 64 << 20
 _END = object()  # sentinel for next(): the reader has no more pieces
 
@@ -78,22 +80,6 @@ class ChunkStats:
     reused_bytes: int = 0  # their total size
 
 
-class _Claims:
-    """Digests of new chunks that some thread of this build has taken on (to compress and upload)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seen: set[bytes] = set()
-
-    def first(self, digest: bytes) -> bool:
-        """True exactly once per digest: the caller is the one to handle it."""
-        with self._lock:
-            if digest in self._seen:
-                return False
-            self._seen.add(digest)
-            return True
-
-
 class Chunker:
     """Chunks regular files one at a time, as a walker hands them over, then lays out the blob map.
 
@@ -119,11 +105,11 @@ class Chunker:
         # Streaming inputs do not know their size up front: the total then grows with the files seen.
         self._total = total_bytes
         self._done = 0
-        self._claims = _Claims()
         self._zeros = bytes(chunk_size)
         workers = max(1, workers or os.cpu_count() or 1)
         self._batch_bytes = max(BATCH_BYTES, chunk_size)
         self._max_batches = max(2, min(2 * workers, INFLIGHT_BYTES // self._batch_bytes))
+        self._inline_below = min(INLINE_BYTES, chunk_size + 1)  # a file this small is one piece
         self._pool = ThreadPoolExecutor(max_workers=min(workers, self._max_batches), thread_name_prefix="chunker")
         self._batch: list[_Slot] = []  # pieces read, not yet handed to a worker
         self._batch_size = 0  # their bytes
@@ -143,19 +129,25 @@ class Chunker:
         """Read ``node``'s content now and name or queue its pieces; ``node.chunks`` is complete after
         ``finish``."""
         stats = self.stats
+        size = node.size
         stats.files += 1
-        stats.bytes += node.size
-        self._total = max(self._total, stats.bytes)
-        reused = _known_digests(node, self._known, self._index, self.chunk_size)
-        if reused is not None:
-            stats.reused_files += 1
-            stats.reused_bytes += node.size
-            node.chunks = tuple(reused)
-            for number, digest in enumerate(reused):
-                self._settle(_piece_length(node.size, number, self.chunk_size), digest, None)
+        stats.bytes += size
+        if stats.bytes > self._total:
+            self._total = stats.bytes
+        if self._known is not None:
+            reused = _known_digests(node, self._known, self._index, self.chunk_size)
+            if reused is not None:
+                stats.reused_files += 1
+                stats.reused_bytes += size
+                node.chunks = reused
+                for number, digest in enumerate(reused):
+                    self._settle(_piece_length(size, number, self.chunk_size), digest, None)
+                return
+        if 0 < size < self._inline_below:
+            self._add_small(node)
             return
-        node.chunks = [None] * -(-node.size // self.chunk_size) if node.size else ()
-        if node.size:
+        node.chunks = [None] * -(-size // self.chunk_size) if size else ()
+        if size:
             if node.reader is None:
                 raise InputError("regular file has no content reader", where=node.source)
             pieces = node.reader(self.chunk_size)
@@ -166,9 +158,35 @@ class Chunker:
                 if close is not None:
                     close()
 
+    def _add_small(self, node: Node) -> None:
+        """add_file for a file of one piece under INLINE_BYTES: read and named here, at once (most files of
+        a tree are such files, so this is ``_read`` without its loop and batches)."""
+        if node.reader is None:
+            raise InputError("regular file has no content reader", where=node.source)
+        size = node.size
+        pieces = node.reader(self.chunk_size)
+        try:
+            piece = next(pieces, _END)
+            if piece is None:  # a hole the reader found without reading
+                digest = stored = None
+            elif piece is _END:
+                raise InputError("content ends after 0 of 1 chunks", where=node.source)
+            elif len(piece) != size:
+                raise InputError(f"chunk 0 is {len(piece)} bytes, expected {size}", where=node.source)
+            else:
+                digest, stored = self._name(piece, size)
+            if next(pieces, _END) is not _END:
+                raise InputError(f"content runs past the file's size {size}", where=node.source)
+        finally:
+            close = getattr(pieces, "close", None)  # a generator: let it close its file now
+            if close is not None:
+                close()
+        node.chunks = (digest,)  # a tuple: 24 bytes less than a list (most files of a large tree are these)
+        self._settle(size, digest, stored)
+
     def _read(self, node: Node, pieces: Iterator[bytes | None]) -> None:
         """Take a file's pieces from its reader, checking that they add up to exactly ``node.size`` bytes,
-        and name a small file's pieces at once, or add each to the batch for a worker."""
+        and add each to the batch for a worker (a piece of a file under INLINE_BYTES is named at once)."""
         chunks, size, chunk_size = node.chunks, node.size, self.chunk_size
         inline = size < INLINE_BYTES
         for number in range(len(chunks)):
@@ -208,10 +226,11 @@ class Chunker:
         if not piece[0] and piece == (self._zeros if length == self.chunk_size else bytes(length)):
             return None, None
         digest = sha256(piece)
-        if digest in self._index or not self._claims.first(digest):
+        if not self._uploader.claim(digest):  # stored already, or another piece of this build has it
             return digest, None
         frame = compress.compress(piece)
-        return digest, (len(frame) if self._uploader.add(digest, length, frame) else None)
+        self._uploader.add_claimed(digest, length, frame)
+        return digest, len(frame)
 
     def _name_batch(self, batch: list[_Slot]) -> list[_Named]:
         """In a worker: name every piece of a batch."""
@@ -333,7 +352,7 @@ def _piece_length(size: int, number: int, chunk_size: int) -> int:
 
 
 def _known_digests(node: Node, known: KnownChunks | None, index: ChunkIndex,
-                   chunk_size: int) -> list[bytes | None] | None:
+                   chunk_size: int) -> tuple[bytes | None, ...] | None:
     """The chunk list ``known`` gives for a file, if it fits the file and the store holds every chunk of
     it (a chunk gc removed since means the file is read)."""
     digests = known(node) if known is not None else None
@@ -341,4 +360,4 @@ def _known_digests(node: Node, known: KnownChunks | None, index: ChunkIndex,
         return None
     if any(digest is not None and digest not in index for digest in digests):
         return None
-    return list(digests)
+    return tuple(digests)

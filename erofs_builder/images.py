@@ -10,10 +10,11 @@ A source that starts with ``docker://`` or ``oci:`` is always a reference, never
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from .registry import RegistryOptions, parse_image_ref
-from .walk_oci import OciImage, open_oci_image
-from .walk_registry import open_registry_image
+if TYPE_CHECKING:  # open_image imports them: telling a reference from a path needs none of them
+    from .registry import RegistryOptions
+    from .walk_oci import OciImage
 
 REGISTRY_PREFIX = "docker://"
 LAYOUT_PREFIX = "oci:"
@@ -37,6 +38,10 @@ def split_layout_ref(text: str) -> tuple[str, str | None]:
 def open_image(source: str | os.PathLike, platform: str = "linux/amd64",
                registry: RegistryOptions | None = None) -> OciImage:
     """The image for ``platform`` that ``source`` names (see the module docstring)."""
+    from .registry import RegistryOptions, parse_image_ref
+    from .walk_oci import open_oci_image
+    from .walk_registry import open_registry_image
+
     text = os.fsdecode(source)
     if text.startswith(REGISTRY_PREFIX):
         return open_registry_image(parse_image_ref(text), platform, registry or RegistryOptions())

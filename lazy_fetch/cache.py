@@ -14,9 +14,10 @@ files nobody indexes (temporary or complete), and the next open deletes them in 
 index entries whose file has gone (someone deleted it) or is not the size the index says. Chunk files are
 not fsynced: every read checks the size and xxh3_64 the index recorded, so bytes a power cut lost (or a
 disk rotted) are found on read; such a rotten entry is dropped and reported as a miss, and the fetcher
-fetches the chunk again. The index itself commits durably, which costs milliseconds a commit:
-``put_many`` records a whole batch (the chunks of one store read) in one commit, after renaming all its
-files into place.
+fetches the chunk again. The index commits atomically, and a system crash may undo its last commit
+(lmdb_index.py), which leaves at most files nobody indexes, or entries whose file went: both are what the
+open's scan clears. A commit still costs a disk flush: ``put_many`` records a whole batch (the chunks of
+the store reads handed over since the last one) in one commit, after renaming all its files into place.
 
 Nothing left in the directory stops an open (``_reconcile``, ``_make_room``): under chunks/ whatever is
 not a regular file of an indexed chunk, with its name, in its fan-out directory and of its indexed size,
@@ -39,11 +40,24 @@ A crash loses at most the last batch of moves, which only makes the LRU order sl
 The cache trusts the bytes it is given: callers put only chunks they verified against their digest
 (the fetcher's read_chunks does).
 
+``lacks(digest)`` answers from memory, without the index or a worker thread, that a chunk is surely not
+cached, so that a miss need not wait for a worker thread to learn it (the fetcher goes to the store at
+once). It reads *presence counters*: a byte per slot, a digest's slot from its first bytes (digests are
+sha256: uniform), counting the indexed chunks of the slot, kept in step with every change of the index
+(built at open, counted up by put, down by eviction and drops; a count at 255 sticks). A slot at zero
+means no indexed chunk has that slot. A non-zero slot (another chunk's, or one whose count stuck) only
+means "look it up": ``lacks`` is never wrong the other way, except about a chunk being put at that
+moment, which costs one store read that the put then finds cached. PRESENCE_SLOTS_PER_BYTE slots per byte
+of the bound (a slot per 4 KiB: a full cache of chunks of 40 KiB or more takes at most one slot in ten),
+at most PRESENCE_SLOTS_MAX (4 Mi slots, 4 MiB of memory, which the default 10 GiB bound gets).
+
 Threads: every method blocks (disk I/O and index transactions); in the daemon they run in trio worker
 threads and any number may run at once. ``_lock`` serialises the changes that must agree between files
 and index: rename + record (put, put_many), eviction, dropping a rotten entry. Reads take no lock: a read that races
 an eviction sees a missing file and re-checks under ``_lock`` before calling anything rotten.
-``_counters_lock`` guards the statistics counters and the pending LRU moves.
+``_counters_lock`` guards the statistics counters and the pending LRU moves. The presence counters are
+changed under ``_lock`` only, with the index, and read by ``lacks`` from any thread without a lock (a byte
+read is atomic); ``note_misses`` is called by one thread (the fetcher's).
 """
 
 from __future__ import annotations
@@ -78,6 +92,12 @@ FILE_MODE = 0o600
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # Hits remembered before their LRU moves are written to the index in one transaction.
 TOUCH_BATCH = 64
+# Presence counters (``lacks``): slots per byte of the cache's bound (a power of two at least this many),
+# within these bounds.
+PRESENCE_SLOTS_PER_BYTE = 1 / 4096
+PRESENCE_SLOTS_MIN = 1 << 12
+PRESENCE_SLOTS_MAX = 1 << 22
+PRESENCE_STUCK = 255
 
 
 @dataclass(frozen=True)
@@ -109,6 +129,10 @@ class ChunkCache:
         self._counters_lock = threading.Lock()
         self._pending_touches: dict[bytes, int] = {}
         self._hits = self._misses = self._evictions = self._rotten = 0
+        self._known_misses = 0  # misses that ``lacks`` answered (note_misses)
+        wanted = max(PRESENCE_SLOTS_MIN, min(PRESENCE_SLOTS_MAX, int(max_bytes * PRESENCE_SLOTS_PER_BYTE)))
+        self._presence = bytearray(1 << (wanted - 1).bit_length())
+        self._presence_mask = len(self._presence) - 1
         private_dir(self.directory)
         _make_room(self._chunks_dir, directory=True)
         os.makedirs(self._chunks_dir, mode=DIR_MODE, exist_ok=True)
@@ -176,6 +200,7 @@ class ChunkCache:
         missing = sizes.keys() - present
         if missing:
             self._index.delete(missing)
+        self._count_presence(present, +1)
         if removed or missing:
             log.info("chunk cache %s: removed %d unindexed files or strays, dropped %d entries without a "
                      "sound file", self.directory, removed, len(missing))
@@ -202,6 +227,15 @@ class ChunkCache:
             self._flush_touches()
         return data
 
+    def lacks(self, digest: bytes) -> bool:
+        """True when the cache surely does not hold the chunk (the module docstring: presence counters);
+        False when it may. Memory only: any thread, never blocks; counts nothing (``note_misses``)."""
+        return not self._presence[int.from_bytes(digest[:8], "little") & self._presence_mask]
+
+    def note_misses(self, count: int) -> None:
+        """Count ``count`` chunks that ``lacks`` answered for as misses (they were not looked up)."""
+        self._known_misses += count
+
     def holds(self, digests: Iterable[bytes]) -> set[bytes]:
         """Which of ``digests`` the index lists: nothing read or checked, no hit or miss counted (for
         readahead candidates, which are skipped when cached; a rotten one is found when it is read)."""
@@ -223,7 +257,7 @@ class ChunkCache:
                 if size > self.max_bytes:
                     continue
                 kept += 1
-                if self._index.get(digest) is not None:
+                if not self.lacks(digest) and self._index.get(digest) is not None:
                     with self._counters_lock:
                         self._pending_touches[digest] = time.time_ns()
                     continue
@@ -233,8 +267,10 @@ class ChunkCache:
                     for digest, tmp, _size, _checksum in written:
                         os.rename(tmp, self._path(digest))
                     now = time.time_ns()
-                    self._index.put_many((digest, size, xxh3, now) for digest, _tmp, size, xxh3 in written)
-                    if self._index.total_bytes > self.max_bytes:
+                    added, total = self._index.put_many((digest, size, xxh3, now)
+                                                        for digest, _tmp, size, xxh3 in written)
+                    self._count_presence(added, +1)
+                    if total > self.max_bytes:
                         self._evict_locked(self.max_bytes)
         except BaseException:
             for _digest, tmp, _size, _checksum in written:  # those renamed already are gone: no harm
@@ -249,7 +285,8 @@ class ChunkCache:
 
     def stats(self) -> CacheStats:
         with self._counters_lock:
-            hits, misses, evictions, rotten = self._hits, self._misses, self._evictions, self._rotten
+            hits, misses = self._hits, self._misses + self._known_misses
+            evictions, rotten = self._evictions, self._rotten
         return CacheStats(entries=len(self._index), bytes=self._index.total_bytes, max_bytes=self.max_bytes,
                           hits=hits, misses=misses, evictions=evictions, rotten=rotten,
                           reconciled=self._reconciled)
@@ -300,6 +337,7 @@ class ChunkCache:
                 return data
             log.warning("chunk cache: dropping rotten chunk %s (%s)", to_hex(digest), problem)
             self._index.delete([digest])
+            self._count_presence([digest], -1)
             self._unlink(digest)
         with self._counters_lock:
             self._rotten += 1
@@ -309,6 +347,7 @@ class ChunkCache:
         """With ``_lock`` held: evict down to ``max_bytes``; index first, then files (see the module doc)."""
         self._flush_touches()
         evicted = self._index.evict_to(max_bytes)
+        self._count_presence(evicted, -1)
         for digest in evicted:
             self._unlink(digest)
         if evicted:
@@ -316,6 +355,15 @@ class ChunkCache:
         with self._counters_lock:
             self._evictions += len(evicted)
         return len(evicted)
+
+    def _count_presence(self, digests: Iterable[bytes], step: int) -> None:
+        """Count ``digests`` (newly indexed: +1; no longer: -1) in the presence counters; with ``_lock``
+        held (or at open). A counter at PRESENCE_STUCK stays there: it may have lost count."""
+        presence, mask = self._presence, self._presence_mask
+        for digest in digests:
+            slot = int.from_bytes(digest[:8], "little") & mask
+            if presence[slot] != PRESENCE_STUCK:
+                presence[slot] = max(0, presence[slot] + step)
 
     def _flush_touches(self) -> None:
         with self._counters_lock:

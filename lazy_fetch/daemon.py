@@ -39,8 +39,8 @@ Prefetch. A mount may name a prefetch list, read through request_paths.open_regu
 file, at most MAX_PREFETCH_LIST_BYTES, opened O_NONBLOCK: /dev/zero and a FIFO are refused at once),
 checked against the layer's blob map, and fetched in the background (prefetcher.py), starting just
 before mount(2). The mount path itself makes its store round trips side by side where it can
-(``_open_layer``). A miss brings along the rest of its file, and a growing window while a reader walks
-files in blob order (miss_readahead.py; ``miss_readahead_bytes``, 4 MiB; 0: off).
+(``_open_layer``). A miss brings along more of its file while it is read in order, and a growing window
+while a reader walks files in blob order (miss_readahead.py; ``miss_readahead_bytes``, 4 MiB; 0: off).
 
 Persisted state and crashes. With the raw FUSE binding a daemon that dies (SIGKILL, a crash) leaves its
 mounts alive: a holder process keeps the FUSE connection, and the next daemon takes it over and adopts
@@ -82,16 +82,16 @@ import trio
 
 from dsec_fs import api
 from dsec_fs.api import FILLS, MODES
-from dsec_fs.chunks import ChunkIndex
+from dsec_fs.chunks import ChunkIndex, check_packs_present
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.files import private_dir
-from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, utc_now
+from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, resolve, utc_now
 from dsec_fs.mounts import is_below, top_mount, umount
 from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
 from dsec_fs.store.ref_cache import RefCacheStore
-from dsec_fs.store.wrappers import CountingStore, StoreWrapper, wrap_store
+from dsec_fs.store.wrappers import CountingStore, LatencyStore, StoreWrapper, find_wrapper, wrap_store
 
 from . import node_status, request_paths, routes
 from .blob_reader import LayerBlob, open_layer_blob
@@ -255,7 +255,8 @@ class NodeDaemon:
                                        timeout=options.fetch_timeout, on_fetched=self._fetch_log.note)
                 context = StoreContext(url, store, ChunkIndex(), fetcher,
                                        MemoryFrontedFetcher(fetcher, self.memory, self._flights),
-                                       copies=self.meta_copies, requests=requests)
+                                       copies=self.meta_copies, requests=requests,
+                                       emulated=find_wrapper(store, LatencyStore))
                 self.stores[url] = context
                 log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
         return context
@@ -269,35 +270,42 @@ class NodeDaemon:
                 context.store.forget(keys.ref(name, tag))
 
     async def _open_layer(self, store: StoreContext, ref: str, *, profile_of: str | None = None,
-                          want_profile: bool = False, combination: str = "") -> tuple[LayerFiles, FoundProfile | None]:
-        """open_layer, loading the pack indexes of a layer this store context has not indexed yet, and with
-        ``want_profile`` its access profile (profile_keeper.py; ``profile_of``: its ref name; ``combination``:
-        the stack it is mounted for), while
-        meta.erofs and the blob map are read (their round trips overlap; open_layer_blob then finds
-        every chunk located and loads nothing)."""
+                          want_profile: bool = False, combination: str = "",
+                          check_packs: bool = False) -> tuple[LayerFiles, FoundProfile | None]:
+        """open_layer, and with it: the pack indexes of a layer this store context has not indexed yet;
+        with ``check_packs``, that every pack the manifest lists is in the store (NotFoundError if not);
+        with ``want_profile``, its access profile (profile_keeper.py; ``profile_of``: its ref name;
+        ``combination``: the stack it is mounted for). What needs only the digest starts as soon as the
+        ref is read, what needs the manifest as soon as it is, so a new node waits for three store round
+        trips in a row: the ref; the manifest beside the profile listings; then meta.erofs, the blob map,
+        the pack indexes and packs and the profile objects, side by side (open_layer_blob then finds every
+        chunk located and loads nothing)."""
         indexed = frozenset(store.indexed_layers)
         keeper = self.profiles if want_profile else None
-        found: list[FoundProfile | None] = [None]
-
-        def load_pack_indexes(manifest: Manifest) -> None:
-            if manifest.layer not in indexed:
-                store.chunk_index.load_packs(store.index_reads, manifest.packs)
+        reads = _ManifestTimer(store.store, store.fetcher.note_round_trip)
 
         def on_manifest(manifest: Manifest) -> None:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="check-packs") as pool:
+                present = pool.submit(check_packs_present, store.store, manifest.packs,
+                                      where=f"layer {manifest.layer}") if check_packs else None
+                if manifest.layer not in indexed:
+                    store.chunk_index.load_packs(store.index_reads, manifest.packs)
+                if present is not None:
+                    present.result()
+
+        def open_with_profile() -> tuple[LayerFiles, FoundProfile | None]:
+            digest = resolve(reads, ref)
             if keeper is None:
-                load_pack_indexes(manifest)
-                return
+                return open_layer(reads, digest, on_manifest=on_manifest, reads=store.copies), None
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-lookup") as pool:
-                lookup = pool.submit(keeper.lookup, store.store, manifest.layer, profile_of, combination)
-                load_pack_indexes(manifest)
-                found[0] = lookup.result()
+                lookup = pool.submit(keeper.lookup, store.store, digest, profile_of, combination)
+                files = open_layer(reads, digest, on_manifest=on_manifest, reads=store.copies)
+                return files, lookup.result()
 
         # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
-        files = await store.fetcher.call_store(f"layer {ref} in {store.url}", functools.partial(
-            open_layer, _ManifestTimer(store.store, store.fetcher.note_round_trip), ref, on_manifest=on_manifest,
-            reads=store.copies))
+        files, found = await store.fetcher.call_store(f"layer {ref} in {store.url}", open_with_profile)
         store.indexed_layers.add(files.digest)
-        return files, found[0]
+        return files, found
 
     async def _open_blob(self, files: LayerFiles, store: StoreContext) -> LayerBlob:
         return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
@@ -349,13 +357,15 @@ class NodeDaemon:
 
     async def mount(self, ref: str, mountpoint: str, *, mode: str = "kernel", store_url: str | None = None,
                     prefetch: str | None = None, fuse_binding: str | None = None, profile: bool = True,
-                    name: str | None = None, fill: str | None = None, holder: Holder | None = None) -> api.MountInfo:
+                    name: str | None = None, fill: str | None = None, holder: Holder | None = None,
+                    check_packs: bool = False) -> api.MountInfo:
         """Mount layer ``ref`` (a ref or a digest, from ``store_url`` or the default store) at the
         directory ``mountpoint``; with ``prefetch`` (a prefetch list file) fetch that list in the
         background, else (unless ``profile`` is False) the layer's access profile from the store. ``name``:
         the layer's ref name when ``ref`` is a digest (for profiles); ``fill``: one of FILLS (default: the
         daemon's); ``holder``: who the mount is for (a sandbox's role, ref and combination; default a bare
-        mount of its ref). Returns the mount's description."""
+        mount of its ref); ``check_packs``: refuse (NotFoundError) a layer whose packs are not all in the store.
+        Returns the mount's description."""
         fill = fill or self.options.fill
         if fill not in FILLS:
             raise InputError(f"unknown fill policy {fill!r} (one of {', '.join(FILLS)})", where=mountpoint)
@@ -378,7 +388,7 @@ class NodeDaemon:
         store = await self._store_context(store_url)
         want_profile = plist is None and profile and fill != "none" and self.profiles is not None
         files, found = await self._open_layer(store, ref, profile_of=ref_name, want_profile=want_profile,
-                                              combination=holder.combination)
+                                              combination=holder.combination, check_packs=check_packs)
         profile_key = ""
         blob = None if files.digest in self.layers else await self._open_blob(files, store)
         async with self._lock:

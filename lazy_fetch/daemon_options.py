@@ -19,7 +19,10 @@ from .meta_cache import DEFAULT_META_CACHE_BYTES
 from .miss_readahead import DEFAULT_WINDOW
 
 DEFAULT_CACHE_BYTES = 10 << 30
-DEFAULT_STORE_CONCURRENCY = 16  # store calls at once (fetches, index loads, layer opens), per store
+# Store calls at once (fetches, index loads, layer opens), per store: twice the fetcher's own bound, so the
+# opens of an up find room beside a full fetcher, and a new node's up of two layers (its meta.erofs, blob
+# maps, profiles, pack indexes and pack checks: about 25 small requests side by side) is one round trip.
+DEFAULT_STORE_CONCURRENCY = 32
 DEFAULT_TRACE_KEEP_BYTES = 1 << 30
 DEFAULT_TRACE_KEEP_SECONDS = 7 * 86400.0
 DEFAULT_REF_TTL = 15.0

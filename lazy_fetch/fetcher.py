@@ -10,18 +10,23 @@ How a request is served:
 - **Single flight.** The first request for a chunk starts a *flight*; requests for the same chunk that
   arrive while it is in the air wait for it and get its result. A failure is delivered to every waiter and
   forgotten: the next request starts a new flight.
-- **Cache, then store.** A flight looks the chunk up in the ChunkCache (in a worker thread). One call's
-  misses are planned into *runs* (``plan_runs``): chunks that are neighbours in a pack, fetched with one
-  ranged GET of at most MAX_READ_BYTES; each run is one *store read*, in a worker thread of its own, and
-  the runs of a call go to the store side by side, queued for store slots in the order of their first
-  chunk in the call (a prefetch list names the first-needed chunks first). A store read decompresses and
-  sha256-verifies each chunk before anything else sees it, and the chunks go into the cache in one batch
-  (``put_many``: one index commit) in a worker thread: for a read a reader waits for, after the readers
-  have them, their flights still listed (done) until they are in, so a request meanwhile takes them from
-  the flight rather than reading the store again; for a prefetch or fill, before. The caching is the
-  fetcher's task, not the caller's, so a fetch whose caller gave up still fills the cache. When a run
-  fails on one corrupt chunk, each chunk of it is read alone, so the good ones are still served and only
-  the bad one fails, with an error naming it.
+- **Cache, then store.** A flight looks the chunk up in the ChunkCache (in a worker thread), unless the
+  cache says from memory that it surely lacks it (``ChunkCache.lacks``): then the miss goes to the store at
+  once, one worker-thread hop fewer (that hop cost a cold miss 0.1-1 ms on a busy two-core node, as much as
+  the store read behind a 1 ms store). One call's misses are planned into *runs* (``plan_runs``): chunks
+  that are neighbours in a pack, fetched with one ranged GET of at most MAX_READ_BYTES; each run is one
+  *store read*, in a worker thread of its own, and the runs of a call go to the store side by side, queued
+  for store slots in the order of their first chunk in the call (a prefetch list names the first-needed
+  chunks first). A store read decompresses and sha256-verifies each chunk before anything else sees it, and
+  the chunks go into the cache in a worker thread: for a prefetch or fill, by the read's own thread before
+  the read is done (one ``put_many``, one index commit, per read); for a read a reader waits for, after the
+  readers have them, by the fetcher's *cache writer*: one task that puts every run handed over since its
+  last write in one ``put_many`` (one index commit for all of them: a reader that misses file after file
+  hands over a run every millisecond or two, and a commit per run took the disk and the GIL from the misses
+  behind it), their flights still listed (done) until they are in, so a request meanwhile takes them from
+  the flight rather than reading the store again. The caching is the fetcher's task, not the caller's, so a
+  fetch whose caller gave up still fills the cache. When a run fails on one corrupt chunk, each chunk of it
+  is read alone, so the good ones are still served and only the bad one fails, with an error naming it.
 - **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
   the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
@@ -112,10 +117,11 @@ MAX_READ_BYTES = 4 * 1024 * 1024
 # side still keep a link of that speed about busy behind a 20 ms round trip.
 FILL_READS = 2
 FILL_READ_BYTES = 1024 * 1024
-# Worker threads putting fetched chunks into the disk cache at once (after their waiters have them), and
-# how many runs may wait for them so, their bytes in memory (at most MAX_READ_BYTES compressed each).
-CACHE_WRITERS = 4
+# Runs whose waiters have their bytes that may wait for the cache writer (their bytes in memory, at most
+# MAX_READ_BYTES compressed each); beyond that a run's readers wait for its own write, by at most
+# CACHE_WRITERS worker threads at once.
 UNCACHED_RUNS = 32
+CACHE_WRITERS = 4
 # The store's round trip (``round_trip``): the least of the last ROUND_TRIP_SAMPLES times of small store
 # calls: chunk reads of at most ROUND_TRIP_READ_BYTES (their transfer a small part: 2.6 ms at 100 MB/s),
 # the slot's wait excluded, and what callers note (the daemon: a layer's manifest read). The least,
@@ -206,6 +212,8 @@ class ChunkFetcher:
         self._flights: dict[bytes, _Flight] = {}
         self._cache_writers = trio.CapacityLimiter(CACHE_WRITERS)
         self._uncached_runs = 0  # runs whose readers have their bytes, not in the cache yet
+        self._unwritten: list[tuple[str, list[tuple[bytes, bytes]]]] = []  # those queued for the cache writer
+        self._cache_writer_running = False
         # Appended to by worker threads, read in the trio thread: _round_trips_lock guards it (iterating a
         # deque that another thread appends to raises).
         self._round_trips: deque[float] = deque(maxlen=ROUND_TRIP_SAMPLES)
@@ -319,8 +327,18 @@ class ChunkFetcher:
         """Serve new flights: cache lookups, then the store for the misses, in runs read side by side."""
         try:
             readahead = [(digest, location) for digest, location in readahead if digest not in self._flights]
-            cached, ahead_cached = await trio.to_thread.run_sync(
-                self._cache_lookup, [digest for digest, _, _ in started], [digest for digest, _ in readahead])
+            # What the cache surely lacks is not looked up: a miss goes to the store without a worker-thread
+            # hop first. Readahead the cache may hold is looked up only in a hop made anyway; without one
+            # it is left out (it is most likely cached).
+            maybe_cached = [digest for digest, _, _ in started if not self.cache.lacks(digest)]
+            ahead_unknown = [digest for digest, _ in readahead if not self.cache.lacks(digest)]
+            known_misses = len(started) - len(maybe_cached)
+            if maybe_cached:
+                cached, ahead_cached = await trio.to_thread.run_sync(self._cache_lookup, maybe_cached, ahead_unknown,
+                                                                     known_misses > 0)
+            else:
+                cached, ahead_cached = {}, set(ahead_unknown)
+            self.cache.note_misses(known_misses)
             missed: dict[bytes, tuple[ChunkLocation, _Flight]] = {}
             for digest, location, flight in started:
                 if digest in cached:
@@ -393,11 +411,12 @@ class ChunkFetcher:
         verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
         # A prefetch or fill run was cached by its read's thread (ticket.cached), so a job that is done has
         # its chunks in the cache and its bound on the cache's room holds. A reader waits for any other
-        # run (it was asked for, or promoted): it gets its bytes first, and the cache's writes and index
-        # commit follow. Until the chunks are in, their flights stay listed (done), so a request meanwhile
-        # gets the bytes from the flight instead of missing the cache and reading the store again. Runs
-        # handed over so are at most UNCACHED_RUNS at once (their bytes stay in memory until written):
-        # beyond that, as when the cache's disk is slower than the store, readers wait for the write.
+        # run (it was asked for, or promoted): it gets its bytes first, and the cache writer writes them
+        # afterwards, with the other runs handed over meanwhile. Until the chunks are in, their flights
+        # stay listed (done), so a request meanwhile gets the bytes from the flight instead of missing the
+        # cache and reading the store again. Runs handed over so are at most UNCACHED_RUNS at once (their
+        # bytes stay in memory until written): beyond that, as when the cache's disk is slower than the
+        # store, readers wait for the write.
         readers_first = not ticket.cached and self._uncached_runs < UNCACHED_RUNS
         if verified and not ticket.cached and not readers_first:
             await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
@@ -417,14 +436,32 @@ class ChunkFetcher:
                 self._land(digest, flight, data=result, cached=not readers_first)
         if verified and readers_first:
             self._uncached_runs += 1
-            try:
-                await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
-            finally:
-                self._uncached_runs -= 1
-                for digest, _data in verified:
-                    flight = self._flights.get(digest)
-                    if flight is not None and flight.done.is_set():
-                        del self._flights[digest]
+            self._unwritten.append((run.pack_id, verified))
+            if not self._cache_writer_running:  # this task is the cache writer until the queue is empty
+                await self._write_handed_over()
+
+    async def _write_handed_over(self) -> None:
+        """The cache writer: put the runs handed over (``_unwritten``) into the cache, all that are queued
+        in one worker-thread call (one index commit), until none is left; then unlist their flights. The
+        first run handed over while none is writing writes, in its own task: its thread starts before
+        its readers run. Shielded: runs handed over are written even when the fetcher shuts down, as a
+        write under way always was (a worker thread is not stopped)."""
+        self._cache_writer_running = True
+        try:
+            while self._unwritten:
+                batch, self._unwritten = self._unwritten, []
+                try:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(self._cache_put_runs, batch)
+                finally:
+                    self._uncached_runs -= len(batch)
+                    for _pack_id, verified in batch:
+                        for digest, _data in verified:
+                            flight = self._flights.get(digest)
+                            if flight is not None and flight.done.is_set():
+                                del self._flights[digest]
+        finally:
+            self._cache_writer_running = False
 
     async def call_store(self, what: str, fn: Callable[..., T], *args) -> T:
         """``fn(*args)``: blocking store calls other than chunk reads (opening a layer, loading its pack
@@ -491,13 +528,14 @@ class ChunkFetcher:
 
     # -- worker threads
 
-    def _cache_lookup(self, digests: list[bytes], ahead: list[bytes]) -> tuple[dict[bytes, bytes], set[bytes]]:
-        """The cached chunks among ``digests``; and, if any of them missed, which of ``ahead`` (readahead
-        candidates) the cache holds already: asked of its index only (nothing read, no miss counted: the
-        cache's misses are chunks a read wanted). A cache that fails is logged and bypassed: the store
-        has every chunk."""
+    def _cache_lookup(self, digests: list[bytes], ahead: list[bytes],
+                      missed: bool) -> tuple[dict[bytes, bytes], set[bytes]]:
+        """The cached chunks among ``digests``; and, if any of them missed (or ``missed``: other wanted
+        chunks did), which of ``ahead`` (readahead candidates) the cache holds already: asked of its index
+        only (nothing read, no miss counted: the cache's misses are chunks a read wanted). A cache that
+        fails is logged and bypassed: the store has every chunk."""
         found = self.cached(digests)
-        if len(found) == len(set(digests)):
+        if not missed and len(found) == len(set(digests)):
             return found, set()
         try:
             return found, self.cache.holds(ahead)
@@ -520,10 +558,17 @@ class ChunkFetcher:
         return found
 
     def _cache_put(self, pack_id: str, verified: list[tuple[bytes, bytes]]) -> None:
+        self._cache_put_runs([(pack_id, verified)])
+
+    def _cache_put_runs(self, runs: list[tuple[str, list[tuple[bytes, bytes]]]]) -> None:
+        """Put the verified chunks of ``runs`` (pack id, chunks) into the cache in one ``put_many``; a
+        failure is logged (the store still has them)."""
         try:
-            self.cache.put_many(verified)
+            self.cache.put_many([item for _pack_id, verified in runs for item in verified])
         except (DsecError, OSError) as exc:
-            log.warning("caching %d chunks of pack %s failed: %s", len(verified), pack_id, exc)
+            packs = sorted({pack_id for pack_id, _verified in runs})
+            log.warning("caching %d chunks of pack %s failed: %s", sum(len(verified) for _pack_id, verified in runs),
+                        ", ".join(packs[:3]) + (f" and {len(packs) - 3} more" if len(packs) > 3 else ""), exc)
 
     def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Exception]:
         """``_read``, and the cache put (``ticket.cached``) of a read no reader waits for: a prefetch or

@@ -10,8 +10,12 @@ One LMDB environment (a directory holding data.mdb and lock.mdb) with three name
     totals    b"bytes" -> TOTAL: the sum of every entry's size
 
 Each method is one transaction, and every change keeps the three databases in agreement inside it, so the
-index is consistent after a crash at any point (LMDB commits are atomic, and durable: the environment is
-opened with LMDB's default sync-on-commit).
+index is consistent after a crash at any point (LMDB commits are atomic). A commit flushes the data pages
+but not the meta page (``metasync=False``, LMDB's MDB_NOMETASYNC): it keeps atomicity and consistency,
+and a system crash may undo the last commit, which the cache does not mind (cache.py: an entry is
+recorded only after its file is in place and removed before its file goes, and the check at open drops
+whatever a rolled-back commit leaves unmatched). One flush a commit instead of two: the commit is what a
+cache write waits for, and it held the disk from the reads behind it.
 
 Threads: LMDB forbids opening an environment twice in one process, so each cache directory has one
 CacheIndex per process (ChunkCache holds a lock file to enforce that). Any thread may call any method at
@@ -89,7 +93,7 @@ class CacheIndex:
         os.makedirs(path, mode=0o700, exist_ok=True)  # lmdb would make it with FILE_MODE: no x bit
         try:
             self._env = lmdb.open(path, map_size=map_size, max_dbs=3, subdir=True, readahead=False, mode=FILE_MODE,
-                                  create=False)
+                                  create=False, metasync=False)
         except _CORRUPT_ERRORS as exc:
             raise CorruptError(f"not a sound LMDB environment: {exc}", where=path) from None
         except lmdb.Error as exc:
@@ -126,16 +130,23 @@ class CacheIndex:
         """Record a chunk whose file is in place, replacing any previous entry for it."""
         self.put_many([(digest, size, checksum, atime)])
 
-    def put_many(self, entries: Iterable[tuple[bytes, int, int, int]]) -> None:
+    def put_many(self, entries: Iterable[tuple[bytes, int, int, int]]) -> tuple[list[bytes], int]:
         """Record chunks whose files are in place, each (digest, size, checksum, atime), in one transaction
-        (one commit for a whole batch); each replaces any previous entry for its digest."""
+        (one commit for a whole batch); each replaces any previous entry for its digest. Returns the
+        digests that had no entry before, and the total after."""
+        added = []
         with self._transaction(write=True) as txn:
             total = self._total(txn)
             for digest, size, checksum, atime in entries:
-                total += size - self._remove(txn, digest)
+                if txn.get(digest, db=self._entries) is None:
+                    added.append(digest)
+                else:
+                    total -= self._remove(txn, digest)
+                total += size
                 txn.put(digest, pack_entry(IndexEntry(size, atime, checksum)), db=self._entries)
                 txn.put(LRU_KEY.pack(atime, digest), b"", db=self._lru)
             self._set_total(txn, total)
+        return added, total
 
     def touch(self, accesses: Mapping[bytes, int]) -> None:
         """Move each digest's atime forward to the given time; digests no longer indexed are skipped."""

@@ -41,6 +41,8 @@ turns it into metric families:
     dsecfs_meta_cache_hits_total, dsecfs_meta_cache_misses_total
                                                layer metadata read from the node's copies, or not there
     dsecfs_idle_mounts                         sandbox layers mounted with no sandbox using them
+    dsecfs_store_serial_round_trips            with an emulated store (--latency, benchmarks): the most
+                                               store round trips waited for one after another so far
 
 Threads: ``render`` runs in the daemon's trio thread, like everything that changes the counters, so a
 snapshot is consistent.
@@ -97,6 +99,7 @@ class NodeFigures:
     meta_cache_hits: int
     meta_cache_misses: int
     idle_mounts: int
+    store_serial_round_trips: int  # with an emulated store link (--latency): LatencyStore.serial_round_trips
 
 
 class NodeCollector(Collector):
@@ -125,6 +128,9 @@ class NodeCollector(Collector):
                                   value=node.meta_cache_misses)
         yield GaugeMetricFamily("dsecfs_idle_mounts", "Sandbox layers mounted that no sandbox uses.",
                                 value=node.idle_mounts)
+        yield GaugeMetricFamily("dsecfs_store_serial_round_trips",
+                                "Emulated store round trips (--latency) waited for one after another, at most.",
+                                value=node.store_serial_round_trips)
 
 
 def _by_label(family: GaugeMetricFamily | CounterMetricFamily, values: dict[str, int]) -> Metric:

@@ -1,14 +1,18 @@
-"""What an on-demand read brings along when it misses: the rest of its file, and, while a reader walks
-files stored one after another, a window of the files after it that grows as the walk goes on.
+"""What an on-demand read brings along when it misses: more of its file, a directory's small files, and,
+while a reader walks files stored one after another, a window of the files after it. The windows over a
+file and over a walk start small and grow only while the reader reads what they named, as the kernel's
+readahead does.
 
 Why. With a store 20 ms away, a first start is its misses one after another: the kernel asks for a big
 file a window at a time (or, for a library mapped into memory, a page fault at a time, all over the
-file), and a reader importing a package opens its files one by one. Each is a round trip. Two patterns
+file), and a reader importing a package opens its files one by one. Each is a round trip. Three patterns
 cover most of them:
 
-- **The rest of the file.** A read names the chunks of its file after it as readahead (at most
-  FILE_BYTES): the file comes in the GETs its first miss makes anyway (its chunks lie side by side in its
-  pack), and the reader's next reads of it hit the cache.
+- **More of the file, read in order.** A file's first read names the next FILE_START of its chunks after
+  it as readahead: they come in the GETs its first miss makes anyway (a file's chunks lie side by side in
+  its pack). A read that goes on where the file's previous read ended and reads a chunk so named doubles
+  the file's window, up to FILE_BYTES, and the grown window is fetched in the background. A read of the
+  file elsewhere (a page fault of a library mapped into memory, somewhere in the file) names none of it.
 - **A directory's small files.** Once a reader has read two files of one directory (an import of a
   package, a scan), a read names the directory's other files of at most SMALL_FILE_BYTES, nearest in the
   blob first, up to DIRECTORY_BYTES: the build lays them out side by side, so they come in the GETs of one
@@ -16,17 +20,28 @@ cover most of them:
 - **A walk in blob order.** The build lays a directory's files out one after another in the blob. When a
   read starts a new file right where the previous file read ended (within WALK_GAP entries), the reader
   is walking: the window of chunks named after the file doubles with each new file, from WINDOW_START up
-  to the daemon's ``--miss-readahead`` (default 4 MiB), as the kernel's readahead grows on a sequential
-  file, and holds while the reader stays in the file; a read of a file elsewhere sets it back to nothing.
-  A reader of one file never walks, so reading one file fetches that file's chunks only.
+  to the daemon's ``--miss-readahead`` (default 4 MiB) but never beyond twice the bytes the walk has read,
+  and holds while the reader stays in the file; a read of a file elsewhere ends the walk. A walk ends
+  with its last window unread, so a window that runs ahead of the walk is what a walk of small files
+  wastes. A reader of one file never walks.
+
+Why windows that must be earned. Measured on a Debian + python3 base with numpy and pandas (``import
+numpy, pandas``, fill none, no profile; docs/benchmarks.md, issue 13), the rest of a file up to 16 MiB on
+every read brought 12 MB the command never read, most of it of the 25 MB OpenBLAS library, which the
+loader maps and touches in a few places; in order only, 3 MB. A walk's window that doubled with each file
+whatever their size ran megabytes ahead of walks of small files. A directory's small files named in
+steps that must be read into (256 KiB, doubling) fetched 1.7-3 MB less on numpy, boto3 and sympy but made
+15% more store requests on numpy (425 -> 490; the steps are warmed one GET each); riding along with the
+misses instead, 2-4 MB less, but 4-17% more requests (boto3, sympy): more of a directory's files missed
+one by one. So they come at once.
 
 The fetcher fetches readahead only when a wanted chunk missed and only within the runs it reads for
-the miss (fetcher.py): it costs link bytes, never a round trip. A walk whose reads hit (the window came
-with an earlier miss) has the rest of its window fetched in the background at prefetch priority
-(``to_warm``), so the walk does not stop at the window's end; so are a directory's neighbours that
-no miss brought. The map of which chunks belong to which
-file comes from the layer's image (``FileChunks.of``, about 0.3 s for 8,000 files, so it is built in a
-worker thread once the layer is mounted; reads before it is ready get no readahead).
+the miss (fetcher.py): it costs link bytes, never a round trip. What a read names that no miss brought
+(a walk's window while its reads hit, a grown file window, a directory's small files) is fetched in the
+background at prefetch priority (``to_warm``), so the reader does not stop at the window's end. The map of which
+chunks belong to which file comes from the layer's image (``FileChunks.of``, about 0.3 s for 8,000
+files, so it is built in a worker thread once the layer is mounted; reads before it is ready get no
+readahead).
 
 Threads: ``FileChunks.of`` blocks (a worker thread); ``MissReadahead`` belongs to the daemon's trio thread.
 """
@@ -40,7 +55,8 @@ from dsec_fs.chunks import ChunkLocation
 from .analysis import LayerIndex
 from .blob_reader import BlobChunk, LayerBlob
 
-FILE_BYTES = 16 << 20  # readahead of a file's own chunks on its first read
+FILE_START = 1 << 20  # of a file's own chunks after a read, named at first
+FILE_BYTES = 16 << 20  # what a file's window grows to while the reader reads what it named
 WINDOW_START = 256 << 10
 DEFAULT_WINDOW = 4 << 20
 WALK_GAP = 2  # blob entries between one file's last read chunk and the next file's first: still a walk
@@ -93,51 +109,58 @@ class MissReadahead:
         self.blob = blob
         self.max_window = max_window
         self.files: FileChunks | None = None  # set once built
+        self._walk_bytes = 0  # of the chunks the current walk has read
         self._window = 0
         self._window_entries: list[int] = []  # the window the latest read named
         self._warmed_to = -1  # the last entry a walk's window was warmed up to
         self._last_file = -1
         self._last_end = -1  # the last blob entry of the latest read
+        self._named: set[int] = set()  # entries named as readahead and not read yet
+        self._file_window: dict[int, int] = {}  # file -> its window, once read
+        self._file_end: dict[int, int] = {}  # file -> the last entry of its latest read
         self._read_files: set[int] = set()  # files read so far
         self._directory_reads: dict[int, int] = {}  # directory -> files of it read so far
-        self._neighbours: list[int] = []  # the directory neighbours the latest read named
+        self._warm: list[int] = []  # what the latest read named for the background (to_warm)
 
     def ready(self, files: FileChunks) -> None:
         self.files = files
 
     def plan(self, chunks: list[BlobChunk]) -> list[tuple[bytes, ChunkLocation]]:
         """Named on every read (the fetcher looks at it only if the read misses): the file's chunks after
-        this read, and while walking, the window after the file."""
+        this read, a directory's small files, and while walking, the window after the file."""
         files = self.files
         if files is None or not chunks:
             return []
         first, last = chunks[0].entry, chunks[-1].entry
         number = files.owner[first]
+        foreseen = [chunk.entry for chunk in chunks if chunk.entry in self._named]  # readahead that was read
+        self._named.difference_update(foreseen)
         if number != self._last_file:  # a new file: the next one in the blob, or a jump
             adjacent = number >= 0 and self._last_file >= 0 and 0 < first - self._last_end <= WALK_GAP
-            self._window = min(max(2 * self._window, WINDOW_START), self.max_window) if adjacent else 0
-            if not adjacent:
+            if adjacent:
+                self._window = min(max(2 * self._window, WINDOW_START), max(2 * self._walk_bytes, WINDOW_START),
+                                   self.max_window)
+            else:
+                self._window = self._walk_bytes = 0
                 self._warmed_to = -1
+        if number >= 0 and first > self._last_end:
+            self._walk_bytes += sum(chunk.length for chunk in chunks if chunk.entry > self._last_end)
         self._last_file, self._last_end = number, last
         ahead: dict[int, None] = {}
         if number >= 0:
-            own = files.files[number]
-            self._take(ahead, own[own.index(last) + 1:] if last in own else own, FILE_BYTES)
-        window: dict[int, None] = {}
+            self._plan_file(ahead, files.files[number], number, first, last, bool(foreseen))
+        window_entries: dict[int, None] = {}
         if number >= 0 and self._window:
-            self._take(window, range(max(last, files.files[number][-1]) + 1, len(self.blob.blob_map.entries)),
-                       self._window)
-        self._window_entries = list(window)
-        ahead.update(window)
-        neighbours: dict[int, None] = {}
+            after = range(max(last, files.files[number][-1]) + 1, len(self.blob.blob_map.entries))
+            self._name(window_entries, after, self._window)
+        self._window_entries = list(window_entries)
+        ahead.update(window_entries)
         if number >= 0 and number not in self._read_files:
             self._read_files.add(number)
             parent = files.directory[number]
             self._directory_reads[parent] = self._directory_reads.get(parent, 0) + 1
             if self._directory_reads[parent] == 2:  # a reader of several files of this directory
-                self._take(neighbours, self._near(files, parent, number), DIRECTORY_BYTES)
-        self._neighbours += neighbours  # until to_warm takes them
-        ahead.update(neighbours)
+                self._warm += self._name(ahead, self._near(files, parent, number), DIRECTORY_BYTES)
         wanted = {chunk.entry for chunk in chunks}
         entries = self.blob.blob_map.entries
         return [(entries[entry][1], self.blob.location(entry, entries[entry][1])) for entry in ahead
@@ -148,14 +171,33 @@ class MissReadahead:
         fetcher skips what is cached or in the air). The fetcher brings readahead only with a miss and
         only in the runs of the miss, and a walk whose window arrived reads hit after hit until it runs
         past it: as the kernel's async readahead, the part of the window no earlier call gave is asked
-        for before the reader gets there; and the directory neighbours a read named."""
+        for before the reader gets there; and what a grown file or directory window named."""
         entries = self.blob.blob_map.entries
         fresh = [entry for entry in self._window_entries if entry > self._warmed_to]
         if fresh:
             self._warmed_to = fresh[-1]
-        fresh += self._neighbours
-        self._neighbours = []
+        fresh += self._warm
+        self._warm = []
         return [(entries[entry][1], self.blob.location(entry, entries[entry][1])) for entry in fresh]
+
+    def _plan_file(self, ahead: dict[int, None], own: tuple[int, ...], number: int, first: int, last: int,
+                   foreseen: bool) -> None:
+        """Name the file's window after this read: on its first read and on reads that go on where its
+        previous read ended; a read of it elsewhere (a page fault of a mapped library) names none of it.
+        A read in order of a chunk readahead named (``foreseen``: this file's window, or a walk's that
+        reached into the file) doubles the window, and what it grew by is warmed."""
+        previous = self._file_end.get(number)
+        self._file_end[number] = last
+        if previous is not None and not previous <= first <= previous + 1:
+            return
+        window = self._file_window.get(number, FILE_START)
+        grown = foreseen and window < FILE_BYTES
+        if grown:
+            window = min(2 * window, FILE_BYTES)
+        self._file_window[number] = window
+        named = self._name(ahead, own[own.index(last) + 1:] if last in own else own, window)
+        if grown:
+            self._warm += named  # what the window grew by
 
     def _near(self, files: FileChunks, parent: int, number: int):
         """The chunks of the directory's small files not read yet, nearest in the blob to ``number`` first."""
@@ -165,10 +207,17 @@ class MissReadahead:
         for member in members:
             yield from files.files[member]
 
-    def _take(self, ahead: dict[int, None], candidates, budget: int) -> None:
+    def _name(self, ahead: dict[int, None], candidates, budget: int) -> list[int]:
+        """Add to ``ahead`` the ``candidates`` that fit in ``budget`` bytes, in order, and note those not
+        named yet as named. Returns those."""
         entries = self.blob.blob_map.entries
+        named = []
         for entry in candidates:
             budget -= entries[entry][2]
             if budget < 0:
-                return
+                break
             ahead[entry] = None
+            if entry not in self._named:
+                self._named.add(entry)
+                named.append(entry)
+        return named

@@ -76,7 +76,9 @@ def figures(daemon: NodeDaemon) -> NodeFigures:
         store_reads_running=sum(f.store_reads_running for f in fetchers),
         store_reads_waiting={p.name.lower(): sum(f.waiting(p) for f in fetchers) for p in Priority},
         store_requests=store_requests(daemon.stores), meta_cache_hits=copies.hits if copies else 0,
-        meta_cache_misses=copies.misses if copies else 0, idle_mounts=len(daemon.idle))
+        meta_cache_misses=copies.misses if copies else 0, idle_mounts=len(daemon.idle),
+        store_serial_round_trips=max((c.emulated.serial_round_trips for c in daemon.stores.values() if c.emulated),
+                                     default=0))
 
 
 def store_requests(stores: dict[str, StoreContext]) -> dict[str, int]:

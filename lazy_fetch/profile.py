@@ -214,21 +214,29 @@ def name_id(ref_name: str) -> str:
 
 
 def fetch(store: Store, prefix: str, *, combination: str = "", layer: str = "") -> Profile | None:
-    """The merged profile of every node's object under ``prefix`` (keys.*_profiles); objects that do
-    not decode, or (given ``combination`` and ``layer``) are not of that combination and layer, are
-    logged and skipped; None when there are none (or the store fails: a profile is only ever a help)."""
+    """The merged profile of every node's object under ``prefix`` (keys.*_profiles): ``listed`` then
+    ``load``; None when there are none (or the store fails: a profile is only ever a help)."""
+    names = listed(store, prefix)
+    return load(store, names, combination=combination, layer=layer) if names else None
+
+
+def listed(store: Store, prefix: str) -> list[str]:
+    """The keys of the node objects under ``prefix`` (at most MAX_PUBLISHERS); [] if the store fails."""
     try:
-        names = sorted(store.list(prefix))[:MAX_PUBLISHERS]
+        return sorted(store.list(prefix))[:MAX_PUBLISHERS]
     except DsecError as exc:
         log.warning("cannot list the profiles under %s: %s", prefix, exc)
-        return None
+        return []
 
-    def load(key: str) -> Profile | None:
+
+def load(store: Store, names: list[str], *, combination: str = "", layer: str = "") -> Profile | None:
+    """The merged profile of the node objects ``names``, each read in one request, side by side; objects
+    that do not decode, or (given ``combination`` and ``layer``) are not of that combination and layer,
+    are logged and skipped; None when none is left."""
+
+    def load_one(key: str) -> Profile | None:
         try:
-            size = store.size(key)
-            if size > MAX_PROFILE_BYTES:
-                raise FormatError("profile", None, f"{size} bytes, over the limit of {MAX_PROFILE_BYTES}", source=key)
-            found = Profile.decode(store.get(key), source=key)
+            found = Profile.decode(store.get_at_most(key, MAX_PROFILE_BYTES), source=key)
             if combination and (found.combination, found.layer) != (combination, layer):
                 raise FormatError("profile.combination", None, f"learned on layer {found.layer[:12]} in "
                                   f"combination {found.combination[:12] or '(none)'}, not this key's", source=key)
@@ -242,7 +250,7 @@ def fetch(store: Store, prefix: str, *, combination: str = "", layer: str = "") 
     if not names:
         return None
     with ThreadPoolExecutor(max_workers=min(8, len(names)), thread_name_prefix="profile") as pool:
-        found = [p for p in pool.map(load, names) if p is not None]
+        found = [p for p in pool.map(load_one, names) if p is not None]
     return merge(found) if found else None
 
 

@@ -1,9 +1,9 @@
 """The node daemon's side of access profiles (profile.py): look them up for a mount, publish them after.
 
-- ``lookup`` (called by the daemon while it opens a layer, in the thread that read the manifest, so its
-  round trips overlap those of meta.erofs and the blob map): the merged profile of the layer in the
-  sandbox's combination, if it has one, else that of the layer's digest (both looked up at once), else
-  that of its ref name (a new tag of a known name), else None. ``lookup_combination``: the combination's
+- ``lookup`` (called by the daemon as it opens a layer, once the layer's digest is known, so its two round
+  trips overlap those of the manifest, meta.erofs and the blob map): the merged profile of the layer in the
+  sandbox's combination, if it has one, else that of the layer's digest, else that of its ref name (a new
+  tag of a known name), else None; the three are listed at once. ``lookup_combination``: the combination's
   only, for a sandbox that joins a layer already mounted for others (its prefetch, in the background).
 - ``plan`` turns the profile into the PrefetchList of the layer being mounted (a worker thread).
 - ``publish_soon``: once the last mount of a layer in a mode goes and its trace is closed, a background
@@ -75,22 +75,20 @@ class ProfileKeeper:
         self._queued: list[_Publish] = []
 
     def lookup(self, store: Store, digest: str, ref_name: str | None, combination: str = "") -> FoundProfile | None:
-        layer_key = keys.layer_profiles(digest)
-        if combination:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-combination") as pool:
-                in_combination = pool.submit(self.lookup_combination, store, digest, combination)
-                found = profile.fetch(store, layer_key)
-                if (best := in_combination.result()) is not None:
-                    return best
-        else:
-            found = profile.fetch(store, layer_key)
-        if found is not None:
-            return FoundProfile(found, "layer", layer_key)
+        """Two round trips: the combination's, the layer's and the ref name's objects are listed side by
+        side; then the objects of the first of those that has any are read side by side (and, only if none
+        of them decodes, the next one's)."""
+        choices = [(keys.combination_profiles(combination, digest), "combination")] if combination else []
+        choices.append((keys.layer_profiles(digest), "layer"))
         if ref_name:
-            name_key = keys.name_profiles(profile.name_id(ref_name))
-            found = profile.fetch(store, name_key)
+            choices.append((keys.name_profiles(profile.name_id(ref_name)), "name"))
+        with ThreadPoolExecutor(max_workers=len(choices), thread_name_prefix="profile-list") as pool:
+            listings = list(pool.map(lambda choice: profile.listed(store, choice[0]), choices))
+        for (key, source), names in zip(choices, listings):
+            checked = {"combination": combination, "layer": digest} if source == "combination" else {}
+            found = profile.load(store, names, **checked)
             if found is not None:
-                return FoundProfile(found, "name", name_key)
+                return FoundProfile(found, source, key)
         return None
 
     @staticmethod

@@ -2,7 +2,8 @@
 
     StoreContext  one per store URL: the store (wrapped: faults, latency, limit, retry, refs cached for a
                   short time), its ChunkIndex, its ChunkFetcher and the MemoryFrontedFetcher blobs read
-                  through, the node's metadata copies (meta_cache.py) and the requests the store saw
+                  through, the node's metadata copies (meta_cache.py), the requests the store saw and
+                  the emulated link's round trips (LatencyStore), if there is one
     Layer         a layer some mount uses: its files, its blob, its store, its usage, its prefetch
     Served        the blob layer_mount serves for one layer in one mode, shared by that layer's mounts in
                   that mode, with their one trace (in segments, one per label: trace_holders.py)
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from dsec_fs.chunks import ChunkIndex
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store.base import Store
-from dsec_fs.store.wrappers import CountingStore
+from dsec_fs.store.wrappers import CountingStore, LatencyStore
 
 from .analysis import LayerIndex
 from .blob_reader import LayerBlob
@@ -41,6 +42,7 @@ class StoreContext:
     indexed_layers: set[str] = field(default_factory=set)  # layers whose pack indexes chunk_index holds
     copies: MetaCache | None = None  # the node's copies of layer metadata (None: every open reads the store)
     requests: CountingStore | None = None  # the requests the store itself answered (below every wrapper)
+    emulated: LatencyStore | None = None  # the emulated link to the store (benchmarks), if there is one
 
     @property
     def index_reads(self) -> Store:

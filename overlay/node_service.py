@@ -12,8 +12,9 @@
   daemon's ``idle_grace`` (lazy_fetch/idle_mounts.py), and an acquire meanwhile takes it as it is (no
   store request, no mount(2)); once the grace ends, or the daemon stops, it is unmounted. The mounts are the
   daemon's own, so ``dsecfs status`` lists them and a restarted daemon detaches them like any other.
-  Before a layer's first mount every pack holding its chunks is checked to be in the store, so a layer
-  whose data is gone fails ``up`` with NotFoundError instead of failing reads (EIO) inside a command.
+  Before a layer's first mount every pack holding its chunks is checked to be in the store (by the
+  daemon's mount, ``check_packs``, beside its other reads), so a layer whose data is gone fails ``up``
+  with NotFoundError instead of failing reads (EIO) inside a command.
 - ``SandboxService``: the HTTP routes (below) over a SandboxManager whose state lives in
   ``state_dir/sandbox/`` (its lock, ``sandboxes/``, ``runc/``), and the daemon's start and stop hooks.
 
@@ -64,7 +65,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,17 +72,14 @@ import trio
 
 from dsec_fs import api, exec_frames, mounts
 from dsec_fs.api import MODES
-from dsec_fs.chunks import INDEX_LOAD_THREADS
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.files import private_dir
-from dsec_fs.layer import parse_ref, read_manifest, resolve
-from dsec_fs.store import default_store_url, keys, open_store
-from dsec_fs.store.base import Store
+from dsec_fs.layer import parse_ref, resolve
+from dsec_fs.store import default_store_url, open_store
 from erofs_builder.build import build_tree
 from lazy_fetch.daemon import NodeDaemon
 from lazy_fetch.http_api import Request, Upgrade
-from lazy_fetch.meta_cache import MetaCache
 from lazy_fetch.trace_holders import Holder, combination_id
 
 from .attach import AttachCommand, relay
@@ -161,8 +158,8 @@ class DaemonLayers:
         async with self._turn(digest):
             held = self._held.get(digest)
             if held is None:
-                held = self._held[digest] = _HeldLayer(await self._mount(store, digest, name=name, profile=profile,
-                                                                         fill=fill, holder=holder))
+                held = self._held[digest] = _HeldLayer(await self._mount(digest, name=name, profile=profile, fill=fill,
+                                                                         holder=holder))
             else:
                 if not held.users:
                     self.daemon.idle.take(held.mountpoint)  # idle: used again within its grace
@@ -237,14 +234,13 @@ class DaemonLayers:
                 continue
             _remove_dir(path)
 
-    async def _mount(self, store: Store, digest: str, *, name: str | None, profile: bool, fill: str | None,
+    async def _mount(self, digest: str, *, name: str | None, profile: bool, fill: str | None,
                      holder: Holder | None) -> str:
-        await trio.to_thread.run_sync(_check_packs, store, digest, self.daemon.meta_copies)
         mountpoint = os.path.join(self.directory, digest)
         os.makedirs(mountpoint, exist_ok=True)
         try:
             await self.daemon.mount(digest, mountpoint, mode=self.mode, name=name, profile=profile, fill=fill,
-                                    holder=holder)
+                                    holder=holder, check_packs=True)
         except BaseException:
             _remove_dir(mountpoint)
             raise
@@ -278,19 +274,6 @@ class DaemonLayers:
             turn.callers -= 1
             if not turn.callers:
                 del self._turns[digest]
-
-
-def _check_packs(store: Store, digest: str, copies: MetaCache | None) -> None:
-    """NotFoundError unless the layer is published and every pack holding its chunks is in the store. The
-    manifest may come from the node's copies (``copies``, lazy_fetch/meta_cache.py); the packs are asked
-    for side by side, in one round trip."""
-    manifest = copies.manifest(store, digest) if copies else read_manifest(store, digest)
-    with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="check-packs") as pool:
-        present = list(pool.map(lambda pack: store.exists(keys.pack(pack)), manifest.packs))
-    missing = [pack for pack, there in zip(manifest.packs, present) if not there]
-    if missing:
-        raise NotFoundError(f"{len(missing)} of the {len(manifest.packs)} packs holding the layer's chunks are "
-                            "not in the store", where=f"layer {digest}, pack {missing[0]}")
 
 
 def _remove_dir(path: str) -> None:

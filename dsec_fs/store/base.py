@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 
-from ..errors import InputError
+from ..errors import InputError, UnsupportedError
 
 
 class Store(abc.ABC):
@@ -34,6 +34,15 @@ class Store(abc.ABC):
         A range that runs past the end of the object is an error (CorruptError), never a short answer:
         callers ask for ranges an index promised them.
         """
+
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        """All of ``key`` if it holds at most ``limit`` bytes, else UnsupportedError; never more than
+        ``limit`` bytes in memory. For small objects anyone may write (access profiles): a backend answers
+        in one request (one ranged read that also tells the size); this default asks for the size first."""
+        size = self.size(key)
+        if size > limit:
+            raise too_large(key, size, limit)
+        return self.get(key, 0, size)
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview) -> None:
@@ -69,6 +78,10 @@ class Store(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
+
+
+def too_large(where: str, size: int | str, limit: int) -> UnsupportedError:
+    return UnsupportedError(f"{size} bytes, over the limit of {limit} for this object", where=where)
 
 
 def check_range(key: str, offset: int, length: int | None) -> None:

@@ -31,6 +31,7 @@ the only other shared state is ``_bucket_seen``, a flag written once (a race mer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -53,7 +54,7 @@ from botocore.exceptions import (
 )
 
 from ..errors import CorruptError, DsecError, InputError, NotFoundError, UnavailableError
-from .base import Store, check_key, check_range
+from .base import Store, check_key, check_range, too_large
 
 T = TypeVar("T")
 
@@ -211,6 +212,28 @@ class S3Store(Store):
                 f"range [{offset}, {offset + length}) runs past the end ({offset + len(data)})",
                 where=self._where(key),
             )
+        return data
+
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        name = self._name(key)
+
+        def fetch() -> bytes:
+            # A range one byte past the limit: S3 answers what there is, and its Content-Range the size.
+            answer = self._client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes=0-{limit}")
+            with contextlib.closing(answer["Body"]) as body:
+                size = answer.get("ContentRange", "").rpartition("/")[2]
+                if (int(size) if size.isdigit() else answer["ContentLength"]) > limit:
+                    raise too_large(self._where(key), size, limit)
+                return body.read(limit + 1)
+
+        try:
+            data = self._call(key, fetch)
+        except CorruptError:  # 416: an empty object has no byte 0
+            if self._head(key)["ContentLength"]:
+                raise
+            return b""
+        if len(data) > limit:
+            raise too_large(self._where(key), f"more than {limit}", limit)
         return data
 
     def put(self, key: str, data: bytes | memoryview) -> None:

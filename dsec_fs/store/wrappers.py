@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..backoff import backoff_delay
 from ..errors import InputError, NotFoundError, UnavailableError
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 # Seconds after which LimitStore stops counting a call still in the store: the node daemon's default fetch
 # deadline (lazy_fetch.fetcher.DEFAULT_TIMEOUT); pass the deadline the callers really use.
 DEFAULT_STUCK_AFTER = 30.0
+
+W = TypeVar("W", bound="StoreWrapper")
 
 
 class StoreWrapper(Store):
@@ -58,6 +60,9 @@ class StoreWrapper(Store):
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         return self._call("get", key, lambda: self.inner.get(key, offset, length))
+
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        return self._call("get", key, lambda: self.inner.get_at_most(key, limit))
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         self._call("put", key, lambda: self.inner.put(key, data), sent=memoryview(data).nbytes)
@@ -192,25 +197,40 @@ class LatencyStore(StoreWrapper):
     Every request waits ``latency`` seconds (requests overlap, like round trips on many connections).
     The bytes of gets and puts then cross one shared link of ``bandwidth`` bytes per second (None:
     unlimited): transfers queue behind each other, so 16 parallel reads of 4 MiB on a 100 MB/s link take
-    about 0.7 s in all, as they would on a real one. The lock guards ``_link_free_at``, the moment the link
-    finishes the transfers booked so far.
+    about 0.7 s in all, as they would on a real one.
+
+    ``serial_round_trips``: how many round trips callers waited for one after another, at most, so far: a
+    request's depth is one more than that of the deepest request that had ended when it started, and this
+    is the greatest depth of any request that ended. Requests made side by side share a depth; a request
+    made with what another returned comes after it. On a remote store this count, not the number of
+    requests, is what a start waits for.
+
+    The lock guards ``_link_free_at`` (the moment the link finishes the transfers booked so far) and
+    ``serial_round_trips``.
     """
 
     def __init__(self, inner: Store, latency: float = 0.02, bandwidth: float | None = 100e6):
         super().__init__(inner)
         self.latency = latency
         self.bandwidth = bandwidth
+        self.serial_round_trips = 0
         self._link_free_at = 0.0
         self._lock = threading.Lock()
 
     def _call(self, op, key, fn, sent=0):
-        time.sleep(self.latency)
-        if sent:
-            self._transfer(sent)
-        result = fn()
-        if op == "get":
-            self._transfer(len(result))
-        return result
+        with self._lock:
+            depth = self.serial_round_trips + 1
+        try:
+            time.sleep(self.latency)
+            if sent:
+                self._transfer(sent)
+            result = fn()
+            if op == "get":
+                self._transfer(len(result))
+            return result
+        finally:
+            with self._lock:
+                self.serial_round_trips = max(self.serial_round_trips, depth)
 
     def _transfer(self, nbytes: int) -> None:
         if not self.bandwidth:
@@ -464,6 +484,15 @@ def _damage(rule: FaultRule, data: bytes) -> bytes:
     if rule.action == "truncate":
         return data[: len(data) // 2 if rule.arg is None else rule.arg]
     return _flip_bits(data, *rule.arg)
+
+
+def find_wrapper(store: Store, kind: type[W]) -> W | None:
+    """The outermost ``kind`` in the chain of wrappers ``store`` is the top of; None if there is none."""
+    while not isinstance(store, kind):
+        if not isinstance(store, StoreWrapper):
+            return None
+        store = store.inner
+    return store
 
 
 def wrap_store(

@@ -109,6 +109,21 @@ def test_same_chunk_twice_is_stored_once(store):
     assert store.puts["packs"] == 1
 
 
+def test_a_chunk_is_claimed_once_then_added_by_its_claimer(store):
+    data = chunk(2)
+    digest = sha256(data)
+    index = ChunkIndex()
+    uploader = ChunkUploader(store, index)
+    assert uploader.claim(digest) is True
+    assert uploader.claim(digest) is False  # another thread met it meanwhile: it does not compress it again
+    assert uploader.add(digest, len(data), compress.compress(data)) is False
+    uploader.add_claimed(digest, len(data), compress.compress(data))
+    (pack_id,) = uploader.flush()
+    assert uploader.new_chunks == 1
+    assert [entry.digest for entry in index_from_pack(store.get(keys.pack(pack_id)), source=pack_id)] == [digest]
+    assert uploader.claim(digest) is False  # stored now: the index holds it
+
+
 def test_concurrent_adds_store_each_chunk_once(store):
     chunks = [chunk(n, size=1024) for n in range(200)]
     frames = [compress.compress(c) for c in chunks]

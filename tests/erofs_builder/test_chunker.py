@@ -137,6 +137,30 @@ def test_a_reader_that_disagrees_with_the_size(store, pieces):
     assert info.value.where == "m/f"
 
 
+@pytest.mark.parametrize("pieces", [[], [b"x" * 99], [b"x" * 101], [b"x" * 100, b"y"], [b"x" * 100, None]])
+def test_a_small_file_whose_reader_disagrees_with_the_size(store, pieces):
+    # A file of one piece under INLINE_BYTES is named in the main thread, outside the batch loop.
+    node = Node(mode=stat.S_IFREG | 0o644, size=100, reader=lambda _size: iter(pieces), source="m/small")
+    tree = Tree()
+    tree.add(b"f", node)
+    with pytest.raises(InputError) as info:
+        run(tree, store)
+    assert info.value.where == "m/small"
+
+
+def test_small_files_of_zeros_or_holes_are_holes_and_repeats_are_stored_once(store):
+    tree = Tree()
+    tree.add(b"zeros", mem_file(bytes(300)))
+    tree.add(b"a", mem_file(b"same content"))
+    tree.add(b"b", mem_file(b"same content"))
+    tree.add(b"hole", Node(mode=stat.S_IFREG | 0o644, size=50, reader=lambda _size: iter([None]), source="m/h"))
+    _blob_map, stats, _index = run(tree, store)
+    nodes = dict(tree.walk())
+    assert list(nodes[b"zeros"].chunks) == [None] and list(nodes[b"hole"].chunks) == [None]
+    assert list(nodes[b"a"].chunks) == list(nodes[b"b"].chunks) == [sha(b"same content")]
+    assert (stats.new_chunks, stats.hole_chunks, stats.dedup_bytes) == (1, 2, len(b"same content"))
+
+
 def test_memory_stays_bounded_whatever_the_data_size(store):
     """512 MiB of distinct chunks pass through with a peak of a few pieces (2 workers: 4 in flight)."""
     piece_count, chunk_size = 512, 1 << 20

@@ -42,6 +42,7 @@ def assert_consistent(directory, max_bytes):
         assert stats.entries == len(files)
         total = 0
         for name in files:
+            assert not cache.lacks(bytes.fromhex(name))  # never claims to lack a chunk it holds
             data = cache.get(bytes.fromhex(name))
             assert data is not None and to_hex(sha256(data)) == name
             total += len(data)
@@ -108,6 +109,28 @@ def test_rotten_entry_is_dropped_and_reported_as_miss(tmp_path, damage):
         # Fetched again, it is cached again.
         cache.put(sha256(data), data)
         assert cache.get(sha256(data)) == data
+
+
+def test_lacks_answers_from_memory_and_never_for_a_cached_chunk(tmp_path):
+    held = [chunk(n) for n in range(200)]
+    others = [chunk(n) for n in range(1000, 1200)]
+    with ChunkCache(str(tmp_path), 1 << 30) as cache:
+        assert all(cache.lacks(sha256(data)) for data in held + others)
+        cache.put_many([(sha256(data), data) for data in held])
+        assert not any(cache.lacks(sha256(data)) for data in held)
+        assert sum(cache.lacks(sha256(data)) for data in others) >= 190  # slots shared by chance: looked up
+        # A rotten chunk, dropped, is lacked again.
+        os.unlink(chunk_files(tmp_path)[to_hex(sha256(held[0]))])
+        assert cache.get(sha256(held[0])) is None
+        assert cache.lacks(sha256(held[0]))
+        before = cache.stats().misses
+        cache.note_misses(3)  # misses that lacks answered, not looked up, are counted still
+        assert cache.stats().misses == before + 3
+    with ChunkCache(str(tmp_path), 1 << 30) as cache:  # counted again at open
+        assert not any(cache.lacks(sha256(data)) for data in held[1:])
+        assert cache.lacks(sha256(held[0]))
+        assert cache.evict_to(0) == 199
+        assert all(cache.lacks(sha256(data)) for data in held)  # counted down by eviction
 
 
 def test_put_many_records_a_batch(tmp_path):

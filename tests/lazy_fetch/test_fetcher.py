@@ -2,6 +2,7 @@ import logging
 import os
 import random
 import threading
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -669,6 +670,19 @@ class BlockingPutCache(ChunkCache):
         return super().put_many(chunks)
 
 
+@asynccontextmanager
+async def releasing_fetcher(store, cache: BlockingPutCache):
+    """A fetcher on ``cache`` for at most 10 s; on the way out its writes are released and its flights
+    waited for."""
+    async with open_fetcher(store, cache) as fetcher:
+        try:
+            with trio.fail_after(10):
+                yield fetcher
+        finally:
+            cache.release.set()
+        await until(lambda: fetcher.in_flight == 0)
+
+
 def test_a_reader_has_its_bytes_before_the_cache_has_written_them(backend, tmp_path):
     data = chunk(1)
     (digest, location), = upload(backend, [data])
@@ -696,6 +710,60 @@ def test_a_reader_has_its_bytes_before_the_cache_has_written_them(backend, tmp_p
         cache.close()
 
 
+class CountingGetCache(ChunkCache):
+    """A chunk cache that counts its lookups."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gets = 0
+
+    def get(self, digest):
+        self.gets += 1
+        return super().get(digest)
+
+
+def test_a_chunk_the_cache_surely_lacks_is_not_looked_up(backend, tmp_path):
+    items = upload(backend, [chunk(0), chunk(1)])
+    cache = CountingGetCache(str(tmp_path / "cache"), 64 << 20)
+
+    async def main():
+        async with open_fetcher(backend, cache) as fetcher:
+            assert await fetcher.fetch(*items[0], label="layer") == chunk(0)  # a miss: straight to the store
+            assert cache.gets == 0
+            await until(lambda: fetcher.in_flight == 0)
+            assert await fetcher.fetch(*items[0], label="layer") == chunk(0)  # cached now: looked up, a hit
+            assert cache.gets == 1
+            assert await fetcher.fetch(*items[1], label="layer") == chunk(1)
+            stats = fetcher.stats("layer")
+            assert (stats.hits, stats.misses, stats.chunks_fetched) == (1, 2, 2)
+
+    try:
+        trio.run(main)
+        assert cache.stats().misses == 2 and cache.stats().hits == 1
+    finally:
+        cache.close()
+
+
+def test_runs_handed_over_during_a_cache_write_are_written_in_one_put(backend, tmp_path):
+    items = [upload(backend, [chunk(n)])[0] for n in range(4)]  # a pack each: a run each
+    cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
+
+    async def main():
+        async with releasing_fetcher(backend, cache) as fetcher:
+            assert await fetcher.fetch(*items[0]) == chunk(0)
+            await until(lambda: cache.puts == 1)  # its write under way
+            for n in (1, 2, 3):  # readers have them while the first write goes on
+                assert await fetcher.fetch(*items[n]) == chunk(n)
+            assert cache.puts == 1
+
+    try:
+        trio.run(main)
+        assert cache.puts == 2  # the three runs handed over meanwhile: one put_many, one index commit
+        assert [cache.get(digest) for digest, _ in items] == [chunk(n) for n in range(4)]
+    finally:
+        cache.close()
+
+
 def test_runs_waiting_for_a_slow_cache_are_bounded_then_readers_wait_for_the_write(backend, tmp_path, monkeypatch):
     import lazy_fetch.fetcher as fetcher_module
 
@@ -704,27 +772,24 @@ def test_runs_waiting_for_a_slow_cache_are_bounded_then_readers_wait_for_the_wri
     cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
 
     async def main():
-        async with open_fetcher(backend, cache) as fetcher:
-            try:
-                with trio.fail_after(10):
-                    for item in items[:2]:  # handed over while their cache writes hang
-                        assert await fetcher.fetch(*item) == chunk(items.index(item))
-                    got = []
+        async with releasing_fetcher(backend, cache) as fetcher:
+            for item in items[:2]:  # handed over while their cache writes hang
+                assert await fetcher.fetch(*item) == chunk(items.index(item))
+            got = []
 
-                    async def third():
-                        got.append(await fetcher.fetch(*items[2]))
+            async def third():
+                got.append(await fetcher.fetch(*items[2]))
 
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(third)
-                        await until(lambda: cache.puts == 3)
-                        await trio.sleep(0.2)
-                        # the third waits for its write: two runs' bytes are held already
-                        assert got == [] and fetcher.in_flight == 3
-                        cache.release.set()
-                    assert got == [chunk(2)]
-            finally:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(third)
+                # the first run's write hangs, the second waits for the cache writer, and the third
+                # writes on its own
+                await until(lambda: cache.puts == 2)
+                await trio.sleep(0.2)
+                # the third waits for its write: two runs' bytes are held already
+                assert got == [] and fetcher.in_flight == 3
                 cache.release.set()
-            await until(lambda: fetcher.in_flight == 0)
+            assert got == [chunk(2)]
 
     try:
         trio.run(main)

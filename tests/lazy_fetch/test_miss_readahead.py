@@ -1,5 +1,6 @@
-"""Miss readahead (lazy_fetch/miss_readahead.py): the rest of a file on its first read, and a growing
-window while a reader walks files in blob order; a reader of one file fetches that file's chunks only."""
+"""Miss readahead (lazy_fetch/miss_readahead.py): a window of a file's chunks that grows while the file is
+read in order, a directory's small files, and a growing window while a reader walks files in blob order; a
+reader of one file fetches that file's chunks only, and a reader of a big file in places not the file."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from lazy_fetch.blob_reader import BlobChunk
-from lazy_fetch.miss_readahead import WINDOW_START, FileChunks, MissReadahead
+from lazy_fetch.miss_readahead import FILE_BYTES, FILE_START, WINDOW_START, FileChunks, MissReadahead
 from lazy_fetch.trace import FLAG_MISS, read_trace
 from tests.lazy_fetch.daemon_support import Daemons, file_chunks, layer_metric, layer_store, mount_dirs, wait_for
 
@@ -25,14 +26,14 @@ class _Blob:
     """What MissReadahead uses of a LayerBlob: the blob map's entries and chunk locations."""
 
     def __init__(self, lengths):
-        self.blob_map = type("Map", (), {"entries": [(i, bytes([i]) * 32, n) for i, n in enumerate(lengths)]})()
+        self.blob_map = type("Map", (), {"entries": [(i, i.to_bytes(32, "big"), n) for i, n in enumerate(lengths)]})()
 
     def location(self, entry, digest):
         return entry
 
 
-def _chunks(*entries):
-    return [BlobChunk(e, bytes([e]) * 32, e * CHUNK, CHUNK) for e in entries]
+def _chunks(*entries, length=CHUNK):
+    return [BlobChunk(e, e.to_bytes(32, "big"), e * length, length) for e in entries]
 
 
 def _planner(files, lengths, max_window=4 * CHUNK, directories=None):
@@ -51,11 +52,39 @@ def _planner(files, lengths, max_window=4 * CHUNK, directories=None):
     return planner
 
 
-def test_a_read_names_the_rest_of_its_file_and_no_other_file():
+def _locations(named):
+    return [location for _digest, location in named]
+
+
+def test_a_read_names_the_rest_of_a_small_file_and_no_other_file():
     planner = _planner([[0, 1, 2, 3], [4, 5]], [CHUNK] * 6)
-    assert [location for _digest, location in planner.plan(_chunks(1))] == [2, 3]
-    assert planner.plan(_chunks(3)) == []  # its file's last chunk: nothing after it
-    assert [location for _digest, location in planner.plan(_chunks(0))] == [1, 2, 3]
+    assert _locations(planner.plan(_chunks(1))) == [2, 3]
+    assert planner.plan(_chunks(2, 3)) == []  # its file's last chunk: nothing after it
+
+
+def test_a_big_file_read_in_places_names_its_first_window_only():
+    """A library mapped into memory is read a page fault at a time, here and there: only the file's
+    first read names a window; the others fetch what they read."""
+    start = FILE_START // CHUNK
+    planner = _planner([list(range(4 * start))], [CHUNK] * (4 * start))
+    assert _locations(planner.plan(_chunks(0))) == list(range(1, 1 + start))
+    assert planner.plan(_chunks(2 * start)) == []
+    assert planner.plan(_chunks(3 * start + 5)) == []
+    assert planner.to_warm() == []
+
+
+def test_a_file_read_in_order_doubles_its_window_as_it_reads_into_it():
+    start = FILE_START // CHUNK
+    count = 2 * FILE_BYTES // CHUNK
+    planner = _planner([list(range(count))], [CHUNK] * count)
+    assert _locations(planner.plan(_chunks(0))) == list(range(1, 1 + start))
+    assert planner.to_warm() == []  # the first window comes with the miss
+    assert _locations(planner.plan(_chunks(1))) == list(range(2, 2 + 2 * start))  # read into it: doubled
+    assert _locations(planner.to_warm()) == list(range(1 + start, 2 + 2 * start))  # what it grew by, warmed
+    assert _locations(planner.plan(_chunks(2))) == list(range(3, 3 + 4 * start))
+    for entry in range(3, 3 + 8):
+        planner.plan(_chunks(entry))
+    assert len(planner.plan(_chunks(11))) == FILE_BYTES // CHUNK  # at most FILE_BYTES
 
 
 def test_a_walk_in_blob_order_grows_a_window_and_a_jump_resets_it():
@@ -71,6 +100,29 @@ def test_a_walk_in_blob_order_grows_a_window_and_a_jump_resets_it():
     assert [loc for _d, loc in planner.plan(_chunks(8))] == [9]
 
 
+def test_a_big_file_a_walk_reaches_grows_its_window_as_it_is_read_in_order():
+    """The walk's window named the big file's first chunks: reading them in order is reading ahead
+    that came true, whoever named it."""
+    start = FILE_START // CHUNK
+    planner = _planner([[0], [1], list(range(2, 2 + 8 * start))], [CHUNK] * (2 + 8 * start))
+    planner.plan(_chunks(0))
+    planner.plan(_chunks(1))  # a walk: its window names entries 2.. (the big file's first chunks)
+    planner.plan(_chunks(2))
+    assert len(planner.plan(_chunks(3))) >= 2 * start
+
+
+def test_a_walk_of_small_files_names_at_most_twice_what_it_has_read():
+    """A walk ends with its last window unread: the window must not run far ahead of the walk."""
+    small = 16 * 1024
+    files = [[i] for i in range(200)]  # 200 files of 16 KiB, side by side, each a directory of its own
+    planner = _planner(files, [small] * 200, max_window=4 << 20)
+    named = [len(planner.plan(_chunks(entry, length=small))) for entry in range(40)]
+    assert named[:2] == [0, WINDOW_START // small]
+    assert max(named[:8]) == WINDOW_START // small  # 8 files read: 128 KiB; the window stays at its start
+    assert all(n * small <= max(2 * read * small, WINDOW_START) for read, n in enumerate(named, 1))
+    assert named[39] > WINDOW_START // small  # and grows as the walk goes on
+
+
 def test_the_second_file_read_of_a_directory_names_its_other_small_files_nearest_first():
     # directory 0: files 0, 1, 2, 3 (entries 0..3); directory 1: file 4 (entry 4), file 5 far away (9)
     planner = _planner([[0], [1], [2], [3], [4], [9]], [CHUNK] * 10, directories=[0, 0, 0, 0, 1, 1])
@@ -79,6 +131,36 @@ def test_the_second_file_read_of_a_directory_names_its_other_small_files_nearest
     assert [loc for _d, loc in planner.to_warm()] == [1, 3]  # and once more, in the background
     assert planner.to_warm() == []
     assert planner.plan(_chunks(3)) == []  # the directory was named already (and 3 is no walk from 0)
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+@pytest.mark.parametrize("mode", ["kernel", "fuse"])
+def test_pages_of_a_big_file_read_in_places_fetch_their_chunks_not_the_file(tmp_path, mode, mounts_below):
+    """fill none, no profile: three pages of a 16 MiB file, read where a loader's page faults would (no
+    kernel readahead: POSIX_FADV_RANDOM), fetch the first read's window and the two chunks read."""
+    size = 16 << 20
+    store_dir = layer_store(tmp_path, {"lib/big.so": rng.randbytes(size)}, "t/big:1", CHUNK)
+    daemons = Daemons(tmp_path)
+    try:
+        node = daemons.start(store_dir, extra_args=["--fill", "none", "--no-profiles"]).node
+        mnt, = mount_dirs(tmp_path, "mnt")
+        info = node.mount("t/big:1", mnt, mode=mode)
+        wait_for(lambda: node.status().layers[0].miss_readahead == "ready", "the file map")
+        data = open(os.path.join(store_dir, "..", "src", "lib", "big.so"), "rb").read()
+        fd = os.open(os.path.join(mnt, "lib/big.so"), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for offset in (0, 5 << 20, 11 << 20):
+                assert os.pread(fd, 4096, offset) == data[offset:offset + 4096]
+        finally:
+            os.close(fd)
+        fetched = layer_metric(node, "dsecfs_fetch_chunks_total", info.layer)
+        node.umount(mnt)
+    finally:
+        daemons.stop_all()
+    assert mounts_below(tmp_path) == []
+    assert 3 <= fetched <= 1 + FILE_START // CHUNK + 2, f"{fetched} chunks of {size // CHUNK} fetched"
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dsec_fs.errors import CorruptError, InputError, NotFoundError
+from dsec_fs.errors import CorruptError, InputError, NotFoundError, UnsupportedError
 from dsec_fs.store import FilesystemStore, init_store, open_store
 from dsec_fs.store.ref_cache import RefCacheStore
 from dsec_fs.store.s3 import S3Store
@@ -70,6 +70,20 @@ def test_put_get_roundtrip(store):
     assert store.get("packs/ab/ab02") == b"from a memoryview"
     store.put("packs/ab/ab03", bytearray(b"from a bytearray"))
     assert store.get("packs/ab/ab03") == b"from a bytearray"
+
+
+def test_get_at_most_reads_an_object_up_to_its_limit_and_refuses_a_bigger_one(store):
+    store.put("small", b"x" * 100)
+    store.put("empty", b"")
+    assert store.get_at_most("small", 100) == b"x" * 100
+    assert store.get_at_most("small", 1 << 20) == b"x" * 100
+    assert store.get_at_most("empty", 10) == b""
+    with pytest.raises(UnsupportedError, match="101 bytes, over the limit of 100") as refused:
+        store.put("big", b"y" * 101)
+        store.get_at_most("big", 100)
+    assert "big" in refused.value.where
+    with pytest.raises(NotFoundError):
+        store.get_at_most("absent", 100)
 
 
 def test_ranged_get(store):
