@@ -18,10 +18,10 @@ Debian's /usr/bin/mkfs.erofs). With --baseline SRC, the dsecfs of another source
 before a change) builds too, in the same rounds, with this venv's Python. With --tar, dsecfs also builds
 from an uncompressed tar of each tree (made once with tar(1)), as a builder of its own in the same
 rounds. With --phases, each tree is first built once more in a child process of this script that times
-each phase of the build (wall, CPU of the process, RSS after it; the phase functions of
-erofs_builder.build wrapped), printed as a table. Before the trees, the start of the command itself is timed:
-`dsecfs --help` and `dsecfs build --help` (the interpreter and the imports every build pays), median of
-5 runs, for this checkout and the baseline.
+each phase of the build (wall, CPU of the process, RSS after it and the process's peak so far; the
+phase functions of erofs_builder.build wrapped), printed as a table. Before the trees, the start of the
+command itself is timed: `dsecfs --help` and `dsecfs build --help` (the interpreter and the imports every
+build pays), median of 5 runs, for this checkout and the baseline.
 """
 
 from __future__ import annotations
@@ -136,9 +136,8 @@ PHASES = [
     ("last uploads (flush)", "dsec_fs.chunks", "ChunkUploader", "flush"),
     ("packs of the layer", "erofs_builder.build", None, "_packs_of"),
     ("confirm packs against the store", "dsec_fs.dedup_index", "MirroredChunkIndex", "confirm"),
-    ("blob map", "erofs_builder.build", None, "blob_map_of"),
+    ("blob map, shared chunks", "erofs_builder.build", None, "lay_out_blob"),
     ("write meta.erofs", "erofs_builder.build", None, "write_image"),
-    ("shared chunks", "erofs_builder.build", None, "shared_chunks"),
     ("build info", "erofs_builder.build", None, "encode_buildinfo"),
     ("publish (compress, put)", "erofs_builder.build", None, "publish_layer"),
     ("own packs into the mirror", "erofs_builder.build", None, "add_to_mirror"),
@@ -159,6 +158,9 @@ def phase_child(tree: str, work: str) -> None:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
+    def peak_mb() -> float:  # the process's peak RSS so far (VmHWM): the phase that sets it shows it first
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     def wrapped(label, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
@@ -166,11 +168,12 @@ def phase_child(tree: str, work: str) -> None:
             try:
                 return fn(*args, **kwargs)
             finally:
-                row = rows.setdefault(label, [0.0, 0.0, 0, 0.0])
+                row = rows.setdefault(label, [0.0, 0.0, 0, 0.0, 0.0])
                 row[0] += time.perf_counter() - wall
                 row[1] += time.process_time() - cpu
                 row[2] += 1
                 row[3] = rss_mb()
+                row[4] = peak_mb()
         return timed
 
     for label, module, owner, name in PHASES:
@@ -184,8 +187,8 @@ def phase_child(tree: str, work: str) -> None:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"digest": result.digest, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": peak,
-                      "phases": [{"phase": label, "wall_s": w, "cpu_s": c, "calls": n, "rss_after_mb": m}
-                                 for label, (w, c, n, m) in rows.items()]}))
+                      "phases": [{"phase": label, "wall_s": w, "cpu_s": c, "calls": n, "rss_after_mb": m,
+                                  "peak_after_mb": p} for label, (w, c, n, m, p) in rows.items()]}))
 
 
 def run_phases(name: str, tree: str, work: str) -> dict:
@@ -196,10 +199,10 @@ def run_phases(name: str, tree: str, work: str) -> dict:
     shutil.rmtree(index, ignore_errors=True)
     result = json.loads(out.stdout.splitlines()[-1])
     print(f"phases of one dsecfs build of {name} (in-process; layer {result['digest'][:16]})")
-    print(f"{'phase':<36}{'wall s':>8}{'cpu s':>8}{'calls':>8}{'RSS after MB':>14}")
+    print(f"{'phase':<36}{'wall s':>8}{'cpu s':>8}{'calls':>8}{'RSS after MiB':>15}{'peak so far':>13}")
     for row in result["phases"]:
         print(f"{row['phase']:<36}{row['wall_s']:>8.3f}{row['cpu_s']:>8.3f}{row['calls']:>8}"
-              f"{row['rss_after_mb']:>14.1f}")
+              f"{row['rss_after_mb']:>15.1f}{row['peak_after_mb']:>13.1f}")
     print(f"{'whole build':<36}{result['wall_s']:>8.3f}{result['cpu_s']:>8.3f}{'':>8}"
           f"{result['peak_rss_mb']:>9.1f} peak")
     return {"tree": name, **result}

@@ -146,6 +146,12 @@ class BlobMap:
             raise NotFoundError("chunk is not in the blob map", where=f"chunk {digest.hex()}")
         return entry[0]
 
+    def blkaddrs(self, digests: list[bytes | None]) -> list[int | None]:
+        """The blob block of each chunk of a chunk list (None, a hole, stays None); NotFoundError for a
+        chunk not in the map. What the EROFS writer asks of a blob map for a file's chunk indexes."""
+        blkaddr_of = self.blkaddr_of
+        return [None if digest is None else blkaddr_of(digest) for digest in digests]
+
     def locate(self, blkaddr: int) -> int:
         """Index of the entry whose blocks include ``blkaddr`` (a block past a chunk's end is its padding)."""
         if not 0 <= blkaddr < self.blocks:

@@ -17,8 +17,10 @@ shared) and each pack's index entries as packed bytes (pack.INDEX_ENTRY), not a 
 chunk. Its packs enter the mirror only when the index is closed, or, when the caller asks for it
 (``load_chunk_index(own_packs=...)``), once the caller has freed its tree (``add_to_mirror``): every
 LMDB page a write touches is mapped into the process, and at 1,000,000 chunks those pages are ~340 MB
-on top of the tree. Within the build the mirror thus holds only what the sync found, and a mirror that
-held no chunk then is not asked at all.
+on top of the tree. Until then an ``OwnPacks`` keeps their records in an unnamed temporary file, not in
+memory (48 bytes a chunk, alive while the build lays out its blob and writes meta.erofs). Within the
+build the mirror thus holds only what the sync found, and a mirror that held no chunk then is not asked
+at all.
 
 Threads: any thread may call any method. ChunkIndex's own lock guards the answers already given;
 ``_verify_lock`` the verdicts learnt and the own packs' records; each pack's own lock is held while that
@@ -30,8 +32,10 @@ written under it.
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from .chunks import INDEX_LOAD_THREADS, ChunkIndex, ChunkLocation, verify_pack
@@ -40,13 +44,64 @@ from .errors import CorruptError, NotFoundError
 from .gc import restore_pack_index
 from .index_mirror import FORGED, TRUSTED, IndexMirror
 
-# A pack this build uploaded, not yet in the mirror: (pack id, its index entries as INDEX_ENTRY records).
-OwnPack = tuple[str, bytes]
 from .pack import INDEX_ENTRY, PackEntry, decode_index
 from .store import keys
 from .store.base import Store
 
 log = logging.getLogger(__name__)
+
+# A pack this build uploaded, not yet in the mirror: (pack id, its index entries as INDEX_ENTRY records).
+OwnPack = tuple[str, bytes]
+
+
+class OwnPacks:
+    """The packs a build uploaded, waiting for ``add_to_mirror``: what ``load_chunk_index(own_packs=...)``
+    is given (a list does as well). Their records go to an unnamed temporary file (the page cache, not
+    the build's memory) and are read back one pack at a time; where no temporary file can be made they
+    stay in memory. Used by one thread at a time; ``close`` (or the end of a ``with``) drops the file."""
+
+    def __init__(self) -> None:
+        self._packs: list[tuple[str, int, int]] = []  # (pack id, offset in the file, bytes)
+        self._kept: list[OwnPack] = []  # records kept in memory (no temporary file)
+        self._file = None  # the temporary file, once a pack is written
+        self._end = 0
+
+    def extend(self, packs: Iterable[OwnPack]) -> None:
+        for pack_id, records in packs:
+            try:
+                if self._file is None:
+                    self._file = tempfile.TemporaryFile(prefix="dsecfs-own-packs-")
+                if os.pwrite(self._file.fileno(), records, self._end) != len(records):
+                    raise OSError("short write to the temporary file of own packs")
+            except OSError as exc:
+                log.debug("keeping a pack's index records in memory: %s", exc)
+                self._kept.append((pack_id, records))
+                continue
+            self._packs.append((pack_id, self._end, len(records)))
+            self._end += len(records)
+
+    def __len__(self) -> int:
+        return len(self._packs) + len(self._kept)
+
+    def __iter__(self) -> Iterator[OwnPack]:
+        for pack_id, offset, size in self._packs:
+            records = os.pread(self._file.fileno(), size, offset)
+            if len(records) != size:
+                raise OSError(f"temporary file of own packs: {len(records)} of {size} bytes at {offset}")
+            yield pack_id, records
+        yield from self._kept
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._packs, self._kept, self._end = [], [], 0
+
+    def __enter__(self) -> "OwnPacks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class MirroredChunkIndex(ChunkIndex):
@@ -64,7 +119,7 @@ class MirroredChunkIndex(ChunkIndex):
     read, so each pack is read once and different packs side by side.
     """
 
-    def __init__(self, mirror: IndexMirror, store: Store, own_packs: list[OwnPack] | None = None):
+    def __init__(self, mirror: IndexMirror, store: Store, own_packs: OwnPacks | list[OwnPack] | None = None):
         super().__init__()
         self.mirror = mirror
         self.store = store
@@ -237,7 +292,7 @@ class MirroredChunkIndex(ChunkIndex):
 
 
 def load_chunk_index(store: Store, *, index_root: str | None = None,
-                     own_packs: list[OwnPack] | None = None) -> MirroredChunkIndex:
+                     own_packs: OwnPacks | list[OwnPack] | None = None) -> MirroredChunkIndex:
     """Sync the store's index mirror and return a ChunkIndex answered from it; the caller closes it.
     With ``own_packs``, closing it appends the packs it uploaded there instead of adding them to the
     mirror: the caller then passes them to ``add_to_mirror`` (see Memory above)."""
@@ -250,7 +305,7 @@ def load_chunk_index(store: Store, *, index_root: str | None = None,
         raise
 
 
-def add_to_mirror(store: Store, own_packs: list[OwnPack], *, index_root: str | None = None) -> None:
+def add_to_mirror(store: Store, own_packs: OwnPacks | list[OwnPack], *, index_root: str | None = None) -> None:
     """Add packs a build uploaded (``load_chunk_index(own_packs=...)``) to the store's index mirror, trusted.
     Failures are logged, not raised: the mirror is a cache, and the next sync finds the packs (it then
     verifies them before deduplicating against them)."""
@@ -263,10 +318,12 @@ def add_to_mirror(store: Store, own_packs: list[OwnPack], *, index_root: str | N
         return
     try:
         _add_packs(mirror, own_packs)
+    except OSError as exc:  # reading the records back (OwnPacks): as above, the next sync finds the packs
+        log.warning("could not add the packs of this build to the index mirror: %s", exc)
     finally:
         mirror.close()
 
 
-def _add_packs(mirror: IndexMirror, own_packs: list[OwnPack]) -> None:
+def _add_packs(mirror: IndexMirror, own_packs: Iterable[OwnPack]) -> None:
     for pack_id, records in own_packs:
         mirror.add_pack(pack_id, [PackEntry(*fields) for fields in INDEX_ENTRY.iter_unpack(records)])

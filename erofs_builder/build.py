@@ -11,16 +11,20 @@ Steps, each finished before the next starts:
    every pack and pack index is in the store before anything names it;
 4. confirm against the store's own index objects that the layer's packs hold all its chunks (the mirror
    is a cache); the chunk index is dropped then;
-5. lay out and encode the blob map, and write meta.erofs (writer.py) against it;
-6. publish: the build info of a directory build (incremental.py), meta.erofs, blob map, then
+5. lay out and encode the blob map (blob_layout.py: each file's chunk digests become blob blocks), and
+   write meta.erofs (writer.py) against it;
+6. publish: the build info of a directory build (incremental.py; encoded before meta.erofs is written,
+   named for the layer after), meta.erofs, blob map, then
    manifest.json (dsec_fs.layer.publish_layer); restore any pack index a concurrent gc soft-deleted
    meanwhile (dsec_fs.gc.ensure_pack_indexes); then the ref.
 
 Memory: for a tree of many small files each step needs tens of MB besides the Tree, so they run one
-after another (the flush of step 3 could run beside step 5, but their peaks would add up), and what one
-step holds per chunk (the chunk index, the blob map) lives only as long as it is needed: steps 2 to 4
-run in ``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns. The packs a
-build uploads enter the store's index mirror when the build is over and its tree freed
+after another (the flush of step 3 could run beside step 5, but their peaks would add up), the C heap's
+free memory is handed back to the kernel between them (dsec_fs.heap: the chunking phase leaves it
+fragmented, and the next steps' large buffers would come on top of it), and what one step holds per
+chunk (the chunk index, the blob map) lives only as long as it is needed: steps 2 to 4 run in
+``_chunk_trees``, whose chunk index, uploader and chunker are gone when it returns. The packs a build
+uploads enter the store's index mirror when the build is over and its tree freed
 (``_own_packs_mirrored``): the LMDB pages those writes touch would otherwise add to the peak.
 
 Incremental builds: with ``parent`` (a layer built earlier from the same directory), a scan of the source
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -56,15 +61,17 @@ from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
-from dsec_fs.dedup_index import OwnPack, add_to_mirror, load_chunk_index
+from dsec_fs.heap import release_free_memory
+from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
-from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, blob_map_of, regular_files
-from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, shared_chunks
+from .blob_layout import lay_out_blob
+from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, regular_files
+from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, name_layer
 from .tree import Node, Tree
 from .walk_dir import listing_order, walk_directory
 from .images import is_image_ref
@@ -145,7 +152,7 @@ def build_layer(
 
 def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str | None, chunk_size: int,
                      progress: Progress | None, workers: int | None, parent: str | None,
-                     limits: LayerLimits, own_packs: list[OwnPack]) -> BuildResult:
+                     limits: LayerLimits, own_packs: OwnPacks) -> BuildResult:
     """build_layer for a directory, incremental with ``parent``: patched (patch.py) if the changes allow,
     else in full. Called with the cycle collector paused; what the build holds (the tree, the parent's
     image and build info) is freed when this returns, before the collector is back, so that its first
@@ -260,7 +267,7 @@ def build_tree(
 
 def _build_tree(tree: Tree, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
                 workers: int | None, source: str, parent: ParentLayer | None, scanned_at_ns: int | None,
-                limits: LayerLimits, own_packs: list[OwnPack]) -> BuildResult:
+                limits: LayerLimits, own_packs: OwnPacks) -> BuildResult:
     """build_tree, with the packs it uploads left in ``own_packs``."""
     _check_options(name, chunk_size)
     check_tree(tree, limits, chunk_size)
@@ -278,7 +285,7 @@ def _build_tree(tree: Tree, store: Store, name: str | None, chunk_size: int, pro
 
 
 def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: list[str | None], chunk_size: int,
-                    progress: Progress | None, workers: int | None, source: str, own_packs: list[OwnPack], *,
+                    progress: Progress | None, workers: int | None, source: str, own_packs: OwnPacks, *,
                     known: KnownChunks | None = None, total_bytes: int = 0,
                     scanned_at_ns: int | None = None, files: list[Node] | None = None) -> list[BuildResult]:
     """Steps 2 to 6 for the trees ``walk`` makes, calling its ``on_file`` argument for each regular file
@@ -295,7 +302,7 @@ def _build_streamed(walk: Callable[[OnFile], list[Tree]], store: Store, names: l
 
 
 def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size: int, progress: Progress | None,
-                 workers: int | None, known: KnownChunks | None, total_bytes: int, own_packs: list[OwnPack],
+                 workers: int | None, known: KnownChunks | None, total_bytes: int, own_packs: OwnPacks,
                  listed: list[Node] | None) -> tuple[ChunkStats, list[tuple[Tree, list[Node], list[str]]]]:
     """Steps 2 to 4: chunk and upload the trees ``walk`` makes, and confirm their packs; returns the
     statistics and, per tree, (tree, regular files, sorted pack ids). The chunk index, the uploader and the
@@ -330,22 +337,22 @@ def _layer_stats(build: ChunkStats, files: list[Node], chunk_size: int, trees: i
 
 def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: list[str], stats: ChunkStats,
              name: str | None, chunk_size: int, source: str, scanned_at_ns: int | None) -> BuildResult:
-    """Steps 5 and 6: blob map, meta.erofs, build info, manifest, ref."""
-    blob_map = blob_map_of(files, chunk_size)
-    stats = dataclasses.replace(stats, distinct_chunks=len(blob_map))
-    blob_map_bytes = blob_map.encode()
-    blob_id = to_hex(sha256(blob_map_bytes))  # blob_map.blob_id, without encoding the map again
-    shared = shared_chunks(files, blob_map) if scanned_at_ns is not None else []
-    meta = write_image(tree, blob_map, chunk_size, blob_id=blob_id)
-    blocks = blob_map.blocks
-    del blob_map  # ~160 bytes a chunk: gone before the build info is made (at 1M files, the build's peak)
-
-    def buildinfo(layer: str) -> bytes:
+    """Steps 5 and 6: blob map, meta.erofs, build info, manifest, ref. Each step's freed memory is handed
+    back to the kernel before the next (dsec_fs.heap; see Memory above)."""
+    release_free_memory()  # what chunking freed
+    blob = lay_out_blob(files, chunk_size)  # the files' chunk lists hold blkaddrs from here on
+    release_free_memory()  # the digests and chunk lists
+    stats = dataclasses.replace(stats, distinct_chunks=len(blob))
+    blob_map_bytes = blob.encoded
+    info = None
+    if scanned_at_ns is not None:  # before meta.erofs: its buffers are gone before the image is made
         entries = ((path, node.identity) for path, node in listing_order(tree))
-        return encode_buildinfo(entries, shared, layer, scanned_at_ns)
-
-    return _publish_layer(store, lease, meta, blocks, blob_map_bytes, packs, stats, name, chunk_size, source,
-                          buildinfo if scanned_at_ns is not None else None)
+        info = encode_buildinfo(entries, blob.shared, None, scanned_at_ns)
+        release_free_memory()
+    meta = write_image(tree, blob, chunk_size, blob_id=to_hex(sha256(blob_map_bytes)))
+    release_free_memory()  # the image's layout
+    return _publish_layer(store, lease, meta, blob.blocks, blob_map_bytes, packs, stats, name, chunk_size, source,
+                          None if info is None else functools.partial(name_layer, info))
 
 
 def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_blocks: int, blob_map_bytes: bytes,
@@ -380,7 +387,7 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_blocks: int, bl
 
 
 def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
-                   workers: int | None, source: str, own_packs: list[OwnPack]) -> BuildResult | None:
+                   workers: int | None, source: str, own_packs: OwnPacks) -> BuildResult | None:
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
     change needs the full path after all."""
@@ -447,14 +454,14 @@ def _digests(files: list[Node]) -> Iterator[bytes]:
 
 
 @contextlib.contextmanager
-def _own_packs_mirrored(store: Store) -> Iterator[list[OwnPack]]:
-    """A list for the packs a build uploads, added to the store's index mirror when the block ends,
-    whatever its outcome: by then the build's tree is freed (dsec_fs.dedup_index, Memory)."""
-    own_packs: list[OwnPack] = []
-    try:
-        yield own_packs
-    finally:
-        add_to_mirror(store, own_packs)
+def _own_packs_mirrored(store: Store) -> Iterator[OwnPacks]:
+    """Where the packs a build uploads wait (a temporary file), added to the store's index mirror when the
+    block ends, whatever its outcome: by then the build's tree is freed (dsec_fs.dedup_index, Memory)."""
+    with OwnPacks() as own_packs:
+        try:
+            yield own_packs
+        finally:
+            add_to_mirror(store, own_packs)
 
 
 @contextlib.contextmanager

@@ -146,7 +146,7 @@ class Chunker:
         if 0 < size < self._inline_below:
             self._add_small(node)
             return
-        node.chunks = [None] * -(-size // self.chunk_size)
+        node.chunks = [None] * -(-size // self.chunk_size) if size else ()
         if size:
             if node.reader is None:
                 raise InputError("regular file has no content reader", where=node.source)
@@ -181,7 +181,7 @@ class Chunker:
             close = getattr(pieces, "close", None)  # a generator: let it close its file now
             if close is not None:
                 close()
-        node.chunks = [digest]
+        node.chunks = (digest,)  # a tuple: 24 bytes less than a list (most files of a large tree are these)
         self._settle(size, digest, stored)
 
     def _read(self, node: Node, pieces: Iterator[bytes | None]) -> None:
@@ -209,6 +209,8 @@ class Chunker:
                     self._submit()
         if next(pieces, _END) is not _END:
             raise InputError(f"content runs past the file's size {size}", where=node.source)
+        if inline:  # complete: a tuple is 24 bytes less than a list (most files of a large tree are small)
+            node.chunks = tuple(chunks)
 
     def finish(self) -> ChunkStats:
         """Wait for every queued piece; the caller then flushes the uploader."""
@@ -350,7 +352,7 @@ def _piece_length(size: int, number: int, chunk_size: int) -> int:
 
 
 def _known_digests(node: Node, known: KnownChunks | None, index: ChunkIndex,
-                   chunk_size: int) -> list[bytes | None] | None:
+                   chunk_size: int) -> tuple[bytes | None, ...] | None:
     """The chunk list ``known`` gives for a file, if it fits the file and the store holds every chunk of
     it (a chunk gc removed since means the file is read)."""
     digests = known(node) if known is not None else None
@@ -358,4 +360,4 @@ def _known_digests(node: Node, known: KnownChunks | None, index: ChunkIndex,
         return None
     if any(digest is not None and digest not in index for digest in digests):
         return None
-    return list(digests)
+    return tuple(digests)

@@ -64,7 +64,6 @@ import operator
 import stat
 import struct
 from array import array
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -144,10 +143,14 @@ class BuildInfo:
                 if not flag and stat.S_ISREG(identity[5]) and identity[2]}
 
 
-def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int], layer: str,
-                     scanned_at_ns: int) -> bytes:
+def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int], layer: str | None,
+                     scanned_at_ns: int) -> bytearray:
     """The build info of ``layer``, built from a tree whose scan started at ``scanned_at_ns`` (wall clock):
-    ``entries`` is (path, identity) of every name, in listing order; ``shared`` as ``shared_chunks``."""
+    ``entries`` is (path, identity) of every name, in listing order; ``shared``: the indexes of the
+    blob-map entries that the layer's chunk indexes name more than once (blob_layout.BlobLayout.shared).
+    With ``layer`` None, the layer is named afterwards (``name_layer``): a build encodes its build info
+    before it writes meta.erofs, whose digest the layer's is, so that the buffers of the one are gone
+    before the other is made."""
     # Built in place, each identity packed as it comes, not joined from lists of pieces or kept as tuples:
     # at 1,000,000 names a list of the identities is ~180 MB at the build's peak (a walked file's
     # identity tuple is made when asked for, walk_dir.WalkedFile; its meta.erofs and tree are alive).
@@ -162,7 +165,7 @@ def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int
 
 
 def encode_rescanned(parent: BuildInfo, identities: list[Identity], changed: list[int], layer: str,
-                     scanned_at_ns: int) -> bytes:
+                     scanned_at_ns: int) -> bytearray:
     """The build info of ``layer``, built by patching ``parent``'s layer for a scan that found the same
     names (so the same paths and, see patch.py, the same shared chunks) with ``identities``, which differ
     from the parent's at most at the indexes ``changed``."""
@@ -172,8 +175,16 @@ def encode_rescanned(parent: BuildInfo, identities: list[Identity], changed: lis
     return _encode(records, parent.shared, parent.paths_blob, layer, scanned_at_ns, identities)
 
 
-def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray, layer: str,
-            scanned_at_ns: int, identities: list[Identity] | None = None) -> bytes:
+def name_layer(info: bytearray, layer: str) -> bytearray:
+    """A build info encoded with no layer (``encode_buildinfo``), made to name ``layer``, in place (a
+    copy would double it: ~40 MB at 1,000,000 names, while the layer is published)."""
+    at = _HEADER.size - DIGEST_SIZE  # the header's last field
+    info[at:_HEADER.size] = from_hex(layer, what="layer digest")
+    return info
+
+
+def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray, layer: str | None,
+            scanned_at_ns: int, identities: list[Identity] | None = None) -> bytearray:
     """The build info of the identities ``records`` (a fresh bytearray, the caller's no more, which
     becomes its body); ``identities``: the same unpacked, when the caller holds them (read three times
     faster than unpacking the records)."""
@@ -199,19 +210,10 @@ def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray
     body += b"".join(_SHARED.pack(index) for index in shared)
     body += paths_blob
     frame = compress.compress(body, level=_LEVEL)
-    header = _HEADER.pack(MAGIC, VERSION, count, len(shared), 0, len(body), sha256(frame),
-                          from_hex(layer, what="layer digest"))
-    return header + frame
-
-
-def shared_chunks(files: list[Node], blob_map: BlobMap) -> list[int]:
-    """The indexes of the blob-map entries that the chunk lists of ``files`` (each file once) name more
-    than once, ascending."""
-    slots = sum(len(node.chunks) for node in files) - sum(node.chunks.count(None) for node in files)
-    if slots == len(blob_map):  # every chunk index names a chunk of its own: no Counter of every digest
-        return []
-    uses = Counter(digest for node in files for digest in node.chunks if digest is not None)
-    return [index for index, (_blkaddr, digest, _length) in enumerate(blob_map.entries) if uses[digest] > 1]
+    described = bytes(DIGEST_SIZE) if layer is None else from_hex(layer, what="layer digest")
+    info = bytearray(_HEADER.pack(MAGIC, VERSION, count, len(shared), 0, len(body), sha256(frame), described))
+    info += frame
+    return info
 
 
 def decode_buildinfo(data: bytes, *, layer: str, source: str) -> BuildInfo:

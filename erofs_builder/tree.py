@@ -1,6 +1,7 @@
 """The in-memory tree a layer is built from, independent of where it came from.
 
-Walkers (a directory, a tar stream, an OCI image) produce ``Node`` objects; ``Tree`` assembles them
+Walkers (a directory, a tar stream, an OCI image) produce ``Node`` objects (or, for a directory's
+regular files, walk_dir.WalkedFile: Node's fields in fewer bytes); ``Tree`` assembles them
 with the rules every input shares (missing parents are implied, a later entry replaces an earlier one,
 hard links share one inode); the chunker fills in each regular file's chunk digests; the EROFS writer
 lays the finished tree out. Nothing here knows EROFS or any input format.
@@ -39,8 +40,9 @@ class Node:
     children: dict[bytes, "Node"] | None = None  # directories only: name -> node
     nlink: int = 0  # names that point at this node within the tree (set by Tree.finish)
     # Filled by the chunker for regular files: one entry per chunk, the sha256 of its bytes or None
-    # for an all-zero chunk (a hole).
-    chunks: list[bytes | None] | None = None
+    # for an all-zero chunk (a hole); a tuple once complete where the chunker can tell cheaply. A build
+    # replaces each digest with its chunk's block on the blob once it has laid that out (blob_layout.py).
+    chunks: list[bytes | None] | tuple[bytes | None, ...] | None = None
     # For the walker: how to read the content (regular files) and what identifies the source file
     # for incremental rebuilds (e.g. (st_dev, st_ino, size, mtime_ns, ctime_ns)).
     reader: ChunkReader | None = None
@@ -65,12 +67,20 @@ def make_dir(mode: int = 0o755, mtime_ns: int = 0, **kw) -> Node:
 
 
 def check_name(name: bytes, where: str) -> None:
+    problem = name_problem(name)
+    if problem is not None:
+        raise InputError(problem, where=where)
+
+
+def name_problem(name: bytes) -> str | None:
+    """What makes ``name`` no name of a directory entry, or None."""
     if not name or name in (b".", b".."):
-        raise InputError(f"invalid name {name!r}", where=where)
+        return f"invalid name {name!r}"
     if len(name) > NAME_MAX:
-        raise InputError(f"name is {len(name)} bytes, EROFS allows at most {NAME_MAX}", where=where)
+        return f"name is {len(name)} bytes, EROFS allows at most {NAME_MAX}"
     if b"/" in name or b"\0" in name:
-        raise InputError(f"name contains '/' or NUL: {name!r}", where=where)
+        return f"name contains '/' or NUL: {name!r}"
+    return None
 
 
 def split_path(path: bytes) -> list[bytes]:
@@ -136,7 +146,9 @@ class Tree:
         """Place ``node`` as ``name`` in ``directory``, a directory of this tree: what ``add`` does, for a
         walker that builds the tree from the top down and holds each parent, without looking up a path.
         A name already there is replaced outright."""
-        check_name(name, node.source or name.decode(errors="backslashreplace"))
+        problem = name_problem(name)
+        if problem is not None:  # node.source only then: a walked file makes its path when asked
+            raise InputError(problem, where=node.source or name.decode(errors="backslashreplace"))
         directory.children[name] = node
 
     def remove(self, path: bytes) -> bool:

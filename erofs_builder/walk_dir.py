@@ -19,9 +19,10 @@ every path. Links to the same inode from outside the source do not matter; a lin
 seen here is normal.
 
 Memory: a Tree of a large source holds every entry, so a node keeps its on-disk path once (``source``),
-a regular file's node (``WalkedFile``) makes its identity tuple and reader only when asked for, nodes
-without xattrs share one read-only empty mapping, and the values most entries share (mode, uid, gid,
-device) are one object each rather than one per entry.
+a regular file's node (``WalkedFile``) only its name (its directory's path is one ``SourceDir`` for all
+its files) and makes its path, identity tuple and reader only when asked for, nodes without xattrs share
+one read-only empty mapping, and the values most entries share (mode, uid, gid, device) are one object
+each rather than one per entry.
 
 A file must not change between the walk and the end of its read: the reader compares fstat (device,
 inode, size, mtime, ctime) with the walk's lstat after its last read, and, for a file of several pieces,
@@ -47,6 +48,7 @@ import os
 import stat
 import sys
 import weakref
+from array import array
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
@@ -71,20 +73,24 @@ def walk_directory(root: str | bytes | os.PathLike) -> Tree:
     tree: Tree | None = None
     source_root = SourceRoot(root)
     for directory, dir_fd, names in scan_directory(root):
+        files_dir = None  # the SourceDir of this directory's regular files, made for the first of them
         for path, source, st in names:
-            at = None if dir_fd is None else (dir_fd, path.rpartition(b"/")[2])
+            name = path.rpartition(b"/")[2]  # one object: the node's name and its key in the directory
+            at = None if dir_fd is None else (dir_fd, name)
+            if stat.S_ISREG(st.st_mode) and files_dir is None:
+                files_dir = SourceDir(source[:len(source) - len(name)], source_root)
             if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
                 node = links.get((st.st_dev, st.st_ino))
                 if node is None:
-                    node = links[st.st_dev, st.st_ino] = node_of(source, st, shared, at=at, root=source_root)
+                    node = links[st.st_dev, st.st_ino] = node_of(source, st, shared, at=at, directory=files_dir)
             else:
-                node = node_of(source, st, shared, at=at, root=source_root)
+                node = node_of(source, st, shared, at=at, directory=files_dir)
                 if node.children is not None:
                     directories[path] = node
             if directory is None:
                 tree = Tree(node)
             else:
-                tree.add_child(directories[directory], path.rpartition(b"/")[2], node)
+                tree.add_child(directories[directory], name, node)
     tree.finish()
     return tree
 
@@ -167,18 +173,22 @@ stat_identity = operator.attrgetter("st_dev", "st_ino", "st_size", "st_mtime_ns"
 
 
 def node_of(path: bytes, st: os.stat_result, shared: dict[int, int], *, at: tuple[int, bytes] | None = None,
-            root: SourceRoot | None = None) -> Node:
+            directory: SourceDir | None = None) -> Node:
     """The Node of the entry at ``path`` whose lstat is ``st``: reads its xattrs, and a symlink's target.
     ``shared`` maps each int value seen to one object (see Memory above); pass {} for a lone node.
     From a walk: ``at`` (its directory's fd, its name) is how the entry is reached (scan_directory), and
-    ``root`` (the source, whose path is a prefix of ``path``) is what the file reader opens it beneath
-    (see the module docstring). Without them ``path`` is used as it is (its last component not followed)."""
+    a regular file's ``directory`` (the on-disk path of its directory, whose last component is not
+    followed, and the source it is opened beneath, see the module docstring) is how its reader opens it.
+    Without them ``path`` is used as it is (its last component not followed)."""
     mode = shared.setdefault(st.st_mode, st.st_mode)
     uid = shared.setdefault(st.st_uid, st.st_uid)
     gid = shared.setdefault(st.st_gid, st.st_gid)
-    source = path.decode(_FS_ENCODING, _FS_ERRORS)  # os.fsdecode, without its checks: once per entry
     if stat.S_ISREG(mode):
-        return WalkedFile(mode, uid, gid, st, shared, _xattrs(at, path), source, root)
+        name = path.rpartition(b"/")[2] if at is None else at[1]
+        if directory is None:
+            directory = SourceDir(path[:len(path) - len(name)], None)
+        return WalkedFile(mode, uid, gid, st, shared, _xattrs(at, path), directory, name)
+    source = path.decode(_FS_ENCODING, _FS_ERRORS)  # os.fsdecode, without its checks: once per entry
     # stat_identity(st), with the shared objects
     identity = (shared.setdefault(st.st_dev, st.st_dev), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                 mode)
@@ -231,52 +241,98 @@ class SourceRoot:
         weakref.finalize(self, os.close, self.fd)
 
 
-class WalkedFile(Node):
-    """The Node of a regular file of a walk. Its ``identity`` and ``reader`` are made when asked for, from
-    the lstat fields no other slot holds: an identity tuple and a reader object per file were ~160 bytes
-    of the ~630 a large tree holds per entry. Nothing assigns either after the walk."""
+class SourceDir:
+    """A directory of the source as its regular files' readers reach it, and the columns of its files'
+    lstat numbers: one object for all of them, so that a file's node holds its name and its row here, not
+    its path and four int objects (``WalkedFile``)."""
 
-    __slots__ = ("_dev", "_ino", "_ctime_ns", "_st_mode", "_root")
+    __slots__ = ("prefix", "root", "beneath", "names", "sizes", "mtimes", "inos", "ctimes")
+
+    def __init__(self, prefix: bytes, root: SourceRoot | None):
+        self.prefix = prefix  # the directory's path on disk, up to and including the "/" before a name
+        self.root = root  # the walk's source, shared by every file of the walk; None: open the path as is
+        # the directory's path relative to the root, what a file is opened beneath it with, then its name
+        self.beneath = prefix[len(root.path):].lstrip(b"/") if root is not None else b""
+        # row k: the name and lstat fields of the directory's k-th regular file
+        self.names: list[bytes] = []  # the same objects as the names in its Tree directory
+        self.sizes, self.mtimes, self.inos, self.ctimes = array("Q"), array("q"), array("Q"), array("q")
+
+    def add(self, name: bytes, st: os.stat_result) -> int:
+        """Row of a new file of this directory."""
+        self.names.append(name)
+        self.sizes.append(st.st_size)
+        self.mtimes.append(st.st_mtime_ns)
+        self.inos.append(st.st_ino)
+        self.ctimes.append(st.st_ctime_ns)
+        return len(self.names) - 1
+
+
+class WalkedFile:
+    """The node of a regular file of a walk: a Node to everything that reads it (the same fields), in 10
+    slots instead of Node's 19. A regular file's device number, symlink target and children are
+    constants; its size and mtime are read from its row of its directory's columns (``SourceDir``); its
+    ``identity``, ``reader`` and ``source`` (its path, for messages) are made when asked for, from its
+    row and the slots. An identity tuple, a reader object, a path string and four int objects per file were
+    ~380 bytes of the ~630 a large tree held per entry. Nothing assigns size, mtime_ns, identity, reader or
+    source after the walk (mode, owner and xattrs may change: sandbox commit drops setuid bits)."""
+
+    __slots__ = ("mode", "uid", "gid", "xattrs", "nlink", "chunks", "_dev", "_st_mode", "_dir", "_row")
+    rdev = 0
+    target = b""
+    children = None
+    is_dir, is_reg, is_symlink = Node.is_dir, Node.is_reg, Node.is_symlink
 
     def __init__(self, mode: int, uid: int, gid: int, st: os.stat_result, shared: dict[int, int],
-                 xattrs: Mapping[bytes, bytes], source: str, root: SourceRoot | None):
-        # Node's own __init__ would assign reader and identity, which are properties here.
+                 xattrs: Mapping[bytes, bytes], directory: SourceDir, name: bytes):
         self.mode = self._st_mode = mode  # _st_mode stays the lstat's even if the build drops mode bits
         self.uid, self.gid = uid, gid
-        self.mtime_ns = st.st_mtime_ns
-        self.size = st.st_size
-        self.rdev, self.target, self.children, self.nlink, self.chunks = 0, b"", None, 0, None
+        self.nlink, self.chunks = 0, None
         self.xattrs = xattrs
-        self.source = source
         self._dev = shared.setdefault(st.st_dev, st.st_dev)
-        self._ino, self._ctime_ns = st.st_ino, st.st_ctime_ns
-        self._root = root  # the walk's source, shared by every file of the walk; None: open the path as is
+        self._dir = directory
+        row = directory.add(name, st)
+        self._row = shared.setdefault(row, row)  # rows repeat in every directory: one int object each
+
+    @property
+    def size(self) -> int:
+        return self._dir.sizes[self._row]
+
+    @property
+    def mtime_ns(self) -> int:
+        return self._dir.mtimes[self._row]
+
+    @property
+    def source(self) -> str:
+        """The file's path on disk, as the walk reached it."""
+        return (self._dir.prefix + self._dir.names[self._row]).decode(_FS_ENCODING, _FS_ERRORS)
 
     @property
     def identity(self) -> tuple:
         """stat_identity of the walk's lstat."""
-        return self._dev, self._ino, self.size, self.mtime_ns, self._ctime_ns, self._st_mode
+        directory, row = self._dir, self._row
+        return (self._dev, directory.inos[row], directory.sizes[row], directory.mtimes[row], directory.ctimes[row],
+                self._st_mode)
 
     @property
     def reader(self) -> Callable[[int], Iterator[bytes | None]]:
         return self._pieces
 
     def _pieces(self, chunk_size: int) -> Iterator[bytes | None]:
-        return _read_file(self.source, self.identity, chunk_size, self._root)
+        return _read_file(self._dir, self._dir.names[self._row], self.identity, chunk_size)
 
 
-def _open_file(where: str, root: SourceRoot | None) -> int:
-    path = os.fsencode(where)
-    if root is None:
-        return os.open(path, _OPEN_FLAGS)
+def _open_file(directory: SourceDir, name: bytes, where: str) -> int:
+    if directory.root is None:
+        return os.open(directory.prefix + name, _OPEN_FLAGS)
     sys.audit("open", where, None, _OPEN_FLAGS)  # as os.open would: audit hooks see every file read
-    return open_beneath(root.fd, path[len(root.path):].lstrip(b"/"), _OPEN_FLAGS)
+    return open_beneath(directory.root.fd, directory.beneath + name, _OPEN_FLAGS)
 
 
-def _read_file(where: str, identity: tuple, chunk_size: int, root: SourceRoot | None) -> Iterator[bytes | None]:
+def _read_file(directory: SourceDir, name: bytes, identity: tuple, chunk_size: int) -> Iterator[bytes | None]:
     """The file's content in ``chunk_size`` pieces, None for pieces in a hole (see the module docstring)."""
+    where = (directory.prefix + name).decode(_FS_ENCODING, _FS_ERRORS)
     try:
-        fd = _open_file(where, root)
+        fd = _open_file(directory, name, where)
     except OSError as exc:
         raise _input_error(exc, where) from None
     try:

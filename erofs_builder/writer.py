@@ -18,6 +18,7 @@ import os
 import stat
 
 from dsec_fs.errors import InputError, NotFoundError
+from dsec_fs.heap import release_free_memory
 
 from .layout import DEVT_OFFSET, DEVT_SLOTOFF, NS_PER_S, InodePlan, Layout, plan_layout
 from .ondisk import BLOCK_SIZE, EROFS_NULL_ADDR, INODE_SLOT_SIZE, chunk_index, dirent, xattr
@@ -43,12 +44,14 @@ def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = N
     """The meta.erofs image of ``tree``, a whole number of 4 KiB blocks: the buffer it was written into
     (a bytes copy would briefly double the memory an image of many inodes takes).
 
-    Regular files need ``node.chunks`` (one sha256 per chunk of ``chunk_size``, None for an all-zero
-    chunk); ``blobmap`` gives each digest's block on the virtual blob (``blkaddr_of``), the blob's size
-    in blocks (``blocks``) and its id (``blob_id``, 64 hex characters), unless the caller, who has
-    encoded the map already, passes ``blob_id``. Calls ``tree.finish()``.
+    Regular files need ``node.chunks`` (one entry per chunk of ``chunk_size``); ``blobmap`` gives the
+    blob block of each chunk of such a list (``blkaddrs``: a BlobMap maps sha256 digests, None for an
+    all-zero chunk; a build's BlobLayout has put the blocks in the list already), the blob's size in
+    blocks (``blocks``) and its id (``blob_id``, 64 hex characters), unless the caller, who has encoded
+    the map already, passes ``blob_id``. Calls ``tree.finish()``.
     """
     layout = plan_layout(tree, chunk_size)
+    release_free_memory()  # planning's own tables (a count of every mtime): gone before the image is made
     image = bytearray(layout.blocks * BLOCK_SIZE)
     formats = layout.formats
     for position, node in enumerate(layout.nodes):
@@ -117,13 +120,11 @@ def _write_plain_file(image: bytearray, layout: Layout, position: int, node, blo
         EXTENDED.pack_into(image, offset, _EXTENDED_CHUNK_BASED, 0, node.mode, 0, node.size, layout.chunk_format,
                            position + 1, node.uid, node.gid, mtime & _U64, mtime_nsec, node.nlink, bytes(16))
         array = offset + EXTENDED.size
-    chunks = node.chunks
     try:
-        if len(chunks) == 1 and chunks[0] is not None:  # a small file: one index, packed in place
-            chunk_index.CHUNK_INDEX.pack_into(image, array, 0, chunk_index.BLOB_DEVICE_ID,
-                                              blobmap.blkaddr_of(chunks[0]))
+        blkaddrs = blobmap.blkaddrs(node.chunks)
+        if len(blkaddrs) == 1 and blkaddrs[0] is not None:  # a small file: one index, packed in place
+            chunk_index.CHUNK_INDEX.pack_into(image, array, 0, chunk_index.BLOB_DEVICE_ID, blkaddrs[0])
         else:
-            blkaddrs = [None if digest is None else blobmap.blkaddr_of(digest) for digest in chunks]
             _put(image, array, chunk_index.pack(blkaddrs))
     except NotFoundError as e:
         path = layout.path(position).decode(errors="backslashreplace")
@@ -147,8 +148,7 @@ def _put(image: bytearray, offset: int, data: bytes) -> None:
 
 def _chunk_indexes(plan: InodePlan, blobmap) -> bytes:
     try:
-        return chunk_index.pack([None if digest is None else blobmap.blkaddr_of(digest)
-                                 for digest in plan.node.chunks])
+        return chunk_index.pack(blobmap.blkaddrs(plan.node.chunks))
     except NotFoundError as e:
         raise NotFoundError(e.message, where=f"/{plan.path.decode(errors='backslashreplace')}: {e.where}") from e
 

@@ -23,7 +23,10 @@ cover most of them:
   to the daemon's ``--miss-readahead`` (default 4 MiB) but never beyond twice the bytes the walk has read,
   and holds while the reader stays in the file; a read of a file elsewhere ends the walk. A walk ends
   with its last window unread, so a window that runs ahead of the walk is what a walk of small files
-  wastes. A reader of one file never walks.
+  wastes. A reader of one file never walks. Why 4 MiB, not more: with the window bound to twice the
+  walk, no walk of a numpy, boto3 or sympy start got a window past 512 KiB, and 8 and 16 MiB fetched the
+  same bytes with the same store requests behind both emulated stores, no faster (docs/benchmarks.md,
+  issue 13, "The miss readahead's default").
 
 Why windows that must be earned. Measured on a Debian + python3 base with numpy and pandas (``import
 numpy, pandas``, fill none, no profile; docs/benchmarks.md, issue 13), the rest of a file up to 16 MiB on

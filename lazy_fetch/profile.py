@@ -58,6 +58,9 @@ VERSION = 1
 MAX_PROFILE_BYTES = 8 << 20
 MAX_ENTRIES = 100_000  # 100 GB of 1 MiB chunks read at a start is far beyond any workload
 MAX_PUBLISHERS = 32  # node objects merged per key
+# Node objects listed per key, the first MAX_PUBLISHERS of them in key order merged: anyone may write under
+# a key, and listing all that is there could take any time and memory.
+MAX_LISTED = 1024
 MAX_PATH = 4096
 
 
@@ -221,9 +224,10 @@ def fetch(store: Store, prefix: str, *, combination: str = "", layer: str = "") 
 
 
 def listed(store: Store, prefix: str) -> list[str]:
-    """The keys of the node objects under ``prefix`` (at most MAX_PUBLISHERS); [] if the store fails."""
+    """The keys of the node objects under ``prefix`` (at most MAX_PUBLISHERS, of the first MAX_LISTED the
+    store lists); [] if the store fails."""
     try:
-        return sorted(store.list(prefix))[:MAX_PUBLISHERS]
+        return sorted(store.list_at_most(prefix, MAX_LISTED))[:MAX_PUBLISHERS]
     except DsecError as exc:
         log.warning("cannot list the profiles under %s: %s", prefix, exc)
         return []
@@ -258,7 +262,8 @@ def publish(store: Store, key: str, learned: Profile) -> Profile:
     """Merge ``learned`` into this node's object at ``key`` (what it published before, if readable) and
     write it back; returns what was written."""
     try:
-        previous = Profile.decode(store.get(key), source=key)
+        # At most MAX_PROFILE_BYTES read: anyone may write the key, and a node must not read a huge object.
+        previous = Profile.decode(store.get_at_most(key, MAX_PROFILE_BYTES), source=key)
     except NotFoundError:
         previous = None
     except DsecError as exc:

@@ -17,6 +17,7 @@ Errors a backend raises, and nothing else:
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Iterator
 
 from ..errors import InputError, UnsupportedError
@@ -58,6 +59,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str) -> Iterator[str]:
         """Every key that starts with ``prefix``, in no particular order."""
+
+    def list_at_most(self, prefix: str, limit: int) -> list[str]:
+        """At most ``limit`` of the keys ``list`` gives, the first it gives; the listing stops there. For
+        prefixes anyone may write to (access profiles): a writer may put millions of keys there, or, in a
+        directory store, a symlink to a huge tree in place of the prefix's directory."""
+        return list(itertools.islice(self.list(prefix), limit))
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 
+from ..beneath import open_beneath
 from ..errors import CorruptError, InputError, NotFoundError, UnavailableError
 from .base import Store, check_key, check_range, too_large
 
@@ -96,16 +98,35 @@ class FilesystemStore(Store):
 
     def get_at_most(self, key: str, limit: int) -> bytes:
         where = f"{self.url}/{key}"
+        self._path(key)  # the key's checks
         try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > limit:
-                    raise too_large(where, size, limit)
-                data = os.pread(f.fileno(), limit + 1, 0) if limit else b""
+            # Neither followed nor waited on: what a hostile writer leaves at the key, or at a directory of
+            # its path, instead of an object (a symlink to /dev/zero or out of the store, a FIFO nobody
+            # writes) is refused at once. The store's root is the operator's, and may be a symlink.
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = open_beneath(root_fd, os.fsencode(key), os.O_RDONLY | os.O_NONBLOCK)
+            finally:
+                os.close(root_fd)
         except FileNotFoundError:
             raise NotFoundError("no such object", where=where) from None
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EXDEV):  # a symlink; a socket; out of the root
+                raise CorruptError("not an object: a symlink on its path, or a socket", where=where) from None
             raise _unavailable(exc, where) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptError(f"not an object: not a regular file (mode {st.st_mode:o})", where=where)
+            if st.st_size > limit:
+                raise too_large(where, st.st_size, limit)
+            os.set_blocking(fd, True)  # a regular file: read blocking, as ``get`` reads (a network file system may
+            # honour O_NONBLOCK on reads)
+            data = os.pread(fd, limit + 1, 0) if limit else b""
+        except OSError as exc:
+            raise _unavailable(exc, where) from None
+        finally:
+            os.close(fd)
         if len(data) > limit:  # grew since the fstat: writes replace objects whole, but a writer may not
             raise too_large(where, f"more than {limit}", limit)
         return data

@@ -79,6 +79,9 @@ class StoreWrapper(Store):
     def list(self, prefix: str) -> Iterator[str]:
         return iter(self._call("list", prefix, lambda: [*self.inner.list(prefix)]))
 
+    def list_at_most(self, prefix: str, limit: int) -> list[str]:
+        return self._call("list", prefix, lambda: self.inner.list_at_most(prefix, limit))
+
     def delete(self, key: str) -> None:
         self._call("delete", key, lambda: self.inner.delete(key))
 

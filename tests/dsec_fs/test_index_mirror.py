@@ -14,7 +14,7 @@ from dsec_fs import compress
 from dsec_fs.chunks import ChunkUploader, read_chunk
 from dsec_fs.digest import sha256
 from dsec_fs.errors import CorruptError
-from dsec_fs.dedup_index import add_to_mirror, load_chunk_index
+from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
 from dsec_fs.index_mirror import TRUSTED, IndexMirror, mirror_path
 from dsec_fs.layer import delete_ref, open_layer
 from dsec_fs.pack import PackEntry, decode_index, index_from_pack
@@ -176,11 +176,13 @@ def test_a_stale_mirror_entry_for_a_pack_gc_deleted_is_never_used(store, tmp_pat
     assert_all_layers_ok(store)
 
 
-def test_own_packs_are_answered_from_memory_and_mirrored_when_the_caller_says(store, index_root):
+@pytest.mark.parametrize("spilled", [False, True], ids=["list", "OwnPacks"])
+def test_own_packs_are_answered_from_memory_and_mirrored_when_the_caller_says(store, index_root, spilled):
     """A build's own uploads: answered (location and pack) while the index is open, not written to the
-    mirror until ``add_to_mirror`` (the build calls it once its tree is freed), then trusted there."""
+    mirror until ``add_to_mirror`` (the build calls it once its tree is freed), then trusted there; the
+    build's OwnPacks keeps them in a temporary file meanwhile."""
     pieces = [random_bytes(seed, 3000 + seed) for seed in range(40)]
-    deferred: list = []
+    deferred = OwnPacks() if spilled else []
     with load_chunk_index(store, own_packs=deferred) as index:
         with ChunkUploader(store, index, pack_target=20_000) as uploader:
             for piece in pieces:

@@ -12,6 +12,7 @@ import pytest
 from dsec_fs.client import Node
 from dsec_fs.errors import FormatError, IntegrityError
 from dsec_fs.store import FilesystemStore, keys
+from dsec_fs.store.wrappers import RetryStore, StoreWrapper
 from erofs_builder import build_layer
 from lazy_fetch import profile
 from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace
@@ -339,30 +340,65 @@ def test_a_layer_detached_lazily_has_its_profile_published_when_the_daemon_stops
         a.stop_all()
 
 
-def test_a_node_publishes_within_the_size_bound_however_long_its_paths():
-    class Objects:
-        def __init__(self):
-            self.data = {}
-
-        def get(self, key):
-            from dsec_fs.errors import NotFoundError
-            if key not in self.data:
-                raise NotFoundError("no such object", where=key)
-            return self.data[key]
-
-        def put(self, key, data):
-            self.data[key] = bytes(data)
-
+def test_a_node_publishes_within_the_size_bound_however_long_its_paths(tmp_path):
     long_path = "/" + "p" * 4000
     learned = profile.Profile(layer="ab" * 32, traces=1, entries=[
         profile.ProfileEntry(i.to_bytes(32, "big"), 100, i, 1, long_path, 0) for i in range(10000)])
     assert len(learned.encode()) > 4 * profile.MAX_PROFILE_BYTES  # halving once would not do
-    store = Objects()
+    store = FilesystemStore(str(tmp_path / "store"))
     profile.publish(store, "profiles/layers/x/n", learned)
-    data = store.data["profiles/layers/x/n"]
+    data = store.get("profiles/layers/x/n")
     assert len(data) <= profile.MAX_PROFILE_BYTES
     assert profile.Profile.decode(data, source="k").entries
 
+
+def test_a_node_publishing_over_a_huge_object_at_its_key_reads_no_more_than_a_profile(tmp_path):
+    """Anyone may write a node's profile key: what the node merges its news into is read within the bound."""
+
+    class LargestRead(StoreWrapper):
+        largest = 0
+
+        def _call(self, op, key, fn, sent=0):
+            result = fn()
+            if op == "get":
+                self.largest = max(self.largest, len(result))
+            return result
+
+    store = LargestRead(FilesystemStore(str(tmp_path / "store")))
+    store.put("profiles/layers/x/n", b" " * (4 * profile.MAX_PROFILE_BYTES))
+    learned = profile.Profile(layer="ab" * 32, traces=1, entries=[_entry(1)])
+    profile.publish(store, "profiles/layers/x/n", learned)
+    assert store.largest <= profile.MAX_PROFILE_BYTES
+    again = profile.Profile.decode(store.get("profiles/layers/x/n"), source="k")
+    assert again.entries == learned.entries
+
+
+def test_listing_a_profile_key_stops_after_max_listed_objects_however_many_are_there(tmp_path):
+    """Anyone may write under a profile key: a directory store's writer may put a symlink to a huge tree in
+    place of its directory (or millions of objects under it), and a lookup must not list them all."""
+
+    class ListCounted(FilesystemStore):
+        listed = 0
+
+        def list(self, prefix):
+            for key in super().list(prefix):
+                self.listed += 1
+                yield key
+
+    tree = tmp_path / "huge"
+    for d in range(3):
+        (tree / f"d{d}").mkdir(parents=True)
+        for n in range(profile.MAX_LISTED):
+            (tree / f"d{d}" / f"{n:05}").write_bytes(b"x")
+    backend = ListCounted(str(tmp_path / "store"))
+    prefix = keys.layer_profiles("ab" * 32)
+    os.makedirs(os.path.dirname(os.path.join(backend.root, prefix.rstrip("/"))), exist_ok=True)
+    os.symlink(tree, os.path.join(backend.root, prefix.rstrip("/")))
+    store = RetryStore(backend)  # through a wrapper, as the daemon's store is
+    names = profile.listed(store, prefix)
+    assert len(names) == profile.MAX_PUBLISHERS and all(name.startswith(prefix) for name in names)
+    assert backend.listed <= profile.MAX_LISTED
+    assert profile.load(store, names) is None  # each is refused: a symlink is on its path
 
 @pytest.mark.fuse
 @pytest.mark.root

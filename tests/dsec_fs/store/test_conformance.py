@@ -86,6 +86,49 @@ def test_get_at_most_reads_an_object_up_to_its_limit_and_refuses_a_bigger_one(st
         store.get_at_most("absent", 100)
 
 
+def test_list_at_most_gives_that_many_of_the_keys(store):
+    for n in range(5):
+        store.put(f"profiles/x/{n}", b"1")
+    store.put("profiles/y", b"1")
+    some = store.list_at_most("profiles/x/", 3)
+    assert len(some) == 3 and set(some) <= {f"profiles/x/{n}" for n in range(5)}
+    assert sorted(store.list_at_most("profiles/x/", 100)) == [f"profiles/x/{n}" for n in range(5)]
+    assert store.list_at_most("profiles/z/", 100) == []
+
+
+@pytest.mark.parametrize("scheme", ["file", "posix"])
+def test_get_at_most_refuses_what_a_hostile_writer_leaves_in_a_directory_store_at_once(tmp_path, scheme):
+    """A FIFO at the key would block the reader until someone writes to it (a daemon thread stuck, the
+    mount that waits for it failing); a symlink would be read through, to /dev/zero or a file outside the
+    store, as would a symlink in place of a directory of the key's path. All are refused, at once, as not
+    being objects."""
+    store = open_store(f"{scheme}://{tmp_path / 'store'}", create=True)
+    store.put("profiles/layers/ab/good", b"a profile")
+    os.mkfifo(tmp_path / "store" / "profiles" / "layers" / "ab" / "fifo")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not the store's")
+    os.symlink(outside, tmp_path / "store" / "profiles" / "layers" / "ab" / "link")
+    os.symlink("/dev/zero", tmp_path / "store" / "profiles" / "layers" / "ab" / "zero")
+    elsewhere = tmp_path / "elsewhere" / "cd"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "node").write_bytes(b"outside the store")
+    os.symlink(elsewhere, tmp_path / "store" / "profiles" / "layers" / "cd")  # a directory of the path
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        reading = pool.submit(store.get_at_most, "profiles/layers/ab/fifo", 100)
+        try:
+            with pytest.raises(CorruptError, match="not a regular file") as refused:
+                reading.result(timeout=10)
+            assert "profiles/layers/ab/fifo" in refused.value.where
+        finally:
+            if not reading.done():  # it blocked in open: let it go
+                os.close(os.open(tmp_path / "store" / "profiles" / "layers" / "ab" / "fifo", os.O_WRONLY))
+    for key in ("profiles/layers/ab/link", "profiles/layers/ab/zero", "profiles/layers/cd/node"):
+        with pytest.raises(CorruptError, match="not an object") as refused:
+            store.get_at_most(key, 100)
+        assert key in refused.value.where
+    assert store.get_at_most("profiles/layers/ab/good", 100) == b"a profile"
+
+
 def test_ranged_get(store):
     data = bytes(range(256)) * 40
     store.put("obj", data)
