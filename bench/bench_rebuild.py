@@ -89,6 +89,9 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="dsecfs-rebuild-") as work:
+        # Index mirrors under the work directory (one per store, so each fresh store starts with an empty
+        # one), removed with it: none is left in the default directory.
+        os.environ["DSECFS_INDEX_DIR"] = os.path.join(work, "index")
         tree = os.path.join(work, "tree")
         subprocess.run(["cp", "-a", args.tree, tree], check=True)
         time.sleep(RACY_NS / 1e9 + 0.2)

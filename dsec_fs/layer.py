@@ -21,7 +21,8 @@ the caller's ``on_manifest`` does work that needs only the manifest (the daemon 
 indexes there), so that work's round trips overlap too.
 
 Functions here are plain blocking calls on a Store and may be called from any thread; ``open_layer``
-reads meta.erofs and the blob map in two threads of its own and waits for both before it returns.
+reads, and ``publish_layer`` writes, meta.erofs and the blob map in two threads of their own and wait for
+both before returning.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ READABLE_VERSIONS = (1, 2)
 # may name any size; this keeps a lying one from making a reader allocate without limit.
 MAX_METADATA_SIZE = 4 << 30
 STORED_ENCODING = "zstd"
+# zstd level of meta.erofs and the blob map: on the Debian rootfs level 1 gives a smaller meta.erofs than
+# level 3 (153,005 against 157,716 bytes) and a blob map 1% larger (240,425 against 238,041: digests do not
+# compress), in 1.3 instead of 3 ms, which every build and rebuild pays (docs/benchmarks.md, issue 17).
+METADATA_LEVEL = 1
 META, BLOBMAP = "meta.erofs", "blobmap"  # the names of the two objects in ``Manifest.stored``
 DEFAULT_TAG = "latest"
 MAX_REF_LENGTH = 255
@@ -207,13 +212,18 @@ class LayerFiles:
     blobmap: bytes
 
 
-def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest) -> str:
+def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest, *,
+                  beside: Callable[[], object] | None = None) -> str:
     """Write meta.erofs and the blob map, each zstd-compressed, then manifest.json; returns the layer digest.
 
     The manifest must describe these bytes exactly (IntegrityError otherwise, before anything is written);
     its ``stored`` is filled in here, with what is written. The packs holding the layer's chunks must
     already be in the store; that is the caller's job (the ChunkUploader's flush) and is not re-checked
-    here.
+    here. meta.erofs and the blob map are written side by side (two threads: a local store's fsyncs
+    overlap) as each is compressed, while ``beside()`` runs in the calling thread: it writes another object
+    of the layer that must be in place before the manifest (a directory build's build info). If anything
+    fails, no manifest is written. (Compressing in the calling thread keeps its zstd context: a new
+    thread's first compression pays for a new context's memory.)
     """
     digest = manifest.layer
     manifest_key = keys.layer_manifest(digest)
@@ -222,10 +232,16 @@ def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest)
     _check_bytes(blobmap, manifest.blobmap_sha256, manifest.blobmap_size, what=keys.layer_blobmap(digest))
     manifest.version = MANIFEST_VERSION
     manifest.stored = {}
-    for name, key, data in ((META, keys.layer_meta(digest), meta), (BLOBMAP, keys.layer_blobmap(digest), blobmap)):
-        frame = compress.compress(data)
-        manifest.stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
-        store.put(key, frame)
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="publish-layer") as pool:
+        puts = []
+        for name, key, data in ((META, keys.layer_meta(digest), meta), (BLOBMAP, keys.layer_blobmap(digest), blobmap)):
+            frame = compress.compress(data, level=METADATA_LEVEL)
+            manifest.stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
+            puts.append(pool.submit(store.put, key, frame))
+        if beside is not None:
+            beside()
+        for put in puts:
+            put.result()
     store.put(manifest_key, manifest.to_json())
     return digest
 

@@ -171,7 +171,42 @@ def test_an_error_of_on_manifest_is_raised_by_open_layer(store):
 
 def test_publish_writes_the_manifest_last(store):
     publish_layer(store, META, BLOBMAP, make_manifest())
-    assert store.put_keys == [keys.layer_meta(LAYER), keys.layer_blobmap(LAYER), keys.layer_manifest(LAYER)]
+    assert sorted(store.put_keys[:2]) == sorted([keys.layer_meta(LAYER), keys.layer_blobmap(LAYER)])
+    assert store.put_keys[2:] == [keys.layer_manifest(LAYER)]
+
+
+class MeetingPutStore(RecordingStore):
+    """Each put of meta.erofs, the blob map and the build info waits for the other two to start:
+    publish_layer passes only if it writes the three side by side."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.barrier = threading.Barrier(3, timeout=5)
+
+    def put(self, key, data):
+        if key in (keys.layer_meta(LAYER), keys.layer_blobmap(LAYER), keys.layer_buildinfo(LAYER)):
+            self.barrier.wait()
+        super().put(key, data)
+
+
+def test_publish_writes_meta_blob_map_and_what_beside_writes_side_by_side_before_the_manifest(tmp_path):
+    store = MeetingPutStore(tmp_path / "store")
+    publish_layer(store, META, BLOBMAP, make_manifest(),
+                  beside=lambda: store.put(keys.layer_buildinfo(LAYER), b"build info"))
+    assert store.put_keys[-1] == keys.layer_manifest(LAYER)
+    assert store.get(keys.layer_buildinfo(LAYER)) == b"build info"
+    assert open_layer(store, LAYER).meta == META
+
+
+def test_a_failure_beside_publishes_nothing(store):
+    def fail():
+        raise UnavailableError("injected outage", where=keys.layer_buildinfo(LAYER))
+
+    with pytest.raises(UnavailableError, match="injected outage"):
+        publish_layer(store, META, BLOBMAP, make_manifest(), beside=fail)
+    assert not store.exists(keys.layer_manifest(LAYER))
+    with pytest.raises(NotFoundError):
+        open_layer(store, LAYER)
 
 
 class ManifestOutageStore(FilesystemStore):
