@@ -138,11 +138,10 @@ class CacheIndex:
         with self._transaction(write=True) as txn:
             total = self._total(txn)
             for digest, size, checksum, atime in entries:
-                if txn.get(digest, db=self._entries) is None:
+                previous = self._remove(txn, digest)
+                if previous is None:
                     added.append(digest)
-                else:
-                    total -= self._remove(txn, digest)
-                total += size
+                total += size - (previous or 0)
                 txn.put(digest, pack_entry(IndexEntry(size, atime, checksum)), db=self._entries)
                 txn.put(LRU_KEY.pack(atime, digest), b"", db=self._lru)
             self._set_total(txn, total)
@@ -165,7 +164,7 @@ class CacheIndex:
     def delete(self, digests: Iterable[bytes]) -> int:
         """Remove the entries of ``digests`` (absent ones are skipped); returns the bytes they held."""
         with self._transaction(write=True) as txn:
-            freed = sum(self._remove(txn, digest) for digest in digests)
+            freed = sum(self._remove(txn, digest) or 0 for digest in digests)
             self._set_total(txn, self._total(txn) - freed)
         return freed
 
@@ -216,11 +215,11 @@ class CacheIndex:
     def close(self) -> None:
         self._env.close()
 
-    def _remove(self, txn: lmdb.Transaction, digest: bytes) -> int:
-        """Delete ``digest``'s entry and lru key inside ``txn``; returns its size (0 when absent)."""
+    def _remove(self, txn: lmdb.Transaction, digest: bytes) -> int | None:
+        """Delete ``digest``'s entry and lru key inside ``txn``; returns its size (None when absent)."""
         value = txn.pop(digest, db=self._entries)
         if value is None:
-            return 0
+            return None
         entry = unpack_entry(value, digest, source=self.path)
         txn.delete(LRU_KEY.pack(entry.atime, digest), db=self._lru)
         return entry.size
