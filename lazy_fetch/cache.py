@@ -230,7 +230,7 @@ class ChunkCache:
     def lacks(self, digest: bytes) -> bool:
         """True when the cache surely does not hold the chunk (the module docstring: presence counters);
         False when it may. Memory only: any thread, never blocks; counts nothing (``note_misses``)."""
-        return not self._presence[int.from_bytes(digest[:8], "little") & self._presence_mask]
+        return not self._presence[self._presence_slot(digest)]
 
     def note_misses(self, count: int) -> None:
         """Count ``count`` chunks that ``lacks`` answered for as misses (they were not looked up)."""
@@ -356,12 +356,16 @@ class ChunkCache:
             self._evictions += len(evicted)
         return len(evicted)
 
+    def _presence_slot(self, digest: bytes) -> int:
+        """A digest's presence counter: from its first bytes (digests are sha256: uniform)."""
+        return int.from_bytes(digest[:8], "little") & self._presence_mask
+
     def _count_presence(self, digests: Iterable[bytes], step: int) -> None:
         """Count ``digests`` (newly indexed: +1; no longer: -1) in the presence counters; with ``_lock``
         held (or at open). A counter at PRESENCE_STUCK stays there: it may have lost count."""
-        presence, mask = self._presence, self._presence_mask
+        presence = self._presence
         for digest in digests:
-            slot = int.from_bytes(digest[:8], "little") & mask
+            slot = self._presence_slot(digest)
             if presence[slot] != PRESENCE_STUCK:
                 presence[slot] = max(0, presence[slot] + step)
 
