@@ -29,12 +29,14 @@ _local = threading.local()
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache = getattr(_local, "compressors", None)
-    if cache is None:
-        cache = _local.compressors = {}
-    comp = cache.get(level)
-    if comp is None:
-        comp = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    try:  # called once a chunk: the common case first
+        return _local.compressors[level]
+    except AttributeError:
+        _local.compressors = {}
+    except KeyError:
+        pass
+    comp = _local.compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True,
+                                                                write_checksum=False)
     return comp
 
 
@@ -46,11 +48,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def compress(data: bytes | memoryview, level: int = DEFAULT_LEVEL) -> bytes:
-    try:
-        comp = _local.compressors[level]
-    except (AttributeError, KeyError):
-        comp = _compressor(level)
-    frame = comp.compress(data)
+    frame = _compressor(level).compress(data)
     # zstandard shrinks the result's length but not its allocation (ZSTD_compressBound of the input):
     # a 100-byte frame of a 1 MiB chunk would pin 1 MiB while it waits in a pack. Copy it to its size when
     # that frees something worth a copy: not for the frame of a small file that did not shrink, nor for a
