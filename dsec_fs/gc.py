@@ -81,6 +81,7 @@ from .pack import PACK_TRAILER, PackEntry, decode_index, encode_index, index_fro
 from .store import keys
 from .store.base import Store
 from .store.filesystem import FilesystemStore
+from .store.wrappers import find_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -629,10 +630,8 @@ class _Run:
                 self._delete(lease.key)
 
     def _remove_temp_files(self) -> None:
-        store = self.store
-        while not isinstance(store, FilesystemStore) and hasattr(store, "inner"):
-            store = store.inner  # a wrapper (retry, limits, ...) around the backend
-        if not isinstance(store, FilesystemStore):
+        store = find_wrapper(self.store, FilesystemStore)  # the backend under wrappers (retry, limits, ...)
+        if store is None:
             return
         min_age = max(self.grace, TEMP_FILE_MIN_AGE)
         for path, mtime in store.temp_files():

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # deadline (lazy_fetch.fetcher.DEFAULT_TIMEOUT); pass the deadline the callers really use.
 DEFAULT_STUCK_AFTER = 30.0
 
-W = TypeVar("W", bound="StoreWrapper")
+S = TypeVar("S", bound=Store)
 
 
 class StoreWrapper(Store):
@@ -489,8 +489,9 @@ def _damage(rule: FaultRule, data: bytes) -> bytes:
     return _flip_bits(data, *rule.arg)
 
 
-def find_wrapper(store: Store, kind: type[W]) -> W | None:
-    """The outermost ``kind`` in the chain of wrappers ``store`` is the top of; None if there is none."""
+def find_wrapper(store: Store, kind: type[S]) -> S | None:
+    """The outermost ``kind`` in the chain of wrappers ``store`` is the top of (the backend at its bottom
+    included); None if there is none."""
     while not isinstance(store, kind):
         if not isinstance(store, StoreWrapper):
             return None
