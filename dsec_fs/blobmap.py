@@ -8,8 +8,8 @@ in each layer's blob but is stored, fetched and cached once.
 
 Binary format (all integers little-endian), stored as ``layers/<layer>/blobmap``:
 
-    header   24 bytes   (``_HEADER``)
-    entries  40 bytes each, ``count`` of them, in blob order (``_ENTRY``)
+    header   24 bytes   (``HEADER``)
+    entries  40 bytes each, ``count`` of them, in blob order (``ENTRY``)
 
 Nothing may follow the last entry. ``decode`` validates everything it can without the chunks: a blob map
 that decodes is internally consistent (contiguous, block aligned, no chunk twice, lengths in range). The
@@ -40,7 +40,7 @@ MAX_CHUNK_BITS = 24  # 16 MiB: keeps one chunk fetch (and its memory) bounded on
 # EROFS block addresses are 32-bit and 0xFFFFFFFF means "hole", so the blob ends before it (16 TiB).
 MAX_BLOCKS = 0xFFFFFFFF
 
-_HEADER = struct.Struct(
+HEADER = struct.Struct(
     "<"
     "8s"  # magic: b"DSECBMAP"
     "I"  # version: VERSION
@@ -51,7 +51,7 @@ _HEADER = struct.Struct(
     "I"  # blocks: size of the virtual blob in blocks, the sum of every entry's block count
 )
 
-_ENTRY = struct.Struct(
+ENTRY = struct.Struct(
     "<"
     "I"  # blkaddr: first block of the chunk in the blob; the running sum of the previous block counts
     "I"  # length: bytes of the chunk (uncompressed); it fills ceil(length / block size) blocks
@@ -73,6 +73,23 @@ def check_chunk_size(chunk_size: int) -> int:
 
 def _blocks_for(length: int) -> int:
     return -(-length // BLOCK_SIZE)
+
+
+def chunk_end(blkaddr: int, digest: bytes, length: int, chunk_size: int) -> int:
+    """The block after a chunk of ``length`` bytes placed at ``blkaddr``: where the next one starts.
+    InputError for a chunk no map may hold, UnsupportedError past the blob's MAX_BLOCKS."""
+    if len(digest) != DIGEST_SIZE or not 1 <= length <= chunk_size:
+        raise InputError(f"bad chunk: {len(digest)}-byte digest, {length} bytes", where=f"chunk {digest.hex()}")
+    end = blkaddr + _blocks_for(length)
+    if end > MAX_BLOCKS:
+        raise UnsupportedError(f"the layer's distinct data exceeds {MAX_BLOCKS} blocks of {BLOCK_SIZE} bytes",
+                               where=f"chunk {short(digest)}")
+    return end
+
+
+def header(chunk_bits: int, count: int, blocks: int) -> bytes:
+    """The encoded header of a map of ``count`` entries over ``blocks`` blocks."""
+    return HEADER.pack(MAGIC, VERSION, BLOCK_SIZE_BITS, chunk_bits, 0, count, blocks)
 
 
 class BlobMap:
@@ -101,19 +118,13 @@ class BlobMap:
         entry = self._by_digest.get(digest)
         if entry is not None:
             return entry[0]
-        if len(digest) != DIGEST_SIZE or not 1 <= length <= self.chunk_size:
-            raise InputError(f"bad chunk: {len(digest)}-byte digest, {length} bytes", where=f"chunk {digest.hex()}")
         blkaddr = self.blocks
-        if blkaddr + _blocks_for(length) > MAX_BLOCKS:
-            raise UnsupportedError(
-                f"the layer's distinct data exceeds {MAX_BLOCKS} blocks of {BLOCK_SIZE} bytes",
-                where=f"chunk {short(digest)}",
-            )
+        end = chunk_end(blkaddr, digest, length, self.chunk_size)
         entry = (blkaddr, digest, length)
         self._by_digest[digest] = entry
         self.entries.append(entry)
         self._starts.append(blkaddr)
-        self.blocks = blkaddr + _blocks_for(length)
+        self.blocks = end
         return blkaddr
 
     def with_chunks_replaced(self, replacements: dict[bytes, tuple[bytes, int]]) -> BlobMap:
@@ -178,8 +189,8 @@ class BlobMap:
         return True
 
     def encode(self) -> bytes:
-        header = _HEADER.pack(MAGIC, VERSION, BLOCK_SIZE_BITS, self.chunk_bits, 0, len(self.entries), self.blocks)
-        return header + b"".join(_ENTRY.pack(blkaddr, length, digest) for blkaddr, digest, length in self.entries)
+        return header(self.chunk_bits, len(self.entries), self.blocks) + b"".join(
+            ENTRY.pack(blkaddr, length, digest) for blkaddr, digest, length in self.entries)
 
     @property
     def blob_id(self) -> str:
@@ -194,9 +205,9 @@ class BlobMap:
             return FormatError(structure, offset, message, source=source)
 
         data = memoryview(data)
-        if len(data) < _HEADER.size:
-            raise fail("blob map header", 0, f"{len(data)} bytes, the header alone is {_HEADER.size}")
-        magic, version, blkszbits, chunkbits, reserved, count, blocks = _HEADER.unpack_from(data, 0)
+        if len(data) < HEADER.size:
+            raise fail("blob map header", 0, f"{len(data)} bytes, the header alone is {HEADER.size}")
+        magic, version, blkszbits, chunkbits, reserved, count, blocks = HEADER.unpack_from(data, 0)
         if magic != MAGIC:
             raise fail("blob map header", 0, f"bad magic {magic!r}")
         if version != VERSION:
@@ -207,16 +218,16 @@ class BlobMap:
             raise fail("blob map header", 13, f"chunk size bits {chunkbits} outside {MIN_CHUNK_BITS}..{MAX_CHUNK_BITS}")
         if reserved:
             raise fail("blob map header", 14, f"reserved field is {reserved:#x}, expected 0")
-        expected_size = _HEADER.size + count * _ENTRY.size
+        expected_size = HEADER.size + count * ENTRY.size
         if len(data) != expected_size:
             raise fail("blob map header", 16, f"{count} entries need {expected_size} bytes, the map has {len(data)}")
 
         blob_map = cls(1 << chunkbits)
-        entries = list(_ENTRY.iter_unpack(data[_HEADER.size:]))
+        entries = list(ENTRY.iter_unpack(data[HEADER.size:]))
         if blob_map._take_valid(entries):
             entries = []  # all taken; else the loop below finds the first bad entry, or adds them one by one
         for i, (blkaddr, length, digest) in enumerate(entries):
-            offset = _HEADER.size + i * _ENTRY.size
+            offset = HEADER.size + i * ENTRY.size
             if blkaddr != blob_map.blocks:
                 raise fail(f"blob map entry {i}", offset, f"blkaddr {blkaddr}, expected {blob_map.blocks}")
             if not 1 <= length <= blob_map.chunk_size:

@@ -17,12 +17,10 @@ Threads: one thread (the build's) calls everything here.
 
 from __future__ import annotations
 
-import struct
 from array import array
 
-from dsec_fs.blobmap import _ENTRY, _HEADER, BLOCK_SIZE, BLOCK_SIZE_BITS, MAGIC, MAX_BLOCKS, VERSION, check_chunk_size
-from dsec_fs.digest import DIGEST_SIZE, short
-from dsec_fs.errors import InputError, UnsupportedError
+from dsec_fs.blobmap import ENTRY, HEADER, check_chunk_size, chunk_end, header
+from dsec_fs.errors import InputError
 
 from .tree import Node
 
@@ -50,8 +48,8 @@ def lay_out_blob(files: list[Node], chunk_size: int) -> BlobLayout:
     """The blob map of chunked regular files (chunker.regular_files of a tree, each file once, in that
     order); replaces each file's ``chunks`` (digests) with its chunks' blkaddrs."""
     chunk_bits = check_chunk_size(chunk_size)
-    encoded = bytearray(_HEADER.size)
-    pack_entry = _ENTRY.pack
+    encoded = bytearray(HEADER.size)
+    pack_entry = ENTRY.pack
     index_of: dict[bytes, int] = {}  # digest -> its entry
     starts = array("I")  # blkaddr of each entry
     shared = set()
@@ -65,7 +63,7 @@ def lay_out_blob(files: list[Node], chunk_size: int) -> BlobLayout:
             shared.add(index)
             return starts[index]
         blkaddr = blocks
-        blocks = _next_block(blkaddr, length, chunk_size, digest)
+        blocks = chunk_end(blkaddr, digest, length, chunk_size)
         index_of[digest] = len(starts)
         starts.append(blkaddr)
         encoded.extend(pack_entry(blkaddr, length, digest))
@@ -81,16 +79,6 @@ def lay_out_blob(files: list[Node], chunk_size: int) -> BlobLayout:
             size = node.size
             node.chunks = tuple(None if digest is None else place(digest, min(chunk_size, size - number * chunk_size))
                                 for number, digest in enumerate(digests))
-    _HEADER.pack_into(encoded, 0, MAGIC, VERSION, BLOCK_SIZE_BITS, chunk_bits, 0, len(starts), blocks)
+    encoded[:HEADER.size] = header(chunk_bits, len(starts), blocks)
     return BlobLayout(encoded, len(starts), blocks, sorted(shared))
 
-
-def _next_block(blkaddr: int, length: int, chunk_size: int, digest: bytes) -> int:
-    """Where the chunk after one of ``length`` bytes at ``blkaddr`` starts; raises what BlobMap.add does."""
-    if len(digest) != DIGEST_SIZE or not 1 <= length <= chunk_size:
-        raise InputError(f"bad chunk: {len(digest)}-byte digest, {length} bytes", where=f"chunk {digest.hex()}")
-    end = blkaddr + -(-length // BLOCK_SIZE)
-    if end > MAX_BLOCKS:
-        raise UnsupportedError(f"the layer's distinct data exceeds {MAX_BLOCKS} blocks of {BLOCK_SIZE} bytes",
-                               where=f"chunk {short(digest)}")
-    return end
