@@ -368,13 +368,18 @@ def _chunk_name(digest: bytes, key: str) -> str:
     return f"chunk {to_hex(digest)} in {key}"
 
 
-def check_packs_present(store: Store, pack_ids: list[str], *, where: str) -> None:
-    """NotFoundError (naming ``where`` and the first missing pack) unless every pack is in the store; they
-    are asked for side by side, in one round trip."""
+def missing_packs(store: Store, pack_ids: list[str]) -> list[str]:
+    """Those of ``pack_ids`` the store does not hold, in their order; asked for side by side, in one round
+    trip."""
     with ThreadPoolExecutor(max_workers=max(1, min(INDEX_LOAD_THREADS, len(pack_ids))),
                             thread_name_prefix="check-packs") as pool:
         present = list(pool.map(lambda pack: store.exists(keys.pack(pack)), pack_ids))
-    missing = [pack for pack, there in zip(pack_ids, present) if not there]
+    return [pack for pack, there in zip(pack_ids, present) if not there]
+
+
+def check_packs_present(store: Store, pack_ids: list[str], *, where: str) -> None:
+    """NotFoundError (naming ``where`` and the first missing pack) unless every pack is in the store."""
+    missing = missing_packs(store, pack_ids)
     if missing:
         raise NotFoundError(f"{len(missing)} of the {len(pack_ids)} packs holding the layer's chunks are "
                             "not in the store", where=f"{where}, pack {missing[0]}")

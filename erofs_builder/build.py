@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dsec_fs.chunks import ChunkIndex, ChunkUploader
+from dsec_fs.chunks import ChunkIndex, ChunkUploader, missing_packs
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
@@ -391,10 +391,8 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
     change needs the full path after all."""
-    from .patch import missing_packs
-
     parent = rescan.parent
-    missing = missing_packs(store, parent)
+    missing = missing_packs(store, parent.manifest.packs)
     if missing:
         log.warning("the store lacks pack %s of the parent layer: rebuilding in full", missing[0])
         return None

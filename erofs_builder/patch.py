@@ -43,7 +43,7 @@ held only a replaced chunk. Listing it keeps it live for gc, never breaks a read
 
 The parent's chunks: the parent is published, so gc keeps the packs its manifest lists (or rewrites that
 list when it repacks), and this build's lease keeps them until the new manifest is published;
-``missing_packs`` checks that they exist, which is all a layer copied without its packs (another store)
+the build checks that they exist (``dsec_fs.chunks.missing_packs``, in build.py), which is all a layer copied without its packs (another store)
 lacks.
 
 Threads: everything here runs in the build's calling thread.
@@ -64,8 +64,6 @@ from dataclasses import dataclass
 from dsec_fs.blobmap import BLOCK_SIZE, BlobMap
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import CorruptError, NotFoundError, UnsupportedError
-from dsec_fs.store import keys
-from dsec_fs.store.base import Store
 
 from .incremental import Identity, ParentLayer
 from .layout import NS_PER_S
@@ -338,7 +336,3 @@ def _printable(path: bytes) -> str:
 def _named(change: _Change) -> str:
     return change.node.source
 
-
-def missing_packs(store: Store, parent: ParentLayer) -> list[str]:
-    """The packs the parent's manifest lists that the store does not hold."""
-    return [pack_id for pack_id in parent.manifest.packs if not store.exists(keys.pack(pack_id))]
