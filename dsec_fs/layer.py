@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from . import compress
 from .digest import is_hex_digest, sha256, to_hex
 from .errors import CorruptError, FormatError, InputError, IntegrityError, NotFoundError, UnsupportedError
+from .spill import SpillFile
 from .store import keys
 from .store.base import Store
 
@@ -212,9 +213,11 @@ class LayerFiles:
     blobmap: bytes
 
 
-def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest, *,
+def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifest: Manifest, *,
                   beside: Callable[[], object] | None = None) -> str:
     """Write meta.erofs and the blob map, each zstd-compressed, then manifest.json; returns the layer digest.
+    ``meta`` may be a SpillFile (dsec_fs.spill: a fresh build's image, never whole in memory): it is
+    hashed and compressed a piece at a time.
 
     The manifest must describe these bytes exactly (IntegrityError otherwise, before anything is written);
     its ``stored`` is filled in here, with what is written. The packs holding the layer's chunks must
@@ -235,7 +238,8 @@ def publish_layer(store: Store, meta: bytes, blobmap: bytes, manifest: Manifest,
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="publish-layer") as pool:
         puts = []
         for name, key, data in ((META, keys.layer_meta(digest), meta), (BLOBMAP, keys.layer_blobmap(digest), blobmap)):
-            frame = compress.compress(data, level=METADATA_LEVEL)
+            frame = data.compress(METADATA_LEVEL) if isinstance(data, SpillFile) else compress.compress(
+                data, level=METADATA_LEVEL)
             manifest.stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
             puts.append(pool.submit(store.put, key, frame))
         if beside is not None:
@@ -314,10 +318,10 @@ def _read_object(store: Store, manifest: Manifest, name: str, key: str, expected
     return data
 
 
-def _check_bytes(data: bytes, expected_hex: str, expected_size: int, *, what: str) -> None:
+def _check_bytes(data: bytes | SpillFile, expected_hex: str, expected_size: int, *, what: str) -> None:
     if len(data) != expected_size:
         raise IntegrityError(f"{len(data)} bytes, the manifest says {expected_size}", where=what)
-    actual = to_hex(sha256(data))
+    actual = to_hex(data.sha256() if isinstance(data, SpillFile) else sha256(data))
     if actual != expected_hex:
         raise IntegrityError(f"sha256 mismatch: expected {expected_hex}, got {actual}", where=what)
 

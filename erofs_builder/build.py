@@ -12,7 +12,9 @@ Steps, each finished before the next starts:
 4. confirm against the store's own index objects that the layer's packs hold all its chunks (the mirror
    is a cache); the chunk index is dropped then;
 5. lay out and encode the blob map (blob_layout.py: each file's chunk digests become blob blocks), and
-   write meta.erofs (writer.py) against it;
+   write meta.erofs (writer.py) against it, into an unnamed temporary file (dsec_fs.spill), from which
+   step 6 hashes and compresses it a piece at a time; the file is gone when the build ends, whatever
+   its outcome;
 6. publish: the build info of a directory build (incremental.py; encoded before meta.erofs is written,
    named for the layer after), meta.erofs, blob map, then
    manifest.json (dsec_fs.layer.publish_layer); restore any pack index a concurrent gc soft-deleted
@@ -65,6 +67,7 @@ from dsec_fs.heap import release_free_memory
 from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
+from dsec_fs.spill import SpillFile
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
@@ -76,7 +79,7 @@ from .tree import Node, Tree
 from .walk_dir import listing_order, walk_directory
 from .images import is_image_ref
 from .limits import DEFAULT_LAYER_LIMITS, DEFAULT_LIMITS, LayerBudget, LayerLimits, TarLimits, check_tree
-from .writer import write_image
+from .writer import spill_image
 
 # Only the build of a tar, an image or with a parent needs these modules: imported where used, so that a
 # directory build does not pay for importing them (see docs/benchmarks.md, issue 17, third session).
@@ -349,20 +352,20 @@ def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: l
         entries = ((path, node.identity) for path, node in listing_order(tree))
         info = encode_buildinfo(entries, blob.shared, None, scanned_at_ns)
         release_free_memory()
-    meta = write_image(tree, blob, chunk_size, blob_id=to_hex(sha256(blob_map_bytes)))
-    release_free_memory()  # the image's layout
-    return _publish_layer(store, lease, meta, blob.blocks, blob_map_bytes, packs, stats, name, chunk_size, source,
-                          None if info is None else functools.partial(name_layer, info))
+    with spill_image(tree, blob, chunk_size, blob_id=to_hex(sha256(blob_map_bytes))) as meta:
+        release_free_memory()  # the image's layout
+        return _publish_layer(store, lease, meta, blob.blocks, blob_map_bytes, packs, stats, name, chunk_size,
+                              source, None if info is None else functools.partial(name_layer, info))
 
 
-def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_blocks: int, blob_map_bytes: bytes,
+def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blocks: int, blob_map_bytes: bytes,
                    packs: list[str], stats: ChunkStats, name: str | None, chunk_size: int, source: str,
                    buildinfo: Callable[[str], bytes] | None) -> BuildResult:
     """Step 6 for a finished meta.erofs and blob map: build info (made by ``buildinfo`` for the layer
     digest, directory builds only), manifest, ref."""
     blob_id = to_hex(sha256(blob_map_bytes))
     manifest = Manifest(
-        layer=to_hex(sha256(meta)),
+        layer=to_hex(meta.sha256() if isinstance(meta, SpillFile) else sha256(meta)),
         blob_id=blob_id,
         meta_size=len(meta),
         blobmap_size=len(blob_map_bytes),

@@ -246,7 +246,7 @@ class SourceDir:
     lstat numbers: one object for all of them, so that a file's node holds its name and its row here, not
     its path and four int objects (``WalkedFile``)."""
 
-    __slots__ = ("prefix", "root", "beneath", "names", "sizes", "mtimes", "inos", "ctimes")
+    __slots__ = ("prefix", "root", "beneath", "names", "sizes", "mtimes", "inos", "ctimes", "blocks")
 
     def __init__(self, prefix: bytes, root: SourceRoot | None):
         self.prefix = prefix  # the directory's path on disk, up to and including the "/" before a name
@@ -256,6 +256,8 @@ class SourceDir:
         # row k: the name and lstat fields of the directory's k-th regular file
         self.names: list[bytes] = []  # the same objects as the names in its Tree directory
         self.sizes, self.mtimes, self.inos, self.ctimes = array("Q"), array("q"), array("Q"), array("q")
+        # the blob block of a file whose chunk list is one block address (WalkedFile.chunks); else unused
+        self.blocks = array("Q")
 
     def add(self, name: bytes, st: os.stat_result) -> int:
         """Row of a new file of this directory."""
@@ -264,7 +266,12 @@ class SourceDir:
         self.mtimes.append(st.st_mtime_ns)
         self.inos.append(st.st_ino)
         self.ctimes.append(st.st_ctime_ns)
+        self.blocks.append(0)
         return len(self.names) - 1
+
+
+# WalkedFile._chunks of a file whose chunk list is the one block address in its row of SourceDir.blocks.
+_ONE_BLOCK = object()
 
 
 class WalkedFile:
@@ -274,9 +281,14 @@ class WalkedFile:
     ``identity``, ``reader`` and ``source`` (its path, for messages) are made when asked for, from its
     row and the slots. An identity tuple, a reader object, a path string and four int objects per file were
     ~380 bytes of the ~630 a large tree held per entry. Nothing assigns size, mtime_ns, identity, reader or
-    source after the walk (mode, owner and xattrs may change: sandbox commit drops setuid bits)."""
+    source after the walk (mode, owner and xattrs may change: sandbox commit drops setuid bits).
 
-    __slots__ = ("mode", "uid", "gid", "xattrs", "nlink", "chunks", "_dev", "_st_mode", "_dir", "_row")
+    ``chunks`` is Node's, with one difference of storage: once a build has laid out its blob map
+    (blob_layout.py), a small file's chunk list is the tuple of one block address, and that address is
+    kept in its row of the directory's ``blocks`` column rather than as a tuple and an int (80 bytes a
+    file, alive while meta.erofs is written); reading ``chunks`` gives the same tuple back."""
+
+    __slots__ = ("mode", "uid", "gid", "xattrs", "nlink", "_chunks", "_dev", "_st_mode", "_dir", "_row")
     rdev = 0
     target = b""
     children = None
@@ -286,12 +298,25 @@ class WalkedFile:
                  xattrs: Mapping[bytes, bytes], directory: SourceDir, name: bytes):
         self.mode = self._st_mode = mode  # _st_mode stays the lstat's even if the build drops mode bits
         self.uid, self.gid = uid, gid
-        self.nlink, self.chunks = 0, None
+        self.nlink, self._chunks = 0, None
         self.xattrs = xattrs
         self._dev = shared.setdefault(st.st_dev, st.st_dev)
         self._dir = directory
         row = directory.add(name, st)
         self._row = shared.setdefault(row, row)  # rows repeat in every directory: one int object each
+
+    @property
+    def chunks(self) -> list | tuple | None:
+        chunks = self._chunks
+        return (self._dir.blocks[self._row],) if chunks is _ONE_BLOCK else chunks
+
+    @chunks.setter
+    def chunks(self, chunks: list | tuple | None) -> None:
+        if type(chunks) is tuple and len(chunks) == 1 and type(chunks[0]) is int:
+            self._dir.blocks[self._row] = chunks[0]
+            self._chunks = _ONE_BLOCK
+        else:
+            self._chunks = chunks
 
     @property
     def size(self) -> int:

@@ -1,9 +1,15 @@
 """Write a layer's meta.erofs: the EROFS metadata image whose regular files point into the virtual blob.
 
-``write_image(tree, blobmap, chunk_size)`` returns the whole image (a bytearray). Every decision (nids,
-compact or extended inodes, inline tails, block numbers) is made by ``layout.plan_layout``; this module
-only turns that plan into bytes, then seals block 0 with the superblock checksum, which covers the first
+``write_image(tree, blobmap, chunk_size)`` returns the whole image (a bytearray); ``spill_image`` writes
+the same bytes into a SpillFile (dsec_fs.spill), what a fresh build publishes: an image of 1,000,000
+inodes is ~96 MB, which then never is in the process's memory as a whole. Every decision (nids, compact
+or extended inodes, inline tails, block numbers) is made by ``layout.plan_layout``; this module only
+turns that plan into bytes, then seals block 0 with the superblock checksum, which covers the first
 inodes too.
+
+Inodes are written in nid order, so their offsets only grow: while a SpillFile is written, the pages
+behind the inode being written are handed back every RELEASE_EVERY inodes (the data area, a
+directory's full blocks, lies beyond the inodes and is a small part of the image).
 
 The image is old-style EROFS (no 48-bit or metabox features), so Linux 5.16 and later mount it. Its only
 extra device is the layer's virtual blob: chunk indexes say device 1, and the device slot carries the
@@ -13,12 +19,12 @@ blob id and size. Images are reproducible: the same tree and blob map give the s
 from __future__ import annotations
 
 import hashlib
-
 import os
 import stat
 
 from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.heap import release_free_memory
+from dsec_fs.spill import SpillFile
 
 from .layout import DEVT_OFFSET, DEVT_SLOTOFF, NS_PER_S, InodePlan, Layout, plan_layout
 from .ondisk import BLOCK_SIZE, EROFS_NULL_ADDR, INODE_SLOT_SIZE, chunk_index, dirent, xattr
@@ -38,6 +44,7 @@ CHECKSUM_OFFSET = SB_OFFSET + 0x04  # the superblock's checksum field
 _COMPACT_CHUNK_BASED = VERSION_COMPACT | LAYOUT_CHUNK_BASED << 1  # i_format of most regular files
 _EXTENDED_CHUNK_BASED = VERSION_EXTENDED | LAYOUT_CHUNK_BASED << 1  # a file whose mtime is not build_time
 _PLAIN_FILE_FORMATS = (_COMPACT_CHUNK_BASED, _EXTENDED_CHUNK_BASED)
+RELEASE_EVERY = 1 << 16  # inodes written between two hand-backs of a SpillFile's pages (4 MB or more)
 
 
 def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = None) -> bytearray:
@@ -53,15 +60,43 @@ def write_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = N
     layout = plan_layout(tree, chunk_size)
     release_free_memory()  # planning's own tables (a count of every mtime): gone before the image is made
     image = bytearray(layout.blocks * BLOCK_SIZE)
+    _write_layout(image, layout, blobmap, blob_id)
+    seal_image(image)
+    return image
+
+
+def spill_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = None) -> SpillFile:
+    """``write_image``'s image in a SpillFile (dsec_fs.spill) the caller closes, written through a mapping
+    whose pages are handed back as the inodes move on (see the module docstring)."""
+    layout = plan_layout(tree, chunk_size)
+    release_free_memory()
+    spill = SpillFile(layout.blocks * BLOCK_SIZE, prefix="dsecfs-meta-")
+    try:
+        with spill.mapped() as image:
+            _write_layout(image, layout, blobmap, blob_id, release=spill.release)
+            _clear_seal(image)
+        uuid = spill.sha256()[:16]  # seal_image's, hashed from the file: the mapping is not read
+        with spill.mapped() as image:
+            image[UUID_OFFSET:UUID_OFFSET + 16] = uuid
+            seal_block0(image, BLOCK_SIZE)
+    except BaseException:
+        spill.close()
+        raise
+    return spill
+
+
+def _write_layout(image, layout: Layout, blobmap, blob_id: str | None, release=None) -> None:
+    """Every inode, its data and the superblock into ``image`` (a bytearray or a SpillFile's mapping, whose
+    pages ``release(image, offset)`` hands back up to ``offset``); not sealed."""
     formats = layout.formats
     for position, node in enumerate(layout.nodes):
         if formats[position] in _PLAIN_FILE_FORMATS and not node.xattrs:
             _write_plain_file(image, layout, position, node, blobmap)
         else:
             _write_inode(image, layout, layout.plan(position), blobmap)
+        if release is not None and position % RELEASE_EVERY == RELEASE_EVERY - 1:
+            release(image, layout.nids[position] * INODE_SLOT_SIZE)
     _write_superblock(image, layout, blobmap, blobmap.blob_id if blob_id is None else blob_id)
-    seal_image(image)
-    return image
 
 
 def seal_image(image: bytearray) -> None:
@@ -71,10 +106,15 @@ def seal_image(image: bytearray) -> None:
     OverlayFS turns xino off over a lower layer with a null uuid; a uuid derived from the image itself
     (sha256 of the image with the uuid and checksum fields zero) keeps it on, and keeps the same tree
     giving the same image."""
-    image[UUID_OFFSET:UUID_OFFSET + 16] = bytes(16)
-    image[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 4] = bytes(4)
+    _clear_seal(image)
     image[UUID_OFFSET:UUID_OFFSET + 16] = hashlib.sha256(image).digest()[:16]
     seal_block0(image, BLOCK_SIZE)
+
+
+def _clear_seal(image) -> None:
+    """Zero the uuid and checksum fields: the image they are derived from has them zero."""
+    image[UUID_OFFSET:UUID_OFFSET + 16] = bytes(16)
+    image[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 4] = bytes(4)
 
 
 def _write_superblock(image: bytearray, layout: Layout, blobmap, blob_id: str) -> None:

@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 
 import pytest
 from treecmp import assert_same_tree, snapshot, write_files
@@ -16,6 +17,7 @@ from dsec_fs.chunks import ChunkIndex, read_chunk
 from dsec_fs.errors import InputError, UnavailableError
 from dsec_fs.layer import Manifest, open_layer, read_blobmap, read_meta, resolve
 from dsec_fs.mounts import mounted_erofs
+from dsec_fs.spill import SpillFile
 from dsec_fs.store import FilesystemStore
 from dsec_fs.store import keys as store_keys
 from erofs_builder import build_layer, build_tree, walk_directory
@@ -111,15 +113,43 @@ class FailingStore(FilesystemStore):
         super().put(key, data)
 
 
-@pytest.mark.parametrize("fail_on", ["packs/", "index/", "meta.erofs", "manifest.json"])
-def test_a_store_failure_publishes_nothing(tmp_path, fail_on):
+def files_open_under(directory) -> list[str]:
+    """What this process's fds name under ``directory`` (an unnamed temporary file: "DIR/#123 (deleted)")."""
+    named = (os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if fd.isdigit()
+             and os.path.exists(f"/proc/self/fd/{fd}"))
+    return [name for name in named if name.startswith(str(directory) + "/")]
+
+
+@pytest.mark.parametrize("fail_on", ["packs/", "index/", "meta.erofs", "manifest.json", None])
+def test_a_store_failure_publishes_nothing(tmp_path, monkeypatch, fail_on):
+    """... and leaves no temporary file (meta.erofs is written into one, dsec_fs.spill), nor does a build
+    that succeeds."""
     store = FailingStore(str(tmp_path / "store"), fsync=False)
-    store.fail_on = fail_on
-    src = write_files(tmp_path / "src", {"a": os.urandom(10 * CHUNK)})
-    with pytest.raises(UnavailableError):
-        build_layer(src, store, name="test/fails", chunk_size=CHUNK)
-    assert not keys(store, "refs/")
-    assert not any(key.endswith("manifest.json") for key in keys(store, "layers/"))
+    store.fail_on = fail_on or "nothing fails"
+    spill_dir = tmp_path / "tmp"
+    spill_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spill_dir))
+    spilled = []
+    real_spill = SpillFile.__init__
+
+    def spill(self, *args, **kwargs):
+        before = len(files_open_under(spill_dir))
+        real_spill(self, *args, **kwargs)
+        spilled.append(len(files_open_under(spill_dir)) - before)
+
+    monkeypatch.setattr(SpillFile, "__init__", spill)
+    src = write_files(tmp_path / "src", {"a": os.urandom(10 * CHUNK), "d/b": b"small"})
+    if fail_on is None:
+        build_layer(src, store, name="test/works", chunk_size=CHUNK)
+        assert resolve(store, "test/works")
+    else:
+        with pytest.raises(UnavailableError):
+            build_layer(src, store, name="test/fails", chunk_size=CHUNK)
+        assert not keys(store, "refs/")
+        assert not any(key.endswith("manifest.json") for key in keys(store, "layers/"))
+    if fail_on not in ("packs/", "index/"):  # those fail before meta.erofs is written
+        assert spilled == [1]  # the image was in a file there
+    assert files_open_under(spill_dir) == [] and os.listdir(spill_dir) == []
 
 
 def test_a_bad_name_fails_before_any_work(tmp_path, store):

@@ -223,6 +223,22 @@ def test_a_walked_file_keeps_the_identity_of_its_lstat(tmp_path):
     assert list(node.reader(CHUNK)) == [b"content"]
 
 
+def test_a_walked_files_chunk_list_reads_back_as_assigned(tmp_path):
+    """WalkedFile keeps a chunk list of one block address in its directory's column: every list reads
+    back equal, the files of one directory each their own."""
+    for name in ("a", "b", "c"):
+        (tmp_path / name).write_bytes(name.encode())
+    tree = walk_directory(tmp_path)
+    a, b, c = (tree.lookup(name) for name in (b"a", b"b", b"c"))
+    assert a.chunks is None
+    digest = hashlib.sha256(b"a").digest()
+    for chunks in [(digest,), [digest, None], (), (7,), (2**40, None), (None,), (0,)]:
+        a.chunks = chunks
+        assert a.chunks == chunks and type(a.chunks) is type(chunks)
+    b.chunks, c.chunks = (11,), (12,)
+    assert (a.chunks, b.chunks, c.chunks) == ((0,), (11,), (12,))
+
+
 def test_a_file_replaced_by_a_symlink_is_not_followed(tmp_path):
     (tmp_path / "f").write_bytes(b"secret")
     node = walk_directory(tmp_path).lookup(b"f")

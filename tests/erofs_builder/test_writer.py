@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsec_fs.digest import sha256
-from dsec_fs.errors import FormatError, InputError, UnsupportedError
+from dsec_fs.errors import FormatError, InputError, NotFoundError, UnsupportedError
 from dsec_fs.blobmap import BlobMap
 from erofs_builder.layout import INODE_AREA_START, plan_layout
 from erofs_builder.ondisk import BLOCK_SIZE, EROFS_NULL_ADDR, chunk_index, dirent, xattr
@@ -27,7 +28,7 @@ from erofs_builder.ondisk.superblock import (
     COMPAT_SB_CHKSUM, INCOMPAT_CHUNKED_FILE, INCOMPAT_DEVICE_TABLE, SB_OFFSET, Superblock,
 )
 from erofs_builder.tree import Node, Tree, make_dir
-from erofs_builder.writer import write_image
+from erofs_builder.writer import spill_image, write_image
 from strategies import exact_block_names
 
 CHUNK = 8192
@@ -198,6 +199,57 @@ def test_regular_files_written_in_place_are_the_bytes_the_general_path_writes(mo
     fast = make()
     monkeypatch.setattr(writer, "_PLAIN_FILE_FORMATS", ())
     assert make() == fast
+
+
+def _varied_tree() -> Builder:
+    """Every kind of inode record: compact and extended files, a hole, xattrs, hard links, a directory of
+    several blocks (data area), short and long symlinks, an empty file."""
+    b = Builder()
+    for i in range(40):
+        data = bytes([1 + i % 5]) * (1 + i * 700) if i % 9 else bytes(CHUNK) + b"tail"
+        b.file(b"d%d/f%d" % (i % 4, i), data, mtime_ns=MTIME if i % 3 else MTIME + i,
+               xattrs={b"user.x": b"1"} if i == 5 else {})
+    for i in range(400):
+        b.file(b"big/a-rather-long-name-%04d" % i, b"%d" % i)
+    b.tree.add(b"d1/another-name", b.file(b"linked", b"shared content"))
+    b.file(b"empty")
+    b.symlink(b"s", b"target")
+    b.symlink(b"long", b"t" * (BLOCK_SIZE + 10))
+    return b
+
+
+def test_an_image_spilled_to_a_file_is_the_image_written_in_memory(monkeypatch):
+    """spill_image (a build's meta.erofs, in a temporary file, its pages handed back as it goes) gives
+    write_image's bytes, sealed the same."""
+    import erofs_builder.writer as writer
+
+    b = _varied_tree()
+    in_memory = bytes(write_image(b.tree, b.blobmap, CHUNK))
+    monkeypatch.setattr(writer, "RELEASE_EVERY", 3)  # hand pages back often, mid-directory too
+    with spill_image(b.tree, b.blobmap, CHUNK) as spilled:
+        assert len(spilled) == len(in_memory) > 4 * BLOCK_SIZE
+        assert b"".join(bytes(piece) for piece in spilled.pieces()) == in_memory
+        assert spilled.sha256() == sha256(in_memory)
+
+
+def test_a_failed_spilled_image_leaves_no_file(tmp_path, monkeypatch):
+    spill_dir = tmp_path / "tmp"
+    spill_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spill_dir))
+    b = _varied_tree()
+    missing = b.file(b"z-last", b"not in the blob map")
+    b.blobmap = BlobMap(CHUNK)
+    for node in b.tree.nodes():
+        if node.is_reg and node is not missing:
+            for number, digest in enumerate(node.chunks):
+                if digest is not None and digest not in b.blobmap:
+                    b.blobmap.add(digest, min(CHUNK, node.size - number * CHUNK))
+    with pytest.raises(NotFoundError, match="z-last") as raised:  # its traceback holds the writer's frame
+        spill_image(b.tree, b.blobmap, CHUNK)
+    assert raised.traceback  # alive until here: the file must be closed, not left to the garbage
+    assert os.listdir(spill_dir) == []
+    assert not [fd for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")
+                and os.readlink(f"/proc/self/fd/{fd}").startswith(str(spill_dir))]
 
 
 # ---- directories ---------------------------------------------------------------------------------
