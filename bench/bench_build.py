@@ -137,7 +137,7 @@ PHASES = [
     ("packs of the layer", "erofs_builder.build", None, "_packs_of"),
     ("confirm packs against the store", "dsec_fs.dedup_index", "MirroredChunkIndex", "confirm"),
     ("blob map, shared chunks", "erofs_builder.build", None, "lay_out_blob"),
-    ("write meta.erofs", "erofs_builder.build", None, "write_image"),
+    ("write meta.erofs (into a temporary file)", "erofs_builder.build", None, "spill_image"),
     ("build info", "erofs_builder.build", None, "encode_buildinfo"),
     ("publish (compress, put)", "erofs_builder.build", None, "publish_layer"),
     ("own packs into the mirror", "erofs_builder.build", None, "add_to_mirror"),
