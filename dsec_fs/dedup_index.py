@@ -18,10 +18,9 @@ chunk. Its packs enter the mirror only when the index is closed, or, when the ca
 (``load_chunk_index(own_packs=...)``), once the caller has freed its tree (``add_to_mirror``): every
 LMDB page a write touches is mapped into the process, and at 1,000,000 chunks those pages are ~340 MB
 on top of the tree. Until then an ``OwnPacks`` keeps their records in an unnamed temporary file, not in
-memory (48 bytes a chunk, alive from the pack's upload on, through chunking, the blob layout and the
-writing of meta.erofs): each pack's records go there as soon as the pack is recorded. Within the build
-the mirror thus holds only what the sync found, and a mirror that held no chunk then is not asked at
-all.
+memory (48 bytes a chunk, alive while the build lays out its blob and writes meta.erofs). Within the
+build the mirror thus holds only what the sync found, and a mirror that held no chunk then is not asked
+at all.
 
 Threads: any thread may call any method. ChunkIndex's own lock guards the answers already given;
 ``_verify_lock`` the verdicts learnt and the own packs' records; each pack's own lock is held while that
@@ -129,10 +128,8 @@ class MirroredChunkIndex(ChunkIndex):
         self._pack_locks: dict[str, threading.Lock] = {}
         self._own: set[str] = set()  # packs this build uploaded
         self._own_chunks: dict[bytes, str] = {}  # digest -> id of the own pack holding it
-        # own pack id -> its INDEX_ENTRY records, until close() adds them to the mirror; with ``own_packs``
-        # they go there instead as each pack is recorded, for the caller's add_to_mirror
-        self._own_records: dict[str, bytes] = {}
-        self._deferred = own_packs
+        self._own_records: dict[str, bytes] = {}  # own pack id -> its INDEX_ENTRY records
+        self._deferred = own_packs  # where close() leaves the own packs for add_to_mirror; None: it adds them
         self._mirror_empty = mirror.chunk_count() == 0
 
     def get(self, digest: bytes) -> ChunkLocation | None:
@@ -189,10 +186,7 @@ class MirroredChunkIndex(ChunkIndex):
     def _own_location(self, digest: bytes, pack_id: str) -> ChunkLocation:
         """The location of a chunk of an own pack, from the pack's records (a scan: rarely asked; the
         build asks ``pack_of``)."""
-        with self._verify_lock:
-            records = self._own_records.get(pack_id)
-            if records is None:  # in own_packs already
-                records = next(kept for own_id, kept in self._deferred if own_id == pack_id)
+        records = self._own_records[pack_id]
         at = records.find(digest)
         while at % INDEX_ENTRY.size:
             at = records.find(digest, at + 1)
@@ -220,10 +214,7 @@ class MirroredChunkIndex(ChunkIndex):
         with self._verify_lock:
             self._own.add(pack_id)
             self._verdicts[pack_id] = TRUSTED
-            if self._deferred is None:
-                self._own_records[pack_id] = records
-            else:
-                self._deferred.extend([(pack_id, records)])
+            self._own_records[pack_id] = records
             own_chunks = self._own_chunks
             for entry in entries:
                 own_chunks.setdefault(entry.digest, pack_id)
@@ -281,12 +272,15 @@ class MirroredChunkIndex(ChunkIndex):
         return [pack_id for pack_id, restored in zip(pack_ids, results) if restored]
 
     def close(self) -> None:
-        """Release the mirror; the own packs are added to it now, or are in ``own_packs`` for the caller."""
+        """Release the mirror; the own packs are added to it now, or left in ``own_packs`` for the caller."""
         with self._verify_lock:
             own, self._own_records = list(self._own_records.items()), {}
             self._own_chunks = {}
         try:
-            _add_packs(self.mirror, own)
+            if self._deferred is None:
+                _add_packs(self.mirror, own)
+            else:
+                self._deferred.extend(own)
         finally:
             self.mirror.close()
 
@@ -300,8 +294,8 @@ class MirroredChunkIndex(ChunkIndex):
 def load_chunk_index(store: Store, *, index_root: str | None = None,
                      own_packs: OwnPacks | list[OwnPack] | None = None) -> MirroredChunkIndex:
     """Sync the store's index mirror and return a ChunkIndex answered from it; the caller closes it.
-    With ``own_packs``, each pack it records as uploaded is appended there at once instead of being added
-    to the mirror when it closes: the caller then passes them to ``add_to_mirror`` (see Memory above)."""
+    With ``own_packs``, closing it appends the packs it uploaded there instead of adding them to the
+    mirror: the caller then passes them to ``add_to_mirror`` (see Memory above)."""
     mirror = IndexMirror.for_store(store, index_root)
     try:
         mirror.sync(store)
