@@ -6,7 +6,8 @@ more than one chunk index names (the build info's shared chunks, incremental.py)
 makes all three in one pass over the files in blob order, and nothing per chunk outlives it but the
 encoding (40 bytes an entry) and the files' block addresses: each file's chunk list of digests is
 replaced by the tuple of its chunks' blkaddrs (None for a hole), which is what the writer asks for
-(``BlobLayout.blkaddrs``). A ``BlobMap`` per build held a tuple, an int, a dict entry and two list slots
+(``BlobLayout.blkaddrs``); a walked small file keeps its one blkaddr in its directory's column instead
+of a tuple and an int (walk_dir.WalkedFile.chunks: 80 bytes a file at the writer's peak). A ``BlobMap`` per build held a tuple, an int, a dict entry and two list slots
 per chunk besides the digests, all alive while meta.erofs was written: the peak of a build of many small
 files (~200 bytes a chunk at 1,000,000 files; the digests, ~80 bytes each, are freed here too).
 
@@ -18,6 +19,7 @@ Threads: one thread (the build's) calls everything here.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 
 from dsec_fs.blobmap import ENTRY, HEADER, check_chunk_size, chunk_end, header
 from dsec_fs.errors import InputError
@@ -50,21 +52,24 @@ def lay_out_blob(files: list[Node], chunk_size: int) -> BlobLayout:
     chunk_bits = check_chunk_size(chunk_size)
     encoded = bytearray(HEADER.size)
     pack_entry = ENTRY.pack
-    index_of: dict[bytes, int] = {}  # digest -> its entry
-    starts = array("I")  # blkaddr of each entry
+    # digest -> its entry's blkaddr: the int object the chunk lists hold anyway, where an entry number
+    # would be an object more per chunk (32 MB at 1,000,000); an entry's number, needed for the few
+    # chunks named twice, is found from its blkaddr, as entries start in ascending blocks
+    blkaddr_of: dict[bytes, int] = {}
+    starts = array("I")  # blkaddr of each entry (chunk_end keeps them within 32 bits)
     shared = set()
     blocks = 0
 
     def place(digest: bytes, length: int) -> int:
         """The blkaddr of a chunk: where it already is, or a new entry at the end of the blob."""
         nonlocal blocks
-        index = index_of.get(digest)
-        if index is not None:
-            shared.add(index)
-            return starts[index]
+        blkaddr = blkaddr_of.get(digest)
+        if blkaddr is not None:
+            shared.add(bisect_left(starts, blkaddr))
+            return blkaddr
         blkaddr = blocks
         blocks = chunk_end(blkaddr, digest, length, chunk_size)
-        index_of[digest] = len(starts)
+        blkaddr_of[digest] = blkaddr
         starts.append(blkaddr)
         encoded.extend(pack_entry(blkaddr, length, digest))
         return blkaddr
