@@ -54,6 +54,25 @@ def test_merging_adds_traces_and_weights_first_read_times():
     assert [e.digest for e in merged.entries] == [bytes([2]) * 32, bytes([1]) * 32]  # first-read order
 
 
+def test_a_run_that_publishes_again_replaces_what_it_published_before(tmp_path):
+    """A long run publishes while it goes on: each later publish of it holds all of the earlier one, and
+    the node's object must count the run once, with everything it read, beside what other runs put in."""
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    key = "profiles/layers/x/n"
+    other_run = profile.Profile(layer="ab" * 32, traces=1, entries=[_entry(1, 1, 400)])
+    profile.publish(store, key, other_run)
+    early = profile.Profile(layer="ab" * 32, traces=1, entries=[_entry(1, 1, 100)])
+    profile.publish(store, key, early)
+    later = profile.Profile(layer="ab" * 32, traces=1, entries=[_entry(1, 1, 100), _entry(2, 1, 900)])
+    published = profile.publish(store, key, later, replacing=early)
+    again = profile.Profile.decode(store.get(key), source=key)
+    assert again.traces == published.traces == 2  # the other run and this one, once
+    by_digest = {e.digest: e for e in again.entries}
+    assert by_digest[bytes([1]) * 32].traces == 2 and by_digest[bytes([1]) * 32].first_read_us == 250
+    assert by_digest[bytes([2]) * 32].traces == 1 and by_digest[bytes([2]) * 32].first_read_us == 900
+    assert profile.without(early, early) is None
+
+
 # ---- with real daemons ---------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -336,6 +355,36 @@ def test_a_layer_detached_lazily_has_its_profile_published_when_the_daemon_stops
         a.stop_all()
         merged = profile.fetch(FilesystemStore(store_dir), keys.layer_profiles(digest))
         assert merged is not None and {e.path for e in merged.entries} == {"/" + READ[0], "/" + READ[1]}
+    finally:
+        a.stop_all()
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_a_long_run_publishes_its_profile_while_it_goes_on_and_counts_once(store_dir, tmp_path):
+    """Profiles are published at unmount and also every --profile-every while a mount lives: a sandbox
+    that runs for days is learned from before it ends. Its publishes replace each other: one run, one
+    trace, everything it read."""
+    a = Daemons(tmp_path / "a")
+    try:
+        a.start(store_dir, profiles=True, extra_args=["--profile-every", "1s"])
+        node = Node(a.socket)
+        mnt, = mount_dirs(tmp_path, "mnt-a")
+        digest = node.mount("t/app:1", mnt, mode="fuse").layer
+        backend = FilesystemStore(store_dir)
+
+        def published_paths() -> set[str]:
+            found = profile.fetch(backend, keys.layer_profiles(digest))
+            return set() if found is None else {e.path for e in found.entries}
+
+        assert _read(os.path.join(mnt, READ[0])) == FILES[READ[0]]
+        wait_for(lambda: published_paths() == {"/" + READ[0]}, "the first read's profile, the mount still up")
+        assert _read(os.path.join(mnt, READ[1])) == FILES[READ[1]]
+        wait_for(lambda: published_paths() == {"/" + READ[0], "/" + READ[1]}, "the second read's too")
+        node.umount(mnt)
+        a.stop_all()
+        merged = profile.fetch(backend, keys.layer_profiles(digest))
+        assert merged.traces == 1 and {e.path for e in merged.entries} == {"/" + READ[0], "/" + READ[1]}
     finally:
         a.stop_all()
 
