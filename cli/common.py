@@ -184,13 +184,19 @@ def wants_json() -> bool:
     return bool(ctx and ctx.meta.get(JSON_META))
 
 
+def _api_builtins(value):
+    """json.dumps's ``default``: a type of dsec_fs/api.py (or bytes, a set) as the API encodes it. Imported
+    only when a value needs it: the API types cost a command ~40 ms to import (a build's JSON is dicts)."""
+    from dsec_fs import api
+
+    return api.to_builtins(value)
+
+
 def emit(as_json: bool, data: object, text: Callable[[], str], *, result: str | None = None) -> None:
     """Print ``data`` (a dict, or a type of dsec_fs/api.py) as JSON, or ``text()``; under -q only ``result``
     (the id a script wants), if any."""
     if as_json or wants_json():
-        from dsec_fs import api  # here: a command without --json does not import the API types
-
-        click.echo(json.dumps(api.to_builtins(data), indent=2, sort_keys=True))
+        click.echo(json.dumps(data, indent=2, sort_keys=True, default=_api_builtins))
     elif quiet():
         if result is not None:
             click.echo(result)

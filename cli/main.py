@@ -119,7 +119,9 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
 
     options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform,
                    limits=LayerLimits(parse_size(max_size), parse_size(max_meta_size)),
-                   tar_limits=tar_limits_with(list(tar_limit)), registry=registry_options(plain_http))
+                   tar_limits=tar_limits_with(list(tar_limit)),
+                   # None: the defaults, without importing the registry client (http.client, ssl, ~40 ms)
+                   registry=registry_options(plain_http) if plain_http else None)
     with store_to_publish_in(store_url) as store:
         def run(**extra):
             if oci_layers:
