@@ -905,13 +905,14 @@ def fill_tree(
     while its content is readable (right after the node is placed, before the stream moves on). With
     ``budget``, every entry is counted first: one beyond the layer's limits stops the walk (InputError)."""
     refused: set[int] = set()  # id() of nodes the tree refused (lenient): their hard links go too
+    add = tree.adder()  # nothing else changes the tree in this loop
     for path, node in nodes:
         if budget is not None:  # a hard link carries no reader: its inode is counted already
             budget.add(path.rpartition(b"/")[2], node, new_inode=not node.is_reg or node.reader is not None)
         try:
             if id(node) in refused:
                 raise InputError("hard link to a member that was skipped", where=node.source)
-            tree.add(path, node)
+            add(path, node)
         except InputError as exc:
             if not lenient:
                 raise
