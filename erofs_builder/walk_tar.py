@@ -409,15 +409,25 @@ class _TarReader:
         self._warned_keys: set[bytes] = set()
 
     def next_member(self) -> _Member | None:
-        self._finish_member()
+        padding, member_where = self._finish_member()
         if self._ended:
             return None
         stream = self.stream
         ext = _NO_EXTENSIONS  # until an extension header comes
         while True:
-            offset = stream.offset
+            offset = stream.offset + padding
             where = f"{stream.source}: header at offset {offset}"
-            block = stream.read(BLOCK, "a header (or the end-of-archive marker)", where)
+            if padding:  # the last member's padding and the next header in one read
+                data = stream.read_some(padding + BLOCK, where)
+                if len(data) < padding:
+                    raise InputError(f"truncated: the input ends at offset {stream.offset} inside member data",
+                                     where=member_where)
+                block, padding = data[padding:], 0
+                if len(block) < BLOCK:
+                    raise InputError(f"truncated: the input ends at offset {stream.offset} inside a header (or "
+                                     "the end-of-archive marker)", where=where)
+            else:
+                block = stream.read(BLOCK, "a header (or the end-of-archive marker)", where)
             if block == ZERO_BLOCK:
                 if ext.offset is not None:
                     raise InputError("extension header not followed by a member", where=where)
@@ -439,14 +449,19 @@ class _TarReader:
         """The content reader of the current member, to be closed when the reader moves on."""
         self._content = content
 
-    def _finish_member(self) -> None:
+    def _finish_member(self) -> tuple[int, str | None]:
+        """Close the current member: skip what is left of its data; its padding is left to the caller, to
+        be read with the next header (and where to say the member was truncated)."""
         if self._content is not None:
             self._content.close()
             self._content = None
         member, self._member = self._member, None
-        if member is not None:
-            self.stream.skip(member.data_left + _padding(member.size), "member data", member.where)
+        if member is None:
+            return 0, None
+        if member.data_left:
+            self.stream.skip(member.data_left, "member data", member.where)
             member.data_left = 0
+        return _padding(member.size), member.where
 
     def _end_of_archive(self, where: str) -> None:
         # The marker is two zero blocks; GNU tar accepts a lone one at the very end. A non-zero block
@@ -678,9 +693,12 @@ class _Content:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {chunk_size}")
         self._started = True
-        if self._segments is None:
-            return self._pieces(chunk_size)
-        return self._sparse_pieces(chunk_size)
+        if self._segments is not None:
+            return self._sparse_pieces(chunk_size)
+        size = self._node.size
+        if size <= chunk_size:  # one piece (most files): read now, without a generator
+            return iter((self._take(size, piece=True),) if size else ())
+        return self._pieces(chunk_size)
 
     def close(self) -> None:
         self._closed = True
