@@ -1,15 +1,8 @@
 """``dsecfs daemon`` (the node daemon) and the commands that talk to it: ``mount``, ``umount``, ``status``,
 ``cache stats|evict``, ``prefetch start``.
 
-cli/main.py registers them:
-
-    from . import daemon_cmds
-    main.add_command(daemon_cmds.daemon)
-    main.add_command(daemon_cmds.mount)
-    main.add_command(daemon_cmds.umount)
-    main.add_command(daemon_cmds.status)
-    main.add_command(daemon_cmds.cache)
-    trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
+cli/main.py registers them by name in its LazyCommands (this module is imported when a command line
+names one of them), and adds ``prefetch_start`` to trace_cmds.prefetch when ``prefetch`` is loaded.
 
 Every command but ``daemon`` is a call through dsec_fs.client.Node; ``mount`` starts a daemon (with its
 --state-dir and --cache-dir, which the environment and the configuration file set as they set the
