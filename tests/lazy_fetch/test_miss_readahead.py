@@ -36,9 +36,10 @@ def _chunks(*entries, length=CHUNK):
     return [BlobChunk(e, e.to_bytes(32, "big"), e * length, length) for e in entries]
 
 
-def _planner(files, lengths, max_window=4 * CHUNK, directories=None):
+def _planner(files, lengths, max_window=4 * CHUNK, directories=None, small_files=True):
     """A planner over ``files`` (their blob entries); ``directories``: each file's directory number
-    (default: each file a directory of its own)."""
+    (default: each file a directory of its own); ``small_files``: every file counts as a small one of its
+    directory (else none does)."""
     planner = MissReadahead(_Blob(lengths), max_window)
     owner = array("i", [-1]) * len(lengths)
     for number, entries in enumerate(files):
@@ -47,7 +48,8 @@ def _planner(files, lengths, max_window=4 * CHUNK, directories=None):
     directories = directories or list(range(len(files)))
     small = [[] for _ in range(max(directories) + 1)]
     for number, parent in enumerate(directories):
-        small[parent].append(number)
+        if small_files:
+            small[parent].append(number)
     planner.ready(FileChunks(owner, [tuple(f) for f in files], array("i", directories), small))
     return planner
 
@@ -121,6 +123,23 @@ def test_a_walk_of_small_files_names_at_most_twice_what_it_has_read():
     assert max(named[:8]) == WINDOW_START // small  # 8 files read: 128 KiB; the window stays at its start
     assert all(n * small <= max(2 * read * small, WINDOW_START) for read, n in enumerate(named, 1))
     assert named[39] > WINDOW_START // small  # and grows as the walk goes on
+
+
+def test_a_walk_names_nothing_past_its_directory_until_it_walks_on_into_the_next():
+    """An import reads files of a package's __pycache__ one after another; the build laid the package's
+    sources and the next directories out after them, which such a reader seldom reads. A walk's window
+    ends with the directory until the walk itself goes on into the next directory (a tree walk): then it
+    runs across directories. A jump ends the walk, and the next walk starts inside its directory again."""
+    files = [[i] for i in range(12)]  # 12 files of one chunk side by side: 3 directories of 4 files
+    planner = _planner(files, [CHUNK] * 12, max_window=8 * CHUNK, directories=[i // 4 for i in range(12)],
+                       small_files=False)
+    assert planner.plan(_chunks(0)) == []
+    assert _locations(planner.plan(_chunks(1))) == [2, 3]  # a walk: its window stops at the directory's end
+    assert _locations(planner.plan(_chunks(2))) == [3]
+    assert planner.plan(_chunks(3)) == []
+    assert _locations(planner.plan(_chunks(4))) == list(range(5, 12))  # into directory 1: across directories
+    assert planner.plan(_chunks(0)) == []  # a jump
+    assert _locations(planner.plan(_chunks(1))) == [2, 3]
 
 
 def test_the_second_file_read_of_a_directory_names_its_other_small_files_nearest_first():
