@@ -222,3 +222,28 @@ def test_one_file_fetches_its_chunks_only_and_a_walk_fewer_requests(store_dir, t
     finally:
         daemons.stop_all()
     assert mounts_below(tmp_path) == []
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+@pytest.mark.parametrize("mode", ["kernel", "fuse"])
+def test_an_import_of_a_package_fetches_none_of_its_sources(tmp_path, mode, mounts_below):
+    """fill none, no profile: reading a package's compiled modules one after another in blob order (a
+    walk of pkg/__pycache__) fetches those modules and not the sources the build laid out after them."""
+    modules = {f"pkg/__pycache__/m{i}.cpython-311.pyc": rng.randbytes(20_000 + 100 * i) for i in range(8)}
+    sources = {f"pkg/m{i}.py": rng.randbytes(20_000 + 100 * i) for i in range(8)}
+    store_dir = layer_store(tmp_path, {**modules, **sources}, "t/pkg:1", CHUNK)
+    daemons = Daemons(tmp_path)
+    try:
+        node = daemons.start(store_dir, extra_args=["--fill", "none", "--no-profiles"]).node
+        mnt, = mount_dirs(tmp_path, "mnt")
+        info = node.mount("t/pkg:1", mnt, mode=mode)
+        wait_for(lambda: node.status().layers[0].miss_readahead == "ready", "the file map")
+        for path in sorted(modules):
+            assert _read(os.path.join(mnt, path)) == modules[path]
+        fetched = layer_metric(node, "dsecfs_fetch_chunks_total", info.layer)
+        node.umount(mnt)
+    finally:
+        daemons.stop_all()
+    assert mounts_below(tmp_path) == []
+    assert fetched == len(modules), f"{fetched} chunks fetched for {len(modules)} modules of one chunk each"
