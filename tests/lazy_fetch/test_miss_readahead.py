@@ -4,6 +4,7 @@ reader of one file fetches that file's chunks only, and a reader of a big file i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from array import array
@@ -152,6 +153,22 @@ def test_the_second_file_read_of_a_directory_names_its_other_small_files_nearest
     assert planner.plan(_chunks(3)) == []  # the directory was named already (and 3 is no walk from 0)
 
 
+@contextlib.contextmanager
+def _unfilled_mount(tmp_path, store_dir, ref, mode):
+    """A daemon with fill none and no profiles, ``ref`` of ``store_dir`` mounted in ``mode`` with its file
+    map ready: yields (node, mountpoint, mount info); unmounted and stopped after."""
+    daemons = Daemons(tmp_path)
+    try:
+        node = daemons.start(store_dir, extra_args=["--fill", "none", "--no-profiles"]).node
+        mnt, = mount_dirs(tmp_path, "mnt")
+        info = node.mount(ref, mnt, mode=mode)
+        wait_for(lambda: node.status().layers[0].miss_readahead == "ready", "the file map")
+        yield node, mnt, info
+        node.umount(mnt)
+    finally:
+        daemons.stop_all()
+
+
 @pytest.mark.fuse
 @pytest.mark.root
 @pytest.mark.parametrize("mode", ["kernel", "fuse"])
@@ -160,12 +177,7 @@ def test_pages_of_a_big_file_read_in_places_fetch_their_chunks_not_the_file(tmp_
     kernel readahead: POSIX_FADV_RANDOM), fetch the first read's window and the two chunks read."""
     size = 16 << 20
     store_dir = layer_store(tmp_path, {"lib/big.so": rng.randbytes(size)}, "t/big:1", CHUNK)
-    daemons = Daemons(tmp_path)
-    try:
-        node = daemons.start(store_dir, extra_args=["--fill", "none", "--no-profiles"]).node
-        mnt, = mount_dirs(tmp_path, "mnt")
-        info = node.mount("t/big:1", mnt, mode=mode)
-        wait_for(lambda: node.status().layers[0].miss_readahead == "ready", "the file map")
+    with _unfilled_mount(tmp_path, store_dir, "t/big:1", mode) as (node, mnt, info):
         data = open(os.path.join(store_dir, "..", "src", "lib", "big.so"), "rb").read()
         fd = os.open(os.path.join(mnt, "lib/big.so"), os.O_RDONLY)
         try:
@@ -175,9 +187,6 @@ def test_pages_of_a_big_file_read_in_places_fetch_their_chunks_not_the_file(tmp_
         finally:
             os.close(fd)
         fetched = layer_metric(node, "dsecfs_fetch_chunks_total", info.layer)
-        node.umount(mnt)
-    finally:
-        daemons.stop_all()
     assert mounts_below(tmp_path) == []
     assert 3 <= fetched <= 1 + FILE_START // CHUNK + 2, f"{fetched} chunks of {size // CHUNK} fetched"
 
@@ -233,17 +242,9 @@ def test_an_import_of_a_package_fetches_none_of_its_sources(tmp_path, mode, moun
     modules = {f"pkg/__pycache__/m{i}.cpython-311.pyc": rng.randbytes(20_000 + 100 * i) for i in range(8)}
     sources = {f"pkg/m{i}.py": rng.randbytes(20_000 + 100 * i) for i in range(8)}
     store_dir = layer_store(tmp_path, {**modules, **sources}, "t/pkg:1", CHUNK)
-    daemons = Daemons(tmp_path)
-    try:
-        node = daemons.start(store_dir, extra_args=["--fill", "none", "--no-profiles"]).node
-        mnt, = mount_dirs(tmp_path, "mnt")
-        info = node.mount("t/pkg:1", mnt, mode=mode)
-        wait_for(lambda: node.status().layers[0].miss_readahead == "ready", "the file map")
+    with _unfilled_mount(tmp_path, store_dir, "t/pkg:1", mode) as (node, mnt, info):
         for path in sorted(modules):
             assert _read(os.path.join(mnt, path)) == modules[path]
         fetched = layer_metric(node, "dsecfs_fetch_chunks_total", info.layer)
-        node.umount(mnt)
-    finally:
-        daemons.stop_all()
     assert mounts_below(tmp_path) == []
     assert fetched == len(modules), f"{fetched} chunks fetched for {len(modules)} modules of one chunk each"
