@@ -31,9 +31,9 @@ cover most of them:
   one directory into the next (a tree walk: a copy, a scan): a walk inside one directory (an import
   reading a package's ``__pycache__``) then does not name what the build laid out after it, the
   package's sources and the next directories, which such a reader seldom reads. Measured (fill none, no
-  profile): 2.9-5.8 MB less on numpy, boto3 and sympy, 8-18% fewer store requests, the round trips
-  waited one after another behind a 20 ms store within two or three of before (docs/benchmarks.md,
-  issue 13, "A walk's window stays in its directory").
+  profile): 3.0-5.9 MB less on numpy, boto3 and sympy, 8-18% fewer store requests, the round trips
+  waited one after another behind a 20 ms store within four of before (docs/benchmarks.md, issue 13,
+  "A walk's window stays in its directory").
 
 Why windows that must be earned. Measured on a Debian + python3 base with numpy and pandas (``import
 numpy, pandas``, fill none, no profile; docs/benchmarks.md, issue 13), the rest of a file up to 16 MiB on
