@@ -322,10 +322,10 @@ class NodeDaemon:
     def _map_files_soon(self, layer: Layer) -> None:
         """Start building the map of the layer's miss readahead, unless it is under way or built: at its
         mount when the node holds none of its chunks, else at its first read that waits for the store
-        (TracedBlob's ``on_miss``). Walking the image was the biggest piece of a warm start's own work (0.6 s of
-        CPU for the numpy toolkit and its base, sampled, contending for the GIL with up and with the
-        trio thread serving the command's reads), and on a node that holds every chunk a start reads it
-        is never needed."""
+        (TracedBlob's ``on_miss``). Walking the image was the biggest piece of a warm start's own work
+        (0.6 s of CPU for the numpy toolkit and its base, sampled, contending for the GIL with up and
+        with the trio thread serving the command's reads), and on a node that holds every chunk a start
+        reads it is never needed."""
         if layer.readahead is None or layer.files_mapped or self._background is None:
             return
         layer.files_mapped = True
@@ -653,6 +653,7 @@ class NodeDaemon:
             for served in self._served.values():
                 if served.blob.trace is not None:
                     served.blob.trace.flush()
+            self.segments.publish_running(list(self._served.values()), self.options.profile_publish_seconds)
             if time.monotonic() >= next_prune:
                 await self._prune_traces()
                 next_prune = time.monotonic() + TRACE_PRUNE_SECONDS
