@@ -263,13 +263,15 @@ class LayerMounter:
 
     def save_session_state(self, **changes) -> None:
         """raw binding: update ``session_state`` with ``changes`` and the session's inode numbers, and
-        write it to SESSION_FILE (atomically, synced: a daemon that dies right after must leave it whole).
+        write it to SESSION_FILE (atomically: a daemon that dies right after must leave it whole). Not
+        synced: only a daemon taking the session over from its holder process reads it, on the same boot
+        (a machine crash ends the holder and the session with it), and the page cache outlives the daemon.
         Small, and written once per new blob or layer, so it is written in the trio thread."""
         if self.session_state is None:
             return
         self.session_state.update(changes, numbers=self.session.numbers())
         write_atomic(os.path.join(self.state_dir, SESSION_FILE),
-                          json.dumps(self.session_state, indent=1).encode(), sync=True)
+                     json.dumps(self.session_state, indent=1).encode(), sync=False)
 
     async def close(self) -> None:
         """Unmount every layer (lazily where busy), newest first; the FUSE session is the caller's to end.
@@ -454,7 +456,10 @@ def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str, read_ah
     trip per 128 KiB. ``read_ahead`` bytes (the mount's read_ahead_kb; 0 leaves the default) make those
     requests bigger and fewer. Readahead stays inside the file being read (so inside its own chunks),
     and a page fault of a mapped file reads around it as far: a little more of a big library may be
-    fetched than it touches."""
+    fetched than it touches (numpy's import: the kernel asks 74.9 MB at 1 MiB, 52.8 MB at 128 KiB). The
+    two cannot be set apart from here: the kernel copies read_ahead_kb into each file's readahead state
+    when it is opened, and read(2)'s readahead and a fault's read-around both use that one number
+    (docs/benchmarks.md, issue 13, "A walk's window stays in its directory")."""
     _check_image_filesystem(meta_path)
     options = mounts.erofs_options([blob_path])
     try:

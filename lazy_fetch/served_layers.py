@@ -28,6 +28,7 @@ from .memory_cache import MemoryFrontedFetcher
 from .meta_cache import MetaCache
 from .miss_readahead import MissReadahead
 from .prefetcher import PrefetchJob
+from .profile_keeper import PublishedRun
 from .trace_holders import Holders, Label
 from .traced_blob import LayerUsage, TracedBlob
 
@@ -57,6 +58,7 @@ class Layer:
     store: StoreContext
     usage: LayerUsage
     readahead: MissReadahead | None = None  # shared by its mounts in both modes
+    files_mapped: bool = False  # the map of its readahead is being built or ready (daemon._map_files_soon)
     mounts: int = 0
     prefetch: PrefetchJob | None = None
     _index: LayerIndex | None = None
@@ -85,6 +87,8 @@ class Served:
     mounts: int = 0
     holders: Holders = field(default_factory=Holders)
     segments: list[str] = field(default_factory=list)  # the trace's segments that ended, oldest first
+    run: PublishedRun = field(default_factory=PublishedRun)  # what its trace published, for the layer
+    segment_run: PublishedRun = field(default_factory=PublishedRun)  # ... the segment, for its combination
 
     def close_trace(self, *, remove: bool = False) -> None:
         trace, self.blob.trace = self.blob.trace, None
