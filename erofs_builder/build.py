@@ -376,10 +376,10 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes, blob_blocks: int, bl
     )
     lease.check()
 
-    def put_buildinfo() -> None:  # beside the writes of meta.erofs and the blob map, before the manifest
-        store.put(keys.layer_buildinfo(manifest.layer), buildinfo(manifest.layer))
+    def encoded_buildinfo() -> tuple[str, bytes]:  # while meta.erofs and the blob map are written
+        return keys.layer_buildinfo(manifest.layer), buildinfo(manifest.layer)
 
-    digest = publish_layer(store, meta, blob_map_bytes, manifest, beside=put_buildinfo if buildinfo else None)
+    digest = publish_layer(store, meta, blob_map_bytes, manifest, also=encoded_buildinfo if buildinfo else None)
     ensure_pack_indexes(store, manifest.packs)
     if name is not None:  # under the lease too: gc keeps an unnamed layer while a build may name it
         set_ref(store, name, digest)

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import InputError, UnsupportedError
+
+# Objects ``put_all`` writes side by side (a layer's meta.erofs, blob map and build info).
+PUT_ALL_THREADS = 3
 
 
 class Store(abc.ABC):
@@ -48,6 +52,26 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Store ``data`` under ``key`` atomically, replacing any previous object."""
+
+    def put_all(self, objects: Iterable[tuple[str, bytes | memoryview]], last: tuple[str, bytes | memoryview]) -> None:
+        """Store each (key, data) of ``objects`` as ``put`` does, then ``last``, an object that names them (a
+        layer's manifest): ``last`` is written only once every one of ``objects`` is stored, and not at all
+        if one of them fails or ``objects`` raises (the error is raised here). ``objects`` is consumed in
+        the calling thread as it yields, while what it yielded is written side by side in other threads.
+        This default puts each object in a thread (round trips overlap) through ``put``, so a wrapper's
+        policies apply to each; a backend may make them durable together (a directory store syncs each
+        directory once, not once an object)."""
+        with ThreadPoolExecutor(max_workers=PUT_ALL_THREADS, thread_name_prefix="put-all") as pool:
+            puts = [pool.submit(self.put, key, data) for key, data in objects]
+            for put in puts:
+                put.result()
+        self.put(*last)
+
+    def put_ephemeral(self, key: str, data: bytes | memoryview) -> None:
+        """``put`` for an object that means something only while its writer runs (a lease): as atomic for
+        readers, but a backend need not make it survive a crash of the writer's host, which ends the
+        writer too. This default is ``put``."""
+        self.put(key, data)
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...

@@ -3,11 +3,14 @@
 
 Writes are atomic and durable: the object is written to a temporary file beside its final name, fsynced,
 renamed into place, and the directory fsynced, so a crash leaves either the old state or the new object,
-never a torn one. Temporary names start with ``.tmp-`` and are invisible to ``list``; ``gc`` removes old
+never a torn one. ``put_all`` fsyncs each directory once for all its objects, and has the last object
+written and fsynced while the others are, renamed into place once they are durable; ``put_ephemeral``
+skips the fsyncs on a local (file://) store. Temporary names start with ``.tmp-`` and are invisible to ``list``; ``gc`` removes old
 ones. Key components map to directories, so the fan-out in the key layout keeps directories small.
 Directories are made 0700 and objects 0600 (DIR_MODE, FILE_MODE): another local user reads nothing.
 
-Threads: any thread may call any method; the only shared state is the root path.
+Threads: any thread may call any method; the only shared state is the root path. ``put_all`` writes in
+threads of its own and waits for them before it returns.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from ..beneath import open_beneath
 from ..errors import CorruptError, InputError, NotFoundError, UnavailableError
-from .base import Store, check_key, check_range, too_large
+from .base import PUT_ALL_THREADS, Store, check_key, check_range, too_large
 
 TMP_PREFIX = ".tmp-"
 # Packs hold every byte of every image, files the image keeps 0600 included: the store's owner's alone.
@@ -34,6 +38,13 @@ def _unavailable(exc: OSError, key: str) -> UnavailableError:
     # ENOSPC, EACCES, EROFS and friends will not go away by retrying; EIO, ESTALE and timeouts might.
     transient = exc.errno in (errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR)
     return UnavailableError(f"{os.strerror(exc.errno or 0)} ({exc.__class__.__name__})", where=key, transient=transient)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _make_dirs(directory: str) -> None:
@@ -52,6 +63,7 @@ def _make_dirs(directory: str) -> None:
 class FilesystemStore(Store):
     def __init__(self, root: str, *, scheme: str = "file", create: bool = True, fsync: bool = True):
         self.root = os.path.abspath(root)
+        self.scheme = scheme
         self.url = f"{scheme}://{self.root}"
         self.fsync = fsync
         if create:
@@ -133,6 +145,56 @@ class FilesystemStore(Store):
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
+        self._rename(self._write_temp(path, data, key, sync=self.fsync), path, key)
+        if self.fsync:
+            self._sync_directory(os.path.dirname(path))
+
+    def put_ephemeral(self, key: str, data: bytes | memoryview) -> None:
+        """``put`` without fsyncs on a file:// store, whose disk and writer share a crash; on posix:// (a
+        mount another host may serve) as ``put``. A crash may leave such an object torn or empty."""
+        if self.scheme != "file":
+            return self.put(key, data)
+        path = self._path(key)
+        self._rename(self._write_temp(path, data, key, sync=False), path, key)
+
+    def put_all(self, objects: Iterable[tuple[str, bytes | memoryview]], last: tuple[str, bytes | memoryview]) -> None:
+        """Store.put_all with fewer fsyncs on the path to ``last``: each object is written to a temporary
+        file, fsynced and renamed into place in a thread; meanwhile ``last`` is written to a temporary file
+        and fsynced in the calling thread. Once all are in place each of their directories is fsynced
+        once, then ``last`` is renamed into place and its directory fsynced: a crash leaves ``last``
+        without its objects at no point. If anything fails, ``last``'s temporary file is removed."""
+        last_key, last_data = last
+        last_path = self._path(last_key)
+        last_tmp = None
+        directories = set()
+        try:
+            with ThreadPoolExecutor(max_workers=PUT_ALL_THREADS, thread_name_prefix="put-all") as pool:
+                puts = []
+                for key, data in objects:
+                    path = self._path(key)
+                    directories.add(os.path.dirname(path))
+                    puts.append(pool.submit(self._put_unsynced_directory, key, path, data))
+                last_tmp = self._write_temp(last_path, last_data, last_key, sync=self.fsync)
+                for put in puts:
+                    put.result()
+            if self.fsync:
+                for directory in sorted(directories):
+                    self._sync_directory(directory)
+            self._rename(last_tmp, last_path, last_key)
+            last_tmp = None
+        finally:
+            if last_tmp is not None:
+                _remove(last_tmp)
+        if self.fsync:
+            self._sync_directory(os.path.dirname(last_path))
+
+    def _put_unsynced_directory(self, key: str, path: str, data: bytes | memoryview) -> None:
+        """``put``, but for the fsync of the directory (put_all makes one for all its objects)."""
+        self._rename(self._write_temp(path, data, key, sync=self.fsync), path, key)
+
+    def _write_temp(self, path: str, data: bytes | memoryview, key: str, *, sync: bool) -> str:
+        """A new temporary file beside ``path`` (directories made as needed) holding ``data``, fsynced if
+        ``sync``; its path. Nothing is left behind on failure (UnavailableError naming ``key``)."""
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
         try:
@@ -142,23 +204,33 @@ class FilesystemStore(Store):
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
-                if self.fsync:
+                if sync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, path)
-            if self.fsync:
-                dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _remove(tmp)
             raise _unavailable(exc, f"{self.url}/{key}") from None
+        return tmp
+
+    def _rename(self, tmp: str, path: str, key: str) -> None:
+        """Move the temporary file ``tmp`` to ``path``: the object appears whole (removed on failure)."""
+        try:
+            os.rename(tmp, path)
+        except OSError as exc:
+            _remove(tmp)
+            raise _unavailable(exc, f"{self.url}/{key}") from None
+
+    def _sync_directory(self, directory: str) -> None:
+        """fsync ``directory``: the names renamed into it survive a crash."""
+        try:
+            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            raise _unavailable(exc, directory) from None
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
