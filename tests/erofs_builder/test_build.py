@@ -105,13 +105,13 @@ class FailingStore(FilesystemStore):
 
     fail_on = "manifest.json"
 
-    def put(self, key, data):
+    def _write_temp(self, path, data, key, *, sync):  # every write of an object, however it was put
         if self.fail_on in key:
             raise UnavailableError("injected outage", where=key)
-        super().put(key, data)
+        return super()._write_temp(path, data, key, sync=sync)
 
 
-@pytest.mark.parametrize("fail_on", ["packs/", "index/", "meta.erofs", "manifest.json"])
+@pytest.mark.parametrize("fail_on", ["packs/", "index/", "meta.erofs", "buildinfo", "manifest.json"])
 def test_a_store_failure_publishes_nothing(tmp_path, fail_on):
     store = FailingStore(str(tmp_path / "store"), fsync=False)
     store.fail_on = fail_on
