@@ -18,19 +18,27 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from ..errors import InputError, UnsupportedError
 
 # Objects ``put_all`` writes side by side (a layer's meta.erofs, blob map and build info).
 PUT_ALL_THREADS = 3
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 
 class Store(abc.ABC):
     """A flat namespace of immutable objects. Writes are atomic: a reader sees all of an object or none."""
 
     url: str
+    # Whether a request waits on a round trip worth overlapping with others (a network store, a shared
+    # mount, a wrapper); False where requests are local system calls of microseconds (file://): callers
+    # then make them one after another (``side_by_side``) rather than start threads for them.
+    round_trips: bool = True
 
     @abc.abstractmethod
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -109,6 +117,17 @@ class Store(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
+
+
+def side_by_side(store: Store, request: Callable[[T], R], items: Iterable[T], *, threads: int, name: str) -> list[R]:
+    """``[request(item) for item in items]``: in up to ``threads`` threads (named ``name``) when the store's
+    requests are round trips and there is more than one, else in the calling thread (a thread costs
+    more to start than a local request takes)."""
+    items = list(items)
+    if not store.round_trips or len(items) < 2:
+        return [request(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(threads, len(items)), thread_name_prefix=name) as pool:
+        return list(pool.map(request, items))
 
 
 def too_large(where: str, size: int | str, limit: int) -> UnsupportedError:

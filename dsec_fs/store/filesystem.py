@@ -65,6 +65,7 @@ class FilesystemStore(Store):
         self.root = os.path.abspath(root)
         self.scheme = scheme
         self.url = f"{scheme}://{self.root}"
+        self.round_trips = scheme != "file"  # a posix:// mount may be served by another host
         self.fsync = fsync
         if create:
             os.makedirs(os.path.dirname(self.root), exist_ok=True)  # the store's parents are not its own
@@ -194,7 +195,8 @@ class FilesystemStore(Store):
 
     def _write_temp(self, path: str, data: bytes | memoryview, key: str, *, sync: bool) -> str:
         """A new temporary file beside ``path`` (directories made as needed) holding ``data``, fsynced if
-        ``sync``; its path. Nothing is left behind on failure (UnavailableError naming ``key``)."""
+        ``sync``; its path. Nothing is left behind on failure (UnavailableError naming ``key``). Every
+        object is written here, whichever put wrote it: a test's fault or count goes here."""
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
         try:
