@@ -418,7 +418,8 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
         def buildinfo(layer: str) -> bytes:
             return encode_rescanned(parent.info, rescan.identities, rescan.suspects, layer, rescan.scanned_at_ns)
 
-        result = _publish_layer(store, lease, patched.meta, patched.blob_map.blocks, patched.blob_map_bytes, packs,
+        # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
+        result = _publish_layer(store, lease, patched.meta, parent.blob_map.blocks, patched.blob_map_bytes, packs,
                                 stats, name, chunk_size, source, buildinfo)
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
              stats.new_chunks)
@@ -438,7 +439,7 @@ def _patched_stats(parent: ParentLayer, rescan: Rescan, read: ChunkStats, patche
         bytes=int(was.get("bytes", 0)) + grew,
         chunks=int(was.get("chunks", 0)),
         hole_chunks=int(was.get("hole_chunks", 0)),
-        distinct_chunks=len(patched.blob_map),
+        distinct_chunks=len(parent.blob_map),
         dedup_bytes=data_bytes - read.new_bytes,
     )
     stats.reused_files = stats.files - read.files
