@@ -140,7 +140,8 @@ def main() -> None:
         cli_fresh, cli_incremental = [], []
         for number in range(args.rounds):
             change(changed, size)
-            cli_incremental.append(timed(lambda: cli("build", "-q", tree, "--store", store_root, "--parent", parent.digest))[0])
+            rebuild = ("build", "-q", tree, "--store", store_root, "--parent", parent.digest)
+            cli_incremental.append(timed(lambda: cli(*rebuild))[0])
             fresh_root = os.path.join(work, f"cli-fresh-{number}")
             cli_fresh.append(timed(lambda: cli("build", "-q", tree, "--store", fresh_root))[0])
             shutil.rmtree(fresh_root)

@@ -36,10 +36,11 @@ content equal to a chunk used elsewhere) takes the full path. A patched layer th
 chunk nothing uses.
 
 What is patched: each changed inode's i_size and (extended inodes) i_mtime, i_mtime_nsec; the blob map
-entries of the replaced chunks (in a copy of the parent's encoded map: the rest stays as it is); the device slot's tag (the new blob id); then the uuid and the
-superblock checksum (writer.seal_image). The manifest lists the parent's packs plus those holding the new
-chunks: a full build lists the packs the index names for each chunk, which may leave out a pack that
-held only a replaced chunk. Listing it keeps it live for gc, never breaks a read or fsck.
+entries of the replaced chunks (in a copy of the parent's encoded map: the rest stays as it is); the
+device slot's tag (the new blob id); then the uuid and the superblock checksum (writer.seal_image). The
+manifest lists the parent's packs plus those holding the new chunks: a full build lists the packs the
+index names for each chunk, which may leave out a pack that held only a replaced chunk. Listing it keeps
+it live for gc, never breaks a read or fsck.
 
 The parent's chunks: the parent is published, so gc keeps the packs its manifest lists (or rewrites that
 list when it repacks), and this build's lease keeps them until the new manifest is published;
