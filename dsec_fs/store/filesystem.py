@@ -7,7 +7,8 @@ never a torn one. ``put_all`` fsyncs each directory once for all its objects, an
 written and fsynced while the others are, renamed into place once they are durable; ``put_ephemeral``
 skips the fsyncs on a local (file://) store. Temporary names start with ``.tmp-`` and are invisible to
 ``list``; ``gc`` removes old ones. Key components map to directories, so the fan-out in the key layout
-keeps directories small. Directories are made 0700 and objects 0600 (DIR_MODE, FILE_MODE): another local user reads nothing.
+keeps directories small. Directories are made 0700 and objects 0600 (DIR_MODE, FILE_MODE): another local
+user reads nothing.
 
 Threads: any thread may call any method; the only shared state is the root path. ``put_all`` writes in
 threads of its own and waits for them before it returns.
