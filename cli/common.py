@@ -8,6 +8,7 @@ every command function taking them as arguments.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -15,7 +16,6 @@ from collections.abc import Callable
 
 import click
 
-from dsec_fs import api
 from dsec_fs.errors import InputError
 from dsec_fs.store import DEFAULT_STORE_ENV, default_store_url, init_store
 from dsec_fs.store.base import Store
@@ -93,6 +93,64 @@ _log_level_option = click.option("--log-level", type=click.Choice(LOG_LEVELS), d
                                  callback=_configure_logging, is_eager=True, help="what dsecfs itself logs (stderr)")
 
 
+class LazyCommands(dict):
+    """A group's ``commands`` (name -> command) where some commands are imported when first looked up:
+    ``lazy`` maps a name to (module of this package, attribute) or to a function that returns the command.
+    A command loaded gets the common options (``add_common_options``). Looking a name up loads that one;
+    iterating, ``len`` aside, loads them all (so --help, the configuration file and ``walk_commands`` see
+    every command). Threads: the CLI's one thread."""
+
+    def __init__(self, loaded: dict[str, click.Command], lazy: dict):
+        super().__init__(loaded)
+        self._lazy = dict(lazy)
+
+    def _load(self, name: str) -> None:
+        where = self._lazy.pop(name, None)
+        if where is None:
+            return
+        if callable(where):
+            command = where()
+        else:
+            module, attribute = where
+            command = getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
+        add_common_options(command)
+        dict.__setitem__(self, name, command)
+
+    def _load_all(self) -> None:
+        for name in list(self._lazy):
+            self._load(name)
+
+    def __getitem__(self, name: str) -> click.Command:
+        self._load(name)
+        return dict.__getitem__(self, name)
+
+    def get(self, name: str, default=None):
+        self._load(name)
+        return dict.get(self, name, default)
+
+    def __contains__(self, name) -> bool:
+        return name in self._lazy or dict.__contains__(self, name)
+
+    def __len__(self) -> int:
+        return dict.__len__(self) + len(self._lazy)
+
+    def __iter__(self):
+        self._load_all()
+        return dict.__iter__(self)
+
+    def keys(self):
+        self._load_all()
+        return dict.keys(self)
+
+    def values(self):
+        self._load_all()
+        return dict.values(self)
+
+    def items(self):
+        self._load_all()
+        return dict.items(self)
+
+
 def walk_commands(command: click.Command, path: tuple[str, ...] = ()):
     """(path of names, command) for ``command`` and every command below it."""
     yield path, command
@@ -126,11 +184,19 @@ def wants_json() -> bool:
     return bool(ctx and ctx.meta.get(JSON_META))
 
 
+def _api_builtins(value):
+    """json.dumps's ``default``: a type of dsec_fs/api.py (or bytes, a set) as the API encodes it. Imported
+    only when a value needs it: the API types cost a command ~40 ms to import (a build's JSON is dicts)."""
+    from dsec_fs import api
+
+    return api.to_builtins(value)
+
+
 def emit(as_json: bool, data: object, text: Callable[[], str], *, result: str | None = None) -> None:
     """Print ``data`` (a dict, or a type of dsec_fs/api.py) as JSON, or ``text()``; under -q only ``result``
     (the id a script wants), if any."""
     if as_json or wants_json():
-        click.echo(json.dumps(api.to_builtins(data), indent=2, sort_keys=True))
+        click.echo(json.dumps(data, indent=2, sort_keys=True, default=_api_builtins))
     elif quiet():
         if result is not None:
             click.echo(result)

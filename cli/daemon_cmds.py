@@ -1,15 +1,8 @@
 """``dsecfs daemon`` (the node daemon) and the commands that talk to it: ``mount``, ``umount``, ``status``,
 ``cache stats|evict``, ``prefetch start``.
 
-cli/main.py registers them:
-
-    from . import daemon_cmds
-    main.add_command(daemon_cmds.daemon)
-    main.add_command(daemon_cmds.mount)
-    main.add_command(daemon_cmds.umount)
-    main.add_command(daemon_cmds.status)
-    main.add_command(daemon_cmds.cache)
-    trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
+cli/main.py registers them by name in its LazyCommands (this module is imported when a command line
+names one of them), and adds ``prefetch_start`` to trace_cmds.prefetch when ``prefetch`` is loaded.
 
 Every command but ``daemon`` is a call through dsec_fs.client.Node; ``mount`` starts a daemon (with its
 --state-dir and --cache-dir, which the environment and the configuration file set as they set the
@@ -73,6 +66,9 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
                    "(e.g. 127.0.0.1:9402; off by default)")
 @click.option("--no-profiles", is_flag=True,
               help="do not learn access profiles from traces, share them through the store, or prefetch by them")
+@click.option("--profile-every", type=Duration(), default="10m", show_default=True, metavar="DURATION",
+              help="while a layer stays mounted, also publish its access profile this often, from what was read so "
+                   "far, so long runs are learned from before they end (0: only when the mount ends)")
 @click.option("--fill", type=click.Choice(FILLS), default=DEFAULT_FILL, show_default=True,
               help="what a new mount fetches in the background: nothing, its profile, or that and then the rest "
                    "of the layer (until the cache bound); auto: its profile if it has one, else the whole layer; "
@@ -100,9 +96,9 @@ cache_dir_option = click.option("--cache-dir", envvar=CACHE_DIR_ENV, default=DEF
 def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, memory_cache: str,
            store_url: str | None, fuse_binding: str, latency: float | None, bandwidth: str | None,
            fetch_timeout: float, miss_readahead: str, read_ahead: str, no_trace: bool, metrics_address: str | None,
-           no_profiles: bool, fill: str, ref_ttl: float, meta_cache_size: str, idle_grace: float,
-           trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str, sandbox_layer_mode: str,
-           sandbox_runtime: str) -> None:
+           no_profiles: bool, profile_every: float, fill: str, ref_ttl: float, meta_cache_size: str,
+           idle_grace: float, trace_keep_size: str, trace_keep_age: float, log_file: str | None, log_level: str,
+           sandbox_layer_mode: str, sandbox_runtime: str) -> None:
     """Run the node daemon: mounts layers, fetches and caches chunks, runs sandboxes, serves the API on the
     socket.
 
@@ -120,8 +116,8 @@ def daemon(socket_path: str, state_dir: str, cache_dir: str, cache_size: str, me
         bandwidth=None if bandwidth is None else parse_size(bandwidth),
         fetch_timeout=fetch_timeout, miss_readahead_bytes=parse_size(miss_readahead),
         read_ahead_bytes=parse_size(read_ahead), trace=not no_trace, metrics_address=metrics_address,
-        profiles=not no_profiles, fill=fill, ref_ttl=ref_ttl, meta_cache_bytes=parse_size(meta_cache_size),
-        idle_grace=idle_grace,
+        profiles=not no_profiles, profile_publish_seconds=profile_every, fill=fill, ref_ttl=ref_ttl,
+        meta_cache_bytes=parse_size(meta_cache_size), idle_grace=idle_grace,
         trace_keep_bytes=parse_size(trace_keep_size),
         trace_keep_seconds=trace_keep_age)
     sandboxes = functools.partial(node_service.attach, layer_mode=sandbox_layer_mode, runtime=sandbox_runtime)

@@ -22,9 +22,9 @@ from dsec_fs.errors import DsecError, InputError
 from dsec_fs.store import open_store
 from dsec_fs.units import human_size, parse_size
 
-from . import daemon_cmds, diff_cmds, oci_cmds, ref_cmds, sandbox_cmds, sched_cmds, store_cmds, trace_cmds
-from .common import (CHUNK_SIZE_HELP, ENV_PREFIX, JSON_META, add_common_options, emit, json_option, note,
-                     store_option, store_to_publish_in)
+from . import oci_cmds
+from .common import (CHUNK_SIZE_HELP, ENV_PREFIX, JSON_META, LazyCommands, add_common_options, emit, json_option,
+                     note, store_option, store_to_publish_in)
 from .config import CONFIG_ENV, DEFAULT_CONFIG, config_path, load_default_map
 from .oci_cmds import plain_http_option, registry_options
 
@@ -119,7 +119,9 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
 
     options = dict(name=ref, chunk_size=parse_size(chunk_size), lenient=lenient, platform=platform,
                    limits=LayerLimits(parse_size(max_size), parse_size(max_meta_size)),
-                   tar_limits=tar_limits_with(list(tar_limit)), registry=registry_options(plain_http))
+                   tar_limits=tar_limits_with(list(tar_limit)),
+                   # None: the defaults, without importing the registry client (http.client, ssl, ~40 ms)
+                   registry=registry_options(plain_http) if plain_http else None)
     with store_to_publish_in(store_url) as store:
         def run(**extra):
             if oci_layers:
@@ -285,24 +287,28 @@ def mount_export(export_dir: str, mountpoint: str, command: tuple[str, ...]) -> 
     sys.exit(rc)
 
 
-main.add_command(diff_cmds.diff)
-main.add_command(sched_cmds.sched)
-main.add_command(trace_cmds.trace)
-main.add_command(trace_cmds.prefetch)
-main.add_command(store_cmds.gc_command)
-main.add_command(store_cmds.store_group)
-main.add_command(daemon_cmds.daemon)
-main.add_command(daemon_cmds.mount)
-main.add_command(daemon_cmds.umount)
-main.add_command(daemon_cmds.status)
-main.add_command(daemon_cmds.cache)
-main.add_command(sandbox_cmds.sandbox)
-main.add_command(ref_cmds.ref)
 main.add_command(oci_cmds.convert)
 main.add_command(oci_cmds.snapshotter)
 main.add_command(oci_cmds.image)
-trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
 add_common_options(main)
+
+
+def _prefetch() -> click.Group:
+    from . import daemon_cmds, trace_cmds
+    trace_cmds.prefetch.add_command(daemon_cmds.prefetch_start)
+    return trace_cmds.prefetch
+
+
+# The commands of the other modules are imported when a command line names them (or when every command is
+# listed: --help, a configuration file): `dsecfs build` does not import the daemon's client and API types,
+# the sandbox, trace and scheduler commands (~30 ms of a build's start, docs/benchmarks.md, issue 17).
+main.commands = LazyCommands(main.commands, {
+    "diff": ("diff_cmds", "diff"), "sched": ("sched_cmds", "sched"), "trace": ("trace_cmds", "trace"),
+    "prefetch": _prefetch, "gc": ("store_cmds", "gc_command"), "store": ("store_cmds", "store_group"),
+    "daemon": ("daemon_cmds", "daemon"), "mount": ("daemon_cmds", "mount"), "umount": ("daemon_cmds", "umount"),
+    "status": ("daemon_cmds", "status"), "cache": ("daemon_cmds", "cache"), "sandbox": ("sandbox_cmds", "sandbox"),
+    "ref": ("ref_cmds", "ref"),
+})
 
 if __name__ == "__main__":
     main()

@@ -1,8 +1,8 @@
 """``dsecfs ref ls|tag|rm``: the names (NAME:TAG) that point at layers in a store.
 
 A ref is one small object (dsec_fs.layer); removing one frees nothing by itself: the layer and its
-chunks go at the next ``dsecfs gc`` once no ref needs them. cli/main.py registers the group:
-``main.add_command(ref_cmds.ref)``.
+chunks go at the next ``dsecfs gc`` once no ref needs them. cli/main.py registers the group by name
+(LazyCommands: imported when a command line names it).
 """
 
 from __future__ import annotations

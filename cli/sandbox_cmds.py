@@ -7,7 +7,7 @@ the command's stdout and stderr as they come, bytes unchanged, forwards stdin wi
 terminal with -t, and exits with its exit code; dsecfs's own errors exit with their class's code (2 to 7, see cli/main.py), so a
 script that needs to tell them apart from the command's should use the SDK.
 
-cli/main.py registers the group: ``main.add_command(sandbox_cmds.sandbox)``.
+cli/main.py registers the group by name (LazyCommands: imported when a command line names it).
 """
 
 from __future__ import annotations

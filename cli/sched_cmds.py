@@ -1,6 +1,7 @@
 """``dsecfs sched``: the sandbox scheduler's simulator and service (overlay.sched_sim, overlay.sched_service).
 
-Registered on the main group in cli/main.py with ``main.add_command(sched)``.
+Registered on the main group by name in cli/main.py (LazyCommands: imported when a command line names
+it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``dsecfs trace report|ls|show|prune`` and ``dsecfs prefetch build``: access traces from the terminal.
 
-cli/main.py registers the two groups (``main.add_command(trace_cmds.trace)``, ``...prefetch``); its group
+cli/main.py registers the two groups by name (LazyCommands: imported when a command line names one); its group
 turns a DsecError into one line and the error class's exit code (a corrupt trace: 3, naming the file
 and the record). TRACE arguments are trace files, or directories, which stand for every ``*.dtr`` file
 below them.

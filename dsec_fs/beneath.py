@@ -21,7 +21,6 @@ Any thread may call these functions; each thread has its own buffer for the xatt
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import threading
@@ -47,7 +46,8 @@ class _XattrArgs(ctypes.Structure):
     _fields_ = [("value", ctypes.c_uint64), ("size", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# dlopen(NULL): the C library the interpreter runs on (ctypes.util.find_library runs ldconfig, ~4 ms a call)
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 

@@ -15,10 +15,10 @@ Threads: any thread may call it; glibc locks its arenas.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 try:
-    _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    # dlopen(NULL): the C library the interpreter runs on (ctypes.util.find_library runs ldconfig, ~4 ms)
+    _malloc_trim = ctypes.CDLL(None).malloc_trim
     _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
 except (OSError, AttributeError):
     _malloc_trim = None

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import tarfile
 
+from .walk_tar import header_sum
+
 BLOCK = 512
 _MARKERS = frozenset({b"manifest.json", b"oci-layout"})
 # Types whose name, size and data framing the scan reads as tarfile does: files, links, devices,
@@ -100,12 +102,15 @@ def _scan_names(path: str) -> list[bytes]:
 
 def _size(block: bytes) -> int:
     """The size field of a header whose checksum is right (unsigned, as tarfile checks first)."""
-    if block[124] & 0x80 or not _octal(block[148:156]) == sum(block) - sum(block[148:156]) + 8 * 32:
+    if block[124] & 0x80 or not _octal(block[148:156]) == header_sum(block):
         raise _Unusual  # base-256, or a checksum tarfile might still accept (signed) or refuse
     return _octal(block[124:136])
 
 
 def _octal(field: bytes) -> int:
+    digits = field.rstrip(b" \0")
+    if digits and not digits.translate(None, b"01234567"):  # the common case: digits, then padding
+        return int(digits, 8)
     text = field.split(b"\0", 1)[0].strip(b" ")
     if text.strip(b"01234567"):
         raise _Unusual

@@ -125,22 +125,41 @@ class Tree:
 
     def add(self, path: bytes, node: Node) -> None:
         """Place ``node`` at ``path``; ``node`` may already be elsewhere in the tree (a hard link)."""
-        where = node.source or path.decode(errors="backslashreplace")
-        parts = split_path(path)
-        if not parts:
-            if not node.is_dir:
-                raise InputError("the layer root must be a directory", where=where)
-            node.children = self.root.children
-            self.root = node
-            return
-        check_name(parts[-1], where)
-        parent = self._parent_for(parts[:-1], where)
-        old = parent.children.get(parts[-1])
-        if old is not None and old.is_dir and node.is_dir and node is not old:
-            # A directory entry that arrives after its children (or a duplicate) keeps the children.
-            node.children = old.children
-            self._implied.discard(id(old))
-        parent.children[parts[-1]] = node
+        self._add(path, node, [None])
+
+    def adder(self) -> Callable[[bytes, Node], None]:
+        """``add`` for a stream of entries while nothing else changes the tree (walk_tar.fill_tree): it
+        remembers the last parent directory, as a streamed input comes a directory at a time (the path
+        before the last "/" and its node; an add that replaces an entry forgets it)."""
+        last: list = [None]
+        return lambda path, node: self._add(path, node, last)
+
+    def _add(self, path: bytes, node: Node, last: list) -> None:
+        prefix, _, name = path.rpartition(b"/")
+        if last[0] is not None and last[0][0] == prefix and name and name_problem(name) is None:
+            parent = last[0][1]
+        else:
+            where = node.source or path.decode(errors="backslashreplace")
+            parts = split_path(path)
+            if not parts:
+                if not node.is_dir:
+                    raise InputError("the layer root must be a directory", where=where)
+                node.children = self.root.children
+                self.root = node
+                last[0] = None
+                return
+            name = parts[-1]
+            check_name(name, where)
+            parent = self._parent_for(parts[:-1], where)
+            last[0] = (prefix, parent) if path.endswith(name) else None
+        old = parent.children.get(name)
+        if old is not None:
+            last[0] = None
+            if old.is_dir and node.is_dir and node is not old:
+                # A directory entry that arrives after its children (or a duplicate) keeps the children.
+                node.children = old.children
+                self._implied.discard(id(old))
+        parent.children[name] = node
 
     def add_child(self, directory: Node, name: bytes, node: Node) -> None:
         """Place ``node`` as ``name`` in ``directory``, a directory of this tree: what ``add`` does, for a

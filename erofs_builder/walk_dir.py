@@ -9,7 +9,8 @@ sandbox's upper dir during ``sandbox commit``): the root is opened once, each di
 beneath it with openat2 RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS|RESOLVE_NO_MAGICLINKS (dsec_fs.beneath)
 and must still be the inode the listing of its parent saw, its entries are lstat'ed, their xattrs and
 symlink targets read, through that directory's fd without following the name (dsec_fs.beneath), and
-a file is opened beneath the root (an O_PATH fd the walk's readers share) the same way. A
+a file is opened by its name (O_NOFOLLOW) in its directory, opened beneath the root the same way (the
+walk's readers share the O_PATH fds of the root and of the directory being read). A
 directory swapped for a symlink (renameat2 RENAME_EXCHANGE) makes the walk fail with InputError, never
 read outside the source. The source itself may be given through a symlink. The root directory's own
 metadata becomes the layer root's.
@@ -227,10 +228,12 @@ def _xattrs(at: tuple[int, bytes] | None, path: bytes) -> Mapping[bytes, bytes]:
 
 
 class SourceRoot:
-    """The source directory of a walk, opened once (O_PATH) for all its file readers; the fd is closed
-    when the last reader is gone."""
+    """The source directory of a walk, opened once (O_PATH) for all its file readers, and the directory
+    whose files are being read, opened beneath it (O_PATH): files are read directory by directory, so a
+    file is one openat of its name (O_NOFOLLOW) in that directory, not an openat2 of its whole path (a
+    ctypes call, ~1 us more a file). The fds are closed when the last reader is gone."""
 
-    __slots__ = ("path", "fd", "__weakref__")
+    __slots__ = ("path", "fd", "_current", "__weakref__")
 
     def __init__(self, path: str | bytes | os.PathLike):
         self.path = os.fsencode(path)
@@ -238,7 +241,28 @@ class SourceRoot:
             self.fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise _input_error(exc, self.path) from None
-        weakref.finalize(self, os.close, self.fd)
+        self._current: list = [None, None]  # the SourceDir last opened and its fd
+        weakref.finalize(self, _close_fds, self.fd, self._current)
+
+    def directory_fd(self, directory: SourceDir) -> int:
+        """An fd of ``directory`` (a SourceDir of this root) opened beneath the root, without following any
+        symlink; valid until the next call (OSError as open_beneath raises)."""
+        current = self._current
+        if current[0] is directory:
+            return current[1]
+        if not directory.beneath:
+            return self.fd
+        fd = open_beneath(self.fd, directory.beneath, os.O_PATH | os.O_DIRECTORY)
+        if current[1] is not None:
+            os.close(current[1])
+        current[:] = directory, fd
+        return fd
+
+
+def _close_fds(root_fd: int, current: list) -> None:
+    os.close(root_fd)
+    if current[1] is not None:
+        os.close(current[1])
 
 
 class SourceDir:
@@ -252,7 +276,7 @@ class SourceDir:
         self.prefix = prefix  # the directory's path on disk, up to and including the "/" before a name
         self.root = root  # the walk's source, shared by every file of the walk; None: open the path as is
         # the directory's path relative to the root, what a file is opened beneath it with, then its name
-        self.beneath = prefix[len(root.path):].lstrip(b"/") if root is not None else b""
+        self.beneath = prefix[len(root.path):].strip(b"/") if root is not None else b""
         # row k: the name and lstat fields of the directory's k-th regular file
         self.names: list[bytes] = []  # the same objects as the names in its Tree directory
         self.sizes, self.mtimes, self.inos, self.ctimes = array("Q"), array("q"), array("Q"), array("q")
@@ -321,30 +345,54 @@ class WalkedFile:
         return _read_file(self._dir, self._dir.names[self._row], self.identity, chunk_size)
 
 
-def _open_file(directory: SourceDir, name: bytes, where: str) -> int:
+def _open_file(directory: SourceDir, name: bytes) -> int:
+    path = directory.prefix + name
     if directory.root is None:
-        return os.open(directory.prefix + name, _OPEN_FLAGS)
-    sys.audit("open", where, None, _OPEN_FLAGS)  # as os.open would: audit hooks see every file read
-    return open_beneath(directory.root.fd, directory.beneath + name, _OPEN_FLAGS)
+        return os.open(path, _OPEN_FLAGS)
+    sys.audit("open", path, None, _OPEN_FLAGS)  # audit hooks see every file read by its whole path
+    return os.open(name, _OPEN_FLAGS, dir_fd=directory.root.directory_fd(directory))
+
+
+def _where(directory: SourceDir, name: bytes) -> str:
+    """A file's path for messages (made only for one)."""
+    return (directory.prefix + name).decode(_FS_ENCODING, _FS_ERRORS)
 
 
 def _read_file(directory: SourceDir, name: bytes, identity: tuple, chunk_size: int) -> Iterator[bytes | None]:
-    """The file's content in ``chunk_size`` pieces, None for pieces in a hole (see the module docstring)."""
-    where = (directory.prefix + name).decode(_FS_ENCODING, _FS_ERRORS)
+    """The file's content in ``chunk_size`` pieces, None for pieces in a hole (see the module docstring).
+    A file of one piece (most files of a tree) is read at once, without a generator."""
+    if identity[2] > chunk_size:
+        return _read_pieces(directory, name, identity, chunk_size)
     try:
-        fd = _open_file(directory, name, where)
+        fd = _open_file(directory, name)
+    except OSError as exc:
+        raise _input_error(exc, _where(directory, name)) from None
+    try:
+        size = identity[2]
+        try:
+            data = os.pread(fd, size, 0) if size else b""
+            if len(data) < size:
+                data += _pread_exact(fd, size - len(data), len(data), _where(directory, name))
+        except OSError as exc:
+            data = exc
+        if stat_identity(os.fstat(fd)) != identity:  # even when the read failed: a file replaced since the
+            _check_unchanged(fd, identity, _where(directory, name), "since the directory was scanned")  # walk
+        if isinstance(data, OSError):
+            raise _input_error(data, _where(directory, name))
+    finally:
+        os.close(fd)
+    return iter((data,) if size else ())
+
+
+def _read_pieces(directory: SourceDir, name: bytes, identity: tuple, chunk_size: int) -> Iterator[bytes | None]:
+    """_read_file of a file of several pieces."""
+    where = _where(directory, name)
+    try:
+        fd = _open_file(directory, name)
     except OSError as exc:
         raise _input_error(exc, where) from None
     try:
         size = identity[2]
-        if size <= chunk_size:
-            try:
-                data = _pread_exact(fd, size, 0, where) if size else b""
-            finally:  # even when the read failed: a file replaced since the walk is reported as that
-                _check_unchanged(fd, identity, where, "since the directory was scanned")
-            if size:
-                yield data
-            return
         st = _check_unchanged(fd, identity, where, "since the directory was scanned")
         sparse = st.st_blocks * _SECTOR < size
         offset = 0

@@ -135,27 +135,33 @@ class _TarStream:
 
     def read_some(self, n: int, where: str, *, piece: bool = False) -> bytes:
         """``n`` bytes, or fewer at the end of the input."""
-        parts = []
-        got = 0
-        while got < n:
-            try:
-                piece = self._data.read(n - got)
-            except EOFError:  # gzip's way of saying the compressed stream stops early
-                raise InputError(
-                    f"truncated: the compressed input ends at uncompressed offset {self.offset + got}", where=where
-                ) from None
-            except (OSError, zlib.error, zstandard.ZstdError) as exc:
-                raise InputError(f"cannot read or decompress the input: {exc}", where=where) from None
-            if not piece:
-                break
-            parts.append(piece)
-            got += len(piece)
+        data = self._read(n, 0, where)
+        got = len(data)
+        if got < n and data:  # a short read (a decompressor's, or a pipe's): read on to n or the end
+            parts = [data]
+            while got < n:
+                more = self._read(n - got, got, where)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
         self.offset += got
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        if piece and data.count(0) == got:
+        if piece and got and not data[0] and data.count(0) == got:
             self.zero_bytes += got
         self._check_limits(where)
         return data
+
+    def _read(self, n: int, got: int, where: str) -> bytes:
+        """One read of the input, ``got`` bytes past the current offset."""
+        try:
+            return self._data.read(n)
+        except EOFError:  # gzip's way of saying the compressed stream stops early
+            raise InputError(
+                f"truncated: the compressed input ends at uncompressed offset {self.offset + got}", where=where
+            ) from None
+        except (OSError, zlib.error, zstandard.ZstdError) as exc:
+            raise InputError(f"cannot read or decompress the input: {exc}", where=where) from None
 
     def drain(self, where: str) -> None:
         """Decompress to the end of a compressed input, so gzip's CRC and zstd's checksums are verified
@@ -239,12 +245,18 @@ _GNU_REALSIZE = slice(483, 495)
 _GNU_EXT_IS_EXTENDED = 504
 
 
+_OCTAL_DIGITS = b"01234567"
+
+
 def _cstring(field: bytes) -> bytes:
     return field.split(b"\0", 1)[0]
 
 
 def _number(field: bytes, what: str, where: str) -> int:
     """A numeric field: octal text padded with NULs or spaces, or GNU base-256 when byte 0 has its top bit."""
+    digits = field.rstrip(b" \0")
+    if digits and not digits.translate(None, _OCTAL_DIGITS):  # the common case: digits, then padding
+        return int(digits, 8)
     if field and field[0] & 0x80:
         # Two's complement over the remaining 8n-1 bits; bit 0x40 of byte 0 is the sign.
         value = int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
@@ -257,12 +269,20 @@ def _number(field: bytes, what: str, where: str) -> int:
     return int(text, 8)
 
 
+def header_sum(block: bytes) -> int:
+    """The unsigned checksum of a 512-byte header block: the sum of its bytes with the chksum field counted
+    as spaces. At C speed: the low 16 bits of Adler-32 are 1 plus the sum of the bytes modulo 65,521, and
+    256 bytes sum to at most 65,280, so each half's sum is exact (``sum(block)`` costs ~1 us a header)."""
+    return ((zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
+            - sum(block[_CHKSUM]) + 8 * 32)
+
+
 def _checksum_ok(block: bytes) -> bool:
     try:
         stored = _number(block[_CHKSUM], "chksum", "")
     except InputError:  # not even a number
         return False
-    unsigned = sum(block) - sum(block[_CHKSUM]) + 8 * 32
+    unsigned = header_sum(block)
     if stored == unsigned:
         return True
     # Some old tars summed signed chars.
@@ -286,13 +306,22 @@ class _Header:
 
     @classmethod
     def unpack(cls, block: bytes, where: str) -> _Header:
-        (name, mode, uid, gid, size, mtime, _chksum, typeflag, linkname, magic,
+        (name, mode, uid, gid, size, mtime, chksum, typeflag, linkname, magic,
          _uname, _gname, devmajor, devminor, prefix) = _HEADER.unpack(block)  # fmt: skip
-        if not _checksum_ok(block):
-            raise InputError("bad header checksum (not a tar archive, or a corrupt one)", where=where)
         name = _cstring(name)
         if magic == _POSIX_MAGIC and prefix[0]:
             name = _cstring(prefix) + b"/" + name
+        # The common case at C speed: every number is octal digits then padding (or padding alone: 0), and
+        # the checksum the unsigned sum. Anything else takes _number's and _checksum_ok's general rules.
+        numbers = [field.rstrip(b" \0") for field in (chksum, size, mode, uid, gid, mtime, devmajor, devminor)]
+        if numbers[0] and not b"".join(numbers).translate(None, _OCTAL_DIGITS):
+            stored, data_size, mode, uid, gid, mtime, devmajor, devminor = [int(n, 8) if n else 0 for n in numbers]
+            if stored != header_sum(block) and not _checksum_ok(block):
+                raise InputError("bad header checksum (not a tar archive, or a corrupt one)", where=where)
+            return cls(name, mode, uid, gid, data_size, mtime, typeflag, _cstring(linkname), devmajor, devminor,
+                       block)
+        if not _checksum_ok(block):
+            raise InputError("bad header checksum (not a tar archive, or a corrupt one)", where=where)
         data_size = _number(size, "size", where)
         if data_size < 0:
             raise InputError(f"negative size {data_size}", where=where)
@@ -365,6 +394,10 @@ class _Extensions:
     offset: int | None = None  # of the first extension header
 
 
+# A member without extension headers (most of them): read only, never added to.
+_NO_EXTENSIONS = _Extensions(pax={}, sparse_00=[])
+
+
 class _TarReader:
     """Walks the archive member by member; ``next_member`` first skips what is left of the previous one."""
 
@@ -376,15 +409,25 @@ class _TarReader:
         self._warned_keys: set[bytes] = set()
 
     def next_member(self) -> _Member | None:
-        self._finish_member()
+        padding, member_where = self._finish_member()
         if self._ended:
             return None
         stream = self.stream
-        ext = _Extensions()
+        ext = _NO_EXTENSIONS  # until an extension header comes
         while True:
-            offset = stream.offset
+            offset = stream.offset + padding
             where = f"{stream.source}: header at offset {offset}"
-            block = stream.read(BLOCK, "a header (or the end-of-archive marker)", where)
+            if padding:  # the last member's padding and the next header in one read
+                data = stream.read_some(padding + BLOCK, where)
+                if len(data) < padding:
+                    raise InputError(f"truncated: the input ends at offset {stream.offset} inside member data",
+                                     where=member_where)
+                block, padding = data[padding:], 0
+                if len(block) < BLOCK:
+                    raise InputError(f"truncated: the input ends at offset {stream.offset} inside a header (or "
+                                     "the end-of-archive marker)", where=where)
+            else:
+                block = stream.read(BLOCK, "a header (or the end-of-archive marker)", where)
             if block == ZERO_BLOCK:
                 if ext.offset is not None:
                     raise InputError("extension header not followed by a member", where=where)
@@ -393,6 +436,8 @@ class _TarReader:
             header = _Header.unpack(block, where)
             kind = header.typeflag
             if kind in (b"x", b"g", b"L", b"K"):
+                if ext is _NO_EXTENSIONS:
+                    ext = _Extensions()
                 self._read_extension(header, offset, ext, where)
             elif kind == b"V":  # a volume label names the archive, not a file
                 stream.skip(header.size + _padding(header.size), "a volume label", where)
@@ -404,14 +449,19 @@ class _TarReader:
         """The content reader of the current member, to be closed when the reader moves on."""
         self._content = content
 
-    def _finish_member(self) -> None:
+    def _finish_member(self) -> tuple[int, str | None]:
+        """Close the current member: skip what is left of its data; its padding is left to the caller, to
+        be read with the next header (and where to say the member was truncated)."""
         if self._content is not None:
             self._content.close()
             self._content = None
         member, self._member = self._member, None
-        if member is not None:
-            self.stream.skip(member.data_left + _padding(member.size), "member data", member.where)
+        if member is None:
+            return 0, None
+        if member.data_left:
+            self.stream.skip(member.data_left, "member data", member.where)
             member.data_left = 0
+        return _padding(member.size), member.where
 
     def _end_of_archive(self, where: str) -> None:
         # The marker is two zero blocks; GNU tar accepts a lone one at the very end. A non-zero block
@@ -643,9 +693,12 @@ class _Content:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {chunk_size}")
         self._started = True
-        if self._segments is None:
-            return self._pieces(chunk_size)
-        return self._sparse_pieces(chunk_size)
+        if self._segments is not None:
+            return self._sparse_pieces(chunk_size)
+        size = self._node.size
+        if size <= chunk_size:  # one piece (most files): read now, without a generator
+            return iter((self._take(size, piece=True),) if size else ())
+        return self._pieces(chunk_size)
 
     def close(self) -> None:
         self._closed = True
@@ -773,18 +826,31 @@ def _node_for(member: _Member, reader: _TarReader, links: dict[bytes, Node]) -> 
         links[path] = node
         return path, node
 
-    perms = member.header.mode & 0o7777
-    node = Node(
-        mode=0,
-        uid=_numeric(member, b"uid", member.header.uid, MAX_ID, "uid"),
-        gid=_numeric(member, b"gid", member.header.gid, MAX_ID, "gid"),
-        mtime_ns=_mtime_ns(member),
-        xattrs=_xattrs(member),
-        source=member.source,
-    )
+    header = member.header
+    perms = header.mode & 0o7777
+    if member.pax:
+        node = Node(
+            mode=0,
+            uid=_numeric(member, b"uid", header.uid, MAX_ID, "uid"),
+            gid=_numeric(member, b"gid", header.gid, MAX_ID, "gid"),
+            mtime_ns=_mtime_ns(member),
+            xattrs=_xattrs(member),
+            source=member.source,
+        )
+    else:  # no PAX records (most members of a GNU tar): the header's numbers, no xattrs
+        if not (0 <= header.uid <= MAX_ID and 0 <= header.gid <= MAX_ID):
+            _numeric(member, b"uid", header.uid, MAX_ID, "uid")  # raises, naming the one out of range
+            _numeric(member, b"gid", header.gid, MAX_ID, "gid")
+        node = Node(0, header.uid, header.gid, _mtime_ns(member), 0, 0, {}, source=member.source)
     sparse = None
     if kind == b"\0" and member.name.endswith(b"/"):
         node.mode = stat.S_IFDIR | perms  # pre-POSIX tars mark directories with a trailing '/'
+    elif kind in REGULAR_TYPES and not member.pax and not member.sparse_00:  # not sparse
+        node.mode = stat.S_IFREG | perms
+        node.size = member.size
+        limit = reader.stream.limits.max_file_size
+        if node.size > limit:
+            raise MemberError(f"file of {node.size} bytes (TarLimits.max_file_size {limit})", where=where)
     elif kind in REGULAR_TYPES or kind == b"S":
         sparse = _sparse_map(member, reader)
         node.mode = stat.S_IFREG | perms
@@ -857,13 +923,14 @@ def fill_tree(
     while its content is readable (right after the node is placed, before the stream moves on). With
     ``budget``, every entry is counted first: one beyond the layer's limits stops the walk (InputError)."""
     refused: set[int] = set()  # id() of nodes the tree refused (lenient): their hard links go too
+    add = tree.adder()  # nothing else changes the tree in this loop
     for path, node in nodes:
         if budget is not None:  # a hard link carries no reader: its inode is counted already
             budget.add(path.rpartition(b"/")[2], node, new_inode=not node.is_reg or node.reader is not None)
         try:
             if id(node) in refused:
                 raise InputError("hard link to a member that was skipped", where=node.source)
-            tree.add(path, node)
+            add(path, node)
         except InputError as exc:
             if not lenient:
                 raise

@@ -639,6 +639,7 @@ class NodeDaemon:
             for served in self._served.values():
                 if served.blob.trace is not None:
                     served.blob.trace.flush()
+            self.segments.publish_running(list(self._served.values()), self.options.profile_publish_seconds)
             if time.monotonic() >= next_prune:
                 await self._prune_traces()
                 next_prune = time.monotonic() + TRACE_PRUNE_SECONDS

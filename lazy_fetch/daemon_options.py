@@ -26,6 +26,7 @@ DEFAULT_STORE_CONCURRENCY = 32
 DEFAULT_TRACE_KEEP_BYTES = 1 << 30
 DEFAULT_TRACE_KEEP_SECONDS = 7 * 86400.0
 DEFAULT_REF_TTL = 15.0
+DEFAULT_PROFILE_PUBLISH_SECONDS = 600.0
 
 
 @dataclass
@@ -50,6 +51,8 @@ class DaemonOptions:
     trace: bool = True
     metrics_address: str | None = None  # HOST:PORT to serve /metrics alone on over TCP; None: off
     profiles: bool = True  # learn access profiles from traces, share them through the store, prefetch by them
+    # A live mount's profile is also published this often, from its trace so far (0: only when it ends).
+    profile_publish_seconds: float = DEFAULT_PROFILE_PUBLISH_SECONDS
     fill: str = DEFAULT_FILL  # what a new mount fetches in the background (FILLS); a mount may say otherwise
     trace_keep_bytes: int | None = DEFAULT_TRACE_KEEP_BYTES  # closed traces beyond this go, oldest first
     trace_keep_seconds: float | None = DEFAULT_TRACE_KEEP_SECONDS  # closed traces older than this go
@@ -68,7 +71,8 @@ class DaemonOptions:
         for name in ("cache_bytes", "fetch_timeout", "fetch_concurrency", "store_concurrency"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)}", where="daemon options")
-        for name in ("miss_readahead_bytes", "read_ahead_bytes", "ref_ttl", "meta_cache_bytes", "idle_grace"):
+        for name in ("miss_readahead_bytes", "read_ahead_bytes", "ref_ttl", "meta_cache_bytes", "idle_grace",
+                     "profile_publish_seconds"):
             if getattr(self, name) < 0:
                 raise InputError(f"{name} must not be negative, got {getattr(self, name)}", where="daemon options")
         for name in ("trace_keep_bytes", "trace_keep_seconds"):

@@ -454,7 +454,10 @@ def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str, read_ah
     trip per 128 KiB. ``read_ahead`` bytes (the mount's read_ahead_kb; 0 leaves the default) make those
     requests bigger and fewer. Readahead stays inside the file being read (so inside its own chunks),
     and a page fault of a mapped file reads around it as far: a little more of a big library may be
-    fetched than it touches."""
+    fetched than it touches (numpy's import: the kernel asks 74.9 MB at 1 MiB, 52.8 MB at 128 KiB). The
+    two cannot be set apart from here: the kernel copies read_ahead_kb into each file's readahead state
+    when it is opened, and read(2)'s readahead and a fault's read-around both use that one number
+    (docs/benchmarks.md, issue 13, "A walk's window stays in its directory")."""
     _check_image_filesystem(meta_path)
     options = mounts.erofs_options([blob_path])
     try:

@@ -24,7 +24,10 @@ with at most MAX_ENTRIES entries: anything else (corrupt, truncated, oversized, 
 body that does not match its checksum) is refused with a FormatError or IntegrityError naming the key,
 and the daemon goes on without it (a profile only ever speeds a mount up).
 
-Merging: an entry's traces add up; its first-read time is the traces-weighted mean. A prefetch list takes
+Merging: an entry's traces add up; its first-read time is the traces-weighted mean. A long run publishes
+while it goes on (profile_keeper.PublishedRun): each publish of it takes what it published before back
+out of the node's object (``without``) before merging in what it learned since, so a run counts as one
+trace however often it published. A prefetch list takes
 the entries read by at least ``min_fraction`` of the traces (prefetch_list.DEFAULT_MIN_FRACTION), so
 what one odd run read is not fetched for everyone.
 
@@ -179,6 +182,27 @@ def merge(profiles: Iterable[Profile], *, layer: str | None = None) -> Profile |
                    combination=profiles[0].combination)
 
 
+def without(profile: Profile, part: Profile) -> Profile | None:
+    """``profile`` with ``part``, which was merged into it, taken out again (None if nothing is left):
+    traces and the weighted first-read times subtract as they added. Exact unless a bound dropped
+    entries of ``part`` from ``profile`` meanwhile (those are simply not there to take out)."""
+    taken = {e.digest: e for e in part.entries}
+    entries = []
+    for e in profile.entries:
+        t = taken.get(e.digest)
+        if t is None:
+            entries.append(e)
+        elif e.traces > t.traces:
+            traces = e.traces - t.traces
+            first = max(0, (e.first_read_us * e.traces - t.first_read_us * t.traces) // traces)
+            entries.append(ProfileEntry(e.digest, e.length, first, traces, e.path, e.file_chunk))
+    traces = profile.traces - part.traces
+    if traces <= 0 or not entries:
+        return None
+    entries.sort(key=lambda e: (e.first_read_us, -e.traces))
+    return Profile(layer=profile.layer, traces=traces, entries=entries, combination=profile.combination)
+
+
 def to_prefetch_list(profile: Profile, digest: str, blob_map: BlobMap, layer_index: Callable[[], LayerIndex], *,
                      min_fraction: float = DEFAULT_MIN_FRACTION) -> PrefetchList:
     """The chunks of layer ``digest`` that ``profile`` says at least ``min_fraction`` of its traces read,
@@ -258,9 +282,10 @@ def load(store: Store, names: list[str], *, combination: str = "", layer: str = 
     return merge(found) if found else None
 
 
-def publish(store: Store, key: str, learned: Profile) -> Profile:
+def publish(store: Store, key: str, learned: Profile, *, replacing: Profile | None = None) -> Profile:
     """Merge ``learned`` into this node's object at ``key`` (what it published before, if readable) and
-    write it back; returns what was written."""
+    write it back; returns what was written. ``replacing``: what the same run published at ``key`` before
+    (``learned`` holds all of it and more), taken out first."""
     try:
         # At most MAX_PROFILE_BYTES read: anyone may write the key, and a node must not read a huge object.
         previous = Profile.decode(store.get_at_most(key, MAX_PROFILE_BYTES), source=key)
@@ -272,6 +297,8 @@ def publish(store: Store, key: str, learned: Profile) -> Profile:
     if previous is not None and previous.combination != learned.combination:
         log.warning("replacing this node's profile %s: it was of another combination", key)
         previous = None
+    if previous is not None and replacing is not None:
+        previous = without(previous, replacing)
     merged = merge([learned] + ([previous] if previous else []), layer=learned.layer)
     data = merged.encode()
     while len(data) > MAX_PROFILE_BYTES:  # many distinct paths: keep what the most traces read

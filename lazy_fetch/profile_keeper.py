@@ -9,7 +9,11 @@
 - ``publish_soon``: once the last mount of a layer in a mode goes and its trace is closed, a background
   task learns the trace's profile (from all its segments, trace_holders.py) and merges it into this node's
   objects in the store, under the layer's digest and, if the mount named one, its ref name; and when a
-  segment that only one combination's sandboxes held ends, under that combination. Best effort and off
+  segment that only one combination's sandboxes held ends, under that combination; and while a mount
+  lives, every ``profile_publish_seconds`` (trace_segments.publish_running), from its trace so far, so a
+  long run is learned from before it ends. A run's publishes share a PublishedRun: each takes the one
+  before it back out of the node's object (profile.without), and one that finishes after a newer one of
+  the same run writes nothing, so the run counts once, with all it read. Best effort and off
   every request's path: a failure is logged, never raised. A publish under way when the daemon stops
   finishes (its worker thread is waited for), and ``flush`` (when the daemon stops, after its last unmounts) publishes what is still queued,
   within FLUSH_SECONDS.
@@ -22,12 +26,15 @@ thread and runs its store calls in worker threads.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import secrets
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -50,6 +57,23 @@ FLUSH_SECONDS = 15.0
 
 
 @dataclass
+class PublishedRun:
+    """What one run (a served blob's whole trace, or one segment of it for a combination) published so
+    far, by key. ``lock`` (worker threads) guards ``published`` and ``newest``; ``last`` and ``_seq`` are
+    the trio thread's."""
+
+    published: dict[str, profile.Profile] = field(default_factory=dict)
+    newest: int = -1  # the sequence number of the newest publish that wrote
+    last: float = field(default_factory=time.monotonic)  # when it was last queued (or the run began)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _seq: itertools.count = field(default_factory=itertools.count)
+
+    def next(self) -> int:
+        self.last = time.monotonic()
+        return next(self._seq)
+
+
+@dataclass
 class _Publish:
     store: Store
     files: LayerFiles
@@ -57,6 +81,8 @@ class _Publish:
     trace_paths: list[str]  # the segments of the trace, in order
     ref_name: str | None
     combination: str  # "": publish for the layer (and its name); else for this combination only
+    run: PublishedRun
+    seq: int
     started: bool = False
 
 
@@ -106,11 +132,12 @@ class ProfileKeeper:
 
     def publish_soon(self, nursery: trio.Nursery | None, store: Store, files: LayerFiles,
                      index: Callable[[], LayerIndex], trace_paths: list[str], ref_name: str | None, *,
-                     combination: str = "") -> None:
+                     run: PublishedRun, combination: str = "") -> None:
         """Publish in a task of ``nursery``; with None (the daemon is stopping), at ``flush``. ``index``:
         the layer's LayerIndex (called in a worker thread). ``trace_paths``: the segments of one trace,
-        learned as one; with ``combination``, one segment, published for that combination only."""
-        job = _Publish(store, files, index, list(trace_paths), ref_name, combination)
+        learned as one; with ``combination``, one segment, published for that combination only. ``run``:
+        the trace's (or, with ``combination``, the segment's) PublishedRun."""
+        job = _Publish(store, files, index, list(trace_paths), ref_name, combination, run, run.next())
         self._queued.append(job)
         if nursery is not None:
             nursery.start_soon(self._publish, job)
@@ -146,18 +173,27 @@ class ProfileKeeper:
                      learned.traces)
 
     def _publish_blocking(self, job: _Publish) -> profile.Profile | None:
-        store, files, ref_name = job.store, job.files, job.ref_name
+        store, files, ref_name, run = job.store, job.files, job.ref_name, job.run
         trace = join_segments([read_trace(path) for path in job.trace_paths])
         learned = profile.learn(job.index(), trace, combination=job.combination)
         if learned is None:
             return None
         if job.combination:
-            return profile.publish(store, keys.combination_profiles(job.combination, files.digest) + self.node_id,
-                                   learned)
-        merged = profile.publish(store, keys.layer_profiles(files.digest) + self.node_id, learned)
-        if ref_name:
-            profile.publish(store, keys.name_profiles(profile.name_id(ref_name)) + self.node_id, learned)
-        return merged
+            targets = [keys.combination_profiles(job.combination, files.digest)]
+        else:
+            targets = [keys.layer_profiles(files.digest)]
+            if ref_name:
+                targets.append(keys.name_profiles(profile.name_id(ref_name)))
+        with run.lock:
+            if job.seq < run.newest:  # a later publish of this run, which knew more, wrote already
+                return None
+            merged = []
+            for target in targets:
+                key = target + self.node_id
+                merged.append(profile.publish(store, key, learned, replacing=run.published.get(key)))
+                run.published[key] = learned
+            run.newest = job.seq
+        return merged[0]
 
 
 def _node_id(state_dir: str) -> str:

@@ -28,6 +28,7 @@ from .memory_cache import MemoryFrontedFetcher
 from .meta_cache import MetaCache
 from .miss_readahead import MissReadahead
 from .prefetcher import PrefetchJob
+from .profile_keeper import PublishedRun
 from .trace_holders import Holders, Label
 from .traced_blob import LayerUsage, TracedBlob
 
@@ -85,6 +86,8 @@ class Served:
     mounts: int = 0
     holders: Holders = field(default_factory=Holders)
     segments: list[str] = field(default_factory=list)  # the trace's segments that ended, oldest first
+    run: PublishedRun = field(default_factory=PublishedRun)  # what its trace published, for the layer
+    segment_run: PublishedRun = field(default_factory=PublishedRun)  # ... the segment, for its combination
 
     def close_trace(self, *, remove: bool = False) -> None:
         trace, self.blob.trace = self.blob.trace, None

@@ -8,7 +8,9 @@ the label changes or the blob's last mount goes, and the profiles learned from i
 
 What is published (profile_keeper.py, best effort, in tasks of ``background()``; None: at its flush):
 when a segment that one combination's sandboxes alone held ends, its profile under that combination;
-when the trace ends, the layer's (and its ref name's) from all segments joined as one trace.
+when the trace ends, the layer's (and its ref name's) from all segments joined as one trace; and, for a
+long run, both of those from what the trace holds so far, every ``publish_every`` seconds of the run
+(``publish_running``, called by the daemon as it flushes the traces).
 
 Threads: the daemon's trio thread (it owns the Served records); opening a file is a short local write.
 """
@@ -25,7 +27,7 @@ import trio
 from dsec_fs.layer import LayerFiles
 
 from .blob_reader import LayerBlob
-from .profile_keeper import ProfileKeeper
+from .profile_keeper import ProfileKeeper, PublishedRun
 from .served_layers import Served
 from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter
 from .trace_holders import Label
@@ -68,6 +70,7 @@ class TraceSegments:
             self._end_segment(served)
             served.segments.append(served.trace_path)
             served.trace_path = ""
+            served.segment_run = PublishedRun()
         if label is not None:
             layer = served.layer
             served.trace_path, served.blob.trace = self.open(layer.files, mode, layer.blob, label)
@@ -77,18 +80,37 @@ class TraceSegments:
         """Close ``served``'s trace and have its profiles published: the layer's, from every segment; the
         combination's, from the last segment if it was one combination's."""
         self._end_segment(served)
+        self._publish_layer(served)
+
+    def publish_running(self, served: list[Served], publish_every: float) -> None:
+        """Publish, from what their traces hold so far, the profiles of the layers in ``served`` whose
+        live trace has gone on ``publish_every`` seconds since it began or last published (their writers
+        flushed: the daemon flushes every trace just before)."""
+        if self.profiles is None or publish_every <= 0:
+            return
+        now = time.monotonic()
+        for one in served:
+            if one.trace_path and now - one.run.last >= publish_every:
+                self._publish_layer(one)
+                self._publish_combination(one)
+
+    def _publish_layer(self, served: Served) -> None:
         segments = [*served.segments, served.trace_path] if served.trace_path else served.segments
         if self.profiles is not None and segments:
             layer = served.layer
             self.profiles.publish_soon(self._background(), layer.store.store, layer.files, layer.index,
-                                       segments, served.ref_name)
+                                       segments, served.ref_name, run=served.run)
 
-    def _end_segment(self, served: Served) -> None:
-        """Close the segment being written; if one combination's sandboxes alone held it, publish its
-        profile for that combination."""
-        served.close_trace()
+    def _publish_combination(self, served: Served) -> None:
+        """If one combination's sandboxes alone hold the segment being written, publish its profile (so
+        far) for that combination."""
         combination = served.label.combination if served.label is not None else ""
         if self.profiles is not None and served.trace_path and combination:
             layer = served.layer
             self.profiles.publish_soon(self._background(), layer.store.store, layer.files, layer.index,
-                                       [served.trace_path], None, combination=combination)
+                                       [served.trace_path], None, run=served.segment_run, combination=combination)
+
+    def _end_segment(self, served: Served) -> None:
+        """Close the segment being written, and publish it for its combination if it had one."""
+        served.close_trace()
+        self._publish_combination(served)

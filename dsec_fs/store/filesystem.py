@@ -10,6 +10,13 @@ skips the fsyncs on a local (file://) store. Temporary names start with ``.tmp-`
 keeps directories small. Directories are made 0700 and objects 0600 (DIR_MODE, FILE_MODE): another local
 user reads nothing.
 
+Every key is resolved beneath the store's root without following a symlink (``open_beneath``): a shared
+mount may have writers who are not this node's, and what one leaves at a key or at a directory of its
+path (a symlink out of the store or to /dev/zero, a FIFO nobody writes, a directory swapped for a
+symlink while a path is walked) must not make a reader block or read outside, a writer write outside,
+or gc and list walk or unlink outside. Such a thing at a key is a CorruptError "not an object" naming
+the key; ``list`` does not descend into it. The root itself is the operator's and may be a symlink.
+
 Threads: any thread may call any method; the only shared state is the root path. ``put_all`` writes in
 threads of its own and waits for them before it returns.
 """
@@ -33,6 +40,8 @@ TMP_PREFIX = ".tmp-"
 # operator's to set.)
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+# ELOOP: a symlink on the path; ENXIO: a socket; EXDEV: out of the root.
+_NOT_AN_OBJECT = (errno.ELOOP, errno.ENXIO, errno.EXDEV)
 
 
 def _unavailable(exc: OSError, key: str) -> UnavailableError:
@@ -41,24 +50,20 @@ def _unavailable(exc: OSError, key: str) -> UnavailableError:
     return UnavailableError(f"{os.strerror(exc.errno or 0)} ({exc.__class__.__name__})", where=key, transient=transient)
 
 
-def _remove(path: str) -> None:
+def _remove(dir_fd: int, name: str) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
 
 
-def _make_dirs(directory: str) -> None:
-    """os.makedirs with every directory it makes DIR_MODE (makedirs gives that to the last one only)."""
-    missing = []
-    while not os.path.isdir(directory):
-        missing.append(directory)
-        directory = os.path.dirname(directory)
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, DIR_MODE)
-        except FileExistsError:  # another writer made it meanwhile
-            pass
+def _store_error(exc: OSError, where: str) -> Exception:
+    """The store error for an OSError met resolving or reading a key."""
+    if isinstance(exc, FileNotFoundError):
+        return NotFoundError("no such object", where=where)
+    if exc.errno in _NOT_AN_OBJECT:
+        return CorruptError("not an object: a symlink on its path, or a socket", where=where)
+    return _unavailable(exc, where)
 
 
 class FilesystemStore(Store):
@@ -70,72 +75,87 @@ class FilesystemStore(Store):
         self.fsync = fsync
         if create:
             os.makedirs(os.path.dirname(self.root), exist_ok=True)  # the store's parents are not its own
-            _make_dirs(self.root)
+            if not os.path.isdir(self.root):
+                try:
+                    os.mkdir(self.root, DIR_MODE)
+                except FileExistsError:  # another process made it meanwhile
+                    pass
         elif not os.path.isdir(self.root):
             raise NotFoundError(f"no such store (create one with `dsecfs store init {self.url}`)", where=self.url)
 
-    def _path(self, key: str) -> str:
+    def _where(self, key: str) -> str:
+        return f"{self.url}/{key}"
+
+    def _parts(self, key: str) -> list[str]:
         check_key(key, self.url)
         parts = key.split("/")
         if any(p.startswith(TMP_PREFIX) for p in parts):
             raise InputError(f"store keys may not start with {TMP_PREFIX!r}: {key!r}", where=self.url)
-        return os.path.join(self.root, *parts)
+        return parts
 
-    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        check_range(key, offset, length)
-        path = self._path(key)
+    def _open(self, relpath: str, flags: int) -> int:
+        """``relpath`` (a key, or a directory of one; "" is the root) opened beneath the root; OSError."""
+        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if not relpath:
+            return root_fd
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                # An empty read past the end is a range past the end too (the same answer as S3's 416).
-                if not length and offset > size:
-                    raise CorruptError(f"offset {offset} is past the end", where=f"{self.url}/{key}")
-                # Refused before reading: the range may come from a corrupt pack index, and pread would
-                # allocate all of ``length`` (or overflow on an offset past 2**63) first.
-                if length and offset + length > size:
-                    raise CorruptError(f"range [{offset}, {offset + length}) runs past the end ({size})",
-                                       where=f"{self.url}/{key}")
-                if length is None:
-                    f.seek(offset)
-                    return f.read()
-                data = os.pread(f.fileno(), length, offset)
-        except FileNotFoundError:
-            raise NotFoundError("no such object", where=f"{self.url}/{key}") from None
-        except OSError as exc:
-            raise _unavailable(exc, f"{self.url}/{key}") from None
-        if len(data) != length:
-            raise CorruptError(
-                f"range [{offset}, {offset + length}) runs past the end ({offset + len(data)})",
-                where=f"{self.url}/{key}",
-            )
-        return data
+            return open_beneath(root_fd, os.fsencode(relpath), flags)
+        finally:
+            os.close(root_fd)
 
-    def get_at_most(self, key: str, limit: int) -> bytes:
-        where = f"{self.url}/{key}"
-        self._path(key)  # the key's checks
+    def _open_object(self, key: str) -> int:
+        """A blocking fd of the regular file at ``key``; store errors. Opened without blocking, so a FIFO
+        at the key is refused instead of waited on."""
+        where = self._where(key)
+        self._parts(key)
         try:
-            # Neither followed nor waited on: what a hostile writer leaves at the key, or at a directory of
-            # its path, instead of an object (a symlink to /dev/zero or out of the store, a FIFO nobody
-            # writes) is refused at once. The store's root is the operator's, and may be a symlink.
-            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                fd = open_beneath(root_fd, os.fsencode(key), os.O_RDONLY | os.O_NONBLOCK)
-            finally:
-                os.close(root_fd)
-        except FileNotFoundError:
-            raise NotFoundError("no such object", where=where) from None
+            fd = self._open(key, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EXDEV):  # a symlink; a socket; out of the root
-                raise CorruptError("not an object: a symlink on its path, or a socket", where=where) from None
-            raise _unavailable(exc, where) from None
+            raise _store_error(exc, where) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptError(f"not an object: not a regular file (mode {st.st_mode:o})", where=where)
-            if st.st_size > limit:
-                raise too_large(where, st.st_size, limit)
-            os.set_blocking(fd, True)  # a regular file: read blocking, as ``get`` reads (a network file system may
-            # honour O_NONBLOCK on reads)
+            os.set_blocking(fd, True)  # read blocking, as a network file system may honour O_NONBLOCK
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, OSError):
+                raise _unavailable(exc, where) from None
+            raise
+        return fd
+
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        check_range(key, offset, length)
+        where = self._where(key)
+        fd = self._open_object(key)
+        try:
+            size = os.fstat(fd).st_size
+            # An empty read past the end is a range past the end too (the same answer as S3's 416).
+            if not length and offset > size:
+                raise CorruptError(f"offset {offset} is past the end", where=where)
+            # Refused before reading: the range may come from a corrupt pack index, and pread would
+            # allocate all of ``length`` (or overflow on an offset past 2**63) first.
+            if length and offset + length > size:
+                raise CorruptError(f"range [{offset}, {offset + length}) runs past the end ({size})", where=where)
+            if length is None:
+                length = size - offset
+            data = os.pread(fd, length, offset) if length else b""
+        except OSError as exc:
+            raise _unavailable(exc, where) from None
+        finally:
+            os.close(fd)
+        if len(data) != length:
+            raise CorruptError(f"range [{offset}, {offset + length}) runs past the end ({offset + len(data)})",
+                               where=where)
+        return data
+
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        where = self._where(key)
+        fd = self._open_object(key)
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise too_large(where, size, limit)
             data = os.pread(fd, limit + 1, 0) if limit else b""
         except OSError as exc:
             raise _unavailable(exc, where) from None
@@ -145,19 +165,51 @@ class FilesystemStore(Store):
             raise too_large(where, f"more than {limit}", limit)
         return data
 
+    def _directory(self, parts: list[str], where: str) -> int:
+        """An fd of the directory of parts[:-1] beneath the root, made (DIR_MODE) where missing."""
+        relpath = "/".join(parts[:-1])
+        try:
+            return self._open(relpath, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _store_error(exc, where) from None
+        fd = self._open("", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in parts[:-1]:
+                try:
+                    os.mkdir(part, DIR_MODE, dir_fd=fd)
+                except FileExistsError:  # there already, or another writer made it meanwhile
+                    pass
+                below = open_beneath(fd, os.fsencode(part), os.O_RDONLY | os.O_DIRECTORY)
+                os.close(fd)
+                fd = below
+        except OSError as exc:
+            os.close(fd)
+            raise _store_error(exc, where) from None
+        return fd
+
     def put(self, key: str, data: bytes | memoryview) -> None:
-        path = self._path(key)
-        self._rename(self._write_temp(path, data, key, sync=self.fsync), path, key)
-        if self.fsync:
-            self._sync_directory(os.path.dirname(path))
+        parts = self._parts(key)
+        dir_fd = self._directory(parts, self._where(key))
+        try:
+            self._put_in(dir_fd, parts[-1], data, key, sync=self.fsync)
+            if self.fsync:
+                self._sync_directory(dir_fd, "/".join(parts[:-1]))
+        finally:
+            os.close(dir_fd)
 
     def put_ephemeral(self, key: str, data: bytes | memoryview) -> None:
         """``put`` without fsyncs on a file:// store, whose disk and writer share a crash; on posix:// (a
         mount another host may serve) as ``put``. A crash may leave such an object torn or empty."""
         if self.scheme != "file":
             return self.put(key, data)
-        path = self._path(key)
-        self._rename(self._write_temp(path, data, key, sync=False), path, key)
+        parts = self._parts(key)
+        dir_fd = self._directory(parts, self._where(key))
+        try:
+            self._put_in(dir_fd, parts[-1], data, key, sync=False)
+        finally:
+            os.close(dir_fd)
 
     def put_all(self, objects: Iterable[tuple[str, bytes | memoryview]], last: tuple[str, bytes | memoryview]) -> None:
         """Store.put_all with fewer fsyncs on the path to ``last``: each object is written to a temporary
@@ -166,43 +218,55 @@ class FilesystemStore(Store):
         once, then ``last`` is renamed into place and its directory fsynced: a crash leaves ``last``
         without its objects at no point. If anything fails, ``last``'s temporary file is removed."""
         last_key, last_data = last
-        last_path = self._path(last_key)
+        last_parts = self._parts(last_key)
+        directories: dict[str, list[str]] = {}  # each objects' directory: the parts of a key in it
+        last_fd = self._directory(last_parts, self._where(last_key))
         last_tmp = None
-        directories = set()
         try:
             with ThreadPoolExecutor(max_workers=PUT_ALL_THREADS, thread_name_prefix="put-all") as pool:
                 puts = []
                 for key, data in objects:
-                    path = self._path(key)
-                    directories.add(os.path.dirname(path))
-                    puts.append(pool.submit(self._put_unsynced_directory, key, path, data))
-                last_tmp = self._write_temp(last_path, last_data, last_key, sync=self.fsync)
+                    parts = self._parts(key)
+                    directories.setdefault("/".join(parts[:-1]), parts)
+                    puts.append(pool.submit(self._put_unsynced_directory, key, parts, data))
+                last_tmp = self._write_temp(last_fd, last_data, last_key, sync=self.fsync)
                 for put in puts:
                     put.result()
             if self.fsync:
-                for directory in sorted(directories):
-                    self._sync_directory(directory)
-            self._rename(last_tmp, last_path, last_key)
+                for directory, parts in sorted(directories.items()):
+                    dir_fd = self._directory(parts, f"{self.url}/{directory}")
+                    try:
+                        self._sync_directory(dir_fd, directory)
+                    finally:
+                        os.close(dir_fd)
+            self._rename(last_fd, last_tmp, last_parts[-1], last_key)
             last_tmp = None
+            if self.fsync:
+                self._sync_directory(last_fd, "/".join(last_parts[:-1]))
         finally:
             if last_tmp is not None:
-                _remove(last_tmp)
-        if self.fsync:
-            self._sync_directory(os.path.dirname(last_path))
+                _remove(last_fd, last_tmp)
+            os.close(last_fd)
 
-    def _put_unsynced_directory(self, key: str, path: str, data: bytes | memoryview) -> None:
+    def _put_unsynced_directory(self, key: str, parts: list[str], data: bytes | memoryview) -> None:
         """``put``, but for the fsync of the directory (put_all makes one for all its objects)."""
-        self._rename(self._write_temp(path, data, key, sync=self.fsync), path, key)
-
-    def _write_temp(self, path: str, data: bytes | memoryview, key: str, *, sync: bool) -> str:
-        """A new temporary file beside ``path`` (directories made as needed) holding ``data``, fsynced if
-        ``sync``; its path. Nothing is left behind on failure (UnavailableError naming ``key``). Every
-        object is written here, whichever put wrote it: a test's fault or count goes here."""
-        directory = os.path.dirname(path)
-        tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
+        dir_fd = self._directory(parts, self._where(key))
         try:
-            _make_dirs(directory)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            self._put_in(dir_fd, parts[-1], data, key, sync=self.fsync)
+        finally:
+            os.close(dir_fd)
+
+    def _put_in(self, dir_fd: int, name: str, data: bytes | memoryview, key: str, *, sync: bool) -> None:
+        """Write ``data`` to a temporary file in the directory ``dir_fd`` and rename it to ``name``."""
+        self._rename(dir_fd, self._write_temp(dir_fd, data, key, sync=sync), name, key)
+
+    def _write_temp(self, dir_fd: int, data: bytes | memoryview, key: str, *, sync: bool) -> str:
+        """A new temporary file in the directory ``dir_fd`` holding ``data``, fsynced if ``sync``; its name.
+        Nothing is left behind on failure (UnavailableError naming ``key``). Every object is written here,
+        whichever put wrote it: a test's fault or count goes here."""
+        tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
             try:
                 view = memoryview(data)
                 while view:
@@ -212,31 +276,36 @@ class FilesystemStore(Store):
             finally:
                 os.close(fd)
         except OSError as exc:
-            _remove(tmp)
-            raise _unavailable(exc, f"{self.url}/{key}") from None
+            _remove(dir_fd, tmp)
+            raise _unavailable(exc, self._where(key)) from None
         return tmp
 
-    def _rename(self, tmp: str, path: str, key: str) -> None:
-        """Move the temporary file ``tmp`` to ``path``: the object appears whole (removed on failure)."""
+    def _rename(self, dir_fd: int, tmp: str, name: str, key: str) -> None:
+        """Move the temporary file ``tmp`` to ``name`` in ``dir_fd``: the object appears whole (``tmp`` is
+        removed on failure). Replaces whatever is at the name, a symlink or a FIFO a hostile writer left
+        included."""
         try:
-            os.rename(tmp, path)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except OSError as exc:
-            _remove(tmp)
-            raise _unavailable(exc, f"{self.url}/{key}") from None
+            _remove(dir_fd, tmp)
+            if exc.errno == errno.EISDIR:  # a directory at the key
+                raise CorruptError("not an object: a directory", where=self._where(key)) from None
+            raise _unavailable(exc, self._where(key)) from None
 
-    def _sync_directory(self, directory: str) -> None:
-        """fsync ``directory``: the names renamed into it survive a crash."""
+    def _sync_directory(self, dir_fd: int, directory: str) -> None:
+        """fsync the directory ``dir_fd`` (``directory`` beneath the root): the names renamed into it
+        survive a crash."""
         try:
-            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            os.fsync(dir_fd)
         except OSError as exc:
-            raise _unavailable(exc, directory) from None
+            raise _unavailable(exc, f"{self.url}/{directory}") from None
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
+        try:
+            self._stat(key)
+        except (NotFoundError, CorruptError):
+            return False
+        return True
 
     def size(self, key: str) -> int:
         return self._stat(key).st_size
@@ -245,35 +314,65 @@ class FilesystemStore(Store):
         return self._stat(key).st_mtime
 
     def _stat(self, key: str) -> os.stat_result:
+        where = self._where(key)
+        self._parts(key)
         try:
-            return os.stat(self._path(key))
-        except FileNotFoundError:
-            raise NotFoundError("no such object", where=f"{self.url}/{key}") from None
+            fd = self._open(key, os.O_PATH)
         except OSError as exc:
-            raise _unavailable(exc, f"{self.url}/{key}") from None
+            raise _store_error(exc, where) from None
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            if stat.S_ISDIR(st.st_mode):
+                raise NotFoundError("no such object (a directory)", where=where)
+            raise CorruptError(f"not an object: not a regular file (mode {st.st_mode:o})", where=where)
+        return st
 
     def list(self, prefix: str) -> Iterator[str]:
-        # Walk only the directory that can hold the prefix, then filter by the full prefix.
+        # Walk only the directory that can hold the prefix, then filter by the full prefix. A symlink in
+        # place of that directory, or of one below it, is not the store's: not walked.
         base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        top = os.path.join(self.root, *base_dir.split("/")) if base_dir else self.root
-        for dirpath, dirnames, filenames in os.walk(top):
-            dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
-            rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-            for name in filenames:
-                if name.startswith(TMP_PREFIX):
-                    continue
-                key = rel + name
-                if key.startswith(prefix):
-                    yield key
+        try:
+            top_fd = self._open(base_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            if exc.errno in _NOT_AN_OBJECT:
+                return
+            raise _unavailable(exc, self._where(prefix)) from None
+        try:
+            base_parts = base_dir.split("/") if base_dir else []
+            for dirpath, dirnames, filenames, _dir_fd in os.fwalk(".", dir_fd=top_fd):
+                dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
+                rel = "/".join([*base_parts, *dirpath.split("/")[1:], ""])  # fwalk's dirpath: ".", "./a", ...
+                for name in filenames:
+                    if name.startswith(TMP_PREFIX):
+                        continue
+                    key = rel + name
+                    if key.startswith(prefix):
+                        yield key
+        finally:
+            os.close(top_fd)
 
     def delete(self, key: str) -> None:
+        parts = self._parts(key)
+        where = self._where(key)
         try:
-            os.unlink(self._path(key))
+            dir_fd = self._open("/".join(parts[:-1]), os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            raise _store_error(exc, where) from None
+        try:
+            os.unlink(parts[-1], dir_fd=dir_fd)  # a symlink at the key is removed, never followed
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise _unavailable(exc, f"{self.url}/{key}") from None
+            raise _unavailable(exc, where) from None
+        finally:
+            os.close(dir_fd)
 
     def temp_files(self) -> Iterator[tuple[str, float]]:
         """(path, mtime) of temporary files left by interrupted writes, for gc to remove."""

@@ -221,8 +221,10 @@ class S3Store(Store):
             # A range one byte past the limit: S3 answers what there is, and its Content-Range the size.
             answer = self._client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes=0-{limit}")
             with contextlib.closing(answer["Body"]) as body:
+                # An endpoint may send neither (a chunked answer): then the bounded read below decides.
                 size = answer.get("ContentRange", "").rpartition("/")[2]
-                if (int(size) if size.isdigit() else answer["ContentLength"]) > limit:
+                size = int(size) if size.isdigit() else answer.get("ContentLength")
+                if size is not None and size > limit:
                     raise too_large(self._where(key), size, limit)
                 return body.read(limit + 1)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 
@@ -140,3 +141,23 @@ def test_sandbox_exec_without_double_dash_reaches_the_daemon(tmp_path):
     assert result.exit_code == 5 and "no daemon answers" in result.stderr
     dashed = dsecfs("sandbox", "exec", "--socket", str(tmp_path / "none.sock"), "sb1", "-la")
     assert dashed.exit_code == 2 and "No such option" in dashed.stderr  # ambiguous: needs --
+
+
+def test_commands_of_other_modules_are_loaded_by_name_and_a_build_does_not_import_the_daemon_client(tmp_path):
+    """cli.main's LazyCommands: each lazily loaded command is the one its name says, and the command line
+    of a build imports neither the daemon's client nor the sandbox commands, nor the API types (its JSON is
+    dicts) or the registry client (a fresh interpreter)."""
+    for name in main.commands:
+        assert main.commands[name].name == name
+    source = write_files(tmp_path / "src", {"f": b"x"})
+    probe = ("import sys; from cli.main import main\n"
+             "try: main(sys.argv[1:])\n"
+             "except SystemExit: pass\n"
+             "print(sorted(m for m in ('dsec_fs.client', 'cli.daemon_cmds', 'cli.sandbox_cmds', 'cli.trace_cmds',"
+             " 'dsec_fs.api', 'erofs_builder.registry')"
+             " if m in sys.modules))")
+    build_line = ["build", str(source), "--store", str(tmp_path / "store"), "--json"]
+    out = subprocess.run([sys.executable, "-c", probe, *build_line], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    out = subprocess.run([sys.executable, "-c", probe, "status", "--help"], capture_output=True, text=True, check=True)
+    assert "'cli.daemon_cmds'" in out.stdout.strip().splitlines()[-1]

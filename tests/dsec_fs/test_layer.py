@@ -56,16 +56,16 @@ class RecordingStore(FilesystemStore):
         self.events: list[tuple[str, str]] = []
         self._events_lock = threading.Lock()
 
-    def _rename(self, tmp, path, key):
-        super()._rename(tmp, path, key)
+    def _rename(self, dir_fd, tmp, name, key):
+        super()._rename(dir_fd, tmp, name, key)
         with self._events_lock:
             self.put_keys.append(key)
             self.events.append(("rename", key))
 
-    def _sync_directory(self, directory):
-        super()._sync_directory(directory)
+    def _sync_directory(self, dir_fd, directory):
+        super()._sync_directory(dir_fd, directory)
         with self._events_lock:
-            self.events.append(("sync", os.path.relpath(directory, self.root)))
+            self.events.append(("sync", directory))
 
 
 @pytest.fixture
@@ -202,10 +202,10 @@ class MeetingWritesStore(RecordingStore):
         super().__init__(root)
         self.barrier = threading.Barrier(3, timeout=5)
 
-    def _write_temp(self, path, data, key, *, sync):
+    def _write_temp(self, dir_fd, data, key, *, sync):
         if key in (keys.layer_meta(LAYER), keys.layer_blobmap(LAYER), keys.layer_buildinfo(LAYER)):
             self.barrier.wait()
-        return super()._write_temp(path, data, key, sync=sync)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
 
 def test_publish_writes_meta_blob_map_and_what_also_makes_side_by_side_before_the_manifest(tmp_path):
@@ -234,10 +234,10 @@ class OutageStore(FilesystemStore):
         super().__init__(root, fsync=False)
         self.failing = failing
 
-    def _write_temp(self, path, data, key, *, sync):
+    def _write_temp(self, dir_fd, data, key, *, sync):
         if key.endswith(self.failing):
             raise UnavailableError("injected outage", where=key)
-        return super()._write_temp(path, data, key, sync=sync)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
 
 @pytest.mark.parametrize("failing", ["/manifest.json", "/blobmap"])

@@ -105,10 +105,10 @@ class FailingStore(FilesystemStore):
 
     fail_on = "manifest.json"
 
-    def _write_temp(self, path, data, key, *, sync):  # every write of an object, however it was put
+    def _write_temp(self, dir_fd, data, key, *, sync):  # every write of an object, however it was put
         if self.fail_on in key:
             raise UnavailableError("injected outage", where=key)
-        return super()._write_temp(path, data, key, sync=sync)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
 
 @pytest.mark.parametrize("fail_on", ["packs/", "index/", "meta.erofs", "buildinfo", "manifest.json"])

@@ -111,10 +111,10 @@ class OutageStore(FilesystemStore):
 
     failing: str | None = None
 
-    def _write_temp(self, path, data, key, *, sync):
+    def _write_temp(self, dir_fd, data, key, *, sync):
         if self.failing is not None and self.failing in key:
             raise UnavailableError("injected outage", where=key)
-        return super()._write_temp(path, data, key, sync=sync)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
 
 @pytest.mark.parametrize("failing", ["/meta.erofs", "/blobmap", "/buildinfo", "/manifest.json", "leases/"])

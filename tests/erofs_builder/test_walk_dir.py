@@ -233,6 +233,32 @@ def test_a_file_replaced_by_a_symlink_is_not_followed(tmp_path):
     assert info.value.where == str(tmp_path / "f")
 
 
+def test_a_directory_replaced_by_a_symlink_to_itself_is_not_followed(tmp_path):
+    """The file's inode is the walk's, but reaching it now takes a symlink: the read refuses it (the
+    directory is opened beneath the root without following symlinks, then the file by its name)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "f").write_bytes(b"content")
+    (tmp_path / "g").write_bytes(b"other")
+    tree = walk_directory(tmp_path)
+    assert list(tree.lookup(b"g").reader(CHUNK)) == [b"other"]
+    (tmp_path / "sub").rename(tmp_path / "moved")
+    (tmp_path / "sub").symlink_to("moved")
+    with pytest.raises(InputError, match="symbolic links") as info:
+        list(tree.lookup(b"sub/f").reader(CHUNK))
+    assert info.value.where == str(tmp_path / "sub" / "f")
+
+
+def test_files_of_several_directories_read_in_any_order(tmp_path):
+    """Readers keep the fd of the directory last read: going back to an earlier directory reopens it."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for i in range(3):
+            (tmp_path / name / f"f{i}").write_bytes(f"{name}{i}".encode() * 100)
+    tree = walk_directory(tmp_path)
+    for path in (b"a/f0", b"b/f0", b"a/f1", b"a/f2", b"b/f2", b"b/f1"):
+        assert list(tree.lookup(path).reader(CHUNK)) == [path.replace(b"/f", b"") * 100]
+
+
 # Root reads everything, so unreadable entries are made real by a child process whose capability bounding
 # set lacks CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH: for it, mode 000 means what it says.
 UNPRIVILEGED_WALK = textwrap.dedent("""

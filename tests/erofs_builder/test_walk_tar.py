@@ -22,7 +22,7 @@ import zstandard
 
 from dsec_fs.errors import InputError, UnsupportedError
 from erofs_builder.tree import Tree
-from erofs_builder.walk_tar import MemberError, TarLimits, tar_nodes, walk_tar
+from erofs_builder.walk_tar import MemberError, TarLimits, _TarStream, header_sum, tar_nodes, walk_tar
 
 CHUNK = 4096
 MTIME_NS = 1_700_000_000_123_456_789
@@ -592,6 +592,42 @@ def test_bad_header_checksum_is_fatal():
         with pytest.raises(InputError, match="checksum") as exc:
             walk(bytes(data), lenient=lenient)
         assert "offset 1536" in str(exc.value)
+
+
+def test_header_sum_is_the_byte_sum_with_the_checksum_field_as_spaces():
+    blocks = [bytes(512), b"\xff" * 512, *(random.Random(seed).randbytes(512) for seed in range(200)),
+              raw_member(info("a", size=3), b"abc")[:512]]
+    for block in blocks:
+        assert header_sum(block) == sum(block[:148]) + 8 * 32 + sum(block[156:])
+
+
+@pytest.mark.parametrize("field, mode", [
+    (b"0000644\0", 0o644), (b"644\0\0\0\0\0", 0o644), (b"644     ", 0o644), (b" 644   \0", 0o644),
+    (b"\0" * 8, 0), (b" " * 8, 0), (b"644\0junk", 0o644), (b"000755 \0", 0o755),
+])  # fmt: skip
+def test_octal_fields_padded_every_way(field, mode):
+    """The header's numbers as any writer pads them: what the fast path and the general rules both read."""
+    block = patched(raw_member(info("f", size=1), b"x")[:512], 100, field)
+    tree, _ = walk(block + b"x" + bytes(511) + END)
+    assert stat.S_IMODE(tree.lookup(b"f").mode) == mode
+
+
+@pytest.mark.parametrize("field", [b"64 4\0\0\0\0", b"0000648\0", b"+644\0\0\0\0", b"6_44\0\0\0\0", b"-644\0\0\0\0"])
+def test_octal_fields_that_are_not_octal(field):
+    block = patched(raw_member(info("f", size=1), b"x")[:512], 100, field)
+    with pytest.raises(InputError, match="not an octal number"):
+        walk(block + b"x" + bytes(511) + END)
+
+
+def test_only_file_pieces_of_zeros_are_exempt_from_the_expansion_limit():
+    """Zero padding, zero header blocks and other reads count towards the expansion limit; only whole file
+    pieces of zeros (what the build stores as holes) do not."""
+    stream = _TarStream(io.BytesIO(bytes(4096)), None, "t", TarLimits())
+    stream.read(512, "a header", "t")
+    stream.skip(1024, "padding", "t")
+    assert stream.zero_bytes == 0
+    stream.read(2048, "a piece", "t", piece=True)
+    assert stream.zero_bytes == 2048 and stream.offset == 3584
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -4,6 +4,7 @@ reader of one file fetches that file's chunks only, and a reader of a big file i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from array import array
@@ -36,9 +37,10 @@ def _chunks(*entries, length=CHUNK):
     return [BlobChunk(e, e.to_bytes(32, "big"), e * length, length) for e in entries]
 
 
-def _planner(files, lengths, max_window=4 * CHUNK, directories=None):
+def _planner(files, lengths, max_window=4 * CHUNK, directories=None, small_files=True):
     """A planner over ``files`` (their blob entries); ``directories``: each file's directory number
-    (default: each file a directory of its own)."""
+    (default: each file a directory of its own); ``small_files``: every file counts as a small one of its
+    directory (else none does)."""
     planner = MissReadahead(_Blob(lengths), max_window)
     owner = array("i", [-1]) * len(lengths)
     for number, entries in enumerate(files):
@@ -47,7 +49,8 @@ def _planner(files, lengths, max_window=4 * CHUNK, directories=None):
     directories = directories or list(range(len(files)))
     small = [[] for _ in range(max(directories) + 1)]
     for number, parent in enumerate(directories):
-        small[parent].append(number)
+        if small_files:
+            small[parent].append(number)
     planner.ready(FileChunks(owner, [tuple(f) for f in files], array("i", directories), small))
     return planner
 
@@ -123,6 +126,23 @@ def test_a_walk_of_small_files_names_at_most_twice_what_it_has_read():
     assert named[39] > WINDOW_START // small  # and grows as the walk goes on
 
 
+def test_a_walk_names_nothing_past_its_directory_until_it_walks_on_into_the_next():
+    """An import reads files of a package's __pycache__ one after another; the build laid the package's
+    sources and the next directories out after them, which such a reader seldom reads. A walk's window
+    ends with the directory until the walk itself goes on into the next directory (a tree walk): then it
+    runs across directories. A jump ends the walk, and the next walk starts inside its directory again."""
+    files = [[i] for i in range(12)]  # 12 files of one chunk side by side: 3 directories of 4 files
+    planner = _planner(files, [CHUNK] * 12, max_window=8 * CHUNK, directories=[i // 4 for i in range(12)],
+                       small_files=False)
+    assert planner.plan(_chunks(0)) == []
+    assert _locations(planner.plan(_chunks(1))) == [2, 3]  # a walk: its window stops at the directory's end
+    assert _locations(planner.plan(_chunks(2))) == [3]
+    assert planner.plan(_chunks(3)) == []
+    assert _locations(planner.plan(_chunks(4))) == list(range(5, 12))  # into directory 1: across directories
+    assert planner.plan(_chunks(0)) == []  # a jump
+    assert _locations(planner.plan(_chunks(1))) == [2, 3]
+
+
 def test_the_second_file_read_of_a_directory_names_its_other_small_files_nearest_first():
     # directory 0: files 0, 1, 2, 3 (entries 0..3); directory 1: file 4 (entry 4), file 5 far away (9)
     planner = _planner([[0], [1], [2], [3], [4], [9]], [CHUNK] * 10, directories=[0, 0, 0, 0, 1, 1])
@@ -133,6 +153,22 @@ def test_the_second_file_read_of_a_directory_names_its_other_small_files_nearest
     assert planner.plan(_chunks(3)) == []  # the directory was named already (and 3 is no walk from 0)
 
 
+@contextlib.contextmanager
+def _unfilled_mount(tmp_path, store_dir, ref, mode):
+    """A daemon with fill none and no profiles, ``ref`` of ``store_dir`` mounted in ``mode`` with its file
+    map ready: yields (node, mountpoint, mount info); unmounted and stopped after."""
+    daemons = Daemons(tmp_path)
+    try:
+        node = daemons.start(store_dir, extra_args=["--fill", "none", "--no-profiles"]).node
+        mnt, = mount_dirs(tmp_path, "mnt")
+        info = node.mount(ref, mnt, mode=mode)
+        wait_for(lambda: node.status().layers[0].miss_readahead == "ready", "the file map")
+        yield node, mnt, info
+        node.umount(mnt)
+    finally:
+        daemons.stop_all()
+
+
 @pytest.mark.fuse
 @pytest.mark.root
 @pytest.mark.parametrize("mode", ["kernel", "fuse"])
@@ -141,12 +177,7 @@ def test_pages_of_a_big_file_read_in_places_fetch_their_chunks_not_the_file(tmp_
     kernel readahead: POSIX_FADV_RANDOM), fetch the first read's window and the two chunks read."""
     size = 16 << 20
     store_dir = layer_store(tmp_path, {"lib/big.so": rng.randbytes(size)}, "t/big:1", CHUNK)
-    daemons = Daemons(tmp_path)
-    try:
-        node = daemons.start(store_dir, extra_args=["--fill", "none", "--no-profiles"]).node
-        mnt, = mount_dirs(tmp_path, "mnt")
-        info = node.mount("t/big:1", mnt, mode=mode)
-        wait_for(lambda: node.status().layers[0].miss_readahead == "ready", "the file map")
+    with _unfilled_mount(tmp_path, store_dir, "t/big:1", mode) as (node, mnt, info):
         data = open(os.path.join(store_dir, "..", "src", "lib", "big.so"), "rb").read()
         fd = os.open(os.path.join(mnt, "lib/big.so"), os.O_RDONLY)
         try:
@@ -156,9 +187,6 @@ def test_pages_of_a_big_file_read_in_places_fetch_their_chunks_not_the_file(tmp_
         finally:
             os.close(fd)
         fetched = layer_metric(node, "dsecfs_fetch_chunks_total", info.layer)
-        node.umount(mnt)
-    finally:
-        daemons.stop_all()
     assert mounts_below(tmp_path) == []
     assert 3 <= fetched <= 1 + FILE_START // CHUNK + 2, f"{fetched} chunks of {size // CHUNK} fetched"
 
@@ -203,3 +231,20 @@ def test_one_file_fetches_its_chunks_only_and_a_walk_fewer_requests(store_dir, t
     finally:
         daemons.stop_all()
     assert mounts_below(tmp_path) == []
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+@pytest.mark.parametrize("mode", ["kernel", "fuse"])
+def test_an_import_of_a_package_fetches_none_of_its_sources(tmp_path, mode, mounts_below):
+    """fill none, no profile: reading a package's compiled modules one after another in blob order (a
+    walk of pkg/__pycache__) fetches those modules and not the sources the build laid out after them."""
+    modules = {f"pkg/__pycache__/m{i}.cpython-311.pyc": rng.randbytes(20_000 + 100 * i) for i in range(8)}
+    sources = {f"pkg/m{i}.py": rng.randbytes(20_000 + 100 * i) for i in range(8)}
+    store_dir = layer_store(tmp_path, {**modules, **sources}, "t/pkg:1", CHUNK)
+    with _unfilled_mount(tmp_path, store_dir, "t/pkg:1", mode) as (node, mnt, info):
+        for path in sorted(modules):
+            assert _read(os.path.join(mnt, path)) == modules[path]
+        fetched = layer_metric(node, "dsecfs_fetch_chunks_total", info.layer)
+    assert mounts_below(tmp_path) == []
+    assert fetched == len(modules), f"{fetched} chunks fetched for {len(modules)} modules of one chunk each"
