@@ -46,6 +46,11 @@ Series, each start with an empty node cache (a fresh daemon, a new cache directo
 - ``first-ever, fill none``: first-ever again (profiles removed) with fill ``none``: what the command
   itself makes the node fetch (the bytes goal).
 
+And with every pull, the command alone in the pulled tree (through runc, as the pull ran it; not part
+of the pull's seconds): ``command alone, page cache warm`` right after the pull's own run, the floor
+under any start, which the goal of 0.20x the pull is to be read against; ``command alone, page cache
+dropped`` after a drop, the floor of a start with every byte on the node's disk (``warm``'s).
+
 A drop of the page cache that cannot finish within DROP_PATIENCE (its sync hangs behind another process's
 stuck mount) is given up on, and the report counts those starts.
 
@@ -96,6 +101,8 @@ CHANGED_MODULE = {"numpy": "pandas/__init__.py", "boto3": "botocore/__init__.py"
 SERIES = ("first-ever", "same node", "other node", "repeat (idle mounts)", "warm", "new release",
           "first-ever, fill none")
 PULL_RANGE = 32 << 20
+COMMAND_WARM = "command alone, page cache warm"  # in the pulled tree, right after the pull's own run
+COMMAND_DROPPED = "command alone, page cache dropped"
 ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
        "HOME": "/root", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": "/opt/toolkit"}
 GOAL_FIRST = 1.0
@@ -188,7 +195,10 @@ def _layer(store: FilesystemStore, tree: str, ref: str, chunk_size: int) -> dict
     return {"ref": ref, "digest": layer.digest, "tar": tar_key, "chunk_bytes": int(layer.manifest.stats.get("bytes", 0))}
 
 
-def pull(info: dict, toolkit: dict, command: str, store_name: str, dest: str) -> float:
+def pull(info: dict, toolkit: dict, command: str, store_name: str, dest: str) -> dict:
+    """The pull's seconds, then the command alone in the pulled tree: once more right after (its page cache
+    warm: the floor of any start) and once after a drop of the page cache (what a start that has every
+    byte on the node's disk needs)."""
     latency, bandwidth = STORES[store_name]
     os.makedirs(dest)
     try:
@@ -206,12 +216,22 @@ def pull(info: dict, toolkit: dict, command: str, store_name: str, dest: str) ->
                 tar.stdin.close()
                 if tar.wait() != 0:
                     raise SystemExit("tar -x failed")
-        result = run_in_rootfs(dest, ["python3", "-c", command], runtime="runc", env=ENV)
-        if result.exit_code != 0:
-            raise SystemExit(f"the command failed after the pull: {result.stderr.decode(errors='replace')[-2000:]}")
-        return time.perf_counter() - start
+        run_command(dest, command)
+        seconds = time.perf_counter() - start
+        warm = run_command(dest, command)
+        drop_page_cache()
+        return {"seconds": seconds, COMMAND_WARM: warm, COMMAND_DROPPED: run_command(dest, command)}
     finally:
         shutil.rmtree(dest)
+
+
+def run_command(rootfs: str, command: str) -> float:
+    """The seconds of the first command in the pulled tree, through runc as a sandbox runs it."""
+    start = time.perf_counter()
+    result = run_in_rootfs(rootfs, ["python3", "-c", command], runtime="runc", env=ENV)
+    if result.exit_code != 0:
+        raise SystemExit(f"the command failed after the pull: {result.stderr.decode(errors='replace')[-2000:]}")
+    return time.perf_counter() - start
 
 
 class Node_:
@@ -409,8 +429,13 @@ def main() -> None:
 
 
 def _row(workload: str, store_name: str, variant: str, rounds: list[dict], baseline: dict | None = None) -> dict:
-    pull_s = statistics.median(r["pull"] for r in rounds)
+    pull_s = statistics.median(r["pull"]["seconds"] for r in rounds)
     row = {"workload": workload, "store": store_name, "variant": variant, "pull_s": pull_s}
+    for alone in (COMMAND_WARM, COMMAND_DROPPED):
+        seconds = statistics.median(r["pull"][alone] for r in rounds)
+        row[alone] = {"seconds": seconds, "ratio": seconds / pull_s}
+        log(f"{workload} {store_name} {variant} {alone}: {seconds:.2f} s ({seconds / pull_s:.2f}x the pull's "
+            f"{pull_s:.2f} s)")
     for series in SERIES:
         if series not in rounds[0]:
             continue

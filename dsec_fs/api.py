@@ -196,7 +196,9 @@ class LayerStatus(_Response):
     prefetched_read_bytes: int = 0  # prefetched, then read
     prefetched_unread_bytes: int = 0  # prefetched, never read (so far)
     read_not_prefetched_bytes: int = 0  # read, never prefetched
-    miss_readahead: str = ""  # "" (off, or not mounted), "pending" (its file map is being built), "ready"
+    # "" (off, or not mounted), "deferred" (its file map waits for the layer's first read that waits for
+    # the store: the node holds some of its chunks), "pending" (the map is being built), "ready"
+    miss_readahead: str = ""
 
 
 class PrefetchInfo(_Response):

@@ -263,13 +263,15 @@ class LayerMounter:
 
     def save_session_state(self, **changes) -> None:
         """raw binding: update ``session_state`` with ``changes`` and the session's inode numbers, and
-        write it to SESSION_FILE (atomically, synced: a daemon that dies right after must leave it whole).
+        write it to SESSION_FILE (atomically: a daemon that dies right after must leave it whole). Not
+        synced: only a daemon taking the session over from its holder process reads it, on the same boot
+        (a machine crash ends the holder and the session with it), and the page cache outlives the daemon.
         Small, and written once per new blob or layer, so it is written in the trio thread."""
         if self.session_state is None:
             return
         self.session_state.update(changes, numbers=self.session.numbers())
         write_atomic(os.path.join(self.state_dir, SESSION_FILE),
-                          json.dumps(self.session_state, indent=1).encode(), sync=True)
+                     json.dumps(self.session_state, indent=1).encode(), sync=False)
 
     async def close(self) -> None:
         """Unmount every layer (lazily where busy), newest first; the FUSE session is the caller's to end.

@@ -1,14 +1,18 @@
 """The node daemon's mounts: the live table and its persisted copy, ``state_dir/mounts.json``.
 
-The file lists the live mounts, rewritten (atomically, synced) after each mount and unmount, and before
-each mount with the mount being made (``mounting``), so a daemon killed between mount(2) and the update
-still leaves the mountpoint listed and the next daemon detaches it. The next daemon reads it to adopt
+The file lists the live mounts, rewritten (atomically) after each mount and unmount, and before each
+mount with the mount being made (``mounting``), so a daemon killed between mount(2) and the update still
+leaves the mountpoint listed and the next daemon detaches it. Not synced: the file describes mounts, and
+none outlives the machine's crash or power loss that an fsync guards against, while against the death of
+the daemon (SIGKILL, a crash of its own), which is what the table is for, a rename is atomic without one
+(the page cache outlives the process). A table left torn by a machine crash is read as empty, with a
+warning (``read_left``), which is right then: nothing it listed is mounted any more. The next daemon reads it to adopt
 the mounts a dead daemon left alive (raw binding) and to detach the others (``is_ours`` says whether
 what is mounted at a listed mountpoint is still ours, read from /proc/self/mountinfo alone: nothing here
 stats a mountpoint, which would wait forever on a FUSE session nobody serves yet).
 
-Threads: the daemon's trio thread; ``save`` does a small synced write in it (as the table must be on disk
-before mount(2) goes on).
+Threads: the daemon's trio thread; ``save`` writes the small file in it (no fsync: a write to the page
+cache and a rename, well under a millisecond), as the table must be written before mount(2) goes on.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class MountTable:
         entries = [m.to_json() for m in self.mounts.values()]
         if mounting is not None:
             entries.append(dict(zip(("mountpoint", "mode", "layer"), mounting), mounting=True))
-        write_atomic(self.path, json.dumps({"pid": os.getpid(), "mounts": entries}, indent=1).encode())
+        write_atomic(self.path, json.dumps({"pid": os.getpid(), "mounts": entries}, indent=1).encode(), sync=False)
 
     def read_left(self) -> list[dict]:
         """The entries a daemon before us left (each with string mountpoint, mode and layer); an unreadable

@@ -118,7 +118,9 @@ def _readahead_state(daemon: NodeDaemon, digest: str) -> str:
     layer = daemon.layers.get(digest)
     if layer is None or layer.readahead is None:
         return ""
-    return "ready" if layer.readahead.files is not None else "pending"
+    if layer.readahead.files is not None:
+        return "ready"
+    return "pending" if layer.files_mapped else "deferred"
 
 
 def version() -> str:

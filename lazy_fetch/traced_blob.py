@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dsec_fs.errors import DsecError
 
@@ -102,9 +102,10 @@ class TracedBlob:
     counted in the layer's usage and, while ``trace`` is open, recorded in it."""
 
     def __init__(self, blob: LayerBlob, usage: LayerUsage, fetch_log: StoreFetchLog, trace: TraceWriter | None,
-                 readahead: MissReadahead | None = None):
+                 readahead: MissReadahead | None = None, *, on_miss: Callable[[], None] | None = None):
         self.blob = blob
         self.readahead = readahead  # what a read that misses brings along (miss_readahead.py)
+        self.on_miss = on_miss  # called (once) after the first read that waited for the store
         self.size = blob.size
         self.usage = usage
         self.fetch_log = fetch_log
@@ -127,20 +128,28 @@ class TracedBlob:
             ahead = self.readahead.plan(chunks) if self.readahead is not None else []
             data = await self.blob.read(offset, length, readahead=ahead)
         except DsecError:
-            self._note(offset, length, chunks, mark, started, failed=True)
+            self._note(offset, length, chunks, self._missed(mark, chunks), started, failed=True)
             raise
-        self._note(offset, length, chunks, mark, started, failed=False)
+        self._note(offset, length, chunks, self._missed(mark, chunks), started, failed=False)
         if self.readahead is not None:
             self.blob.fetcher.warm_soon(self.readahead.to_warm(), self.blob.label)
         return data
 
-    def _note(self, offset: int, length: int, chunks: list[BlobChunk], mark: int, started: int, *,
+    def _missed(self, mark: int, chunks: list[BlobChunk]) -> bool:
+        """Whether the read that took ``mark`` waited for the store; the first one that did calls ``on_miss``."""
+        missed = self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks))
+        if missed and self.on_miss is not None:
+            on_miss, self.on_miss = self.on_miss, None
+            on_miss()
+        return missed
+
+    def _note(self, offset: int, length: int, chunks: list[BlobChunk], missed: bool, started: int, *,
               failed: bool) -> None:
         self.usage.note(chunks, failed)
         if self.trace is None:
             return
         flags = FLAG_ERROR if failed else 0
-        if self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks)):
+        if missed:
             flags |= FLAG_MISS
         file_read = FILE_READ.get()  # set by LayerTree (fuse mode): the file and offset being read
         if file_read is None:
