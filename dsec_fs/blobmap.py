@@ -127,25 +127,26 @@ class BlobMap:
         self.blocks = end
         return blkaddr
 
-    def with_chunks_replaced(self, replacements: dict[bytes, tuple[bytes, int]]) -> BlobMap:
-        """A copy in which each chunk ``old`` of ``replacements`` gives its place to (digest, length): a chunk
-        not in the map that fills as many blocks, so no other chunk moves (an incremental rebuild's patch,
-        erofs_builder/patch.py). Copies the map's lists, not its entries one by one."""
-        copy = BlobMap(self.chunk_size)
-        copy.entries = list(self.entries)
-        copy.blocks = self.blocks
-        copy._starts = list(self._starts)
-        copy._by_digest = dict(self._by_digest)
+    def replaced_encoding(self, encoded: bytes, replacements: dict[bytes, tuple[bytes, int]]) -> bytearray:
+        """The encoding of this map with each chunk ``old`` of ``replacements`` giving its place to (digest,
+        length): a chunk not in the map that fills as many blocks, so no other chunk moves (an incremental
+        rebuild's patch, erofs_builder/patch.py). ``encoded`` is this map's encoding (what ``decode`` read):
+        copied and patched at the replaced entries, not encoded again; the map itself is left as it is."""
+        if len(encoded) != HEADER.size + len(self.entries) * ENTRY.size:
+            raise InputError(f"{len(encoded)} bytes are not the encoding of a map of {len(self.entries)} entries",
+                             where="blob map")
+        out = bytearray(encoded)
+        new = {digest for digest, _length in replacements.values()}
+        if len(new) != len(replacements):
+            raise InputError("two chunks cannot take one chunk's place", where="blob map")
         for old, (digest, length) in replacements.items():
-            blkaddr, _old, old_length = copy._by_digest.pop(old)
-            if (digest in copy._by_digest or not 1 <= length <= self.chunk_size
+            blkaddr, _old, old_length = self._by_digest.get(old) or (None, None, 0)
+            if (blkaddr is None or digest in self._by_digest or not 1 <= length <= self.chunk_size
                     or _blocks_for(length) != _blocks_for(old_length)):
                 raise InputError(f"chunk {short(digest)} of {length} bytes cannot take the place of chunk "
                                  f"{short(old)} of {old_length}", where="blob map")
-            entry = (blkaddr, digest, length)
-            copy.entries[copy._index_of(blkaddr)] = entry
-            copy._by_digest[digest] = entry
-        return copy
+            ENTRY.pack_into(out, HEADER.size + self._index_of(blkaddr) * ENTRY.size, blkaddr, length, digest)
+        return out
 
     def _index_of(self, blkaddr: int) -> int:
         """The index of the entry that starts at ``blkaddr``."""

@@ -34,7 +34,7 @@ from .digest import is_hex_digest, to_hex, verify
 from .errors import CorruptError, FormatError, InputError, NotFoundError
 from .pack import PackEntry, PackWriter, decode_index
 from .store import keys
-from .store.base import Store
+from .store.base import Store, side_by_side
 
 DEFAULT_PACK_TARGET = 16 * 1024 * 1024
 # Ranges in one pack closer than this are fetched with one GET: a request costs more than 64 KiB of transfer.
@@ -150,8 +150,9 @@ class ChunkIndex:
 class ChunkUploader:
     """Deduplicates new chunks against a ChunkIndex, fills packs, and uploads them in the background.
 
-    Each sealed pack costs two PUTs: the pack object, then its index object. Only after both succeed do
-    its chunks enter the ChunkIndex, so the index never points at a pack that is not in the store.
+    Each sealed pack costs two PUTs: the pack object, then its index object (``Store.put_all``: the index
+    only once the pack is stored). Only after both succeed do its chunks enter the ChunkIndex, so the
+    index never points at a pack that is not in the store.
     """
 
     def __init__(
@@ -265,8 +266,8 @@ class ChunkUploader:
         try:
             entries = writer.entries
             pack_id, pack_bytes, index_bytes = writer.finish()
-            self.store.put(keys.pack(pack_id), pack_bytes)
-            self.store.put(keys.index(pack_id), index_bytes)
+            # The index names the pack: it is written once the pack is stored, both files' fsyncs side by side.
+            self.store.put_all([(keys.pack(pack_id), pack_bytes)], (keys.index(pack_id), index_bytes))
             self.index.add_pack(pack_id, entries)
             with self._lock:
                 self._queued.difference_update(entry.digest for entry in entries)
@@ -370,10 +371,9 @@ def _chunk_name(digest: bytes, key: str) -> str:
 
 def missing_packs(store: Store, pack_ids: list[str]) -> list[str]:
     """Those of ``pack_ids`` the store does not hold, in their order; asked for side by side, in one round
-    trip."""
-    with ThreadPoolExecutor(max_workers=max(1, min(INDEX_LOAD_THREADS, len(pack_ids))),
-                            thread_name_prefix="check-packs") as pool:
-        present = list(pool.map(lambda pack: store.exists(keys.pack(pack)), pack_ids))
+    trip (one after another on a local store: ``side_by_side``)."""
+    present = side_by_side(store, lambda pack: store.exists(keys.pack(pack)), pack_ids, threads=INDEX_LOAD_THREADS,
+                           name="check-packs")
     return [pack for pack, there in zip(pack_ids, present) if not there]
 
 

@@ -36,7 +36,6 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 from .chunks import INDEX_LOAD_THREADS, ChunkIndex, ChunkLocation, verify_pack
 from .digest import to_hex
@@ -46,7 +45,7 @@ from .index_mirror import FORGED, TRUSTED, IndexMirror
 
 from .pack import INDEX_ENTRY, PackEntry, decode_index
 from .store import keys
-from .store.base import Store
+from .store.base import Store, side_by_side
 
 log = logging.getLogger(__name__)
 
@@ -260,8 +259,7 @@ class MirroredChunkIndex(ChunkIndex):
                 missing.difference_update(held)
             return restored
 
-        with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="confirm") as pool:
-            results = list(pool.map(read, pack_ids))
+        results = side_by_side(store, read, pack_ids, threads=INDEX_LOAD_THREADS, name="confirm")
         if missing:
             self.mirror.reset()
             raise CorruptError(

@@ -79,7 +79,7 @@ from .layer import Manifest, list_refs, read_blobmap
 from .leases import CLOCK_SKEW, DEFAULT_MAX_AGE, LeaseInfo, exclusive_lease, list_leases
 from .pack import PACK_TRAILER, PackEntry, decode_index, encode_index, index_from_pack, index_size
 from .store import keys
-from .store.base import Store
+from .store.base import Store, side_by_side
 from .store.filesystem import FilesystemStore
 from .store.wrappers import find_wrapper
 
@@ -212,8 +212,8 @@ def ensure_pack_indexes(store: Store, pack_ids: Iterable[str]) -> list[str]:
         restore_pack_index(store, pack_id)
         return pack_id
 
-    with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="index-check") as pool:
-        return [pack_id for pack_id in pool.map(check, pack_ids) if pack_id is not None]
+    restored = side_by_side(store, check, pack_ids, threads=READ_THREADS, name="index-check")
+    return [pack_id for pack_id in restored if pack_id is not None]
 
 
 @dataclass

@@ -129,7 +129,10 @@ class _Shared:
         self.path = path
         self.users = 0
         os.makedirs(path, exist_ok=True)
-        self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False)
+        # metasync=False: one flush a commit instead of two (the meta page is flushed with the next commit);
+        # LMDB keeps the environment sound through a crash, which may undo the last commit: harmless in
+        # a cache (the next sync fetches what it lost, a lost trust verdict is checked again).
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False, metasync=False)
         self.packs = self.env.open_db(b"packs")
         self.chunks = self.env.open_db(b"chunks", dupsort=True, dupfixed=True)
         self.trust = self.env.open_db(b"trust")

@@ -21,15 +21,15 @@ the caller's ``on_manifest`` does work that needs only the manifest (the daemon 
 indexes there), so that work's round trips overlap too.
 
 Functions here are plain blocking calls on a Store and may be called from any thread; ``open_layer``
-reads, and ``publish_layer`` writes, meta.erofs and the blob map in two threads of their own and wait for
-both before returning.
+reads meta.erofs and the blob map in two threads of its own, ``publish_layer`` writes them through
+``Store.put_all`` (threads of the store's), and both wait for them before returning.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timedelta, timezone
@@ -214,7 +214,7 @@ class LayerFiles:
 
 
 def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifest: Manifest, *,
-                  beside: Callable[[], object] | None = None) -> str:
+                  also: Callable[[], tuple[str, bytes]] | None = None) -> str:
     """Write meta.erofs and the blob map, each zstd-compressed, then manifest.json; returns the layer digest.
     ``meta`` may be a SpillFile (dsec_fs.spill: a fresh build's image, never whole in memory): it is
     hashed and compressed a piece at a time.
@@ -222,11 +222,11 @@ def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifes
     The manifest must describe these bytes exactly (IntegrityError otherwise, before anything is written);
     its ``stored`` is filled in here, with what is written. The packs holding the layer's chunks must
     already be in the store; that is the caller's job (the ChunkUploader's flush) and is not re-checked
-    here. meta.erofs and the blob map are written side by side (two threads: a local store's fsyncs
-    overlap) as each is compressed, while ``beside()`` runs in the calling thread: it writes another object
-    of the layer that must be in place before the manifest (a directory build's build info). If anything
-    fails, no manifest is written. (Compressing in the calling thread keeps its zstd context: a new
-    thread's first compression pays for a new context's memory.)
+    here. ``also()`` makes (key, data) of another object of the layer that must be in place before the
+    manifest (a directory build's build info): it runs in the calling thread while meta.erofs and the
+    blob map are written (``Store.put_all``, which writes the manifest once the three are stored, and
+    nothing if anything fails). (Both are compressed in the calling thread, which keeps its zstd context:
+    a new thread's first compression pays for a new context's memory.)
     """
     digest = manifest.layer
     manifest_key = keys.layer_manifest(digest)
@@ -235,18 +235,19 @@ def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifes
     _check_bytes(blobmap, manifest.blobmap_sha256, manifest.blobmap_size, what=keys.layer_blobmap(digest))
     manifest.version = MANIFEST_VERSION
     manifest.stored = {}
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="publish-layer") as pool:
-        puts = []
-        for name, key, data in ((META, keys.layer_meta(digest), meta), (BLOBMAP, keys.layer_blobmap(digest), blobmap)):
-            frame = data.compress(METADATA_LEVEL) if isinstance(data, SpillFile) else compress.compress(
-                data, level=METADATA_LEVEL)
-            manifest.stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
-            puts.append(pool.submit(store.put, key, frame))
-        if beside is not None:
-            beside()
-        for put in puts:
-            put.result()
-    store.put(manifest_key, manifest.to_json())
+    frames = []
+    for name, key, data in ((META, keys.layer_meta(digest), meta), (BLOBMAP, keys.layer_blobmap(digest), blobmap)):
+        frame = data.compress(METADATA_LEVEL) if isinstance(data, SpillFile) else compress.compress(
+            data, level=METADATA_LEVEL)
+        manifest.stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
+        frames.append((key, frame))
+
+    def objects() -> Iterator[tuple[str, bytes]]:
+        yield from frames
+        if also is not None:
+            yield also()
+
+    store.put_all(objects(), (manifest_key, manifest.to_json()))
     return digest
 
 

@@ -23,6 +23,11 @@ Lease object (JSON)::
      "host": "builder-3", "pid": 4242,  who holds it, for people reading a stuck store
      "purpose": "build base/debian:12"}
 
+A lease is written with ``Store.put_ephemeral``: it means something only while its holder runs, so on a
+local store it is not fsynced (a crash that loses it ends its holder too). One a crash left torn or empty
+cannot be parsed, so gc counts it as live, blocking every hard delete, until its mtime is max_age old:
+about as long as a crashed holder's intact lease blocks them.
+
 Times come from each host's own clock; comparisons across hosts allow ``CLOCK_SKEW``. A lease object that
 cannot be parsed is taken at its word as little as possible: it counts as live (started at time 0, so it
 blocks every hard delete) until the store's own modification time of the object is older than max_age.
@@ -138,7 +143,7 @@ class Lease:
         now = time.time()
         body = {"started": self.started, "refreshed": now, "host": socket.gethostname(), "pid": os.getpid(),
                 "purpose": self.purpose}
-        self.store.put(self.key, json.dumps(body, sort_keys=True).encode())
+        self.store.put_ephemeral(self.key, json.dumps(body, sort_keys=True).encode())
         with self._lock:
             self._refreshed_ok = time.monotonic()
 

@@ -379,10 +379,10 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blo
     )
     lease.check()
 
-    def put_buildinfo() -> None:  # beside the writes of meta.erofs and the blob map, before the manifest
-        store.put(keys.layer_buildinfo(manifest.layer), buildinfo(manifest.layer))
+    def encoded_buildinfo() -> tuple[str, bytes]:  # while meta.erofs and the blob map are written
+        return keys.layer_buildinfo(manifest.layer), buildinfo(manifest.layer)
 
-    digest = publish_layer(store, meta, blob_map_bytes, manifest, beside=put_buildinfo if buildinfo else None)
+    digest = publish_layer(store, meta, blob_map_bytes, manifest, also=encoded_buildinfo if buildinfo else None)
     ensure_pack_indexes(store, manifest.packs)
     if name is not None:  # under the lease too: gc keeps an unnamed layer while a build may name it
         set_ref(store, name, digest)
@@ -421,7 +421,8 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
         def buildinfo(layer: str) -> bytes:
             return encode_rescanned(parent.info, rescan.identities, rescan.suspects, layer, rescan.scanned_at_ns)
 
-        result = _publish_layer(store, lease, patched.meta, patched.blob_map.blocks, patched.blob_map_bytes, packs,
+        # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
+        result = _publish_layer(store, lease, patched.meta, parent.blob_map.blocks, patched.blob_map_bytes, packs,
                                 stats, name, chunk_size, source, buildinfo)
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
              stats.new_chunks)
@@ -441,7 +442,7 @@ def _patched_stats(parent: ParentLayer, rescan: Rescan, read: ChunkStats, patche
         bytes=int(was.get("bytes", 0)) + grew,
         chunks=int(was.get("chunks", 0)),
         hole_chunks=int(was.get("hole_chunks", 0)),
-        distinct_chunks=len(patched.blob_map),
+        distinct_chunks=len(parent.blob_map),
         dedup_bytes=data_bytes - read.new_bytes,
     )
     stats.reused_files = stats.files - read.files

@@ -299,12 +299,14 @@ def _read_buildinfo(store: Store, layer: str) -> BuildInfo | None:
 class ParentLayer:
     """A published layer that an incremental build may patch, or take chunk lists from for unchanged files."""
 
-    def __init__(self, digest: str, manifest: Manifest, meta: bytes, blob_map: BlobMap, info: BuildInfo | None):
+    def __init__(self, digest: str, manifest: Manifest, meta: bytes, blob_map_bytes: bytes, blob_map: BlobMap,
+                 info: BuildInfo | None):
         self.digest = digest
         self.manifest = manifest
         self.meta = meta
         self.image = ErofsImage(meta, source=keys.layer_meta(digest))
-        self.blob_map = blob_map
+        self.blob_map_bytes = blob_map_bytes  # as stored (decompressed), which the patch path copies
+        self.blob_map = blob_map  # decoded from it
         self.info = info  # None: nothing can be reused (the build reads every file)
 
     @classmethod
@@ -325,7 +327,7 @@ class ParentLayer:
             log.warning("parent layer %s has chunk size %d, this build %d: every file is read",
                         files.digest, blob_map.chunk_size, chunk_size)
             info = None
-        return cls(files.digest, files.manifest, files.meta, blob_map, info)
+        return cls(files.digest, files.manifest, files.meta, files.blobmap, blob_map, info)
 
     def chunk_lists(self) -> "_ChunkLists":
         """The chunk digests of the parent's regular files, read from its image on demand."""

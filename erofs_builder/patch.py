@@ -36,10 +36,11 @@ content equal to a chunk used elsewhere) takes the full path. A patched layer th
 chunk nothing uses.
 
 What is patched: each changed inode's i_size and (extended inodes) i_mtime, i_mtime_nsec; the blob map
-entries of the replaced chunks; the device slot's tag (the new blob id); then the uuid and the
-superblock checksum (writer.seal_image). The manifest lists the parent's packs plus those holding the new
-chunks: a full build lists the packs the index names for each chunk, which may leave out a pack that
-held only a replaced chunk. Listing it keeps it live for gc, never breaks a read or fsck.
+entries of the replaced chunks (in a copy of the parent's encoded map: the rest stays as it is); the
+device slot's tag (the new blob id); then the uuid and the superblock checksum (writer.seal_image). The
+manifest lists the parent's packs plus those holding the new chunks: a full build lists the packs the
+index names for each chunk, which may leave out a pack that held only a replaced chunk. Listing it keeps
+it live for gc, never breaks a read or fsck.
 
 The parent's chunks: the parent is published, so gc keeps the packs its manifest lists (or rewrites that
 list when it repacks), and this build's lease keeps them until the new manifest is published;
@@ -61,7 +62,7 @@ import stat
 from collections import Counter
 from dataclasses import dataclass
 
-from dsec_fs.blobmap import BLOCK_SIZE, BlobMap
+from dsec_fs.blobmap import BLOCK_SIZE
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import CorruptError, NotFoundError, UnsupportedError
 
@@ -94,8 +95,7 @@ class Patched:
     """A patched layer's meta.erofs and blob map."""
 
     meta: bytearray
-    blob_map: BlobMap
-    blob_map_bytes: bytes  # blob_map encoded
+    blob_map_bytes: bytearray  # the parent's, with the replaced chunks' entries patched: the same layout
     data_grew: int  # bytes the replaced chunks add up to beyond the chunks they replace (may be negative)
     new_chunks: list[bytes]  # the chunks that replaced others: the only ones not in the parent's blob map
 
@@ -150,8 +150,7 @@ class Rescan:
                 replaced[o] = (n, length)
                 added.add(n)
                 data_grew += length - old_length
-        new_map = blob_map.with_chunks_replaced(replaced)
-        new_map_bytes = new_map.encode()
+        new_map_bytes = blob_map.replaced_encoding(parent.blob_map_bytes, replaced)
 
         image = bytearray(parent.meta)
         for change in self.changes:
@@ -167,7 +166,7 @@ class Rescan:
         slot.tag = to_hex(sha256(new_map_bytes)).encode("ascii")  # the blob id
         image[slot_at:slot_at + SLOT_SIZE] = slot.pack()
         seal_image(image)
-        return Patched(meta=image, blob_map=new_map, blob_map_bytes=new_map_bytes, data_grew=data_grew,
+        return Patched(meta=image, blob_map_bytes=new_map_bytes, data_grew=data_grew,
                        new_chunks=list(added))
 
 

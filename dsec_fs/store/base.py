@@ -18,15 +18,27 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from ..errors import InputError, UnsupportedError
+
+# Objects ``put_all`` writes side by side (a layer's meta.erofs, blob map and build info).
+PUT_ALL_THREADS = 3
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Store(abc.ABC):
     """A flat namespace of immutable objects. Writes are atomic: a reader sees all of an object or none."""
 
     url: str
+    # Whether a request waits on a round trip worth overlapping with others (a network store, a shared
+    # mount, a wrapper); False where requests are local system calls of microseconds (file://): callers
+    # then make them one after another (``side_by_side``) rather than start threads for them.
+    round_trips: bool = True
 
     @abc.abstractmethod
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -48,6 +60,26 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Store ``data`` under ``key`` atomically, replacing any previous object."""
+
+    def put_all(self, objects: Iterable[tuple[str, bytes | memoryview]], last: tuple[str, bytes | memoryview]) -> None:
+        """Store each (key, data) of ``objects`` as ``put`` does, then ``last``, an object that names them (a
+        layer's manifest): ``last`` is written only once every one of ``objects`` is stored, and not at all
+        if one of them fails or ``objects`` raises (the error is raised here). ``objects`` is consumed in
+        the calling thread as it yields, while what it yielded is written side by side in other threads.
+        This default puts each object in a thread (round trips overlap) through ``put``, so a wrapper's
+        policies apply to each; a backend may make them durable together (a directory store syncs each
+        directory once, not once an object)."""
+        with ThreadPoolExecutor(max_workers=PUT_ALL_THREADS, thread_name_prefix="put-all") as pool:
+            puts = [pool.submit(self.put, key, data) for key, data in objects]
+            for put in puts:
+                put.result()
+        self.put(*last)
+
+    def put_ephemeral(self, key: str, data: bytes | memoryview) -> None:
+        """``put`` for an object that means something only while its writer runs (a lease): as atomic for
+        readers, but a backend need not make it survive a crash of the writer's host, which ends the
+        writer too. This default is ``put``."""
+        self.put(key, data)
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...
@@ -85,6 +117,17 @@ class Store(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
+
+
+def side_by_side(store: Store, request: Callable[[T], R], items: Iterable[T], *, threads: int, name: str) -> list[R]:
+    """``[request(item) for item in items]``: in up to ``threads`` threads (named ``name``) when the store's
+    requests are round trips and there is more than one, else in the calling thread (a thread costs
+    more to start than a local request takes)."""
+    items = list(items)
+    if not store.round_trips or len(items) < 2:
+        return [request(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(threads, len(items)), thread_name_prefix=name) as pool:
+        return list(pool.map(request, items))
 
 
 def too_large(where: str, size: int | str, limit: int) -> UnsupportedError:

@@ -126,3 +126,34 @@ def test_any_layout_round_trips(lengths):
         blob_map.add(digest(n), length)
     assert BlobMap.decode(blob_map.encode(), source=SOURCE).entries == blob_map.entries
     assert blob_map.blocks == sum(-(-length // BLOCK_SIZE) for length in lengths)
+
+
+def test_a_replaced_encoding_is_the_map_built_with_the_new_chunks():
+    blob_map = sample_map()
+    encoded = blob_map.encode()
+    patched = blob_map.replaced_encoding(encoded, {digest(1): (digest(10), 7), digest(3): (digest(11), 8000)})
+    expected = BlobMap(1 << 16)
+    for n, length in [(0, 1 << 16), (10, 7), (2, 4096), (11, 8000), (4, 12345)]:
+        expected.add(digest(n), length)
+    assert bytes(patched) == expected.encode()
+    assert blob_map.encode() == encoded  # the map itself is as it was
+    assert BlobMap.decode(patched, source=SOURCE).entries == expected.entries
+
+
+@pytest.mark.parametrize("replacements", [
+    {digest(3): (digest(10), 4096)},  # one block fewer than the 4097 bytes it replaces
+    {digest(1): (digest(2), 1)},  # a chunk the map holds already
+    {digest(9): (digest(10), 1)},  # not in the map
+    {digest(1): (digest(10), 0)},  # empty
+    {digest(1): (digest(10), 1), digest(2): (digest(10), 4096)},  # one chunk in two places
+])
+def test_a_replacement_that_would_move_a_chunk_is_refused(replacements):
+    blob_map = sample_map()
+    with pytest.raises(InputError):
+        blob_map.replaced_encoding(blob_map.encode(), replacements)
+
+
+def test_a_replaced_encoding_needs_the_maps_own_encoding():
+    blob_map = sample_map()
+    with pytest.raises(InputError):
+        blob_map.replaced_encoding(blob_map.encode()[:-1], {})

@@ -22,10 +22,10 @@ class CountingStore(FilesystemStore):
         self.puts: Counter[str] = Counter()
         self.gets: Counter[str] = Counter()
 
-    def put(self, key, data):
+    def _write_temp(self, dir_fd, data, key, *, sync):  # every object written, however it was put
         with self._count_lock:
             self.puts[key.split("/")[0]] += 1
-        super().put(key, data)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
     def get(self, key, offset=0, length=None):
         with self._count_lock:
@@ -165,11 +165,11 @@ class GatedStore(FilesystemStore):
         self.gate = threading.Event()
         self.waiting = threading.Event()
 
-    def put(self, key, data):
+    def _write_temp(self, dir_fd, data, key, *, sync):
         if key.startswith(keys.PACKS):
             self.waiting.set()
             self.gate.wait()
-        super().put(key, data)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
 
 def test_sealed_packs_in_flight_are_bounded(tmp_path):
@@ -199,10 +199,10 @@ def test_sealed_packs_in_flight_are_bounded(tmp_path):
 class FailingStore(FilesystemStore):
     """Fails pack uploads: a store outage a real directory cannot produce on demand (we run as root)."""
 
-    def put(self, key, data):
+    def _write_temp(self, dir_fd, data, key, *, sync):
         if key.startswith(keys.PACKS):
             raise UnavailableError("injected outage", where=key)
-        super().put(key, data)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
 
 def test_an_upload_error_is_raised_by_flush_and_nothing_is_indexed(tmp_path):

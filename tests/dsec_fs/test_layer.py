@@ -47,15 +47,25 @@ def make_manifest(**changes) -> Manifest:
 
 
 class RecordingStore(FilesystemStore):
-    """A real directory store that remembers the order of its puts."""
+    """A real directory store that remembers the order in which objects appear (``put_keys``: the renames
+    into place, however they were put) and, in ``events``, those renames and its directory fsyncs."""
 
-    def __init__(self, root):
-        super().__init__(str(root), fsync=False)
+    def __init__(self, root, *, fsync=False):
+        super().__init__(str(root), fsync=fsync)
         self.put_keys: list[str] = []
+        self.events: list[tuple[str, str]] = []
+        self._events_lock = threading.Lock()
 
-    def put(self, key, data):
-        self.put_keys.append(key)
-        super().put(key, data)
+    def _rename(self, dir_fd, tmp, name, key):
+        super()._rename(dir_fd, tmp, name, key)
+        with self._events_lock:
+            self.put_keys.append(key)
+            self.events.append(("rename", key))
+
+    def _sync_directory(self, dir_fd, directory):
+        super()._sync_directory(dir_fd, directory)
+        with self._events_lock:
+            self.events.append(("sync", directory))
 
 
 @pytest.fixture
@@ -169,61 +179,75 @@ def test_an_error_of_on_manifest_is_raised_by_open_layer(store):
         open_layer(store, LAYER, on_manifest=fail)
 
 
-def test_publish_writes_the_manifest_last(store):
-    publish_layer(store, META, BLOBMAP, make_manifest())
-    assert sorted(store.put_keys[:2]) == sorted([keys.layer_meta(LAYER), keys.layer_blobmap(LAYER)])
-    assert store.put_keys[2:] == [keys.layer_manifest(LAYER)]
+def test_publish_writes_the_manifest_last_once_the_rest_is_durable(tmp_path):
+    store = RecordingStore(tmp_path / "store", fsync=True)
+    publish_layer(store, META, BLOBMAP, make_manifest(),
+                  also=lambda: (keys.layer_buildinfo(LAYER), b"build info"))
+    directory = f"layers/{LAYER}"
+    objects = {keys.layer_meta(LAYER), keys.layer_blobmap(LAYER), keys.layer_buildinfo(LAYER)}
+    # Each object renamed into place, then their directory fsynced (once), then the manifest renamed and
+    # its directory fsynced: a crash at any point leaves no manifest whose objects could be lost.
+    assert {key for _event, key in store.events[:3]} == objects
+    assert store.events[3:] == [("sync", directory), ("rename", keys.layer_manifest(LAYER)), ("sync", directory)]
+    assert open_layer(store, LAYER).meta == META
+    assert store.get(keys.layer_buildinfo(LAYER)) == b"build info"
+    assert not [name for name in os.listdir(path_of(store, directory)) if name.startswith(".tmp-")]
 
 
-class MeetingPutStore(RecordingStore):
-    """Each put of meta.erofs, the blob map and the build info waits for the other two to start:
+class MeetingWritesStore(RecordingStore):
+    """Each write of meta.erofs, the blob map and the build info waits for the other two to start:
     publish_layer passes only if it writes the three side by side."""
 
     def __init__(self, root):
         super().__init__(root)
         self.barrier = threading.Barrier(3, timeout=5)
 
-    def put(self, key, data):
+    def _write_temp(self, dir_fd, data, key, *, sync):
         if key in (keys.layer_meta(LAYER), keys.layer_blobmap(LAYER), keys.layer_buildinfo(LAYER)):
             self.barrier.wait()
-        super().put(key, data)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
 
-def test_publish_writes_meta_blob_map_and_what_beside_writes_side_by_side_before_the_manifest(tmp_path):
-    store = MeetingPutStore(tmp_path / "store")
-    publish_layer(store, META, BLOBMAP, make_manifest(),
-                  beside=lambda: store.put(keys.layer_buildinfo(LAYER), b"build info"))
+def test_publish_writes_meta_blob_map_and_what_also_makes_side_by_side_before_the_manifest(tmp_path):
+    store = MeetingWritesStore(tmp_path / "store")
+    publish_layer(store, META, BLOBMAP, make_manifest(), also=lambda: (keys.layer_buildinfo(LAYER), b"build info"))
     assert store.put_keys[-1] == keys.layer_manifest(LAYER)
     assert store.get(keys.layer_buildinfo(LAYER)) == b"build info"
     assert open_layer(store, LAYER).meta == META
 
 
-def test_a_failure_beside_publishes_nothing(store):
+def test_a_failure_of_also_publishes_nothing(store):
     def fail():
         raise UnavailableError("injected outage", where=keys.layer_buildinfo(LAYER))
 
     with pytest.raises(UnavailableError, match="injected outage"):
-        publish_layer(store, META, BLOBMAP, make_manifest(), beside=fail)
+        publish_layer(store, META, BLOBMAP, make_manifest(), also=fail)
     assert not store.exists(keys.layer_manifest(LAYER))
     with pytest.raises(NotFoundError):
         open_layer(store, LAYER)
 
 
-class ManifestOutageStore(FilesystemStore):
-    """Fails the manifest put: a crash between the blob map and the manifest, on demand."""
+class OutageStore(FilesystemStore):
+    """Fails the write of the objects whose key ends with ``failing``: an outage (or a crash) there."""
 
-    def put(self, key, data):
-        if key.endswith("/manifest.json"):
+    def __init__(self, root, failing):
+        super().__init__(root, fsync=False)
+        self.failing = failing
+
+    def _write_temp(self, dir_fd, data, key, *, sync):
+        if key.endswith(self.failing):
             raise UnavailableError("injected outage", where=key)
-        super().put(key, data)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
 
-def test_a_failed_publish_leaves_nothing_a_reader_or_a_ref_can_reach(tmp_path):
-    store = ManifestOutageStore(str(tmp_path / "store"), fsync=False)
+@pytest.mark.parametrize("failing", ["/manifest.json", "/blobmap"])
+def test_a_failed_publish_leaves_nothing_a_reader_or_a_ref_can_reach(tmp_path, failing):
+    store = OutageStore(str(tmp_path / "store"), failing)
     with pytest.raises(UnavailableError):
         publish_layer(store, META, BLOBMAP, make_manifest())
     assert store.exists(keys.layer_meta(LAYER))  # written before the failure...
     assert not store.exists(keys.layer_manifest(LAYER))  # ...but not published
+    assert not [path for path, _mtime in store.temp_files()]  # not even the manifest's temporary file
     with pytest.raises(NotFoundError):
         set_ref(store, "base/debian:12", LAYER)
     with pytest.raises(NotFoundError):

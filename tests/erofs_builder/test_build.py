@@ -107,10 +107,10 @@ class FailingStore(FilesystemStore):
 
     fail_on = "manifest.json"
 
-    def put(self, key, data):
+    def _write_temp(self, dir_fd, data, key, *, sync):  # every write of an object, however it was put
         if self.fail_on in key:
             raise UnavailableError("injected outage", where=key)
-        super().put(key, data)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
 
 
 def files_open_under(directory) -> list[str]:
@@ -120,7 +120,7 @@ def files_open_under(directory) -> list[str]:
     return [name for name in named if name.startswith(str(directory) + "/")]
 
 
-@pytest.mark.parametrize("fail_on", ["packs/", "index/", "meta.erofs", "manifest.json", None])
+@pytest.mark.parametrize("fail_on", ["packs/", "index/", "meta.erofs", "buildinfo", "manifest.json", None])
 def test_a_store_failure_publishes_nothing(tmp_path, monkeypatch, fail_on):
     """... and leaves no temporary file (meta.erofs is written into one, dsec_fs.spill), nor does a build
     that succeeds."""

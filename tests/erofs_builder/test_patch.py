@@ -18,7 +18,7 @@ import time
 import pytest
 from treecmp import assert_same_tree, snapshot
 
-from dsec_fs.errors import FormatError
+from dsec_fs.errors import FormatError, UnavailableError
 from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
@@ -38,7 +38,7 @@ STRUCTURAL = {"chmod": ("another mode",), "xattr": ("xattrs",), "rename": ("cann
               "touch-dir": ("not a regular file",), "add-put-back": ("other names",),
               "mkdir-put-back": ("other names",)}
 TREES = ("content", "grow", "boundary", "blocks", "racy", "hole", "shared", "same-chunk", "compact",
-         "tie", "hardlink", "chain", "kernel", "forged", *STRUCTURAL)
+         "tie", "hardlink", "chain", "kernel", "forged", "outage", *STRUCTURAL)
 ENTRIES = 14  # names make_source makes, the root included
 
 
@@ -104,6 +104,37 @@ def test_a_content_change_is_patched(aged, store, tmp_path, caplog):
     info = decode_buildinfo(store.get(keys.layer_buildinfo(child.digest)), layer=child.digest, source="x")
     assert len(info.paths) == ENTRIES and info.identities[info.paths.index(b"lib/file1")][4] == os.stat(
         f"{root}/lib/file1").st_ctime_ns
+
+
+class OutageStore(FilesystemStore):
+    """Fails the writes of objects whose key holds ``failing``, once it is set."""
+
+    failing: str | None = None
+
+    def _write_temp(self, dir_fd, data, key, *, sync):
+        if self.failing is not None and self.failing in key:
+            raise UnavailableError("injected outage", where=key)
+        return super()._write_temp(dir_fd, data, key, sync=sync)
+
+
+@pytest.mark.parametrize("failing", ["/meta.erofs", "/blobmap", "/buildinfo", "/manifest.json", "leases/"])
+def test_a_store_failure_on_the_patch_path_publishes_nothing(aged, tmp_path, caplog, failing):
+    root = aged["outage"]
+    store = OutageStore(str(tmp_path / "store"), fsync=False)
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    published = set(store.list("layers/"))
+    edit(f"{root}/lib/file2", CHUNK + 5, os.urandom(64))
+    store.failing = failing
+    with pytest.raises(UnavailableError, match="injected outage"):
+        build_layer(root, store, chunk_size=CHUNK, parent=parent.digest)
+    new = set(store.list("layers/")) - published
+    assert not [key for key in new if key.endswith("/manifest.json")], new
+    assert [path for path, _mtime in store.temp_files()] == []
+    assert list(store.list("leases/")) == []
+    store.failing = None
+    child, patched = rebuild(root, store, parent, caplog)
+    assert patched
+    assert fsck_layer(store, child.digest).ok
 
 
 def test_a_patched_rebuild_reads_only_the_changed_file(aged, store, caplog):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dsec_fs.errors import CorruptError, InputError, NotFoundError, UnsupportedError
+from dsec_fs.errors import CorruptError, InputError, NotFoundError, UnavailableError, UnsupportedError
 from dsec_fs.store import FilesystemStore, init_store, open_store
 from dsec_fs.store.ref_cache import RefCacheStore
 from dsec_fs.store.s3 import S3Store
@@ -277,6 +277,48 @@ def test_overwrite_is_atomic_for_readers(store):
             t.join()
     assert bad == []
     assert store.get("obj") in versions
+
+
+def test_put_all_stores_every_object_then_the_last(store):
+    made = []
+
+    def objects():  # made one by one, as a layer's build info is made while the others are written
+        for name in ("meta.erofs", "blobmap", "buildinfo"):
+            made.append(name)
+            yield f"layers/f00d/{name}", name.encode() * 1000
+        yield "packs/ab/ab01", memoryview(b"a pack")
+
+    store.put_all(objects(), ("layers/f00d/manifest.json", b"{}"))
+    assert made == ["meta.erofs", "blobmap", "buildinfo"]
+    assert {key: store.get(key) for key in store.list("")} == {
+        **{f"layers/f00d/{name}": name.encode() * 1000 for name in made},
+        "packs/ab/ab01": b"a pack", "layers/f00d/manifest.json": b"{}"}
+    store.put_all(iter([]), ("top", b"alone"))
+    assert store.get("top") == b"alone"
+
+
+def test_put_all_writes_no_last_when_an_object_or_the_iterator_fails(store, tmp_path):
+    def failing():
+        yield "layers/f00d/meta.erofs", b"m"
+        raise UnavailableError("the build info could not be made", where="layers/f00d/buildinfo")
+
+    with pytest.raises(UnavailableError, match="could not be made"):
+        store.put_all(failing(), ("layers/f00d/manifest.json", b"{}"))
+    with pytest.raises(InputError):  # an object that cannot be written
+        store.put_all(iter([("layers/f00e/meta.erofs", b"m"), ("layers//bad", b"x")]),
+                      ("layers/f00e/manifest.json", b"{}"))
+    assert not store.exists("layers/f00d/manifest.json") and not store.exists("layers/f00e/manifest.json")
+    if isinstance(store, FilesystemStore):  # nor the last one's temporary file
+        assert [path for path, _mtime in store.temp_files()] == []
+
+
+def test_put_ephemeral_is_a_put_for_readers(store):
+    store.put_ephemeral("leases/abc", b"first")
+    store.put_ephemeral("leases/abc", b"second, longer")
+    assert store.get("leases/abc") == b"second, longer"
+    assert list(store.list("leases/")) == ["leases/abc"]
+    store.delete("leases/abc")
+    assert not store.exists("leases/abc")
 
 
 def test_concurrent_puts_from_threads(store):
