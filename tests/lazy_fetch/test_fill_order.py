@@ -54,27 +54,40 @@ def pairs(reads: list) -> list[set]:
     return [set(reads[n:n + 2]) for n in range(0, len(reads), 2)]
 
 
-def start_fill(prefetcher, name, entries, locations, fetcher):
-    job = prefetcher.start(name, None, "fill", fetcher, lambda entry, digest: locations[digest], lambda: None,
-                           fill=entries)
-    job.fill_ready.set()
-    return job
+def run_fills(store, cache, steps) -> list:
+    """Run ``steps(start)`` (async; ``start(name, entries, locations)`` starts a layer's fill and returns
+    its job) on one fetcher and prefetcher, then wait until every fill is done; returns the jobs."""
+    jobs = []
+
+    async def main():
+        async with open_fetcher(store, cache) as fetcher, trio.open_nursery() as nursery:
+            prefetcher = Prefetcher(MemoryChunkCache(1 << 20), StoreFetchLog(), nursery, room=lambda: 1 << 30)
+
+            def start(name, entries, locations):
+                job = prefetcher.start(name, None, "fill", fetcher, lambda entry, digest: locations[digest],
+                                       lambda: None, fill=entries)
+                job.fill_ready.set()
+                jobs.append(job)
+                return job
+
+            await steps(start)
+            await until(lambda: all(job.state == "done" for job in jobs))
+
+    trio.run(main)
+    return jobs
 
 
 def test_the_fill_goes_on_from_where_a_reader_missed(backend, cache):
     entries, locations, packs = layer_fill(backend, 0, 12)
     store = PackLog(backend)
 
-    async def main():
-        async with open_fetcher(store, cache) as fetcher, trio.open_nursery() as nursery:
-            prefetcher = Prefetcher(MemoryChunkCache(1 << 20), StoreFetchLog(), nursery, room=lambda: 1 << 30)
-            job = start_fill(prefetcher, "layer", entries, locations, fetcher)
-            await until(lambda: len(store.packs) == FILL_READS)  # the first reads are in the air
-            job.fill_order.missed(8)  # a reader jumped ahead
-            await until(lambda: job.state == "done")
-            assert job.done_chunks == len(entries)
+    async def steps(start):
+        job = start("layer", entries, locations)
+        await until(lambda: len(store.packs) == FILL_READS)  # the first reads are in the air
+        job.fill_order.missed(8)  # a reader jumped ahead
 
-    trio.run(main)
+    (job,) = run_fills(store, cache, steps)
+    assert job.done_chunks == len(entries)
     # Each once, from the miss on, wrapping around at the end; the fill's two reads go side by side.
     assert pairs([packs.index(pack) for pack in store.packs]) == [{0, 1}, {8, 9}, {10, 11}, {2, 3}, {4, 5}, {6, 7}]
 
@@ -84,16 +97,12 @@ def test_the_fill_reads_go_to_the_layer_missed_in_last(backend, cache):
     toolkit, toolkit_locations, toolkit_packs = layer_fill(backend, 100, 6)
     store = PackLog(backend)
 
-    async def main():
-        async with open_fetcher(store, cache) as fetcher, trio.open_nursery() as nursery:
-            prefetcher = Prefetcher(MemoryChunkCache(1 << 20), StoreFetchLog(), nursery, room=lambda: 1 << 30)
-            base_job = start_fill(prefetcher, "base", base, base_locations, fetcher)
-            await until(lambda: len(store.packs) == FILL_READS)  # the base's fill has both turns
-            toolkit_job = start_fill(prefetcher, "toolkit", toolkit, toolkit_locations, fetcher)
-            toolkit_job.fill_order.missed(3)  # the command reads the toolkit now
-            await until(lambda: base_job.state == toolkit_job.state == "done")
+    async def steps(start):
+        start("base", base, base_locations)
+        await until(lambda: len(store.packs) == FILL_READS)  # the base's fill has both turns
+        start("toolkit", toolkit, toolkit_locations).fill_order.missed(3)  # the command reads the toolkit now
 
-    trio.run(main)
+    run_fills(store, cache, steps)
     # Every turn that freed went to the toolkit until its fill was done (from its miss on, wrapping),
     # then back to the base.
     reads = [f"base{base_packs.index(pack)}" if pack in base_packs else f"toolkit{toolkit_packs.index(pack)}"
@@ -127,7 +136,7 @@ def test_a_cancelled_fill_gives_its_turn_to_the_next():
         turns, first, second, third = FillTurns(1), FillOrder([]), FillOrder([]), FillOrder([])
         got = []
 
-        async def take_turn(order, name, scope=None):
+        async def take_turn(order, name):
             async with turns.turn(order):
                 got.append(name)
                 await trio.sleep(0.05)
