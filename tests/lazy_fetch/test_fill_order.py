@@ -12,12 +12,14 @@ import trio
 from dsec_fs.chunks import ChunkLocation
 from dsec_fs.store import keys
 from dsec_fs.store.wrappers import StoreWrapper
-from lazy_fetch.fetcher import FILL_READS, open_fetcher
+from lazy_fetch.blob_reader import open_layer_blob
+from lazy_fetch.fetcher import FILL_READS, ChunkFetcher, open_fetcher
 from lazy_fetch.fill_order import FillOrder, FillTurns, plan_reads
 from lazy_fetch.memory_cache import MemoryChunkCache
 from lazy_fetch.prefetch_list import PrefetchEntry
 from lazy_fetch.prefetcher import Prefetcher
-from lazy_fetch.traced_blob import StoreFetchLog
+from lazy_fetch.traced_blob import LayerUsage, StoreFetchLog, TracedBlob
+from tests.lazy_fetch.conftest import BLOCK_SIZE
 from tests.lazy_fetch.test_fetcher import backend, cache, chunk, until, upload  # noqa: F401 (fixtures)
 
 ANSWER = 0.05  # seconds each store read takes
@@ -156,5 +158,26 @@ def test_a_cancelled_fill_gives_its_turn_to_the_next():
             second.missed_at = 1.0  # it would be next
             cancelled.cancel()
         assert got == ["first", "third"] and turns.free == 1
+
+    trio.run(main)
+
+
+def test_a_read_that_misses_tells_the_layers_fill_and_one_that_hits_does_not(built_layer, cache):
+    missed = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            fetch_log = StoreFetchLog()
+            fetcher = ChunkFetcher(built_layer.store, cache, nursery, on_fetched=fetch_log.note)
+            blob = await open_layer_blob(built_layer.layer, fetcher)
+            usage = LayerUsage(blob)
+            usage.on_miss = missed.append
+            traced = TracedBlob(blob, usage, fetch_log, None)
+            wanted = [chunk.entry for chunk in blob.chunks_for_range(0, 3 * BLOCK_SIZE)]
+            await traced.read(0, 3 * BLOCK_SIZE)  # from the store
+            assert missed == wanted
+            await traced.read(0, 3 * BLOCK_SIZE)  # from the cache
+            assert missed == wanted
+            nursery.cancel_scope.cancel()
 
     trio.run(main)
