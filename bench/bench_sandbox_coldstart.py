@@ -27,7 +27,8 @@ Layers (built once, kept under --cache, default /var/cache/dsecfs-test/sandbox-c
   each toolkit also as ``:2``, a new release: the same tree with one module's source changed.
 
 Stores, emulated by the daemon's LatencyStore (and the pull's): ``s3`` 20 ms per request and one 100 MB/s
-link; ``3fs`` 1 ms and 1 GB/s. The store's files are on this machine's disk.
+link; ``3fs`` 1 ms and 1 GB/s; the link shared equally by the transfers on it, as a real one is by its
+flows. The store's files are on this machine's disk.
 
 Pull (the baseline): each layer's tar.zst streamed from the same emulated store, base then toolkit, into
 ``tar --zstd -x`` of each in turn into one directory, then the same command with the same runtime
