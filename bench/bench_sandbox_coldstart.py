@@ -27,11 +27,15 @@ Layers (built once, kept under --cache, default /var/cache/dsecfs-test/sandbox-c
   each toolkit also as ``:2``, a new release: the same tree with one module's source changed.
 
 Stores, emulated by the daemon's LatencyStore (and the pull's): ``s3`` 20 ms per request and one 100 MB/s
-link; ``3fs`` 1 ms and 1 GB/s. The store's files are on this machine's disk.
+link; ``3fs`` 1 ms and 1 GB/s; the link shared equally by the transfers on it, as a real one is by its
+flows. The store's files are on this machine's disk.
 
-Pull (the baseline): each layer's tar.zst read from the same emulated store in 32 MiB ranges, piped into
-``tar --zstd -x`` as it arrives (download and extraction overlap, as containerd does), base then toolkit
-into one directory, then the same command with the same runtime (overlay.runtime.run_in_rootfs, runc).
+Pull (the baseline): each layer's tar.zst streamed from the same emulated store, base then toolkit, into
+``tar --zstd -x`` of each in turn into one directory, then the same command with the same runtime
+(overlay.runtime.run_in_rootfs, runc). Streamed: read in PULL_RANGE ranges, PULL_RANGES_IN_FLIGHT side by
+side, so the link stays busy as under one long GET (only the first range waits a round trip with the link
+idle), by a thread of its own that runs ahead of the extraction by up to PULL_BUFFER_RANGES ranges (so
+the toolkit downloads while the base extracts, as containerd's downloads run ahead of its unpacking).
 
 Series, each start with an empty node cache (a fresh daemon, a new cache directory) and dropped page cache:
 
@@ -68,6 +72,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -75,6 +80,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -100,7 +107,9 @@ WORKLOADS = {
 CHANGED_MODULE = {"numpy": "pandas/__init__.py", "boto3": "botocore/__init__.py", "sympy": "sympy/__init__.py"}
 SERIES = ("first-ever", "same node", "other node", "repeat (idle mounts)", "warm", "new release",
           "first-ever, fill none")
-PULL_RANGE = 32 << 20
+PULL_RANGE = 4 << 20
+PULL_RANGES_IN_FLIGHT = 2
+PULL_BUFFER_RANGES = 16
 COMMAND_WARM = "command alone, page cache warm"  # in the pulled tree, right after the pull's own run
 COMMAND_DROPPED = "command alone, page cache dropped"
 ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
@@ -206,16 +215,24 @@ def pull(info: dict, toolkit: dict, command: str, store_name: str, dest: str) ->
         start = time.perf_counter()
         with LatencyStore(FilesystemStore(info["store"], create=False), latency=latency / 1000,
                           bandwidth=bandwidth * 1e6) as store:
-            for layer in (info["base"], toolkit):
+            keys_ = [info["base"]["tar"], toolkit["tar"]]
+            sizes = [store.size(key) for key in keys_]
+            arrived: queue.Queue = queue.Queue(PULL_BUFFER_RANGES)
+            downloader = threading.Thread(target=_download, args=(store, keys_, sizes, arrived), daemon=True)
+            downloader.start()
+            for size in sizes:
                 tar = subprocess.Popen(["tar", "--zstd", "-xf", "-", "-C", dest], stdin=subprocess.PIPE)
-                size, offset = store.size(layer["tar"]), 0
-                while offset < size:
-                    data = store.get(layer["tar"], offset, min(PULL_RANGE, size - offset))
+                got = 0
+                while got < size:
+                    data = arrived.get()
+                    if isinstance(data, BaseException):
+                        raise SystemExit(f"the pull's download failed: {data}")
                     tar.stdin.write(data)
-                    offset += len(data)
+                    got += len(data)
                 tar.stdin.close()
                 if tar.wait() != 0:
                     raise SystemExit("tar -x failed")
+            downloader.join()
         run_command(dest, command)
         seconds = time.perf_counter() - start
         warm = run_command(dest, command)
@@ -232,6 +249,24 @@ def run_command(rootfs: str, command: str) -> float:
     if result.exit_code != 0:
         raise SystemExit(f"the command failed after the pull: {result.stderr.decode(errors='replace')[-2000:]}")
     return time.perf_counter() - start
+
+
+def _download(store: LatencyStore, keys_: list[str], sizes: list[int], arrived: queue.Queue) -> None:
+    """Put the objects' bytes into ``arrived`` in order, in PULL_RANGE ranges read PULL_RANGES_IN_FLIGHT
+    side by side (or the error that stopped it); waits while ``arrived`` is full."""
+    ranges = [(key, offset, min(PULL_RANGE, size - offset)) for key, size in zip(keys_, sizes)
+              for offset in range(0, size, PULL_RANGE)]
+    try:
+        with ThreadPoolExecutor(PULL_RANGES_IN_FLIGHT) as pool:
+            reading: deque = deque()
+            for key, offset, length in ranges:
+                reading.append(pool.submit(store.get, key, offset, length))
+                if len(reading) == PULL_RANGES_IN_FLIGHT:
+                    arrived.put(reading.popleft().result())
+            while reading:
+                arrived.put(reading.popleft().result())
+    except Exception as exc:  # the extraction reports it
+        arrived.put(exc)
 
 
 class Node_:

@@ -625,6 +625,7 @@ class NodeDaemon:
                                                 layer.blob.location, lambda: served.blob.trace, fill=fill,
                                                 fill_when=fill_when,
                                                 landed=layer.usage.note_prefetched)
+        layer.usage.on_miss = layer.prefetch.fill_order.missed
         return layer.prefetch
 
     async def prefetch(self, mountpoint: str, path: str) -> api.PrefetchInfo:

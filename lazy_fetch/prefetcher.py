@@ -17,9 +17,11 @@ Fill. ``fill_entries`` is the rest of the layer's chunks in blob order (the daem
 ``layer``), fetched after the list at FILL priority: a fill read starts only while no on-demand read
 waits, few at a time and small (fetcher.FILL_READS, FILL_READ_BYTES), so the bytes a miss finds ahead
 of it on the link stay a round trip's worth. The list's chunks come first, then everything else streams
-in behind them and behind every on-demand read, until the cache bound. Each chunk that lands is counted
-and, while the mount's trace is open, recorded in it (FLAG_PREFETCH); only the list's are reported as
-prefetched (``landed``), since those are what a profile predicted.
+in behind them and behind every on-demand read, until the cache bound: one store read at a time per
+fill turn, each planned as its turn comes, in the order fill_order.py gives (on from the readers' last
+miss, the layer missed in last first; the job's ``fill_order``, which the daemon tells of misses). Each
+chunk that lands is counted and, while the mount's trace is open, recorded in it (FLAG_PREFETCH); only
+the list's are reported as prefetched (``landed``), since those are what a profile predicted.
 
 Threads: the daemon's trio thread; the fetcher does its store reads in its own worker threads.
 """
@@ -38,7 +40,8 @@ from dsec_fs.chunks import ChunkLocation
 from dsec_fs.errors import DsecError
 from dsec_fs.layer import utc_now
 
-from .fetcher import FILL, PREFETCH, ChunkFetcher, Priority
+from .fetcher import FILL, FILL_READ_BYTES, FILL_READS, PREFETCH, ChunkFetcher, Priority
+from .fill_order import FillOrder, FillTurns, plan_reads
 from .memory_cache import MemoryChunkCache
 from .prefetch_list import PrefetchEntry, PrefetchList
 from .trace import FLAG_BLOB, FLAG_ERROR, FLAG_MISS, FLAG_PREFETCH, TraceWriter
@@ -86,9 +89,11 @@ class PrefetchJob:
     # Set once the fill may start (the daemon: once the layer is mounted, so that the fill's planning and
     # first reads do not hold up the mount it belongs to).
     fill_ready: trio.Event = field(default_factory=trio.Event)
+    fill_order: FillOrder = field(default_factory=lambda: FillOrder([]))  # where the fill goes next
 
     def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("cancel_scope", "fill_ready")}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("cancel_scope", "fill_ready", "fill_order")}
 
 
 def prefetch_groups(entries: Iterable[PrefetchEntry]) -> Iterator[list[PrefetchEntry]]:
@@ -124,6 +129,7 @@ class Prefetcher:
         self.fetch_log = fetch_log
         self.room = room  # bytes the disk cache can still take without evicting
         self.jobs: list[PrefetchJob] = []
+        self.fill_turns = FillTurns(FILL_READS)  # the fill reads at once, shared by every job's fill
         self._nursery = nursery
 
     @property
@@ -142,47 +148,48 @@ class Prefetcher:
         FILL_DECISION_SECONDS)."""
         entries = plist.entries if plist else []
         job = PrefetchJob(layer=layer, list=path, chunks=len(entries) + len(fill),
-                          bytes=sum(entry.length for entry in (*entries, *fill)), fill_chunks=len(fill))
+                          bytes=sum(entry.length for entry in (*entries, *fill)), fill_chunks=len(fill),
+                          fill_order=FillOrder(list(fill)))
         self.jobs.append(job)
-        self._nursery.start_soon(self._run, [(entries, PREFETCH, landed), (fill, FILL, lambda entry: None)],
-                                 job, fetcher, locate, trace, fill_when)
+        self._nursery.start_soon(self._run, entries, landed, job, fetcher, locate, trace, fill_when)
         return job
 
-    async def _run(self, parts: list[tuple[list[PrefetchEntry], Priority, Callable[[int], None]]], job: PrefetchJob,
+    async def _run(self, entries: list[PrefetchEntry], landed: Callable[[int], None], job: PrefetchJob,
                    fetcher: ChunkFetcher, locate: Locate, trace: Callable[[], TraceWriter | None],
                    fill_when: Callable[[float], bool | None]) -> None:
         started = time.monotonic()
         with job.cancel_scope:
             try:
                 window = trio.Semaphore(PREFETCH_GROUPS_IN_FLIGHT)
-                in_flight = [0]  # bytes of the groups fetching now, not in the cache yet
+                in_flight = [0]  # bytes of the groups and fill reads fetching now, not in the cache yet
 
-                async def fetch_group(group: list[PrefetchEntry], size: int, priority: Priority,
-                                      on_landed: Callable[[int], None]) -> None:
+                async def fetch_group(group: list[PrefetchEntry], size: int) -> None:
                     try:
-                        await self._fetch_group(group, priority, job, fetcher, locate, trace, on_landed)
+                        await self._fetch_group(group, PREFETCH, job, fetcher, locate, trace, landed)
                     finally:
                         in_flight[0] -= size
                         window.release()
 
                 async with trio.open_nursery() as nursery:
-                    deciding = True
-                    for group, priority, on_landed in _groups(parts):
-                        if priority == FILL and deciding:
-                            deciding = False
-                            if not await _fill_wanted(job, fill_when, fetcher):
-                                break
+                    room_left = True
+                    for group in prefetch_groups(entries):
                         await window.acquire()
                         fitting = _fitting(group, self.room() - in_flight[0])
                         if fitting:
                             size = sum(entry.length for entry in fitting)
                             in_flight[0] += size
-                            nursery.start_soon(fetch_group, fitting, size, priority, on_landed)
+                            nursery.start_soon(fetch_group, fitting, size)
                         else:
                             window.release()
                         if len(fitting) < len(group):
                             log.info("prefetch of layer %s stops at the cache bound", job.layer[:12])
+                            room_left = False
                             break
+                    if room_left and job.fill_order.left and await _fill_wanted(job, fill_when, fetcher):
+                        job.fill_order.planned(await trio.to_thread.run_sync(
+                            plan_reads, job.fill_order.entries, locate, FILL_READ_BYTES))
+                        for _ in range(FILL_READS):
+                            nursery.start_soon(self._fill, job, fetcher, locate, trace, in_flight)
                 job.state = "done"
             except Exception as exc:
                 job.state = "failed"
@@ -192,6 +199,27 @@ class Prefetcher:
         job.finished = utc_now()
         log.info("prefetch of layer %s %s: %d of %d chunks (%d bytes) in %.1f s, %d failed", job.layer[:12],
                  job.state, job.done_chunks, job.chunks, job.done_bytes, time.monotonic() - started, job.failed_chunks)
+
+    async def _fill(self, job: PrefetchJob, fetcher: ChunkFetcher, locate: Locate,
+                    trace: Callable[[], TraceWriter | None], in_flight: list[int]) -> None:
+        """Fill reads one after another, each in a turn of the node's (fill_order.FillTurns), each the
+        next batch of the job's fill order, until none is left or the next would not fit in the cache's
+        room (``in_flight``: bytes fetching now, not in the cache yet)."""
+        order = job.fill_order
+        async with self.fill_turns.turn(order) as turn:
+            while batch := order.take():
+                size = sum(entry.length for entry in batch)
+                if size > self.room() - in_flight[0]:
+                    if not order.stopped:
+                        log.info("fill of layer %s stops at the cache bound", job.layer[:12])
+                    order.stop()
+                    return
+                in_flight[0] += size
+                try:
+                    await self._fetch_group(batch, FILL, job, fetcher, locate, trace, lambda entry: None)
+                finally:
+                    in_flight[0] -= size
+                await turn.pass_on()
 
     async def _fetch_group(self, group: list[PrefetchEntry], priority: Priority, job: PrefetchJob,
                            fetcher: ChunkFetcher, locate: Locate, trace: Callable[[], TraceWriter | None],
@@ -244,14 +272,6 @@ async def _fill_wanted(job: PrefetchJob, fill_when: Callable[[float], bool | Non
         log.info("fill of layer %s skipped: %s", job.layer[:12], "no store reads to judge it by" if round_trip is None
                  else f"its store answers in {round_trip * 1e3:.1f} ms")
     return bool(wanted)
-
-
-def _groups(parts: list[tuple[list[PrefetchEntry], Priority, Callable[[int], None]]]
-            ) -> Iterator[tuple[list[PrefetchEntry], Priority, Callable[[int], None]]]:
-    """Each part's prefetch_groups, with the part's priority and landed callback, parts in order."""
-    for entries, priority, on_landed in parts:
-        for group in prefetch_groups(entries):
-            yield group, priority, on_landed
 
 
 def fill_entries(plist: PrefetchList | None, blob_map: BlobMap) -> list[PrefetchEntry]:

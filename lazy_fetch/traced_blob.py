@@ -72,12 +72,18 @@ class LayerUsage:
         self.read_errors = 0
         self._used = bytearray(len(self._lengths))  # 1 for each blob-map entry served
         self._prefetched = bytearray(len(self._lengths))  # 1 for each blob-map entry a prefetch brought
+        # Told of each blob-map entry a read missed (the layer's fill follows them: fill_order.py).
+        self.on_miss: Callable[[int], None] = lambda entry: None
 
-    def note(self, chunks: list[BlobChunk], failed: bool) -> None:
+    def note(self, chunks: list[BlobChunk], failed: bool, missed: bool = False) -> None:
+        """A read of ``chunks`` was served (or ``failed``); ``missed``: it waited for the store."""
         self.reads += 1
         if failed:
             self.read_errors += 1
             return
+        if missed:
+            for chunk in chunks:
+                self.on_miss(chunk.entry)
         for chunk in chunks:
             if not self._used[chunk.entry]:
                 self._used[chunk.entry] = 1
@@ -145,7 +151,8 @@ class TracedBlob:
 
     def _note(self, offset: int, length: int, chunks: list[BlobChunk], missed: bool, started: int, *,
               failed: bool) -> None:
-        self.usage.note(chunks, failed)
+        missed = not failed and self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks))
+        self.usage.note(chunks, failed, missed)
         if self.trace is None:
             return
         flags = FLAG_ERROR if failed else 0

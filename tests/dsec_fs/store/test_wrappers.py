@@ -352,6 +352,32 @@ def test_latency_store_passes_data_through(base):
     assert unlimited.get("obj") == DATA
 
 
+def test_latency_store_shares_its_link_among_the_transfers_on_it(base):
+    # Two reads of 1 MB on a 10 MB/s link, and a small one started beside them: the link is shared, as a
+    # real one is by its flows, so the small read is done in about three times its own transfer (3 ms),
+    # long before the big ones; a link that let each transfer wait for the ones before it made the small
+    # read wait for both (0.2 s). Two side by side still take the link's time for both bytes (0.2 s).
+    base.put("big", b"b" * 1_000_000)
+    base.put("small", b"s" * 10_000)
+    store = LatencyStore(base, latency=0.0, bandwidth=10e6)
+    done: dict[str, float] = {}
+
+    def read(name: str, key: str) -> None:
+        store.get(key)
+        done[name] = time.monotonic()
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=read, args=(f"big{n}", "big")) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.02)
+    read("small", "small")
+    for thread in threads:
+        thread.join()
+    assert done["small"] - started < 0.1 < min(done["big0"], done["big1"]) - started
+    assert 0.19 < max(done["big0"], done["big1"]) - started < 0.5
+
+
 # -- composition
 
 

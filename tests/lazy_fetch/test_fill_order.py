@@ -1,0 +1,183 @@
+"""The fill's order (fill_order.py, prefetcher.py): it goes on from where a reader missed, and the node's
+fill reads go to the layer missed in last. Real parts: a FilesystemStore of packs, a ChunkCache, the
+fetcher; the store only records which pack each read asks for, and answers after a delay."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import trio
+
+from dsec_fs.chunks import ChunkLocation
+from dsec_fs.store import keys
+from dsec_fs.store.wrappers import StoreWrapper
+from lazy_fetch.blob_reader import open_layer_blob
+from lazy_fetch.fetcher import FILL_READS, ChunkFetcher, open_fetcher
+from lazy_fetch.fill_order import FillOrder, FillTurns, plan_reads
+from lazy_fetch.memory_cache import MemoryChunkCache
+from lazy_fetch.prefetch_list import PrefetchEntry
+from lazy_fetch.prefetcher import Prefetcher
+from lazy_fetch.traced_blob import LayerUsage, StoreFetchLog, TracedBlob
+from tests.lazy_fetch.conftest import BLOCK_SIZE
+from tests.lazy_fetch.test_fetcher import backend, cache, chunk, until, upload  # noqa: F401 (fixtures)
+
+ANSWER = 0.05  # seconds each store read takes
+
+
+class PackLog(StoreWrapper):
+    """Records the pack each get asks for, as it is asked; answers ANSWER seconds later."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.packs: list[str] = []
+        self._lock = threading.Lock()
+
+    def _call(self, op, key, fn, sent=0):
+        if op == "get":
+            with self._lock:
+                self.packs.append(key)
+            time.sleep(ANSWER)
+        return fn()
+
+
+def layer_fill(backend, first: int, count: int) -> tuple[list[PrefetchEntry], dict[bytes, ChunkLocation], list[str]]:
+    """``count`` chunks, each in a pack of its own (a store read each): their fill entries in blob order,
+    their locations, and their packs' keys in the same order."""
+    items = [upload(backend, [chunk(n)])[0] for n in range(first, first + count)]
+    entries = [PrefetchEntry(chunk=number, digest=digest, offset=number * 4096, length=4096, first_read_us=0,
+                             traces=0) for number, (digest, _location) in enumerate(items)]
+    return entries, dict(items), [keys.pack(location.pack_id) for _digest, location in items]
+
+
+def pairs(reads: list) -> list[set]:
+    """The reads two by two (FILL_READS side by side, which of a pair asks first is the threads')."""
+    assert FILL_READS == 2
+    return [set(reads[n:n + 2]) for n in range(0, len(reads), 2)]
+
+
+def run_fills(store, cache, steps) -> list:
+    """Run ``steps(start)`` (async; ``start(name, entries, locations)`` starts a layer's fill and returns
+    its job) on one fetcher and prefetcher, then wait until every fill is done; returns the jobs."""
+    jobs = []
+
+    async def main():
+        async with open_fetcher(store, cache) as fetcher, trio.open_nursery() as nursery:
+            prefetcher = Prefetcher(MemoryChunkCache(1 << 20), StoreFetchLog(), nursery, room=lambda: 1 << 30)
+
+            def start(name, entries, locations):
+                job = prefetcher.start(name, None, "fill", fetcher, lambda entry, digest: locations[digest],
+                                       lambda: None, fill=entries)
+                job.fill_ready.set()
+                jobs.append(job)
+                return job
+
+            await steps(start)
+            await until(lambda: all(job.state == "done" for job in jobs))
+
+    trio.run(main)
+    return jobs
+
+
+def test_the_fill_goes_on_from_where_a_reader_missed(backend, cache):
+    entries, locations, packs = layer_fill(backend, 0, 12)
+    store = PackLog(backend)
+
+    async def steps(start):
+        job = start("layer", entries, locations)
+        await until(lambda: len(store.packs) == FILL_READS)  # the first reads are in the air
+        job.fill_order.missed(8)  # a reader jumped ahead
+
+    (job,) = run_fills(store, cache, steps)
+    assert job.done_chunks == len(entries)
+    # Each once, from the miss on, wrapping around at the end; the fill's two reads go side by side.
+    assert pairs([packs.index(pack) for pack in store.packs]) == [{0, 1}, {8, 9}, {10, 11}, {2, 3}, {4, 5}, {6, 7}]
+
+
+def test_the_fill_reads_go_to_the_layer_missed_in_last(backend, cache):
+    base, base_locations, base_packs = layer_fill(backend, 0, 6)
+    toolkit, toolkit_locations, toolkit_packs = layer_fill(backend, 100, 6)
+    store = PackLog(backend)
+
+    async def steps(start):
+        start("base", base, base_locations)
+        await until(lambda: len(store.packs) == FILL_READS)  # the base's fill has both turns
+        start("toolkit", toolkit, toolkit_locations).fill_order.missed(3)  # the command reads the toolkit now
+
+    run_fills(store, cache, steps)
+    # Every turn that freed went to the toolkit until its fill was done (from its miss on, wrapping),
+    # then back to the base.
+    reads = [f"base{base_packs.index(pack)}" if pack in base_packs else f"toolkit{toolkit_packs.index(pack)}"
+             for pack in store.packs]
+    assert pairs(reads) == [{"base0", "base1"}, {"toolkit3", "toolkit4"}, {"toolkit5", "toolkit0"},
+                            {"toolkit1", "toolkit2"}, {"base2", "base3"}, {"base4", "base5"}]
+
+
+def test_a_fill_order_gives_each_read_once_however_the_misses_jump():
+    locations = {bytes([n]) * 32: ChunkLocation(f"pack{n % 2}", (n // 2) * 100, 100, 4096) for n in range(10)}
+    entries = [PrefetchEntry(chunk=n, digest=bytes([n]) * 32, offset=n * 4096, length=4096, first_read_us=0, traces=0)
+               for n in range(10)]
+    order = FillOrder(entries)
+
+    async def main():
+        order.missed(7)  # before the plan: remembered
+        # Neighbours in a pack share a read, however far apart the blob has them: two reads, one a pack.
+        order.planned(plan_reads(entries, lambda chunk, digest: locations[digest], 1 << 20))
+        assert order.left == 2
+        first = order.take()
+        assert [entry.chunk for entry in first] == [1, 3, 5, 7, 9]  # the read holding entry 7
+        order.missed(7)  # taken already: the next read not taken, wrapping
+        assert [entry.chunk for entry in order.take()] == [0, 2, 4, 6, 8]
+        assert order.take() == [] and order.left == 0
+
+    trio.run(main)
+
+
+def test_a_cancelled_fill_gives_its_turn_to_the_next():
+    async def main():
+        turns, first, second, third = FillTurns(1), FillOrder([]), FillOrder([]), FillOrder([])
+        got = []
+
+        async def take_turn(order, name):
+            async with turns.turn(order):
+                got.append(name)
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take_turn, first, "first")
+            await trio.sleep(0.01)
+            cancelled = trio.CancelScope()
+
+            async def waits_then_is_cancelled():
+                with cancelled:
+                    await take_turn(second, "second")
+
+            nursery.start_soon(waits_then_is_cancelled)
+            nursery.start_soon(take_turn, third, "third")
+            await trio.sleep(0.01)
+            second.missed_at = 1.0  # it would be next
+            cancelled.cancel()
+        assert got == ["first", "third"] and turns.free == 1
+
+    trio.run(main)
+
+
+def test_a_read_that_misses_tells_the_layers_fill_and_one_that_hits_does_not(built_layer, cache):
+    missed = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            fetch_log = StoreFetchLog()
+            fetcher = ChunkFetcher(built_layer.store, cache, nursery, on_fetched=fetch_log.note)
+            blob = await open_layer_blob(built_layer.layer, fetcher)
+            usage = LayerUsage(blob)
+            usage.on_miss = missed.append
+            traced = TracedBlob(blob, usage, fetch_log, None)
+            wanted = [chunk.entry for chunk in blob.chunks_for_range(0, 3 * BLOCK_SIZE)]
+            await traced.read(0, 3 * BLOCK_SIZE)  # from the store
+            assert missed == wanted
+            await traced.read(0, 3 * BLOCK_SIZE)  # from the cache
+            assert missed == wanted
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
