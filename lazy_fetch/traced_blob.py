@@ -151,7 +151,6 @@ class TracedBlob:
 
     def _note(self, offset: int, length: int, chunks: list[BlobChunk], missed: bool, started: int, *,
               failed: bool) -> None:
-        missed = not failed and self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks))
         self.usage.note(chunks, failed, missed)
         if self.trace is None:
             return
