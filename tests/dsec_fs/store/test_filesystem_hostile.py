@@ -5,6 +5,7 @@ block a reader. (get_at_most's own cases are in test_conformance.py.)"""
 from __future__ import annotations
 
 import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -115,12 +116,13 @@ def test_a_tree_deeper_than_any_key_does_not_break_list(hostile):
             below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = below
-    finally:
         os.close(fd)
-    fds = _open_fds()
-    assert sorted(store.list("layers/")) == ["layers/cd/manifest.json"]
-    assert [path for path, _mtime in store.temp_files()] == []
-    assert _open_fds() == fds
+        fds = _open_fds()
+        assert sorted(store.list("layers/")) == ["layers/cd/manifest.json"]
+        assert [path for path, _mtime in store.temp_files()] == []
+        assert _open_fds() == fds
+    finally:
+        subprocess.run(["rm", "-rf", str(root / "layers" / "d")], check=True)  # shutil.rmtree recurses
 
 
 def test_a_removed_root_is_a_store_error(hostile):
