@@ -63,7 +63,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -639,10 +638,7 @@ class _Run:
                 continue
             self.report.temp_files_removed += 1
             if not self.dry_run:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+                store.remove_temp_file(path)
 
     # -- helpers
 

@@ -144,11 +144,16 @@ class Profile:
 def learn(layer: LayerIndex, trace: Trace, *, combination: str = "") -> Profile | None:
     """The profile of one trace of ``layer`` (learned in ``combination``, if one): the chunks its readers
     read (not the prefetcher), in first-read order; None if they read nothing."""
-    use = layer.access(trace).use
-    if not use.first_read:
+    return learned_from(layer, layer.access(trace).use.first_read, combination=combination)
+
+
+def learned_from(layer: LayerIndex, first_read: dict[int, int], *, combination: str = "") -> Profile | None:
+    """The profile of one trace of ``layer`` whose readers first read blob-map entry ``e`` at
+    ``first_read[e]`` ns into it; None if they read nothing."""
+    if not first_read:
         return None
     entries = []
-    for entry, first_ns in sorted(use.first_read.items(), key=lambda item: item[1]):
+    for entry, first_ns in sorted(first_read.items(), key=lambda item: item[1]):
         _blkaddr, digest, length = layer.blob_map.entries[entry]
         owner = layer.owner[entry]
         path, file_chunk = ("", 0) if owner is None else (layer.files[owner[0]].path, owner[1] >> layer.chunk_bits)

@@ -59,11 +59,17 @@ FLUSH_SECONDS = 15.0
 @dataclass
 class PublishedRun:
     """What one run (a served blob's whole trace, or one segment of it for a combination) published so
-    far, by key. ``lock`` (worker threads) guards ``published`` and ``newest``; ``last`` and ``_seq`` are
-    the trio thread's."""
+    far, by key, and what its publishes learned from its trace so far. ``lock`` (worker threads) guards
+    ``published``, ``newest``, ``records_read`` and ``first_read``; ``last`` and ``_seq`` are the trio
+    thread's."""
 
     published: dict[str, profile.Profile] = field(default_factory=dict)
     newest: int = -1  # the sequence number of the newest publish that wrote
+    # A publish reads only the records written since the one before (its time and memory would grow
+    # with the run's age otherwise): records read of each segment, by path; the first read of each
+    # blob-map entry (at most one item an entry of the layer) on the time base of the first segment.
+    records_read: dict[str, int] = field(default_factory=dict)
+    first_read: dict[int, int] = field(default_factory=dict)
     last: float = field(default_factory=time.monotonic)  # when it was last queued (or the run began)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _seq: itertools.count = field(default_factory=itertools.count)
@@ -71,6 +77,18 @@ class PublishedRun:
     def next(self) -> int:
         self.last = time.monotonic()
         return next(self._seq)
+
+    def learn(self, index: LayerIndex, trace_paths: list[str], combination: str) -> profile.Profile | None:
+        """The profile of the trace in ``trace_paths`` (the run's segments so far, in order), reading only
+        what it gained since the last call (``lock`` held)."""
+        gained = [read_trace(path, skip=self.records_read.get(path, 0)) for path in trace_paths]
+        first_read = index.access(join_segments(gained)).use.first_read  # raises before anything changes
+        for entry, first_ns in first_read.items():
+            if first_ns < self.first_read.get(entry, first_ns + 1):
+                self.first_read[entry] = first_ns
+        for trace in gained:
+            self.records_read[trace.path] = self.records_read.get(trace.path, 0) + len(trace.records)
+        return profile.learned_from(index, self.first_read, combination=combination)
 
 
 @dataclass
@@ -174,10 +192,6 @@ class ProfileKeeper:
 
     def _publish_blocking(self, job: _Publish) -> profile.Profile | None:
         store, files, ref_name, run = job.store, job.files, job.ref_name, job.run
-        trace = join_segments([read_trace(path) for path in job.trace_paths])
-        learned = profile.learn(job.index(), trace, combination=job.combination)
-        if learned is None:
-            return None
         if job.combination:
             targets = [keys.combination_profiles(job.combination, files.digest)]
         else:
@@ -186,6 +200,9 @@ class ProfileKeeper:
                 targets.append(keys.name_profiles(profile.name_id(ref_name)))
         with run.lock:
             if job.seq < run.newest:  # a later publish of this run, which knew more, wrote already
+                return None
+            learned = run.learn(job.index(), job.trace_paths, job.combination)
+            if learned is None:
                 return None
             merged = []
             for target in targets:

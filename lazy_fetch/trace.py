@@ -189,11 +189,14 @@ def iter_records(f: BinaryIO, path: str, data_offset: int) -> Iterator[TraceReco
                               f"truncated: {len(raw) - whole} of {RECORD.size} bytes", source=path)
 
 
-def read_trace(path: str, *, strict: bool = False) -> Trace:
-    """Load a whole trace. A truncated last record is dropped (``truncated`` set) unless ``strict``."""
+def read_trace(path: str, *, strict: bool = False, skip: int = 0) -> Trace:
+    """Load a whole trace, or its records after the first ``skip`` (what a reader read before: a live
+    trace's records are appended, never changed). A truncated last record is dropped (``truncated`` set)
+    unless ``strict``."""
     with open(path, "rb") as f:
         header = read_header(f, path)
-        data_offset = f.tell()
+        data_offset = f.tell() + skip * RECORD.size
+        f.seek(data_offset)
         records: list[TraceRecord] = []
         try:
             records.extend(iter_records(f, path, data_offset))

@@ -42,12 +42,15 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 # ELOOP: a symlink on the path; ENXIO: a socket; EXDEV: out of the root.
 _NOT_AN_OBJECT = (errno.ELOOP, errno.ENXIO, errno.EXDEV)
+# What a walk below a directory passes by: gone, a symlink or not a directory (any more), too deep a path.
+_NOT_WALKED = (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, *_NOT_AN_OBJECT)
+_TRANSIENT = (errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR)
 
 
 def _unavailable(exc: OSError, key: str) -> UnavailableError:
     # ENOSPC, EACCES, EROFS and friends will not go away by retrying; EIO, ESTALE and timeouts might.
-    transient = exc.errno in (errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR)
-    return UnavailableError(f"{os.strerror(exc.errno or 0)} ({exc.__class__.__name__})", where=key, transient=transient)
+    return UnavailableError(f"{os.strerror(exc.errno or 0)} ({exc.__class__.__name__})", where=key,
+                            transient=exc.errno in _TRANSIENT)
 
 
 def _remove(dir_fd: int, name: str) -> None:
@@ -93,9 +96,15 @@ class FilesystemStore(Store):
             raise InputError(f"store keys may not start with {TMP_PREFIX!r}: {key!r}", where=self.url)
         return parts
 
-    def _open(self, relpath: str, flags: int) -> int:
-        """``relpath`` (a key, or a directory of one; "" is the root) opened beneath the root; OSError."""
-        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def _open(self, relpath: str, flags: int, where: str) -> int:
+        """``relpath`` (a key, or a directory of one; "" is the root) opened beneath the root; OSError, or
+        UnavailableError naming ``where`` if the root itself cannot be opened (a removed or unmounted
+        store: not an empty one, nor a missing object)."""
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise UnavailableError(f"the store's root {self.root}: {os.strerror(exc.errno or 0)}", where=where,
+                                   transient=exc.errno in _TRANSIENT) from None
         if not relpath:
             return root_fd
         try:
@@ -109,7 +118,7 @@ class FilesystemStore(Store):
         where = self._where(key)
         self._parts(key)
         try:
-            fd = self._open(key, os.O_RDONLY | os.O_NONBLOCK)
+            fd = self._open(key, os.O_RDONLY | os.O_NONBLOCK, where)
         except OSError as exc:
             raise _store_error(exc, where) from None
         try:
@@ -169,12 +178,12 @@ class FilesystemStore(Store):
         """An fd of the directory of parts[:-1] beneath the root, made (DIR_MODE) where missing."""
         relpath = "/".join(parts[:-1])
         try:
-            return self._open(relpath, os.O_RDONLY | os.O_DIRECTORY)
+            return self._open(relpath, os.O_RDONLY | os.O_DIRECTORY, where)
         except FileNotFoundError:
             pass
         except OSError as exc:
             raise _store_error(exc, where) from None
-        fd = self._open("", os.O_RDONLY | os.O_DIRECTORY)
+        fd = self._open("", os.O_RDONLY | os.O_DIRECTORY, where)
         try:
             for part in parts[:-1]:
                 try:
@@ -317,7 +326,7 @@ class FilesystemStore(Store):
         where = self._where(key)
         self._parts(key)
         try:
-            fd = self._open(key, os.O_PATH)
+            fd = self._open(key, os.O_PATH, where)
         except OSError as exc:
             raise _store_error(exc, where) from None
         try:
@@ -331,42 +340,60 @@ class FilesystemStore(Store):
         return st
 
     def list(self, prefix: str) -> Iterator[str]:
-        # Walk only the directory that can hold the prefix, then filter by the full prefix. A symlink in
-        # place of that directory, or of one below it, is not the store's: not walked.
+        # Walk only the directory that can hold the prefix, then filter by the full prefix.
         base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        try:
-            top_fd = self._open(base_dir, os.O_RDONLY | os.O_DIRECTORY)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        except OSError as exc:
-            if exc.errno in _NOT_AN_OBJECT:
-                return
-            raise _unavailable(exc, self._where(prefix)) from None
-        try:
-            base_parts = base_dir.split("/") if base_dir else []
-            for dirpath, dirnames, filenames, _dir_fd in os.fwalk(".", dir_fd=top_fd):
-                dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
-                rel = "/".join([*base_parts, *dirpath.split("/")[1:], ""])  # fwalk's dirpath: ".", "./a", ...
-                for name in filenames:
-                    if name.startswith(TMP_PREFIX):
-                        continue
-                    key = rel + name
-                    if key.startswith(prefix):
-                        yield key
-        finally:
-            os.close(top_fd)
+        for directory, entry in self._walk(base_dir, self._where(prefix)):
+            if not entry.name.startswith(TMP_PREFIX):
+                key = directory + entry.name
+                if key.startswith(prefix):
+                    yield key
+
+    def _walk(self, top: str, where: str) -> Iterator[tuple[str, os.DirEntry]]:
+        """(its directory as "" or "a/b/", entry) of every regular file in directory ``top`` ("": the root)
+        and those below it, but in no ``.tmp-`` directory. Nothing that is not a directory is walked
+        into, a symlink to one included; a directory replaced by one meanwhile is passed by. Each
+        directory is opened beneath the root by its path, one at a time: a tree nested any depth costs
+        neither an fd nor a stack frame a level (os.fwalk's recursion raised RecursionError on one a
+        hostile writer made 1000 deep). OSError but those of _NOT_WALKED: UnavailableError."""
+        pending = [top]
+        while pending:
+            directory = pending.pop()
+            try:
+                fd = self._open(directory, os.O_RDONLY | os.O_DIRECTORY, where)
+            except OSError as exc:
+                if exc.errno in _NOT_WALKED:
+                    continue
+                raise _unavailable(exc, f"{self.url}/{directory}") from None
+            prefix = directory + "/" if directory else ""
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            if not entry.name.startswith(TMP_PREFIX):
+                                pending.append(prefix + entry.name)
+                        elif entry.is_file(follow_symlinks=False):
+                            yield prefix, entry
+            except OSError as exc:
+                raise _unavailable(exc, f"{self.url}/{directory}") from None
+            finally:
+                os.close(fd)
 
     def delete(self, key: str) -> None:
         parts = self._parts(key)
         where = self._where(key)
         try:
-            dir_fd = self._open("/".join(parts[:-1]), os.O_RDONLY | os.O_DIRECTORY)
+            self._unlink("/".join(parts[:-1]), parts[-1], where)  # a symlink at the key goes, never followed
         except (FileNotFoundError, NotADirectoryError):
-            return
+            pass
         except OSError as exc:
             raise _store_error(exc, where) from None
+
+    def _unlink(self, directory: str, name: str, where: str) -> None:
+        """Unlink ``name`` in ``directory``, opened beneath the root (OSError if it cannot be: the callers
+        say what that means); gone already is done; an error unlinking is an UnavailableError."""
+        dir_fd = self._open(directory, os.O_RDONLY | os.O_DIRECTORY, where)
         try:
-            os.unlink(parts[-1], dir_fd=dir_fd)  # a symlink at the key is removed, never followed
+            os.unlink(name, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -375,12 +402,24 @@ class FilesystemStore(Store):
             os.close(dir_fd)
 
     def temp_files(self) -> Iterator[tuple[str, float]]:
-        """(path, mtime) of temporary files left by interrupted writes, for gc to remove."""
-        for dirpath, _dirnames, filenames in os.walk(self.root):
-            for name in filenames:
-                if name.startswith(TMP_PREFIX):
-                    path = os.path.join(dirpath, name)
-                    try:
-                        yield path, os.stat(path).st_mtime
-                    except FileNotFoundError:
-                        continue
+        """(path below the root, mtime) of temporary files left by interrupted writes, for gc to remove
+        with ``remove_temp_file``."""
+        for directory, entry in self._walk("", self.url):
+            if entry.name.startswith(TMP_PREFIX):
+                try:
+                    yield directory + entry.name, entry.stat(follow_symlinks=False).st_mtime
+                except FileNotFoundError:
+                    continue
+
+    def remove_temp_file(self, path: str) -> None:
+        """Unlink ``path`` (from ``temp_files``) beneath the root, by its directory opened there: a
+        directory of its path swapped for a symlink since the walk met it makes nothing outside go."""
+        directory, _, name = path.rpartition("/")
+        if not name.startswith(TMP_PREFIX):
+            raise InputError(f"not a temporary file: {path!r}", where=self.url)
+        where = f"{self.url}/{path}"
+        try:
+            self._unlink(directory, name, where)
+        except OSError as exc:
+            if exc.errno not in _NOT_WALKED:
+                raise _unavailable(exc, where) from None

@@ -271,6 +271,35 @@ def test_old_temporary_files_of_a_filesystem_store_are_removed(store, tmp_path):
     assert not os.path.exists(old) and os.path.exists(young)  # young: maybe a put in progress
 
 
+class _SwappingStore(FilesystemStore):
+    """A store whose index/ another writer swaps for a symlink to outside just after gc's walk met a
+    temporary file in it (the rename a hostile writer of a shared mount may time to win that race)."""
+
+    outside = ""
+
+    def temp_files(self):
+        for path, mtime in super().temp_files():
+            index = os.path.join(self.root, "index")
+            if not os.path.islink(index):
+                os.rename(index, index + ".moved")
+                os.symlink(self.outside, index)
+            yield path, mtime
+
+
+def test_gc_removes_no_temporary_file_outside_the_store_whatever_is_swapped_meanwhile(tmp_path):
+    store = _SwappingStore(str(tmp_path / "store"), fsync=False)
+    store.put("index/ab", b"x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for directory in (outside, tmp_path / "store" / "index"):
+        path = directory / (TMP_PREFIX + "old")
+        path.write_bytes(b"the operator's")
+        os.utime(path, (time.time() - 2 * 3600,) * 2)
+    store.outside = str(outside)
+    run_gc(store)
+    assert (outside / (TMP_PREFIX + "old")).read_bytes() == b"the operator's"
+
+
 def test_bad_options_are_refused(store):
     with pytest.raises(InputError):
         run_gc(store, grace_seconds=-1)
