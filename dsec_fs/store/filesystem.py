@@ -112,9 +112,9 @@ class FilesystemStore(Store):
         finally:
             os.close(root_fd)
 
-    def _open_object(self, key: str) -> int:
-        """A blocking fd of the regular file at ``key``; store errors. Opened without blocking, so a FIFO
-        at the key is refused instead of waited on."""
+    def _open_object(self, key: str) -> tuple[int, int]:
+        """A blocking fd of the regular file at ``key``, and its size; store errors. Opened without
+        blocking, so a FIFO at the key is refused instead of waited on."""
         where = self._where(key)
         self._parts(key)
         try:
@@ -131,14 +131,13 @@ class FilesystemStore(Store):
             if isinstance(exc, OSError):
                 raise _unavailable(exc, where) from None
             raise
-        return fd
+        return fd, st.st_size
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         check_range(key, offset, length)
         where = self._where(key)
-        fd = self._open_object(key)
+        fd, size = self._open_object(key)
         try:
-            size = os.fstat(fd).st_size
             # An empty read past the end is a range past the end too (the same answer as S3's 416).
             if not length and offset > size:
                 raise CorruptError(f"offset {offset} is past the end", where=where)
@@ -160,9 +159,8 @@ class FilesystemStore(Store):
 
     def get_at_most(self, key: str, limit: int) -> bytes:
         where = self._where(key)
-        fd = self._open_object(key)
+        fd, size = self._open_object(key)
         try:
-            size = os.fstat(fd).st_size
             if size > limit:
                 raise too_large(where, size, limit)
             data = os.pread(fd, limit + 1, 0) if limit else b""
@@ -199,26 +197,14 @@ class FilesystemStore(Store):
         return fd
 
     def put(self, key: str, data: bytes | memoryview) -> None:
-        parts = self._parts(key)
-        dir_fd = self._directory(parts, self._where(key))
-        try:
-            self._put_in(dir_fd, parts[-1], data, key, sync=self.fsync)
-            if self.fsync:
-                self._sync_directory(dir_fd, "/".join(parts[:-1]))
-        finally:
-            os.close(dir_fd)
+        self._put(key, data, sync=self.fsync, sync_directory=self.fsync)
 
     def put_ephemeral(self, key: str, data: bytes | memoryview) -> None:
         """``put`` without fsyncs on a file:// store, whose disk and writer share a crash; on posix:// (a
         mount another host may serve) as ``put``. A crash may leave such an object torn or empty."""
         if self.scheme != "file":
             return self.put(key, data)
-        parts = self._parts(key)
-        dir_fd = self._directory(parts, self._where(key))
-        try:
-            self._put_in(dir_fd, parts[-1], data, key, sync=False)
-        finally:
-            os.close(dir_fd)
+        self._put(key, data, sync=False, sync_directory=False)
 
     def put_all(self, objects: Iterable[tuple[str, bytes | memoryview]], last: tuple[str, bytes | memoryview]) -> None:
         """Store.put_all with fewer fsyncs on the path to ``last``: each object is written to a temporary
@@ -237,7 +223,8 @@ class FilesystemStore(Store):
                 for key, data in objects:
                     parts = self._parts(key)
                     directories.setdefault("/".join(parts[:-1]), parts)
-                    puts.append(pool.submit(self._put_unsynced_directory, key, parts, data))
+                    # Their directories are fsynced below, once each.
+                    puts.append(pool.submit(self._put, key, data, sync=self.fsync, sync_directory=False))
                 last_tmp = self._write_temp(last_fd, last_data, last_key, sync=self.fsync)
                 for put in puts:
                     put.result()
@@ -257,11 +244,14 @@ class FilesystemStore(Store):
                 _remove(last_fd, last_tmp)
             os.close(last_fd)
 
-    def _put_unsynced_directory(self, key: str, parts: list[str], data: bytes | memoryview) -> None:
-        """``put``, but for the fsync of the directory (put_all makes one for all its objects)."""
+    def _put(self, key: str, data: bytes | memoryview, *, sync: bool, sync_directory: bool) -> None:
+        """Write ``key`` (the file fsynced if ``sync``, then its directory if ``sync_directory``)."""
+        parts = self._parts(key)
         dir_fd = self._directory(parts, self._where(key))
         try:
-            self._put_in(dir_fd, parts[-1], data, key, sync=self.fsync)
+            self._put_in(dir_fd, parts[-1], data, key, sync=sync)
+            if sync_directory:
+                self._sync_directory(dir_fd, "/".join(parts[:-1]))
         finally:
             os.close(dir_fd)
 
