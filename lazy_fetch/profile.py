@@ -52,7 +52,6 @@ from dsec_fs.store.base import Store
 
 from .analysis import LayerIndex
 from .prefetch_list import DEFAULT_MIN_FRACTION, PrefetchEntry, PrefetchList
-from .trace import Trace
 
 log = logging.getLogger(__name__)
 
@@ -141,15 +140,10 @@ class Profile:
                    combination=combination)
 
 
-def learn(layer: LayerIndex, trace: Trace, *, combination: str = "") -> Profile | None:
-    """The profile of one trace of ``layer`` (learned in ``combination``, if one): the chunks its readers
-    read (not the prefetcher), in first-read order; None if they read nothing."""
-    return learned_from(layer, layer.access(trace).use.first_read, combination=combination)
-
-
 def learned_from(layer: LayerIndex, first_read: dict[int, int], *, combination: str = "") -> Profile | None:
-    """The profile of one trace of ``layer`` whose readers first read blob-map entry ``e`` at
-    ``first_read[e]`` ns into it; None if they read nothing."""
+    """The profile of one trace of ``layer`` (learned in ``combination``, if one) whose readers (not the
+    prefetcher) first read blob-map entry ``e`` at ``first_read[e]`` ns into it (``LayerIndex.access(trace)
+    .use.first_read``), in first-read order; None if they read nothing."""
     if not first_read:
         return None
     entries = []

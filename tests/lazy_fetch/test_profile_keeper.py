@@ -59,7 +59,8 @@ def test_a_long_runs_publishes_read_only_what_its_trace_gained_and_publish_all_o
 
     assert accessed[:3] == [3, 2, 2] and keeper.published == 3
     published = profile.fetch(store, keys.layer_profiles(base.digest))
-    whole = profile.learn(index, join_segments([read_trace(first), read_trace(second)]))
+    joined = join_segments([read_trace(first), read_trace(second)])
+    whole = profile.learned_from(index, index.access(joined).use.first_read)
     assert published.traces == 1
     assert [(e.digest, e.first_read_us, e.path) for e in published.entries] == \
         [(e.digest, e.first_read_us, e.path) for e in whole.entries]
