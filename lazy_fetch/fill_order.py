@@ -56,6 +56,7 @@ class FillOrder:
         self.missed_at = -math.inf  # trio.current_time() of its readers' last miss
         self.stopped = False  # no more fill reads (the cache bound)
         self._reads: list[list[PrefetchEntry]] = []  # by their first entry's place in the blob
+        self._firsts: list[int] = []  # each read's first blob-map entry, for a miss outside the fill
         self._read_of: dict[int, int] = {}  # blob-map entry -> its read
         self._taken = bytearray()  # 1 for each read taken
         self._cursor = 0  # the read to start looking at
@@ -67,6 +68,7 @@ class FillOrder:
             for entry in read:
                 self._read_of[entry.chunk] = number
         self._reads, self._taken, self.left = reads, bytearray(len(reads)), len(reads)
+        self._firsts = [read[0].chunk for read in reads]
         if self._missed is not None:
             self._seek(self._missed)
 
@@ -83,8 +85,7 @@ class FillOrder:
     def _seek(self, entry: int) -> None:
         read = self._read_of.get(entry)
         if read is None:  # not the fill's (a profile's, or no chunk of this layer's fill)
-            firsts = [read[0].chunk for read in self._reads]
-            read = bisect.bisect_left(firsts, entry)
+            read = bisect.bisect_left(self._firsts, entry)
         self._cursor = read
 
     def take(self) -> list[PrefetchEntry]:
