@@ -376,14 +376,24 @@ class ChunkCache:
             self._index.touch(touches)
 
     def _write_temporary(self, digest: bytes, data: bytes | memoryview) -> str:
-        """Write ``data`` to a new temporary file beside the chunk's place; returns its path."""
+        """Write ``data`` to a new temporary file beside the chunk's place; returns its path. The fan-out
+        directory is made only when the open finds it missing (a stat and a mkdir per chunk were a tenth of
+        a fill's cache writes, sampled)."""
         directory = os.path.dirname(self._path(digest))
-        os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
         tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-            with open(fd, "wb") as f:
-                f.write(data)
+            try:
+                fd = os.open(tmp, flags, FILE_MODE)
+            except FileNotFoundError:
+                os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
+                fd = os.open(tmp, flags, FILE_MODE)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
         except BaseException:
             _unlink_if_present(tmp)
             raise

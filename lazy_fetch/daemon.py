@@ -96,7 +96,7 @@ from dsec_fs.store.wrappers import CountingStore, LatencyStore, StoreWrapper, fi
 from . import node_status, request_paths, routes
 from .blob_reader import LayerBlob, open_layer_blob
 from .cache import ChunkCache
-from .fetcher import ChunkFetcher
+from .fetcher import ROUND_TRIP_READ_BYTES, ChunkFetcher
 from .http_api import HttpApi, raise_fd_limit
 from .idle_mounts import IdleMounts
 from .layer_mount import LayerMounter, open_mounter
@@ -282,7 +282,7 @@ class NodeDaemon:
         chunk located and loads nothing)."""
         indexed = frozenset(store.indexed_layers)
         keeper = self.profiles if want_profile else None
-        reads = _ManifestTimer(store.store, store.fetcher.note_round_trip)
+        reads = _LayerObjectTimer(store.store, store.fetcher.note_round_trip)
 
         def on_manifest(manifest: Manifest) -> None:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="check-packs") as pool:
@@ -761,24 +761,26 @@ class NodeDaemon:
         return node_status.status(self)
 
 
-_MANIFEST_SUFFIX = keys.layer_manifest("")[len(keys.LAYERS):]  # "/manifest.json"
-
-
-class _ManifestTimer(StoreWrapper):
-    """The store as a layer open sees it, telling ``note`` how long each manifest GET took: one small
-    object, so a sample of the store's round trip for fill auto. A manifest the node's copies gave (or a
-    ref its ref cache gave) makes no GET here, so no sample: that would time this node's disk."""
+class _LayerObjectTimer(StoreWrapper):
+    """The store as a layer open sees it, telling ``note`` how long each GET of a small layer object took
+    (its manifest, its blob map, at most fetcher.ROUND_TRIP_READ_BYTES): a sample of the store's round
+    trip for fill auto. An up of two layers makes four or more, so fill auto decides when the layers are
+    mounted; timing the manifests alone gave two, and the fill waited for the command's small misses
+    (0.2-0.5 s of idle link after up; docs/benchmarks.md, "fill8"). What the node's copies gave (or a ref
+    its ref cache gave: refs are not layer objects) makes no GET here, so no sample: that would time
+    this node's disk."""
 
     def __init__(self, inner: Store, note: Callable[[float], None]):
         super().__init__(inner)
         self._note = note
 
     def _call(self, op, key, fn, sent=0):
-        if not (op == "get" and key.startswith(keys.LAYERS) and key.endswith(_MANIFEST_SUFFIX)):
+        if not (op == "get" and key.startswith(keys.LAYERS)):
             return fn()
         started = time.monotonic()
         result = fn()
-        self._note(time.monotonic() - started)
+        if len(result) <= ROUND_TRIP_READ_BYTES:
+            self._note(time.monotonic() - started)
         return result
 
 

@@ -122,6 +122,9 @@ FILL_READ_BYTES = 1024 * 1024
 # CACHE_WRITERS worker threads at once.
 UNCACHED_RUNS = 32
 CACHE_WRITERS = 4
+# Uncompressed bytes the cache writer puts in one put_many (one index commit) at most, beyond its first run:
+# so runs handed over behind a fill's are written (and their memory freed) soon.
+WRITE_BATCH_BYTES = 8 << 20
 # The store's round trip (``round_trip``): the least of the last ROUND_TRIP_SAMPLES times of small store
 # calls: chunk reads of at most ROUND_TRIP_READ_BYTES (their transfer a small part: 2.6 ms at 100 MB/s),
 # the slot's wait excluded, and what callers note (the daemon: a layer's manifest read). The least,
@@ -214,6 +217,8 @@ class ChunkFetcher:
         self._uncached_runs = 0  # runs whose readers have their bytes, not in the cache yet
         self._unwritten: list[tuple[str, list[tuple[bytes, bytes]]]] = []  # those queued for the cache writer
         self._cache_writer_running = False
+        self.unwritten_bytes = 0  # uncompressed bytes of the runs in _unwritten and being written
+        self._written = trio.lowlevel.ParkingLot()  # woken after each write of the cache writer
         # Appended to by worker threads, read in the trio thread: _round_trips_lock guards it (iterating a
         # deque that another thread appends to raises).
         self._round_trips: deque[float] = deque(maxlen=ROUND_TRIP_SAMPLES)
@@ -409,14 +414,17 @@ class ChunkFetcher:
         stats.observe_latency(trio.current_time() - started_at)
 
         verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
-        # A prefetch or fill run was cached by its read's thread (ticket.cached), so a job that is done has
-        # its chunks in the cache and its bound on the cache's room holds. A reader waits for any other
-        # run (it was asked for, or promoted): it gets its bytes first, and the cache writer writes them
-        # afterwards, with the other runs handed over meanwhile. Until the chunks are in, their flights
-        # stay listed (done), so a request meanwhile gets the bytes from the flight instead of missing the
-        # cache and reading the store again. Runs handed over so are at most UNCACHED_RUNS at once (their
-        # bytes stay in memory until written): beyond that, as when the cache's disk is slower than the
-        # store, readers wait for the write.
+        # A prefetch run was cached by its read's thread (ticket.cached), so a job that is done has its
+        # chunks in the cache and its bound on the cache's room holds. Any other run (asked for, promoted,
+        # or a fill's) is handed to its waiters first, and the cache writer writes it afterwards, with the
+        # other runs handed over meanwhile, its store slot free already: a fill read's slot held through
+        # its cache write (a hundred ms or more for a MiB of small chunks) kept the link idle most of the
+        # time (docs/benchmarks.md, "fill8"). A fill counts the bytes not written yet against the cache's
+        # room (``unwritten_bytes``) and waits while too many are (``written_down_to``). Until the chunks
+        # are in, their flights stay listed (done), so a request meanwhile gets the bytes from the flight
+        # instead of missing the cache and reading the store again. Runs handed over so are at most
+        # UNCACHED_RUNS at once (their bytes stay in memory until written): beyond that, as when the
+        # cache's disk is slower than the store, readers wait for the write.
         readers_first = not ticket.cached and self._uncached_runs < UNCACHED_RUNS
         if verified and not ticket.cached and not readers_first:
             await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
@@ -436,25 +444,32 @@ class ChunkFetcher:
                 self._land(digest, flight, data=result, cached=not readers_first)
         if verified and readers_first:
             self._uncached_runs += 1
+            self.unwritten_bytes += sum(len(data) for _digest, data in verified)
             self._unwritten.append((run.pack_id, verified))
             if not self._cache_writer_running:  # this task is the cache writer until the queue is empty
                 await self._write_handed_over()
 
     async def _write_handed_over(self) -> None:
-        """The cache writer: put the runs handed over (``_unwritten``) into the cache, all that are queued
-        in one worker-thread call (one index commit), until none is left; then unlist their flights. The
-        first run handed over while none is writing writes, in its own task: its thread starts before
-        its readers run. Shielded: runs handed over are written even when the fetcher shuts down, as a
-        write under way always was (a worker thread is not stopped)."""
+        """The cache writer: put the runs handed over (``_unwritten``) into the cache, those queued up to
+        WRITE_BATCH_BYTES in one worker-thread call (one index commit), until none is left; then unlist
+        their flights. The first run handed over while none is writing writes, in its own task: its thread
+        starts before its readers run. Shielded: runs handed over are written even when the fetcher shuts
+        down, as a write under way always was (a worker thread is not stopped)."""
         self._cache_writer_running = True
         try:
             while self._unwritten:
-                batch, self._unwritten = self._unwritten, []
+                taken, size = 0, 0
+                while taken < len(self._unwritten) and (not taken or size < WRITE_BATCH_BYTES):
+                    size += sum(len(data) for _digest, data in self._unwritten[taken][1])
+                    taken += 1
+                batch, self._unwritten = self._unwritten[:taken], self._unwritten[taken:]
                 try:
                     with trio.CancelScope(shield=True):
                         await trio.to_thread.run_sync(self._cache_put_runs, batch)
                 finally:
                     self._uncached_runs -= len(batch)
+                    self.unwritten_bytes -= size
+                    self._written.unpark_all()
                     for _pack_id, verified in batch:
                         for digest, _data in verified:
                             flight = self._flights.get(digest)
@@ -462,6 +477,11 @@ class ChunkFetcher:
                                 del self._flights[digest]
         finally:
             self._cache_writer_running = False
+
+    async def written_down_to(self, limit: int) -> None:
+        """Wait until the bytes handed over and not yet in the cache are at most ``limit``."""
+        while self.unwritten_bytes > limit:
+            await self._written.park()
 
     async def call_store(self, what: str, fn: Callable[..., T], *args) -> T:
         """``fn(*args)``: blocking store calls other than chunk reads (opening a layer, loading its pack
@@ -571,15 +591,15 @@ class ChunkFetcher:
                         ", ".join(packs[:3]) + (f" and {len(packs) - 3} more" if len(packs) > 3 else ""), exc)
 
     def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Exception]:
-        """``_read``, and the cache put (``ticket.cached``) of a read no reader waits for: a prefetch or
-        fill (so a job that is done has its chunks in the cache), or one abandoned at its deadline (nobody
-        is left to take its result; one abandoned just as it returned may be cached by neither side, and
-        is read again when next asked for)."""
+        """``_read``, and the cache put (``ticket.cached``) of a prefetch read (so a job that is done has
+        its chunks in the cache) or of one abandoned at its deadline (nobody is left to take its result;
+        one abandoned just as it returned may be cached by neither side, and is read again when next asked
+        for). A fill's read is written by the cache writer, after its slot is free (``_read_run``)."""
         started = time.monotonic()
         results = self._read(run)
         if run.end - run.start <= ROUND_TRIP_READ_BYTES:
             self.note_round_trip(time.monotonic() - started)
-        if ticket.abandoned or ticket.priority != ONDEMAND:
+        if ticket.abandoned or ticket.priority == PREFETCH:
             self._cache_put(run.pack_id, [(digest, data) for digest, data in results.items()
                                           if isinstance(data, bytes)])
             ticket.cached = True

@@ -65,6 +65,9 @@ AUTO_FILL_MIN_ROUND_TRIP = 0.005
 AUTO_FILL_SAMPLES = 4
 AUTO_FILL_PATIENCE = 1.0
 FILL_DECISION_SECONDS = 30.0
+# Bytes fetched and not yet in the cache (fetcher.unwritten_bytes) above which a fill waits before its next
+# read: a few fill reads' worth, so the link keeps busy while the cache writer catches up.
+FILL_UNWRITTEN_BYTES = 32 << 20
 FILL_DECISION_POLL = 0.05
 # Where to read a chunk (blob-map entry, digest) from: the layer's own packs first (LayerBlob.location),
 # so a forged index in a shared store cannot make a prefetch read another writer's pack.
@@ -190,6 +193,7 @@ class Prefetcher:
                             plan_reads, job.fill_order.entries, locate, FILL_READ_BYTES))
                         for _ in range(FILL_READS):
                             nursery.start_soon(self._fill, job, fetcher, locate, trace, in_flight)
+                await fetcher.written_down_to(0)  # a job that is done has its chunks in the cache
                 job.state = "done"
             except Exception as exc:
                 job.state = "failed"
@@ -204,12 +208,19 @@ class Prefetcher:
                     trace: Callable[[], TraceWriter | None], in_flight: list[int]) -> None:
         """Fill reads one after another, each in a turn of the node's (fill_order.FillTurns), each the
         next batch of the job's fill order, until none is left or the next would not fit in the cache's
-        room (``in_flight``: bytes fetching now, not in the cache yet)."""
+        room (``in_flight``: bytes fetching now; the fetcher's ``unwritten_bytes``: fetched, not in the
+        cache yet). A read's chunks land once they are read and verified; the cache writer writes them
+        afterwards, so a turn waits before its next read while more than FILL_UNWRITTEN_BYTES wait for it:
+        the fill goes as fast as the link or the cache's disk, whichever is slower, in bounded memory."""
         order = job.fill_order
         async with self.fill_turns.turn(order) as turn:
-            while batch := order.take():
+            while True:
+                await fetcher.written_down_to(FILL_UNWRITTEN_BYTES)
+                batch = order.take()
+                if not batch:
+                    return
                 size = sum(entry.length for entry in batch)
-                if size > self.room() - in_flight[0]:
+                if size > self.room() - in_flight[0] - fetcher.unwritten_bytes:
                     if not order.stopped:
                         log.info("fill of layer %s stops at the cache bound", job.layer[:12])
                     order.stop()

@@ -1,0 +1,137 @@
+"""Time stamps of a cold start, for bench_fill_timeline.py: installed into a daemon process (or the bench's
+own, for the pull) before it starts, it wraps a few methods and writes one JSON line per event to a file.
+
+    import timeline_probe; timeline_probe.install("/tmp/events.jsonl")
+
+Events (times are time.monotonic(), the same clock in every process):
+
+- ``link``: a call to the emulated store (LatencyStore): its start, the end of its round trip, its end
+  (the transfer's), the bytes it carried and the kind of object (pack, layer, bench tar, other);
+- ``store_read``: one of the fetcher's store reads: queued for a slot, granted, ended; its priority when
+  queued and as granted, its compressed bytes and chunks;
+- ``read``: a FUSE read of a layer's blob: start, end, whether it waited for the store;
+- ``fill``: a fill's decision (prefetcher._fill_wanted) and when it was made;
+- ``mount``: a layer mount by the daemon, start and end.
+
+Nothing here changes what the daemon does; each event costs one write to a line-buffered file.
+
+Threads: ``_emit`` may be called from any thread (its lock guards the file).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+_lock = threading.Lock()
+_out = None
+_restore: list = []  # what uninstall undoes (the bench's own process: the pull)
+
+
+def _emit(kind: str, **fields) -> None:
+    line = json.dumps({"kind": kind, **fields})
+    with _lock:
+        _out.write(line + "\n")
+
+
+def _key_kind(key: str) -> str:
+    for prefix, kind in (("packs/", "pack"), ("layers/", "layer"), ("bench/", "tar"), ("profiles/", "profile")):
+        if key.startswith(prefix):
+            return kind
+    return "other"
+
+
+def install(path: str, *, daemon: bool = True) -> None:
+    global _out
+    _out = open(path, "a", buffering=1)
+    from dsec_fs.store.wrappers import LatencyStore
+
+    def _call(self, op, key, fn, sent=0):
+        started, marks, result = time.monotonic(), {}, None
+
+        def fn_timed():
+            marks["rtt"] = time.monotonic()
+            return fn()
+
+        try:
+            result = _orig_call(self, op, key, fn_timed, sent)
+            return result
+        finally:
+            got = len(result) if op == "get" and isinstance(result, (bytes, bytearray, memoryview)) else 0
+            _emit("link", op=op, what=_key_kind(key), t0=started, t_rtt=marks.get("rtt", started),
+                  t1=time.monotonic(), bytes=sent + got)
+
+    _orig_call = LatencyStore._call
+    LatencyStore._call = _call
+    _restore.append(lambda: setattr(LatencyStore, "_call", _orig_call))
+    if not daemon:
+        return
+
+    from lazy_fetch import daemon as daemon_module
+    from lazy_fetch import prefetcher
+    from lazy_fetch.fetcher import ChunkFetcher
+    from lazy_fetch.store_slots import StoreSlots
+    from lazy_fetch.traced_blob import TracedBlob
+
+    granted: dict[int, float] = {}
+    orig_acquire = StoreSlots.acquire
+
+    async def acquire(self, ticket):
+        await orig_acquire(self, ticket)
+        granted[id(ticket)] = time.monotonic()
+
+    StoreSlots.acquire = acquire
+    orig_store_read = ChunkFetcher._store_read
+
+    async def _store_read(self, run, ticket, stats):
+        queued, priority = time.monotonic(), int(ticket.priority)
+        try:
+            return await orig_store_read(self, run, ticket, stats)
+        finally:
+            _emit("store_read", layer=stats.label[:12], t_queued=queued, t_granted=granted.pop(id(ticket), None),
+                  t1=time.monotonic(), priority=priority, granted_as=int(ticket.granted_as),
+                  bytes=run.end - run.start, chunks=len(run.chunks))
+
+    ChunkFetcher._store_read = _store_read
+    orig_read = TracedBlob.read
+
+    async def read(self, offset, length):
+        started, mark = time.monotonic(), self.fetch_log.mark()
+        try:
+            return await orig_read(self, offset, length)
+        finally:
+            chunks = self.blob.chunks_for_range(offset, length)
+            _emit("read", layer=self.blob.label[:12], t0=started, t1=time.monotonic(), offset=offset, length=length,
+                  missed=self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks)))
+
+    TracedBlob.read = read
+    orig_fill_wanted = prefetcher._fill_wanted
+
+    async def _fill_wanted(job, fill_when, fetcher):
+        started = time.monotonic()
+        wanted = await orig_fill_wanted(job, fill_when, fetcher)
+        _emit("fill", layer=job.layer[:12], t0=started, t1=time.monotonic(), wanted=wanted,
+              round_trip=fetcher.round_trip())
+        return wanted
+
+    prefetcher._fill_wanted = _fill_wanted
+    orig_mount = daemon_module.NodeDaemon.mount
+
+    async def mount(self, ref, mountpoint, **kwargs):
+        started = time.monotonic()
+        try:
+            return await orig_mount(self, ref, mountpoint, **kwargs)
+        finally:
+            _emit("mount", ref=ref[:40], t0=started, t1=time.monotonic())
+
+    daemon_module.NodeDaemon.mount = mount
+
+
+def uninstall() -> None:
+    """Undo ``install(daemon=False)`` and close the file."""
+    global _out
+    while _restore:
+        _restore.pop()()
+    _out.close()
+    _out = None
