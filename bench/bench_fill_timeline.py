@@ -155,6 +155,13 @@ def profiled(pid: int, out: str | None):
         spy.wait(30)
 
 
+def _probed_daemon(path: str, source: str | None) -> tuple[str, ...]:
+    """The command of a daemon with timeline_probe installed, of this tree or of ``source``'s."""
+    tree = os.path.abspath(source) if source else os.path.dirname(HERE)
+    return (sys.executable, "-c", f"import sys; sys.path[:0] = [{tree!r}, {HERE!r}]; import timeline_probe; "
+            f"timeline_probe.install({path!r}); from cli.main import main; sys.argv[0] = 'dsecfs'; main()")
+
+
 def _events(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -239,14 +246,13 @@ def timeline_pull(info: dict, workload: str, store_name: str, work: str, width: 
 
 
 def timeline_start(info: dict, workload: str, store_name: str, work: str, width: float,
-                   daemon_args: tuple[str, ...], layer_stored: dict[str, int], profile: str | None = None) -> dict:
+                   daemon_args: tuple[str, ...], layer_stored: dict[str, int], profile: str | None = None,
+                   source: str | None = None) -> dict:
     _packages, command = cold.WORKLOADS[workload]
     path = os.path.join(work, "daemon.jsonl")
-    probe = (f"import sys; sys.path.insert(0, {HERE!r}); import timeline_probe; timeline_probe.install({path!r}); "
-             "from cli.main import main; sys.argv[0] = 'dsecfs'; main()")
     node_ = cold.Node_(os.path.join(work, "node"), info["store"], store_name, daemon_args,
-                       (sys.executable, "-c", probe))
-    node_.env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+                       _probed_daemon(path, source))
+    node_.env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     cold._forget_profiles(info)
     v1 = info[workload]["v1"]
     try:
@@ -324,14 +330,12 @@ def timeline_start(info: dict, workload: str, store_name: str, work: str, width:
 
 
 def fill_alone(info: dict, workload: str, store_name: str, work: str, daemon_args: tuple[str, ...],
-               layer_stored: dict[str, int], profile: str | None = None) -> dict:
+               layer_stored: dict[str, int], profile: str | None = None, source: str | None = None) -> dict:
     """A layer mounted with fill ``layer`` and nothing read: how fast the fill brings the whole layer."""
     path = os.path.join(work, "alone.jsonl")
-    probe = (f"import sys; sys.path.insert(0, {HERE!r}); import timeline_probe; timeline_probe.install({path!r}); "
-             "from cli.main import main; sys.argv[0] = 'dsecfs'; main()")
     node_ = cold.Node_(os.path.join(work, "alone"), info["store"], store_name, (*daemon_args, "--fill", "layer"),
-                       (sys.executable, "-c", probe))
-    node_.env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+                       _probed_daemon(path, source))
+    node_.env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     cold._forget_profiles(info)
     digests = [info["base"]["digest"], info[workload]["v1"]["digest"]]
     stored = sum(layer_stored[d] for d in digests)
@@ -348,7 +352,7 @@ def fill_alone(info: dict, workload: str, store_name: str, work: str, daemon_arg
                     done = sum(layer.bytes_fetched for layer in jobs)
                     if done >= sum(layer.data_bytes for layer in jobs) * 0.999 or time.monotonic() - start > 60:
                         break
-                    time.sleep(0.05)
+                    time.sleep(0.25)
                 end = time.monotonic()
     finally:
         node_.stop()
@@ -376,6 +380,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", metavar="PREFIX", default=None,
                         help="py-spy the daemon: PREFIX-WORKLOAD-STORE-{start,alone}.txt (collapsed stacks)")
+    parser.add_argument("--source", metavar="SRC", default=None,
+                        help="run the daemon of this tree of the project (say main's) instead of this one's")
     parser.add_argument("--no-start", action="store_true", help="no first-ever start (with --fill-alone)")
     args = parser.parse_args()
     info = cold.setup(args.cache, args.workloads.split(","))
@@ -398,10 +404,10 @@ def main() -> None:
                 prefix = f"{args.profile}-{workload}-{store_name}" if args.profile else None
                 if not args.no_start:
                     row["first-ever"] = timeline_start(info, workload, store_name, here, args.bins, daemon_args,
-                                                       stored, prefix and f"{prefix}-start.txt")
+                                                       stored, prefix and f"{prefix}-start.txt", args.source)
                 if args.fill_alone:
                     row["fill alone"] = fill_alone(info, workload, store_name, here, daemon_args, stored,
-                                                   prefix and f"{prefix}-alone.txt")
+                                                   prefix and f"{prefix}-alone.txt", args.source)
                 print(f" load average {os.getloadavg()[0]:.2f}")
                 results.append(row)
     finally:

@@ -64,6 +64,21 @@ def test_put_get_and_stats(tmp_path):
         assert os.path.basename(os.path.dirname(path)) == to_hex(sha256(data))[:2]
 
 
+def test_a_put_makes_its_fan_out_directory_when_it_is_gone(tmp_path):
+    # the fan-out directory is made when the open finds it missing, not before every write
+    cache = ChunkCache(str(tmp_path / "c"), 1 << 20)
+    try:
+        first = chunk(1)
+        second = next(chunk(n) for n in range(2, 100) if to_hex(sha256(chunk(n)))[:2] != to_hex(sha256(first))[:2])
+        cache.put(sha256(first), first)
+        fan_out = os.path.join(tmp_path, "c", "chunks", to_hex(sha256(second))[:2])
+        shutil.rmtree(fan_out, ignore_errors=True)
+        assert cache.put(sha256(second), second)
+        assert cache.get(sha256(second)) == second and cache.get(sha256(first)) == first
+    finally:
+        cache.close()
+
+
 def test_survives_reopen(tmp_path):
     chunks = [chunk(n, 1000 + n) for n in range(20)]
     with ChunkCache(str(tmp_path), 1 << 20) as cache:

@@ -796,3 +796,31 @@ def test_runs_waiting_for_a_slow_cache_are_bounded_then_readers_wait_for_the_wri
         assert all(cache.get(digest) is not None for digest, _ in items[:3])
     finally:
         cache.close()
+
+
+def test_a_fill_reads_slot_is_free_while_the_cache_writes_its_chunks(backend, tmp_path):
+    # A fill read held its store slot through its cache write, so with the writes slow the link sat idle:
+    # now the cache writer writes after the slot is given back, and the next fill reads go on meanwhile.
+    items = [upload(backend, [chunk(n)])[0] for n in range(6)]  # a pack each: a store read each
+    log = GetLog(backend)
+    cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
+    landed = []
+
+    async def main():
+        async with releasing_fetcher(log, cache) as fetcher:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: fetcher.warm(items, priority=FILL,
+                                                        landed=lambda digest, data, error: landed.append(data)))
+                # every read made, though the first write still hangs
+                await until(lambda: len(log.gets) == len(items) and len(landed) == len(items))
+                assert cache.puts == 1 and fetcher.unwritten_bytes == sum(len(chunk(n)) for n in range(6))
+                cache.release.set()
+                await fetcher.written_down_to(0)
+                assert fetcher.unwritten_bytes == 0
+
+    try:
+        trio.run(main)
+        assert landed == [chunk(n) for n in range(6)]
+        assert all(cache.get(digest) == chunk(n) for n, (digest, _) in enumerate(items))
+    finally:
+        cache.close()

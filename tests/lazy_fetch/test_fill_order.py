@@ -181,3 +181,30 @@ def test_a_read_that_misses_tells_the_layers_fill_and_one_that_hits_does_not(bui
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_the_fill_reads_on_while_the_cache_writes_and_waits_once_too_much_is_unwritten(backend, tmp_path, monkeypatch):
+    import lazy_fetch.prefetcher as prefetcher_module
+    from tests.lazy_fetch.test_fetcher import BlockingPutCache
+
+    monkeypatch.setattr(prefetcher_module, "FILL_UNWRITTEN_BYTES", 2 * 4096)  # two chunks' worth
+    entries, locations, _packs = layer_fill(backend, 0, 8)
+    store = PackLog(backend)
+    cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
+
+    async def steps(start):
+        start("layer", entries, locations)
+        await until(lambda: cache.puts == 1)  # the first write hangs
+        await trio.sleep(8 * ANSWER)
+        # Reads went on past the FILL_READS that held their slots through the write before, and stopped
+        # once more than the bound waited for the writer: at most one read beyond it per turn.
+        assert FILL_READS < len(store.packs) <= 2 + FILL_READS
+        cache.release.set()
+
+    try:
+        (job,) = run_fills(store, cache, steps)
+        assert job.done_chunks == len(entries) and len(store.packs) == len(entries)
+        assert all(cache.get(entry.digest) is not None for entry in entries)
+    finally:
+        cache.release.set()
+        cache.close()
