@@ -18,10 +18,11 @@ How a request is served:
   *store read*, in a worker thread of its own, and the runs of a call go to the store side by side, queued
   for store slots in the order of their first chunk in the call (a prefetch list names the first-needed
   chunks first). A store read decompresses and sha256-verifies each chunk before anything else sees it, and
-  the chunks go into the cache in a worker thread: for a prefetch or fill, by the read's own thread before
-  the read is done (one ``put_many``, one index commit, per read); for a read a reader waits for, after the
-  readers have them, by the fetcher's *cache writer*: one task that puts every run handed over since its
-  last write in one ``put_many`` (one index commit for all of them: a reader that misses file after file
+  the chunks go into the cache in a worker thread: for a prefetch, by the read's own thread before the
+  read is done (one ``put_many``, one index commit, per read); for a fill's read or one a reader waits
+  for, after its slot is free and its waiters have the bytes, by the fetcher's *cache writer*: one task
+  that puts the runs handed over since its last write (up to WRITE_BATCH_BYTES) in one ``put_many``
+  (one index commit for all of them: a reader that misses file after file
   hands over a run every millisecond or two, and a commit per run took the disk and the GIL from the misses
   behind it), their flights still listed (done) until they are in, so a request meanwhile takes them from
   the flight rather than reading the store again. The caching is the fetcher's task, not the caller's, so a

@@ -57,8 +57,11 @@ PREFETCH_GROUPS_IN_FLIGHT = 2
 # (decompressing, verifying and caching the whole layer on the cores the sandbox starts on). Measured
 # (bench_sandbox_coldstart, first-ever, docs/benchmarks.md): at 20 ms per request the fill took the
 # start from 2.3-2.9x the pull to 1.2-1.3x; at 1 ms it made it slower (1.0x -> 2.3x); the daemon's own
-# cost per miss is 2-6 ms under load (bench_miss_cost).
-AUTO_FILL_MIN_ROUND_TRIP = 0.005
+# cost per miss is 2-6 ms under load (bench_miss_cost). 10 ms, not 5: a sample is only ever slowed, and
+# the samples an up takes (its layers' small objects, read side by side while the daemon parses what came
+# first) made a 1 ms store look like 5 ms and more on a busy node (fill8, docs/benchmarks.md); a 20 ms one
+# never looks faster than it is.
+AUTO_FILL_MIN_ROUND_TRIP = 0.010
 # It judges by the least of the first AUTO_FILL_SAMPLES small store calls (one may be slowed by a cold
 # disk or a busy core: with one sample a 1 ms store was once taken for a slow one), or of those there are
 # after AUTO_FILL_PATIENCE seconds.

@@ -266,7 +266,7 @@ def test_auto_fill_streams_a_layer_that_has_no_profile_from_a_slow_store_and_onl
     monkeypatch.delenv("DSECFS_DAEMON_FILL")  # the daemon's own default
     a, b = _two_daemons(tmp_path)
     try:
-        a.start(store_dir, profiles=True, latency_ms=10)  # a round trip worth saving
+        a.start(store_dir, profiles=True, latency_ms=20)  # a round trip worth saving
         node = Node(a.socket)
         mnt, = mount_dirs(tmp_path, "mnt-a")
         info = node.mount("t/app:1", mnt, mode="fuse")  # first ever: no profile anywhere
@@ -294,6 +294,18 @@ def test_auto_fill_streams_a_layer_that_has_no_profile_from_a_slow_store_and_onl
     finally:
         a.stop_all()
         b.stop_all()
+
+
+def test_a_layer_open_samples_the_stores_round_trip_once_per_small_layer_object(store_dir):
+    # Fill auto waits for four samples: a sandbox up of two layers gave two when only manifests were
+    # timed, and the fill waited for the command's first misses. Refs give none (the ref cache may answer).
+    from dsec_fs.layer import open_layer
+    from lazy_fetch.daemon import _LayerObjectTimer
+
+    samples = []
+    files = open_layer(_LayerObjectTimer(FilesystemStore(store_dir), samples.append), "t/app:1")
+    assert files.digest and len(samples) >= 2  # the manifest and the blob map at least
+    assert all(seconds >= 0 for seconds in samples)
 
 
 @pytest.mark.fuse
