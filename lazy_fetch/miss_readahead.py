@@ -63,7 +63,7 @@ from array import array
 
 from dsec_fs.chunks import ChunkLocation
 
-from .analysis import LayerIndex
+from .layer_index import LayerIndex
 from .blob_reader import BlobChunk, LayerBlob
 
 FILE_START = 1 << 20  # of a file's own chunks after a read, named at first
