@@ -58,7 +58,7 @@ class Layer:
     store: StoreContext
     usage: LayerUsage
     readahead: MissReadahead | None = None  # shared by its mounts in both modes
-    files_mapped: bool = False  # the map of its readahead is being built or ready (daemon._map_files_soon)
+    files_mapped: bool = False  # the map of its readahead is being built or ready (daemon_stores.py _map_files_soon)
     mounts: int = 0
     prefetch: PrefetchJob | None = None
     _index: LayerIndex | None = None
