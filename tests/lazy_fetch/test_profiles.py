@@ -300,7 +300,7 @@ def test_a_layer_open_samples_the_stores_round_trip_once_per_small_layer_object(
     # Fill auto waits for four samples: a sandbox up of two layers gave two when only manifests were
     # timed, and the fill waited for the command's first misses. Refs give none (the ref cache may answer).
     from dsec_fs.layer import open_layer
-    from lazy_fetch.daemon import _LayerObjectTimer
+    from lazy_fetch.daemon_stores import _LayerObjectTimer
 
     samples = []
     files = open_layer(_LayerObjectTimer(FilesystemStore(store_dir), samples.append), "t/app:1")
