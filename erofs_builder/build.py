@@ -56,6 +56,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,7 +66,7 @@ from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
 from dsec_fs.heap import release_free_memory
 from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
-from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
+from dsec_fs.layer import Manifest, compress_metadata, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
 from dsec_fs.spill import SpillFile
 from dsec_fs.store import keys
@@ -360,9 +361,11 @@ def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: l
 
 def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blocks: int, blob_map_bytes: bytes,
                    packs: list[str], stats: ChunkStats, name: str | None, chunk_size: int, source: str,
-                   buildinfo: Callable[[str], bytes] | None) -> BuildResult:
+                   buildinfo: Callable[[str], bytes] | None, *,
+                   frames: tuple[bytes, bytes] | None = None) -> BuildResult:
     """Step 6 for a finished meta.erofs and blob map: build info (made by ``buildinfo`` for the layer
-    digest, directory builds only), manifest, ref."""
+    digest, directory builds only), manifest, ref. ``frames``: the two compressed already
+    (dsec_fs.layer.compress_metadata)."""
     blob_id = to_hex(sha256(blob_map_bytes))
     manifest = Manifest(
         layer=to_hex(meta.sha256() if isinstance(meta, SpillFile) else sha256(meta)),
@@ -382,7 +385,8 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blo
     def encoded_buildinfo() -> tuple[str, bytes]:  # while meta.erofs and the blob map are written
         return keys.layer_buildinfo(manifest.layer), buildinfo(manifest.layer)
 
-    digest = publish_layer(store, meta, blob_map_bytes, manifest, also=encoded_buildinfo if buildinfo else None)
+    digest = publish_layer(store, meta, blob_map_bytes, manifest, also=encoded_buildinfo if buildinfo else None,
+                           frames=frames)
     ensure_pack_indexes(store, manifest.packs)
     if name is not None:  # under the lease too: gc keeps an unnamed layer while a build may name it
         set_ref(store, name, digest)
@@ -400,30 +404,35 @@ def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: i
         log.warning("the store lacks pack %s of the parent layer: rebuilding in full", missing[0])
         return None
     files = rescan.files
-    with Lease(store, purpose=f"build {name or source}") as lease:
+    with Lease(store, purpose=f"build {name or source}") as lease, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="compress-meta") as compressor:
         with load_chunk_index(store, own_packs=own_packs) as index:
             with ChunkUploader(store, index) as uploader:
                 with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
                              total_bytes=sum(node.size for node in files)) as chunker:
                     for node in files:
                         chunker.add_file(node)
+                    chunker.send()
+                    # While the workers hash and compress the pieces: what needs no chunk digest.
+                    parent.blob_map  # noqa: B018 (decoded now, see ParentLayer.blob_map)
+                    info = encode_rescanned(parent.info, rescan.identities, rescan.suspects, None,
+                                            rescan.scanned_at_ns)
                     read = chunker.finish()
+                uploader.send()
+                patched = rescan.patch(chunk_size)  # while the new pack is written
+                if patched is None:
+                    return None
+                frames = compressor.submit(compress_metadata, patched.meta, patched.blob_map_bytes)
                 uploader.flush()
-            patched = rescan.patch(chunk_size)
-            if patched is None:
-                return None
             # Every other chunk of the layer is the parent's, in the parent's packs (see patch.py).
             own_packs = _packs_of(patched.new_chunks, index)
             index.confirm(store, patched.new_chunks, own_packs)
         packs = sorted(set(parent.manifest.packs).union(own_packs))
         stats = _patched_stats(parent, rescan, read, patched)
-
-        def buildinfo(layer: str) -> bytes:
-            return encode_rescanned(parent.info, rescan.identities, rescan.suspects, layer, rescan.scanned_at_ns)
-
         # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
         result = _publish_layer(store, lease, patched.meta, parent.blob_map.blocks, patched.blob_map_bytes, packs,
-                                stats, name, chunk_size, source, buildinfo)
+                                stats, name, chunk_size, source, functools.partial(name_layer, info),
+                                frames=frames.result())
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
              stats.new_chunks)
     return result
