@@ -56,7 +56,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -162,12 +162,17 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     image and build info) is freed when this returns, before the collector is back, so that its first
     run does not have to look at every object of it first."""
     described = os.path.abspath(os.fsdecode(source))
-    base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
-    if base is not None:
+    base = None
+    if parent is not None:
         from .patch import scan_changes
 
-        rescan = scan_changes(source, base, time.time_ns())
-        patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described, own_packs)
+        # The patch path's lease and chunk index are made beside loading the parent and the scan (a store
+        # write, a listing, an LMDB commit: waits, mostly); unused if the build takes the full path.
+        with _lease_and_index(store, f"build {name or described}", own_packs) as leased:
+            base = ParentLayer.load(store, parent, chunk_size=chunk_size)
+            rescan = scan_changes(source, base, time.time_ns())
+            patched = rescan and _build_patched(rescan, leased, store, name, chunk_size, progress, workers,
+                                                described)
         if patched:
             return patched
     scanned_at_ns = time.time_ns()
@@ -393,41 +398,69 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blo
     return BuildResult(digest=digest, manifest=manifest, stats=stats)
 
 
-def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
-                   workers: int | None, source: str, own_packs: OwnPacks) -> BuildResult | None:
+@contextlib.contextmanager
+def _lease_and_index(store: Store, purpose: str, own_packs: OwnPacks) -> Iterator[Future[tuple[Lease, ChunkIndex]]]:
+    """Step 2 in a thread of its own: a lease, then the chunk index (synced after it, see dsec_fs/gc.py),
+    while the block runs; the block gets their Future. Both are closed when it ends (the index first,
+    leaving the packs uploaded in ``own_packs``), whatever its outcome."""
+
+    def take() -> tuple[Lease, ChunkIndex]:
+        lease = Lease(store, purpose=purpose).acquire()
+        try:
+            return lease, load_chunk_index(store, own_packs=own_packs)
+        except BaseException:
+            lease.release()
+            raise
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="build-lease") as pool:
+        taken = pool.submit(take)
+        try:
+            yield taken
+        finally:
+            if taken.exception() is None:  # waits; an error of its own was raised to whoever took it
+                lease, index = taken.result()
+                try:
+                    index.close()
+                finally:
+                    lease.release()
+
+
+def _build_patched(rescan: Rescan, leased: Future[tuple[Lease, ChunkIndex]], store: Store, name: str | None,
+                   chunk_size: int, progress: Progress | None, workers: int | None,
+                   source: str) -> BuildResult | None:
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
-    change needs the full path after all."""
+    change needs the full path after all. ``leased``: the build's lease and chunk index (taken while the
+    scan ran, ``_lease_and_index``)."""
     parent = rescan.parent
     missing = missing_packs(store, parent.manifest.packs)
     if missing:
         log.warning("the store lacks pack %s of the parent layer: rebuilding in full", missing[0])
         return None
     files = rescan.files
-    with Lease(store, purpose=f"build {name or source}") as lease, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="compress-meta") as compressor:
-        with load_chunk_index(store, own_packs=own_packs) as index:
-            with ChunkUploader(store, index) as uploader:
-                with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                             total_bytes=sum(node.size for node in files)) as chunker:
-                    for node in files:
-                        chunker.add_file(node)
-                    chunker.send()
-                    # While the workers hash and compress the pieces: what needs no chunk digest.
-                    parent.blob_map  # noqa: B018 (decoded now, see ParentLayer.blob_map)
-                    info = encode_rescanned(parent.info, rescan.identities, rescan.suspects, None,
-                                            rescan.scanned_at_ns)
-                    read = chunker.finish()
-                uploader.send()
-                patched = rescan.patch(chunk_size)  # while the new pack is written
-                if patched is None:
-                    return None
-                frames = compressor.submit(compress_metadata, patched.meta, patched.blob_map_bytes)
-                uploader.flush()
-            # Every other chunk of the layer is the parent's, in the parent's packs (see patch.py).
-            own_packs = _packs_of(patched.new_chunks, index)
-            index.confirm(store, patched.new_chunks, own_packs)
-        packs = sorted(set(parent.manifest.packs).union(own_packs))
+    lease, index = leased.result()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compress-meta") as compressor:
+        with ChunkUploader(store, index) as uploader:
+            with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
+                         total_bytes=sum(node.size for node in files)) as chunker:
+                for node in files:
+                    chunker.add_file(node)
+                chunker.send()
+                # While the workers hash and compress the pieces: what needs no chunk digest.
+                parent.blob_map  # noqa: B018 (decoded now, see ParentLayer.blob_map)
+                info = encode_rescanned(parent.info, rescan.identities, rescan.suspects, None,
+                                        rescan.scanned_at_ns)
+                read = chunker.finish()
+            uploader.send()
+            patched = rescan.patch(chunk_size)  # while the new pack is written
+            if patched is None:
+                return None
+            frames = compressor.submit(compress_metadata, patched.meta, patched.blob_map_bytes)
+            uploader.flush()
+        # Every other chunk of the layer is the parent's, in the parent's packs (see patch.py).
+        new_packs = _packs_of(patched.new_chunks, index)
+        index.confirm(store, patched.new_chunks, new_packs)
+        packs = sorted(set(parent.manifest.packs).union(new_packs))
         stats = _patched_stats(parent, rescan, read, patched)
         # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
         result = _publish_layer(store, lease, patched.meta, parent.blob_map.blocks, patched.blob_map_bytes, packs,
