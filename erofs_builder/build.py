@@ -41,7 +41,10 @@ On any error before step 6 nothing of the layer is published: the packs already 
 unreferenced and gc removes them. A ref name is checked before any work, so a bad name costs nothing.
 
 Threads: build_layer and build_tree run in the calling thread; the chunker and the uploader run their own
-worker threads for the duration of the call and stop them before returning (or raising). Python's cycle
+worker threads for the duration of the call and stop them before returning (or raising). A rebuild with
+a parent also takes its lease and syncs the chunk index in a thread of its own while the parent is
+loaded and the source scanned (``_lease_and_index``), and on the patch path compresses meta.erofs and the
+blob map in another while its new pack is written; both are joined before the call returns. Python's cycle
 collector is paused for the whole process while a build runs (see ``_cycle_collector_paused``).
 """
 
