@@ -12,7 +12,11 @@ cover most of them:
   it as readahead: they come in the GETs its first miss makes anyway (a file's chunks lie side by side in
   its pack). A read that goes on where the file's previous read ended and reads a chunk so named doubles
   the file's window, up to FILE_BYTES, and the grown window is fetched in the background. A read of the
-  file elsewhere (a page fault of a library mapped into memory, somewhere in the file) names none of it.
+  file elsewhere (a page fault of a library mapped into memory, somewhere in the file) names none of it,
+  and from then on the file's window no longer grows: the kernel reads around each page fault, so a
+  mapped library is read in order for a while at each fault, which a doubled window took for a reader
+  going through the file (numpy's OpenBLAS library: 10.5 MB named and never read; docs/benchmarks.md,
+  issue 13, "bytes8").
 - **A directory's small files.** Once a reader has read two files of one directory (an import of a
   package, a scan), a read names the directory's other files of at most SMALL_FILE_BYTES, nearest in the
   blob first, up to DIRECTORY_BYTES: the build lays them out side by side, so they come in the GETs of one
@@ -130,6 +134,7 @@ class MissReadahead:
         self._named: set[int] = set()  # entries named as readahead and not read yet
         self._file_window: dict[int, int] = {}  # file -> its window, once read
         self._file_end: dict[int, int] = {}  # file -> the last entry of its latest read
+        self._mapped: set[int] = set()  # files read elsewhere than where their previous read ended
         self._read_files: set[int] = set()  # files read so far
         self._directory_reads: dict[int, int] = {}  # directory -> files of it read so far
         self._warm: list[int] = []  # what the latest read named for the background (to_warm)
@@ -205,9 +210,10 @@ class MissReadahead:
         previous = self._file_end.get(number)
         self._file_end[number] = last
         if previous is not None and not previous <= first <= previous + 1:
+            self._mapped.add(number)
             return
         window = self._file_window.get(number, FILE_START)
-        grown = foreseen and window < FILE_BYTES
+        grown = foreseen and window < FILE_BYTES and number not in self._mapped
         if grown:
             window = min(2 * window, FILE_BYTES)
         self._file_window[number] = window

@@ -90,6 +90,20 @@ def test_a_file_read_in_order_doubles_its_window_as_it_reads_into_it():
     assert len(planner.plan(_chunks(11))) == FILE_BYTES // CHUNK  # at most FILE_BYTES
 
 
+def test_a_file_read_in_places_keeps_its_first_window_when_it_is_then_read_in_order():
+    """A mapped library's page faults read around each fault in order for a while (the kernel's
+    read-around crosses a chunk boundary): once a file was read elsewhere than where its previous read
+    ended, reading into its window in order names the same window again, never a doubled one."""
+    start = FILE_START // CHUNK
+    count = 4 * start
+    planner = _planner([list(range(count))], [CHUNK] * count)
+    assert _locations(planner.plan(_chunks(0))) == list(range(1, 1 + start))
+    assert planner.plan(_chunks(3 * start)) == []  # a fault elsewhere
+    assert planner.plan(_chunks(0)) == []  # the rest of the first chunk, read around another fault
+    assert _locations(planner.plan(_chunks(1))) == list(range(2, 2 + start))  # into the first window: not doubled
+    assert planner.to_warm() == []
+
+
 def test_a_walk_in_blob_order_grows_a_window_and_a_jump_resets_it():
     files = [[2 * i, 2 * i + 1] for i in range(12)]  # 12 files of 2 chunks, side by side
     planner = _planner(files, [CHUNK] * 24, max_window=8 * CHUNK)
