@@ -14,7 +14,7 @@ import pytest
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
-from lazy_fetch.analysis import LayerIndex
+from lazy_fetch.layer_index import LayerIndex
 from lazy_fetch.blob_reader import BlobChunk
 from lazy_fetch.miss_readahead import FILE_BYTES, FILE_START, WINDOW_START, FileChunks, MissReadahead
 from lazy_fetch.trace import FLAG_MISS, read_trace
