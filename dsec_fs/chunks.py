@@ -12,7 +12,8 @@ chunk its index claims (what a build checks before it deduplicates against a pac
 Threads:
 - ChunkIndex: any thread may call any method; ``_lock`` guards the digest -> location dicts and the set
   of packs loaded.
-- ChunkUploader: builder worker threads call ``add`` (or ``claim`` and ``add_claimed``) concurrently;
+- ChunkUploader: builder worker threads call ``add`` (or ``claim`` and ``add_claimed`` or
+  ``add_claimed_many``) concurrently;
   one thread calls ``flush`` (or ``close``) after every ``add`` has returned. ``_lock`` guards the open
   pack, the set of queued (or claimed) digests,
   the statistics, the list of written packs and the first upload error. Uploads run on the uploader's own
@@ -206,15 +207,27 @@ class ChunkUploader:
 
     def add_claimed(self, digest: bytes, ulen: int, frame: bytes) -> None:
         """Queue a chunk this caller claimed (``claim`` said True); may block as ``add`` does."""
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            self._writer.add(digest, frame, ulen)
-            self.new_chunks += 1
-            self.new_bytes += ulen
-            self.stored_bytes += len(frame)
-            sealed = self._seal_if(self._writer.size >= self.pack_target)
-        if sealed is not None:
+        self.add_claimed_many(((digest, ulen, frame),))
+
+    def add_claimed_many(self, chunks: Iterable[tuple[bytes, int, bytes]]) -> None:
+        """``add_claimed`` of each (digest, ulen, frame) in turn, each claimed by this caller: one lock taken
+        per pack filled, not one a chunk (a batch of small files' chunks); may block as ``add`` does."""
+        chunks = iter(chunks)
+        while True:
+            with self._lock:
+                if self._error is not None:
+                    raise self._error
+                writer, target, sealed = self._writer, self.pack_target, None
+                for digest, ulen, frame in chunks:
+                    writer.add(digest, frame, ulen)
+                    self.new_chunks += 1
+                    self.new_bytes += ulen
+                    self.stored_bytes += len(frame)
+                    if writer.size >= target:
+                        sealed = self._seal_if(True)
+                        break
+            if sealed is None:
+                return
             self._submit(sealed)
 
     def flush(self) -> list[str]:

@@ -5,7 +5,10 @@ decompressed alone (a ranged GET of one frame is enough) and a decompression bom
 memory is spent: we refuse a frame whose declared size differs from the size the index promised.
 
 zstandard's compressor and decompressor objects are not thread-safe; each thread gets its own through
-``threading.local``. Both release the GIL, so a pool of worker threads keeps every core busy.
+``threading.local``. Both release the GIL, so a pool of worker threads keeps every core busy;
+``compress_many`` compresses a list of small chunks in one call that holds no GIL throughout, so a worker
+thread compresses a batch of small files beside the thread that reads them (one GIL hand-over a batch,
+not one a file).
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ def compress(data: bytes | memoryview, level: int = DEFAULT_LEVEL) -> bytes:
     if len(data) - len(frame) > max(PIN_SLACK, len(frame) >> 3):
         return bytes(memoryview(frame))
     return frame
+
+
+def compress_many(chunks: list[bytes], level: int = DEFAULT_LEVEL) -> list[bytes]:
+    """``compress`` of each of ``chunks``, the same frames, in one call into zstd (zstandard's
+    multi_compress_to_buffer: the loop is C, the GIL released for all of it), for many small chunks."""
+    if not chunks:
+        return []
+    try:
+        frames = _compressor(level).multi_compress_to_buffer(chunks, threads=0)
+    except NotImplementedError:  # zstandard's CFFI backend lacks it
+        return [compress(chunk, level) for chunk in chunks]
+    return [frames[number].tobytes() for number in range(len(frames))]
 
 
 def compress_pieces(pieces: Iterable[bytes | memoryview], size: int, level: int = DEFAULT_LEVEL) -> bytearray:
