@@ -14,7 +14,7 @@ not one a file).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import zstandard
 
@@ -63,16 +63,23 @@ def compress(data: bytes | memoryview, level: int = DEFAULT_LEVEL) -> bytes:
     return frame
 
 
-def compress_many(chunks: list[bytes], level: int = DEFAULT_LEVEL) -> list[bytes]:
-    """``compress`` of each of ``chunks``, the same frames, in one call into zstd (zstandard's
-    multi_compress_to_buffer: the loop is C, the GIL released for all of it), for many small chunks."""
-    if not chunks:
-        return []
+def compress_many(chunks: list[bytes], level: int = DEFAULT_LEVEL) -> Sequence[bytes]:
+    """``compress`` of each of ``chunks`` (at least one), in one call into zstd (zstandard's
+    multi_compress_to_buffer: the loop is C, the GIL released for all of it), for many small chunks.
+
+    Returns a sequence of the frames as bytes-like objects, the same bytes as ``compress`` gives: the
+    caller copies each to ``bytes`` in the thread that keeps them (``frames_of``). The frames share one
+    buffer, allocated in the calling thread's C heap: a worker thread that made each frame its own bytes
+    would leave those of a whole pack in flight in its own glibc arena, on top of the main one."""
     try:
-        frames = _compressor(level).multi_compress_to_buffer(chunks, threads=0)
+        return _compressor(level).multi_compress_to_buffer(chunks, threads=0)
     except NotImplementedError:  # zstandard's CFFI backend lacks it
         return [compress(chunk, level) for chunk in chunks]
-    return [frames[number].tobytes() for number in range(len(frames))]
+
+
+def frames_of(compressed: Sequence[bytes]) -> list[bytes]:
+    """The frames of a ``compress_many`` result, each its own bytes."""
+    return [bytes(compressed[number]) for number in range(len(compressed))]
 
 
 def compress_pieces(pieces: Iterable[bytes | memoryview], size: int, level: int = DEFAULT_LEVEL) -> bytearray:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -281,12 +281,12 @@ class Chunker:
             chunks[number] = digest
             self._settle(length, digest, stored)
 
-    def _settle_compressed(self, claimed: list[_Claimed], frames: list[bytes]) -> None:
+    def _settle_compressed(self, claimed: list[_Claimed], frames: Sequence[bytes]) -> None:
         """Queue a batch of small files' new chunks for upload, now compressed; count what they store."""
+        frames = compress.frames_of(frames)  # here: see compress_many
         self._uploader.add_claimed_many((digest, length, frame)
                                         for (digest, length, _piece), frame in zip(claimed, frames))
-        stats = self.stats
-        stats.stored_bytes += sum(map(len, frames))
+        self.stats.stored_bytes += sum(map(len, frames))
 
     def _settle(self, length: int, digest: bytes | None, stored: int | None) -> None:
         """Count one named piece in the statistics (its digest is already in its chunk list)."""
