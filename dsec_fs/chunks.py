@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from . import compress
 from .digest import is_hex_digest, to_hex, verify
 from .errors import CorruptError, FormatError, InputError, NotFoundError
-from .pack import PackEntry, PackWriter, decode_index
+from .pack import PackEntry, PackWriter, decode_index, entries_of_records
 from .store import keys
 from .store.base import Store, side_by_side
 
@@ -126,6 +126,10 @@ class ChunkIndex:
                     more = self._more.setdefault(entry.digest, [])
                     if all(other.pack_id != pack_id for other in more):
                         more.append(location)
+
+    def add_pack_records(self, pack_id: str, records: bytes) -> None:
+        """``add_pack`` of the entries that ``records`` (pack.INDEX_ENTRY records) hold."""
+        self.add_pack(pack_id, entries_of_records(records))
 
     def load(self, store: Store) -> int:
         """Read every index object of ``store``; returns how many were read."""
@@ -277,13 +281,13 @@ class ChunkUploader:
 
     def _upload(self, writer: PackWriter) -> None:
         try:
-            entries = writer.entries
+            records, digests = writer.records, writer.digests
             pack_id, pack_bytes, index_bytes = writer.finish()
             # The index names the pack: it is written once the pack is stored, both files' fsyncs side by side.
             self.store.put_all([(keys.pack(pack_id), pack_bytes)], (keys.index(pack_id), index_bytes))
-            self.index.add_pack(pack_id, entries)
+            self.index.add_pack_records(pack_id, records)
             with self._lock:
-                self._queued.difference_update(entry.digest for entry in entries)
+                self._queued.difference_update(digests)
                 self._pack_ids.append(pack_id)
                 self.packs += 1
         except Exception as exc:

@@ -66,10 +66,17 @@ def index_size(count: int) -> int:
 
 def encode_index(entries: list[PackEntry]) -> bytes:
     """Encode entries as they are; PackWriter is what guarantees they describe a valid pack."""
-    body = bytearray(INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, len(entries)))
-    for entry in entries:
-        body += INDEX_ENTRY.pack(*entry)
-    return bytes(body + sha256(body))
+    return index_of_records(b"".join(INDEX_ENTRY.pack(*entry) for entry in entries))
+
+
+def index_of_records(records: bytes | bytearray) -> bytes:
+    """The index object whose entries are ``records`` (INDEX_ENTRY records, back to back)."""
+    body = INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, len(records) // INDEX_ENTRY.size) + records
+    return body + sha256(body)
+
+
+def entries_of_records(records: bytes | bytearray) -> list[PackEntry]:
+    return [PackEntry(*fields) for fields in INDEX_ENTRY.iter_unpack(records)]
 
 
 def decode_index(data: bytes, *, source: str, pack_size: int | None = None) -> list[PackEntry]:
@@ -139,11 +146,14 @@ def _decode_index(data: bytes, *, source: str, frames_end: int | None, base: int
 
 
 class PackWriter:
-    """Builds one pack in memory. Not thread-safe: one owner adds frames, then calls finish() once."""
+    """Builds one pack in memory. Not thread-safe: one owner adds frames, then calls finish() once.
+
+    Its index entries are kept as packed records (INDEX_ENTRY), the bytes the index is made of, not an
+    object per chunk: a pack of small files' chunks holds thousands."""
 
     def __init__(self) -> None:
         self._frames: list[bytes] | None = []
-        self._entries: list[PackEntry] = []
+        self._records = bytearray()
         self._digests: set[bytes] = set()
         self._size = 0
 
@@ -154,13 +164,23 @@ class PackWriter:
 
     @property
     def count(self) -> int:
-        return len(self._entries)
+        return len(self._digests)
 
     @property
     def entries(self) -> list[PackEntry]:
-        return list(self._entries)
+        return entries_of_records(self._records)
 
-    def add(self, digest: bytes, frame: bytes, ulen: int) -> PackEntry:
+    @property
+    def records(self) -> bytes:
+        """The index entries as INDEX_ENTRY records, in pack order."""
+        return bytes(self._records)
+
+    @property
+    def digests(self) -> set[bytes]:
+        """The digests of the chunks added (the writer's own set: not to be changed)."""
+        return self._digests
+
+    def add(self, digest: bytes, frame: bytes, ulen: int) -> None:
         """Append one chunk's zstd frame; ``digest`` is the sha256 of the chunk's ``ulen`` plain bytes."""
         if self._frames is None:
             raise RuntimeError("PackWriter.add after finish")
@@ -168,18 +188,16 @@ class PackWriter:
             raise InputError(f"digest is {len(digest)} bytes, expected {DIGEST_SIZE}", where=f"chunk {digest.hex()}")
         if digest in self._digests:
             raise ConflictError("chunk added to the same pack twice", where=f"chunk {to_hex(digest)}")
-        entry = PackEntry(digest, self._size, len(frame), ulen)
+        self._records += INDEX_ENTRY.pack(digest, self._size, len(frame), ulen)
         self._frames.append(frame)
-        self._entries.append(entry)
         self._digests.add(digest)
         self._size += len(frame)
-        return entry
 
     def finish(self) -> tuple[str, bytes, bytes]:
         """(pack id, pack bytes, index bytes). Releases the frames, so the writer cannot be used again."""
         if self._frames is None:
             raise RuntimeError("PackWriter.finish called twice")
-        index = encode_index(self._entries)
+        index = index_of_records(self._records)
         pack = b"".join([*self._frames, index, PACK_TRAILER.pack(len(index), PACK_MAGIC)])
         self._frames = None
         return to_hex(sha256(pack)), pack, index
