@@ -124,6 +124,31 @@ def test_a_chunk_is_claimed_once_then_added_by_its_claimer(store):
     assert uploader.claim(digest) is False  # stored now: the index holds it
 
 
+def test_chunks_added_many_at_a_time_fill_packs_as_one_at_a_time(tmp_path):
+    """add_claimed_many across pack boundaries gives the packs add_claimed gives, chunk for chunk; and
+    compress_many's frames are compress's."""
+    chunks = [chunk(n, size=300 + 97 * n) for n in range(60)] + [b"x" * 5000, b"abc" * 999]
+    frames = compress.frames_of(compress.compress_many(chunks))
+    assert frames == [compress.compress(data) for data in chunks]
+    packs = []
+    for many in (False, True):
+        store = CountingStore(tmp_path / f"store-{many}")
+        uploader = ChunkUploader(store, ChunkIndex(), pack_target=8192)
+        for data in chunks:
+            assert uploader.claim(sha256(data))
+        items = [(sha256(data), len(data), frame) for data, frame in zip(chunks, frames)]
+        if many:
+            uploader.add_claimed_many(items[:25])
+            uploader.add_claimed_many(items[25:])
+        else:
+            for item in items:
+                uploader.add_claimed(*item)
+        ids = uploader.flush()
+        assert len(ids) > 3 and uploader.new_chunks == len(chunks)
+        packs.append(sorted(store.get(keys.pack(pack_id)) for pack_id in ids))
+    assert packs[0] == packs[1]
+
+
 def test_concurrent_adds_store_each_chunk_once(store):
     chunks = [chunk(n, size=1024) for n in range(200)]
     frames = [compress.compress(c) for c in chunks]
