@@ -18,9 +18,9 @@ Pipeline and threads:
 - Files under INLINE_BYTES are hashed and claimed in the main thread at once: for so few bytes a worker's
   Python code per file would cost more than it saves, as the main thread's reads and that code would
   take turns at the GIL. Their new chunks are compressed in a worker all the same, a batch of about
-  BATCH_BYTES in one call that holds no GIL (compress.compress_many), so the main thread reads on while
-  the other core compresses; the worker hands the frames back, and the main thread queues them for
-  upload (``ChunkUploader.add_claimed_many``) when it settles the batch.
+  CLAIMED_BATCH_BYTES in one call that holds no GIL (compress.compress_many), so the main thread reads
+  on while the other core compresses; the worker hands the frames back, and the main thread queues
+  them for upload (``ChunkUploader.add_claimed_many``) when it settles the batch.
 - The main thread alone settles results (fills a node's chunk list at the piece's position, adds up the
   statistics), so those need no lock; the BlobMap is laid out from the final tree afterwards.
 - The threads share no state of the chunker: a thread that meets a new chunk claims it from the uploader
@@ -52,6 +52,9 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 BATCH_BYTES = 1 << 20
 # Files smaller than this are named in the main thread (see the module docstring).
 INLINE_BYTES = 16 << 10
+# Their new chunks go to a worker in batches of this many bytes. 1 MiB batches grew the build's peak RSS by
+# ~80 MB at 100,000 small files, against ~13 MB for these (docs/benchmarks.md, build8), as fast.
+CLAIMED_BATCH_BYTES = 128 << 10
 # Read-ahead beyond two batches per worker adds memory, not speed (16 MiB in flight instead of 4 was
 # within noise for the Debian rootfs, for 8 MB more RSS: docs/benchmarks.md, issue 17, third session);
 # with large chunks fewer batches fit.
@@ -196,7 +199,7 @@ class Chunker:
         if digest is not None and self._uploader.claim(digest):
             self._claimed.append((digest, size, piece))
             self._claimed_size += size
-            if self._claimed_size >= self._batch_bytes:
+            if self._claimed_size >= CLAIMED_BATCH_BYTES:
                 self._submit_claimed()
             self._settle(size, digest, 0)  # its compressed size is counted when its batch is settled
         else:
