@@ -127,8 +127,10 @@ class ChunkIndex:
                     if all(other.pack_id != pack_id for other in more):
                         more.append(location)
 
-    def add_pack_records(self, pack_id: str, records: bytes) -> None:
-        """``add_pack`` of the entries that ``records`` (pack.INDEX_ENTRY records) hold."""
+    def add_pack_records(self, pack_id: str, records: bytes, digests: Iterable[bytes] | None = None) -> None:
+        """``add_pack`` of the entries that ``records`` (pack.INDEX_ENTRY records) hold; ``digests``, if
+        given, are the same chunks' digests as objects the caller holds anyway (the uploader's are the
+        chunker's, which the tree holds too), so that an index keyed by them makes no copy of each."""
         self.add_pack(pack_id, entries_of_records(records))
 
     def load(self, store: Store) -> int:
@@ -285,7 +287,7 @@ class ChunkUploader:
             pack_id, pack_bytes, index_bytes = writer.finish()
             # The index names the pack: it is written once the pack is stored, both files' fsyncs side by side.
             self.store.put_all([(keys.pack(pack_id), pack_bytes)], (keys.index(pack_id), index_bytes))
-            self.index.add_pack_records(pack_id, records)
+            self.index.add_pack_records(pack_id, records, digests)
             with self._lock:
                 self._queued.difference_update(digests)
                 self._pack_ids.append(pack_id)
