@@ -196,7 +196,10 @@ class S3Store(Store):
             params["Range"] = f"bytes={offset}-"
 
         def fetch() -> bytes:
-            return self._client.get_object(Bucket=self.bucket, Key=name, **params)["Body"].read()
+            with contextlib.closing(self._client.get_object(Bucket=self.bucket, Key=name, **params)["Body"]) as body:
+                # One byte past the range at most: an endpoint (a proxy) may ignore Range and send the
+                # whole object, a pack of any size; more than asked for is refused below, never held.
+                return body.read() if length is None else body.read(length + 1)
 
         try:
             data = self._call(key, fetch)
@@ -207,6 +210,9 @@ class S3Store(Store):
                 self._check_offset(key, offset, self._head(key)["ContentLength"])
                 return b""
             raise
+        if length is not None and len(data) > length:
+            raise CorruptError(f"the endpoint answered range [{offset}, {offset + length}) with more bytes "
+                               "(it ignored the range)", where=self._where(key))
         if length is not None and len(data) != length:
             raise CorruptError(
                 f"range [{offset}, {offset + length}) runs past the end ({offset + len(data)})",

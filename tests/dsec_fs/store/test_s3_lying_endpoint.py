@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dsec_fs.errors import UnsupportedError
+from dsec_fs.errors import CorruptError, UnsupportedError
 from dsec_fs.store.s3 import S3Store
 
 pytestmark = pytest.mark.s3
@@ -36,11 +36,32 @@ class ChunkedWholeObject(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def endpoint(monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ChunkedWholeObject)
+class WholePackIgnoringRange(BaseHTTPRequestHandler):
+    """Answers any GET with a 256 MiB object, Range ignored (a 200 with its Content-Length); ``sent``
+    counts the bytes the client took before it closed the connection."""
+
+    protocol_version = "HTTP/1.1"
+    size = 256 << 20
+    sent = 0
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.send_header("Content-Length", str(self.size))
+        self.end_headers()
+        piece = bytes(1 << 20)
+        for _ in range(self.size >> 20):
+            try:
+                self.wfile.write(piece)
+            except (BrokenPipeError, ConnectionResetError):
+                return
+            type(self).sent += len(piece)
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve(handler):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -49,6 +70,34 @@ def endpoint(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def credentials(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+
+
+@pytest.fixture
+def endpoint(credentials):
+    yield from _serve(ChunkedWholeObject)
+
+
+@pytest.fixture
+def range_ignoring_endpoint(credentials):
+    WholePackIgnoringRange.sent = 0
+    yield from _serve(WholePackIgnoringRange)
+
+
+def test_a_ranged_get_answered_with_the_whole_object_reads_no_more_than_the_range(range_ignoring_endpoint):
+    """A chunk's ranged GET of a pack, answered with all 256 MiB of it: a CorruptError naming the key,
+    the connection dropped after a byte past the range (before, the whole answer was read into memory)."""
+    store = S3Store("bucket", "p", endpoint_url=range_ignoring_endpoint, region="us-east-1")
+    with store:
+        with pytest.raises(CorruptError) as refused:
+            store.get("packs/ab/" + "ab" * 32, 4096, 100)
+    assert "packs/ab/" in refused.value.where
+    assert WholePackIgnoringRange.sent < 64 << 20
 
 
 def test_get_at_most_without_content_range_or_length_stays_bounded(endpoint):
