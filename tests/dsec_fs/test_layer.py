@@ -389,6 +389,25 @@ def test_a_layer_object_grown_past_its_size_is_refused_without_reading_it(store,
     assert peak < 64 << 20, f"{peak} bytes allocated reading a layer of a few KB"
 
 
+@pytest.mark.parametrize("name", ["meta.erofs", "blobmap"])
+def test_a_manifest_giving_a_huge_stored_size_for_a_small_object_allocates_nothing_for_it(store, name):
+    """The bounded read takes the manifest's stored size as its limit: a lying manifest must not make the
+    reader allocate that much for an object of a few KB."""
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    obj = json.loads(store.get(keys.layer_manifest(LAYER)))
+    obj["stored"][name]["size"] = 3 << 30
+    store.put(keys.layer_manifest(LAYER), json.dumps(obj).encode())
+    tracemalloc.start()
+    try:
+        with pytest.raises(IntegrityError) as info:
+            open_layer(store, LAYER)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert name in str(info.value)
+    assert peak < 64 << 20, f"{peak} bytes allocated reading a layer of a few KB"
+
+
 def test_an_oversized_ref_is_refused_without_reading_it(store):
     publish_layer(store, META, BLOBMAP, make_manifest())
     set_ref(store, "base:1", LAYER)
