@@ -5,6 +5,7 @@ fails as a store error naming the key. A real HTTP server on 127.0.0.1, because 
 from __future__ import annotations
 
 import threading
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -60,6 +61,21 @@ class WholePackIgnoringRange(BaseHTTPRequestHandler):
         pass
 
 
+class UnsizedObject(BaseHTTPRequestHandler):
+    """Answers any GET with OBJECT, the answer's end being the connection's (no Content-Length, not
+    chunked: HTTP/1.0), so a client cannot know its size before reading it."""
+
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(OBJECT)
+
+    def log_message(self, *args):
+        pass
+
+
 def _serve(handler):
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
@@ -106,3 +122,23 @@ def test_get_at_most_without_content_range_or_length_stays_bounded(endpoint):
         with pytest.raises(UnsupportedError) as refused:
             store.get_at_most("profiles/layers/ab/node", 100)
     assert "profiles/layers/ab/node" in refused.value.where
+
+
+@pytest.fixture
+def unsized_endpoint(credentials):
+    yield from _serve(UnsizedObject)
+
+
+def test_a_bounded_read_of_an_answer_of_unknown_length_allocates_what_comes_not_the_limit(unsized_endpoint):
+    """A layer's metadata is read with the manifest's size as the limit, which a lying manifest makes
+    gigabytes: reading an answer whose length nobody said must not allocate all of the limit at once."""
+    store = S3Store("bucket", "p", endpoint_url=unsized_endpoint, region="us-east-1")
+    with store:
+        tracemalloc.start()
+        try:
+            data = store.get_at_most("layers/ab/meta.erofs", 3 << 30)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert data == OBJECT
+    assert peak < 64 << 20, f"{peak} bytes allocated for an answer of {len(OBJECT)}"
