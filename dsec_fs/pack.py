@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+from .compress import frame_bound
 from .digest import DIGEST_SIZE, sha256, to_hex
 from .errors import ConflictError, FormatError, InputError
 
@@ -125,6 +126,9 @@ def _decode_index(data: bytes, *, source: str, frames_end: int | None, base: int
         what = f"entry {number} (chunk {to_hex(entry.digest)})"
         if entry.clen == 0:
             raise fail(at, f"{what}: empty frame")
+        # A reader's ranged GET is clen bytes, whatever the chunk's size: bounded by what zstd can make of it.
+        if entry.clen > frame_bound(entry.ulen):
+            raise fail(at, f"{what}: a frame of {entry.clen} bytes for {entry.ulen} bytes, longer than zstd makes")
         if entry.digest in first_entry_of:
             raise fail(at, f"{what}: chunk already listed as entry {first_entry_of[entry.digest]}")
         if entry.offset < previous_end:
