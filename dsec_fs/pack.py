@@ -46,6 +46,10 @@ INDEX_ENTRY = struct.Struct(
 )
 
 INDEX_CHECKSUM_SIZE = DIGEST_SIZE  # sha256 over header and entries
+# More entries than any pack holds (a pack is sealed at ~16 MiB of frames, and the smallest frame is ~9
+# bytes): an index object is read only up to this many entries' bytes (~200 MB), so a store writer that
+# grows one to any size does not make a reader read all of it.
+MAX_INDEX_ENTRIES = 4 << 20
 
 PACK_TRAILER = struct.Struct(
     "<"
@@ -63,6 +67,9 @@ class PackEntry(NamedTuple):
 
 def index_size(count: int) -> int:
     return INDEX_HEADER.size + count * INDEX_ENTRY.size + INDEX_CHECKSUM_SIZE
+
+
+MAX_INDEX_BYTES = index_size(MAX_INDEX_ENTRIES)
 
 
 def encode_index(entries: list[PackEntry]) -> bytes:
