@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench_sandbox_coldstart import ENV, WORKLOADS, Node_, parse_variant, setup  # noqa: E402
 from benchlib import drop_caches, log  # noqa: E402
 from dsec_fs.store import FilesystemStore  # noqa: E402
-from lazy_fetch.analysis import LayerIndex  # noqa: E402
+from lazy_fetch.layer_index import LayerIndex  # noqa: E402
 from lazy_fetch.trace import FLAG_ERROR, FLAG_PREFETCH, read_trace  # noqa: E402
 
 TOP = 5

@@ -47,7 +47,7 @@ sys.path.insert(0, ROOT)
 
 from dsec_fs.store import FilesystemStore  # noqa: E402
 from erofs_builder.build import build_layer  # noqa: E402
-from lazy_fetch.analysis import LayerIndex  # noqa: E402
+from lazy_fetch.layer_index import LayerIndex  # noqa: E402
 from lazy_fetch.trace import FLAG_BLOB, FLAG_MISS, NO_CHUNK, TraceHeader, TraceWriter  # noqa: E402
 
 DEFAULT_ROOTFS = "/var/cache/dsecfs-test/debian-minbase"

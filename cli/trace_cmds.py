@@ -165,7 +165,7 @@ def show_cmd(path: str, limit: int, store_url: str | None, as_json: bool) -> Non
     P prefetch."""
     from dataclasses import asdict
 
-    from lazy_fetch.analysis import LayerIndex
+    from lazy_fetch.layer_index import LayerIndex
     from lazy_fetch.trace import NO_CHUNK, read_trace
 
     t = read_trace(path)

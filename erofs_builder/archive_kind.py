@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import tarfile
 
-from .walk_tar import header_sum
+from .tar_header import header_sum
 
 BLOCK = 512
 _MARKERS = frozenset({b"manifest.json", b"oci-layout"})

@@ -51,7 +51,7 @@ the miss (fetcher.py): it costs link bytes, never a round trip. What a read name
 background at prefetch priority (``to_warm``), so the reader does not stop at the window's end. The map of which
 chunks belong to which file comes from the layer's image (``FileChunks.of``, about 0.3 s for 8,000
 files, so it is built in a worker thread once the layer is mounted, or, on a node that holds some of
-its chunks already, at its first read that waits for the store (daemon.py ``_map_files_soon``); reads
+its chunks already, at its first read that waits for the store (daemon_stores.py ``_map_files_soon``); reads
 before it is ready get no readahead).
 
 Threads: ``FileChunks.of`` blocks (a worker thread); ``MissReadahead`` belongs to the daemon's trio thread.
@@ -63,7 +63,7 @@ from array import array
 
 from dsec_fs.chunks import ChunkLocation
 
-from .analysis import LayerIndex
+from .layer_index import LayerIndex
 from .blob_reader import BlobChunk, LayerBlob
 
 FILE_START = 1 << 20  # of a file's own chunks after a read, named at first

@@ -52,7 +52,7 @@ from dsec_fs.errors import DsecError, FormatError, IntegrityError, NotFoundError
 from dsec_fs.layer import utc_now
 from dsec_fs.store.base import Store
 
-from .analysis import LayerIndex
+from .layer_index import LayerIndex
 from .prefetch_list import DEFAULT_MIN_FRACTION, PrefetchEntry, PrefetchList
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from . import profile
-from .analysis import LayerIndex
+from .layer_index import LayerIndex
 from .prefetch_list import PrefetchList
 from .trace import join_segments, read_trace
 

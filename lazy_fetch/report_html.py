@@ -1,10 +1,11 @@
 """The access-trace report as one self-contained HTML page (plots embedded as PNG, tables sortable by a few
 lines of inline JavaScript, no server, no network) plus report.json beside it.
 
-Input is an analysis.Report; this module only draws and lays out, it computes no figure of its own. It is
-the one module that imports matplotlib (Agg backend: no display needed). To stay readable with hundreds
-of traces, plots show distributions (box plots, percentile bands, histograms) rather than a line per trace,
-long tables scroll inside their box, and the per-trace table is folded away.
+Input is a report_figures.Report (analysis.analyze makes it); this module only draws and lays out, it
+computes no figure of its own. It is the one module that imports matplotlib (Agg backend: no display
+needed). To stay readable with hundreds of traces, plots show distributions (box plots, percentile bands,
+histograms) rather than a line per trace, long tables scroll inside their box, and the per-trace table is
+folded away.
 
 Threads: while render_html draws a page, its figures are kept in a module-level pool and drawn again
 (_FigurePool), so call render_html and write_report from one thread at a time. Nothing here uses
@@ -26,7 +27,7 @@ from matplotlib.patches import Patch
 
 from dsec_fs.units import human_size
 
-from .analysis import PRODUCTION_BAND, LayerReport, Report
+from .report_figures import PRODUCTION_BAND, LayerReport, Report
 
 ROLE_COLORS = {"base": "#4C72B0", "workspace": "#DD8452", "toolkit": "#55A868", "": "#8172B3"}
 PLOT_DPI = 100

@@ -21,7 +21,7 @@ from dsec_fs.layer import LayerFiles
 from dsec_fs.store.base import Store
 from dsec_fs.store.wrappers import CountingStore, LatencyStore
 
-from .analysis import LayerIndex
+from .layer_index import LayerIndex
 from .blob_reader import LayerBlob
 from .fetcher import ChunkFetcher
 from .memory_cache import MemoryFrontedFetcher
@@ -58,13 +58,13 @@ class Layer:
     store: StoreContext
     usage: LayerUsage
     readahead: MissReadahead | None = None  # shared by its mounts in both modes
-    files_mapped: bool = False  # the map of its readahead is being built or ready (daemon._map_files_soon)
+    files_mapped: bool = False  # the map of its readahead is being built or ready (daemon_stores.py _map_files_soon)
     mounts: int = 0
     prefetch: PrefetchJob | None = None
     _index: LayerIndex | None = None
 
     def index(self) -> LayerIndex:
-        """The layer's image walked once (analysis.LayerIndex), for readahead, profile plans and
+        """The layer's image walked once (layer_index.LayerIndex), for readahead, profile plans and
         publishing; worker threads only (it walks the whole image the first time). Two threads that ask
         at once may both walk it: the index is a value, either one serves."""
         if self._index is None:

@@ -17,9 +17,10 @@ from treecmp import assert_same_tree, snapshot
 
 from dsec_fs.errors import InputError, IntegrityError, NotFoundError, UnsupportedError
 from dsec_fs.mounts import MS_RDONLY, mounted
+from erofs_builder.tar_members import MemberError
 from erofs_builder.tree import Tree
 from erofs_builder.walk_oci import OVERLAY_OPAQUE_XATTR, oci_layer_streams, walk_oci
-from erofs_builder.walk_tar import MemberError, walk_tar
+from erofs_builder.walk_tar import walk_tar
 
 from ociimage import (  # noqa: E402
     OCI_INDEX, OCI_MANIFEST, TAR, TAR_GZIP, TAR_ZSTD, Layout, directory, layer_tar, member,

@@ -21,8 +21,12 @@ import pytest
 import zstandard
 
 from dsec_fs.errors import InputError, UnsupportedError
+from erofs_builder.limits import TarLimits
+from erofs_builder.tar_header import header_sum
+from erofs_builder.tar_input import _TarStream
+from erofs_builder.tar_members import MemberError
 from erofs_builder.tree import Tree
-from erofs_builder.walk_tar import MemberError, TarLimits, _TarStream, header_sum, tar_nodes, walk_tar
+from erofs_builder.walk_tar import tar_nodes, walk_tar
 
 CHUNK = 4096
 MTIME_NS = 1_700_000_000_123_456_789

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from dsec_fs.errors import FormatError, NotFoundError
-from lazy_fetch.analysis import CHUNK_SIZES, LayerIndex, analyze
+from lazy_fetch.analysis import CHUNK_SIZES, analyze
+from lazy_fetch.layer_index import LayerIndex
 from lazy_fetch.trace import FLAG_ERROR, FLAG_PREFETCH, TraceHeader, TraceWriter
 from tests.lazy_fetch.analysis_support import (
     BASE_BYTES, BASE_FILES, CHUNK, CHUNK_BYTES, FUSE_BYTES, KERNEL_BYTES, PAGE, WORKLOAD, WORKSPACE_FILES, Read,

@@ -11,7 +11,7 @@ from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import StoreWrapper
 from lazy_fetch import profile
-from lazy_fetch.analysis import LayerIndex
+from lazy_fetch.layer_index import LayerIndex
 from lazy_fetch.profile_keeper import ProfileKeeper, PublishedRun
 from lazy_fetch.trace import NO_CHUNK, TraceHeader, TraceWriter, join_segments, read_trace
 from tests.lazy_fetch.analysis_support import CHUNK, WORKLOAD

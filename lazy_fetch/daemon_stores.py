@@ -1,0 +1,179 @@
+"""The node daemon's stores and layers (a part of NodeDaemon, daemon.py): one StoreContext per store URL,
+opened and wrapped once (faults, latency, limit, retry, the ref cache outermost), its chunk index and
+fetcher; layers opened from them (``_open_layer``: the ref, the manifest, then meta.erofs, the blob map,
+the pack indexes and the profile objects side by side, within the fetcher's deadline), and the map of a
+layer's miss readahead, built in the background when first needed.
+
+Threads: the methods run in the daemon's trio thread; opening a store or a layer runs in worker threads
+(trio.to_thread, fetcher.call_store). ``_stores_lock`` (a trio.Lock, NodeDaemon's) guards ``stores``, so
+a URL is opened once; the rest of the state is NodeDaemon's and needs no lock (one trio thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import trio
+
+from dsec_fs import api
+from dsec_fs.chunks import ChunkIndex, check_packs_present
+from dsec_fs.errors import DsecError
+from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, resolve
+from dsec_fs.store import default_store_url, keys, open_store
+from dsec_fs.store.base import Store
+from dsec_fs.store.ref_cache import RefCacheStore
+from dsec_fs.store.wrappers import CountingStore, LatencyStore, StoreWrapper, find_wrapper, wrap_store
+
+from .blob_reader import LayerBlob, open_layer_blob
+from .fetcher import ChunkFetcher
+from .memory_cache import MemoryFrontedFetcher
+from .miss_readahead import FileChunks, MissReadahead
+from .profile_keeper import FoundProfile
+from .served_layers import Layer, StoreContext
+from .traced_blob import LayerUsage
+
+log = logging.getLogger(__name__)
+
+FAULTS_ENV = "DSECFS_FAULTS"  # FaultStore rules for every store the daemon opens (tests)
+
+
+class DaemonStores:
+    """NodeDaemon's stores and layers (see the module docstring); its state is NodeDaemon's."""
+
+    async def store(self, url: str | None = None) -> Store:
+        """The store at ``url`` (default: the daemon's), opened and wrapped as mounts read it."""
+        return (await self._store_context(url)).store
+
+    async def _store_context(self, url: str | None) -> StoreContext:
+        url = url or self.options.store_url or default_store_url()
+        async with self._stores_lock:
+            context = self.stores.get(url)
+            if context is None:
+                options = self.options
+                backend = await trio.to_thread.run_sync(open_store, url)
+                requests = CountingStore(backend)  # what the store itself saw (metrics)
+                faults = options.faults if options.faults is not None else os.environ.get(FAULTS_ENV)
+                store = wrap_store(requests, retry=True, max_concurrent=options.store_concurrency,
+                                   stuck_after=options.fetch_timeout, latency=options.latency,
+                                   bandwidth=options.bandwidth, faults=faults or None)
+                if options.ref_ttl:
+                    store = RefCacheStore(store, options.ref_ttl)
+                fetcher = ChunkFetcher(store, self.cache, self._flights, max_concurrent=options.fetch_concurrency,
+                                       timeout=options.fetch_timeout, on_fetched=self._fetch_log.note)
+                context = StoreContext(url, store, ChunkIndex(), fetcher,
+                                       MemoryFrontedFetcher(fetcher, self.memory, self._flights),
+                                       copies=self.meta_copies, requests=requests,
+                                       emulated=find_wrapper(store, LatencyStore))
+                self.stores[url] = context
+                log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
+        return context
+
+    def ref_moved(self, store_url: str, ref: str) -> None:
+        """This node just pointed ``ref`` elsewhere in ``store_url`` through a store of its own (a sandbox
+        commit): the ref cache of the daemon's store context for that URL forgets it."""
+        name, tag = parse_ref(ref)
+        for url, context in self.stores.items():
+            if api.absolute_store(url) == api.absolute_store(store_url) and isinstance(context.store, RefCacheStore):
+                context.store.forget(keys.ref(name, tag))
+
+    async def _open_layer(self, store: StoreContext, ref: str, *, profile_of: str | None = None,
+                          want_profile: bool = False, combination: str = "",
+                          check_packs: bool = False) -> tuple[LayerFiles, FoundProfile | None]:
+        """open_layer, and with it: the pack indexes of a layer this store context has not indexed yet;
+        with ``check_packs``, that every pack the manifest lists is in the store (NotFoundError if not);
+        with ``want_profile``, its access profile (profile_keeper.py; ``profile_of``: its ref name;
+        ``combination``: the stack it is mounted for). What needs only the digest starts as soon as the
+        ref is read, what needs the manifest as soon as it is, so a new node waits for three store round
+        trips in a row: the ref; the manifest beside the profile listings; then meta.erofs, the blob map,
+        the pack indexes and packs and the profile objects, side by side (open_layer_blob then finds every
+        chunk located and loads nothing)."""
+        indexed = frozenset(store.indexed_layers)
+        keeper = self.profiles if want_profile else None
+        reads = _ManifestTimer(store.store, store.fetcher.note_round_trip)
+
+        def on_manifest(manifest: Manifest) -> None:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="check-packs") as pool:
+                present = pool.submit(check_packs_present, store.store, manifest.packs,
+                                      where=f"layer {manifest.layer}") if check_packs else None
+                if manifest.layer not in indexed:
+                    store.chunk_index.load_packs(store.index_reads, manifest.packs)
+                if present is not None:
+                    present.result()
+
+        def open_with_profile() -> tuple[LayerFiles, FoundProfile | None]:
+            digest = resolve(reads, ref)
+            if keeper is None:
+                return open_layer(reads, digest, on_manifest=on_manifest, reads=store.copies), None
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-lookup") as pool:
+                lookup = pool.submit(keeper.lookup, store.store, digest, profile_of, combination)
+                files = open_layer(reads, digest, on_manifest=on_manifest, reads=store.copies)
+                return files, lookup.result()
+
+        # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
+        files, found = await store.fetcher.call_store(f"layer {ref} in {store.url}", open_with_profile)
+        store.indexed_layers.add(files.digest)
+        return files, found
+
+    async def _open_blob(self, files: LayerFiles, store: StoreContext) -> LayerBlob:
+        return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
+
+    def _add_layer(self, files: LayerFiles, store: StoreContext, blob: LayerBlob) -> Layer:
+        usage = self.usage.get(files.digest) or self.usage.setdefault(files.digest, LayerUsage(blob))
+        layer = self.layers[files.digest] = Layer(files, blob, store, usage)
+        if self.options.miss_readahead_bytes and self._background is not None:
+            layer.readahead = MissReadahead(blob, self.options.miss_readahead_bytes)
+            if all(self.cache.lacks(digest) for _blkaddr, digest, _length in blob.blob_map.entries):
+                self._map_files_soon(layer)  # nothing of it on this node: its first reads miss
+        return layer
+
+    def _map_files_soon(self, layer: Layer) -> None:
+        """Start building the map of the layer's miss readahead, unless it is under way or built: at its
+        mount when the node holds none of its chunks, else at its first read that waits for the store
+        (TracedBlob's ``on_miss``). Walking the image was the biggest piece of a warm start's own work
+        (0.6 s of CPU for the numpy toolkit and its base, sampled, contending for the GIL with up and
+        with the trio thread serving the command's reads), and on a node that holds every chunk a start
+        reads it is never needed."""
+        if layer.readahead is None or layer.files_mapped or self._background is None:
+            return
+        layer.files_mapped = True
+        self._background.start_soon(self._map_files, layer)
+
+    async def _map_files(self, layer: Layer) -> None:
+        """Which chunks belong to which file, for the layer's miss readahead (a worker thread: it walks
+        the image); reads before it is done bring nothing along."""
+        try:
+            files = await trio.to_thread.run_sync(lambda: FileChunks.of(layer.index()))
+        except DsecError as exc:
+            log.warning("no miss readahead for layer %s: %s", layer.digest[:12], exc)
+            return
+        layer.readahead.ready(files)
+
+    def _close_stores(self) -> None:
+        for context in self.stores.values():
+            context.store.close()
+        self.stores.clear()
+
+
+_MANIFEST_SUFFIX = keys.layer_manifest("")[len(keys.LAYERS):]  # "/manifest.json"
+
+
+class _ManifestTimer(StoreWrapper):
+    """The store as a layer open sees it, telling ``note`` how long each manifest GET took: one small
+    object, so a sample of the store's round trip for fill auto. A manifest the node's copies gave (or a
+    ref its ref cache gave) makes no GET here, so no sample: that would time this node's disk."""
+
+    def __init__(self, inner: Store, note: Callable[[float], None]):
+        super().__init__(inner)
+        self._note = note
+
+    def _call(self, op, key, fn, sent=0):
+        if not (op == "get" and key.startswith(keys.LAYERS) and key.endswith(_MANIFEST_SUFFIX)):
+            return fn()
+        started = time.monotonic()
+        result = fn()
+        self._note(time.monotonic() - started)
+        return result
