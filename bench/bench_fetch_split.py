@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shutil
 import sys
@@ -39,6 +40,7 @@ from lazy_fetch.layer_index import LayerIndex  # noqa: E402
 from lazy_fetch.trace import FLAG_ERROR, FLAG_PREFETCH, read_trace  # noqa: E402
 
 TOP = 5
+SEQUENCE_BYTES = 4 << 20  # files at least this big get their reads in order in --dump
 
 
 def start(info: dict, workload: str, store_name: str, daemon_args: tuple[str, ...], command: tuple[str, ...] | None,
@@ -64,25 +66,52 @@ def start(info: dict, workload: str, store_name: str, daemon_args: tuple[str, ..
 def split(store_dir: str, work: str, cache_dir: str) -> dict:
     cached = {bytes.fromhex(name) for _dir, _subdirs, names in os.walk(os.path.join(cache_dir, "chunks"))
               for name in names if not name.startswith(".")}
-    totals = {"read_chunks": 0, "unread": 0, "asked": 0}
+    totals = {"read_chunks": 0, "unread": 0, "asked": 0, "unread_in_read_files": 0}
     unread_files: dict[str, int] = {}
+    per_file: dict[str, dict] = {}  # path -> size, fetched, read chunk bytes, asked bytes, chunk size
     with FilesystemStore(store_dir, create=False) as store:
         for path in glob.glob(os.path.join(work, "state", "traces", "*.dtr")):
             trace = read_trace(path)
             layer = LayerIndex.open(store, trace.header.layer)
-            totals["asked"] += layer.access(trace).bytes_read()
+            access = layer.access(trace)
+            totals["asked"] += access.bytes_read()
             read = {piece.entry for record in trace.records if not record.flags & (FLAG_PREFETCH | FLAG_ERROR)
                     for piece in layer.pieces(record.nid, record.offset, record.length, record.flags) or ()
                     if piece.entry is not None}
             entries = layer.blob_map.entries
             totals["read_chunks"] += sum(entries[entry][2] for entry in read)
+
+            def row(nid: int) -> dict:
+                file = layer.files[nid]
+                return per_file.setdefault(file.path, {"size": file.size, "fetched": 0, "read_chunks": 0, "asked": 0})
+
+            for nid, spans in access.ranges.items():
+                found = row(nid)
+                found["asked"] += sum(end - start for start, end in spans)
+                found.setdefault("spans", []).extend(spans)
+            for record in trace.records:
+                for piece in layer.pieces(record.nid, record.offset, record.length, record.flags) or ():
+                    if layer.files[piece.nid].size >= SEQUENCE_BYTES:
+                        row(piece.nid).setdefault("reads", []).append(
+                            (record.time_ns // 1000, piece.start, piece.end - piece.start, record.flags))
+            read_files = set()
+            for entry in read:
+                owner = layer.owner[entry]
+                if owner:
+                    row(owner[0])["read_chunks"] += entries[entry][2]
+                    read_files.add(owner[0])
             for entry, (_blkaddr, digest, length) in enumerate(entries):
+                owner = layer.owner[entry]
+                if digest in cached and owner:
+                    row(owner[0])["fetched"] += length
                 if digest in cached and entry not in read:
                     totals["unread"] += length
-                    owner = layer.owner[entry]
                     name = layer.files[owner[0]].path if owner else "(no file)"
                     unread_files[name] = unread_files.get(name, 0) + length
+                    if owner and owner[0] in read_files:
+                        totals["unread_in_read_files"] += length
     totals["top_unread"] = sorted(unread_files.items(), key=lambda item: -item[1])[:TOP]
+    totals["files"] = per_file
     return totals
 
 
@@ -92,11 +121,13 @@ def main() -> None:
     parser.add_argument("--store", default="3fs")
     parser.add_argument("--cache", default="/var/cache/dsecfs-test/sandbox-coldstart")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS")
+    parser.add_argument("--dump", metavar="PATH", help="write every start's split, per file, as JSON")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
     variants = [parse_variant(text) for text in args.variant] or [parse_variant("default=")]
     infos = {chunk_size: setup(args.cache, workloads, chunk_size) for chunk_size in sorted({v[1] for v in variants})}
     work = tempfile.mkdtemp(prefix="dsecfs-split-")
+    dumped = {}
     try:
         for workload in workloads:
             for name, chunk_size, daemon_args, command in variants:
@@ -106,11 +137,16 @@ def main() -> None:
                 parts = split(info["store"], home, cache_dir)
                 print(f"{workload} {name}: fetched {fetched / 1e6:.1f} MB ({fetched / total:.1%} of "
                       f"{total / 1e6:.1f} MB) = read chunks {parts['read_chunks'] / 1e6:.1f}"
-                      f" + readahead unread {parts['unread'] / 1e6:.1f};"
+                      f" + readahead unread {parts['unread'] / 1e6:.1f}"
+                      f" (in files read {parts['unread_in_read_files'] / 1e6:.1f});"
                       f" kernel asked {parts['asked'] / 1e6:.1f} MB ({parts['asked'] / total:.1%})", flush=True)
                 for path, length in parts["top_unread"]:
                     log(f"  unread {length / 1e6:.2f} MB of {path}")
                 shutil.rmtree(home, ignore_errors=True)
+                dumped[f"{workload} {name}"] = {"fetched": fetched, "layers": total, **parts}
+                if args.dump:
+                    with open(args.dump, "w") as f:
+                        json.dump(dumped, f, indent=1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -10,7 +10,9 @@ same layers, for several workloads and two emulated stores, in the series a plat
 
 ``--variant`` runs the series once more per variant, side by side in each round (their order turning
 round by round): the daemon's arguments, layers built in chunks of another size, another checkout's
-daemon as the baseline. Store requests: the daemon's dsecfs_store_requests_total over the start.
+daemon as the baseline. Store requests: the daemon's dsecfs_store_requests_total over the start; serial
+round trips its dsecfs_store_serial_round_trips over the start (the round trips waited for one after
+another: behind the 20 ms store, what a start waits for, and a count that the machine's load moves little).
 ``--baseline SRC``: another tree of this project (say ``git archive main | tar -x -C SRC``) whose daemon
 runs every series too, as a variant named ``baseline`` (its daemons run on this Python with SRC first on
 the path); every other row also gets the ratio of its seconds to the baseline's.
@@ -92,7 +94,7 @@ from dsec_fs.store.wrappers import LatencyStore  # noqa: E402
 from erofs_builder import build_layer  # noqa: E402
 from erofs_builder.chunker import DEFAULT_CHUNK_SIZE  # noqa: E402
 from overlay.runtime import run_in_rootfs  # noqa: E402
-from benchlib import drop_caches, log, store_requests  # noqa: E402
+from benchlib import daemon_metric, drop_caches, log, store_requests  # noqa: E402
 from dsec_fs.units import parse_size  # noqa: E402
 
 STORES = {"s3": (20.0, 100.0), "3fs": (1.0, 1000.0)}  # ms per request, MB/s
@@ -118,6 +120,7 @@ GOAL_FIRST = 1.0
 GOAL_OTHER_NUMPY = 0.20
 GOAL_OTHER_WARM = 1.5
 GOAL_FETCHED = 0.15
+SERIAL_ROUND_TRIPS = "dsecfs_store_serial_round_trips"
 GOAL_UNREAD = 0.20
 # A sync (drop_caches) waits for every superblock, so it hangs while any process's mount is stuck (a FUSE
 # server stopped under a debugger, say): after this long a start goes on with the page cache as it is,
@@ -312,6 +315,7 @@ def start_sandbox(node: Node, info: dict, toolkit: dict, command: str) -> dict:
     drop_page_cache()
     before = {layer.layer: layer.bytes_fetched for layer in node.status().layers}
     requests_before = store_requests(node)
+    serial_before = daemon_metric(node, SERIAL_ROUND_TRIPS)
     start = time.perf_counter()
     with node.sandbox(base=info["base"]["ref"], toolkit=toolkit["ref"]) as sandbox:
         result = sandbox.exec(["python3", "-c", command], env=ENV)
@@ -320,12 +324,14 @@ def start_sandbox(node: Node, info: dict, toolkit: dict, command: str) -> dict:
             raise SystemExit(f"the command failed: {result.stderr.decode(errors='replace')[-2000:]}")
         layers = {layer.layer: layer for layer in node.status().layers}
         requests = store_requests(node) - requests_before
+        serial = daemon_metric(node, SERIAL_ROUND_TRIPS) - serial_before
     digests = (info["base"]["digest"], toolkit["digest"])
     fetched = sum(layers[d].bytes_fetched - before.get(d, 0) for d in digests if d in layers)
     prefetched = sum(layers[d].prefetched_bytes for d in digests if d in layers)
     unread = sum(layers[d].prefetched_unread_bytes for d in digests if d in layers)
     total = sum(layers[d].data_bytes for d in digests if d in layers)
-    return {"seconds": seconds, "fetched_bytes": fetched, "store_requests": requests, "layer_bytes": total,
+    return {"seconds": seconds, "fetched_bytes": fetched, "store_requests": requests, "serial_round_trips": serial,
+            "layer_bytes": total,
             "fetched_fraction": fetched / total if total else 0.0, "prefetched_bytes": prefetched,
             "unread_fraction": unread / prefetched if prefetched else 0.0}
 
@@ -484,7 +490,8 @@ def _row(workload: str, store_name: str, variant: str, rounds: list[dict], basel
         log(f"{workload} {store_name} {variant} {series}: {row[series]['seconds']:.2f} s "
             f"({row[series]['ratio']:.2f}x the pull's {pull_s:.2f} s), fetched "
             f"{row[series]['fetched_fraction']:.1%} ({row[series]['fetched_bytes'] / 1e6:.1f} MB), "
-            f"store requests {row[series]['store_requests']}, prefetched unread {row[series]['unread_fraction']:.1%}"
+            f"store requests {row[series]['store_requests']}, serial round trips "
+            f"{row[series]['serial_round_trips']}, prefetched unread {row[series]['unread_fraction']:.1%}"
             f"{versus}")
     row["goals"] = {goal: ok for goal, ok in _goals(workload, row)}
     return row

@@ -27,5 +27,11 @@ def drop_caches() -> None:
 
 def store_requests(node) -> int:
     """The requests a daemon's stores answered so far (its dsecfs_store_requests_total, all operations)."""
+    return daemon_metric(node, "dsecfs_store_requests_total")
+
+
+def daemon_metric(node, name: str) -> int:
+    """The sum of a daemon's /metrics samples named ``name`` (say dsecfs_store_serial_round_trips: with an
+    emulated store, the round trips waited for one after another so far)."""
     return int(sum(sample.value for family in text_string_to_metric_families(node.metrics_text())
-                   for sample in family.samples if sample.name == "dsecfs_store_requests_total"))
+                   for sample in family.samples if sample.name == name))

@@ -71,6 +71,18 @@ def check_chunk_size(chunk_size: int) -> int:
     return bits
 
 
+def blob_map_chunk_size(data: bytes | memoryview) -> int | None:
+    """The chunk size an encoded blob map's header gives, without decoding its entries; None if the
+    header is not a blob map's (``BlobMap.decode`` says what is wrong)."""
+    if len(data) < HEADER.size:
+        return None
+    magic, version, blkszbits, chunkbits, _reserved, _count, _blocks = HEADER.unpack_from(data, 0)
+    if magic != MAGIC or version != VERSION or blkszbits != BLOCK_SIZE_BITS or not (
+            MIN_CHUNK_BITS <= chunkbits <= MAX_CHUNK_BITS):
+        return None
+    return 1 << chunkbits
+
+
 def _blocks_for(length: int) -> int:
     return -(-length // BLOCK_SIZE)
 

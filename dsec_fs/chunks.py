@@ -221,15 +221,20 @@ class ChunkUploader:
         if sealed is not None:
             self._submit(sealed)
 
+    def send(self) -> None:
+        """Start uploading the open pack, without waiting for it (``flush`` waits). Call it after every
+        ``add`` has returned."""
+        with self._lock:
+            sealed = self._seal_if(self._writer.count > 0 and self._error is None)
+        if sealed is not None:
+            self._submit(sealed)
+
     def flush(self) -> list[str]:
         """Upload the open pack, wait for every upload, and return the ids of all packs written.
 
         Re-raises the first upload error. Call it after every ``add`` has returned.
         """
-        with self._lock:
-            sealed = self._seal_if(self._writer.count > 0 and self._error is None)
-        if sealed is not None:
-            self._submit(sealed)
+        self.send()
         self.close()
         with self._lock:
             if self._error is not None:

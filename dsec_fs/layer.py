@@ -217,11 +217,20 @@ class LayerFiles:
     blobmap: bytes
 
 
+def compress_metadata(meta: bytes | SpillFile, blobmap: bytes) -> tuple[bytes, bytes]:
+    """The zstd frames of meta.erofs and the blob map as ``publish_layer`` stores them (any thread: a
+    rebuild makes them while its new pack is written)."""
+    return tuple(data.compress(METADATA_LEVEL) if isinstance(data, SpillFile)
+                 else compress.compress(data, level=METADATA_LEVEL) for data in (meta, blobmap))
+
+
 def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifest: Manifest, *,
-                  also: Callable[[], tuple[str, bytes]] | None = None) -> str:
+                  also: Callable[[], tuple[str, bytes]] | None = None,
+                  frames: tuple[bytes, bytes] | None = None) -> str:
     """Write meta.erofs and the blob map, each zstd-compressed, then manifest.json; returns the layer digest.
     ``meta`` may be a SpillFile (dsec_fs.spill: a fresh build's image, never whole in memory): it is
-    hashed and compressed a piece at a time.
+    hashed and compressed a piece at a time. ``frames``: ``compress_metadata(meta, blobmap)`` of these
+    same bytes, when the caller made them already.
 
     The manifest must describe these bytes exactly (IntegrityError otherwise, before anything is written);
     its ``stored`` is filled in here, with what is written. The packs holding the layer's chunks must
@@ -229,8 +238,8 @@ def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifes
     here. ``also()`` makes (key, data) of another object of the layer that must be in place before the
     manifest (a directory build's build info): it runs in the calling thread while meta.erofs and the
     blob map are written (``Store.put_all``, which writes the manifest once the three are stored, and
-    nothing if anything fails). (Both are compressed in the calling thread, which keeps its zstd context:
-    a new thread's first compression pays for a new context's memory.)
+    nothing if anything fails). (Both are compressed in the calling thread unless ``frames`` is given,
+    which keeps its zstd context: a new thread's first compression pays for a new context's memory.)
     """
     digest = manifest.layer
     manifest_key = keys.layer_manifest(digest)
@@ -239,15 +248,14 @@ def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifes
     _check_bytes(blobmap, manifest.blobmap_sha256, manifest.blobmap_size, what=keys.layer_blobmap(digest))
     manifest.version = MANIFEST_VERSION
     manifest.stored = {}
-    frames = []
-    for name, key, data in ((META, keys.layer_meta(digest), meta), (BLOBMAP, keys.layer_blobmap(digest), blobmap)):
-        frame = data.compress(METADATA_LEVEL) if isinstance(data, SpillFile) else compress.compress(
-            data, level=METADATA_LEVEL)
+    written = []
+    for (name, key), frame in zip(((META, keys.layer_meta(digest)), (BLOBMAP, keys.layer_blobmap(digest))),
+                                  frames or compress_metadata(meta, blobmap)):
         manifest.stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
-        frames.append((key, frame))
+        written.append((key, frame))
 
     def objects() -> Iterator[tuple[str, bytes]]:
-        yield from frames
+        yield from written
         if also is not None:
             yield also()
 

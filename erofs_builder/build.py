@@ -41,7 +41,10 @@ On any error before step 6 nothing of the layer is published: the packs already 
 unreferenced and gc removes them. A ref name is checked before any work, so a bad name costs nothing.
 
 Threads: build_layer and build_tree run in the calling thread; the chunker and the uploader run their own
-worker threads for the duration of the call and stop them before returning (or raising). Python's cycle
+worker threads for the duration of the call and stop them before returning (or raising). A rebuild with
+a parent also takes its lease and syncs the chunk index in a thread of its own while the parent is
+loaded and the source scanned (``_lease_and_index``), and on the patch path compresses meta.erofs and the
+blob map in another while its new pack is written; both are joined before the call returns. Python's cycle
 collector is paused for the whole process while a build runs (see ``_cycle_collector_paused``).
 """
 
@@ -56,6 +59,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,7 +69,7 @@ from dsec_fs.errors import InputError, NotFoundError
 from dsec_fs.gc import ensure_pack_indexes
 from dsec_fs.heap import release_free_memory
 from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
-from dsec_fs.layer import Manifest, parse_ref, publish_layer, set_ref
+from dsec_fs.layer import Manifest, compress_metadata, parse_ref, publish_layer, set_ref
 from dsec_fs.leases import Lease
 from dsec_fs.spill import SpillFile
 from dsec_fs.store import keys
@@ -161,12 +165,17 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     image and build info) is freed when this returns, before the collector is back, so that its first
     run does not have to look at every object of it first."""
     described = os.path.abspath(os.fsdecode(source))
-    base = ParentLayer.load(store, parent, chunk_size=chunk_size) if parent is not None else None
-    if base is not None:
+    base = None
+    if parent is not None:
         from .patch import scan_changes
 
-        rescan = scan_changes(source, base, time.time_ns())
-        patched = rescan and _build_patched(rescan, store, name, chunk_size, progress, workers, described, own_packs)
+        # The patch path's lease and chunk index are made beside loading the parent and the scan (a store
+        # write, a listing, an LMDB commit: waits, mostly); unused if the build takes the full path.
+        with _lease_and_index(store, f"build {name or described}", own_packs) as leased:
+            base = ParentLayer.load(store, parent, chunk_size=chunk_size)
+            rescan = scan_changes(source, base, time.time_ns())
+            patched = rescan and _build_patched(rescan, leased, store, name, chunk_size, progress, workers,
+                                                described)
         if patched:
             return patched
     scanned_at_ns = time.time_ns()
@@ -360,9 +369,11 @@ def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: l
 
 def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blocks: int, blob_map_bytes: bytes,
                    packs: list[str], stats: ChunkStats, name: str | None, chunk_size: int, source: str,
-                   buildinfo: Callable[[str], bytes] | None) -> BuildResult:
+                   buildinfo: Callable[[str], bytes] | None, *,
+                   frames: tuple[bytes, bytes] | None = None) -> BuildResult:
     """Step 6 for a finished meta.erofs and blob map: build info (made by ``buildinfo`` for the layer
-    digest, directory builds only), manifest, ref."""
+    digest, directory builds only), manifest, ref. ``frames``: the two compressed already
+    (dsec_fs.layer.compress_metadata)."""
     blob_id = to_hex(sha256(blob_map_bytes))
     manifest = Manifest(
         layer=to_hex(meta.sha256() if isinstance(meta, SpillFile) else sha256(meta)),
@@ -382,48 +393,82 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blo
     def encoded_buildinfo() -> tuple[str, bytes]:  # while meta.erofs and the blob map are written
         return keys.layer_buildinfo(manifest.layer), buildinfo(manifest.layer)
 
-    digest = publish_layer(store, meta, blob_map_bytes, manifest, also=encoded_buildinfo if buildinfo else None)
+    digest = publish_layer(store, meta, blob_map_bytes, manifest, also=encoded_buildinfo if buildinfo else None,
+                           frames=frames)
     ensure_pack_indexes(store, manifest.packs)
     if name is not None:  # under the lease too: gc keeps an unnamed layer while a build may name it
         set_ref(store, name, digest)
     return BuildResult(digest=digest, manifest=manifest, stats=stats)
 
 
-def _build_patched(rescan: Rescan, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
-                   workers: int | None, source: str, own_packs: OwnPacks) -> BuildResult | None:
+@contextlib.contextmanager
+def _lease_and_index(store: Store, purpose: str, own_packs: OwnPacks) -> Iterator[Future[tuple[Lease, ChunkIndex]]]:
+    """Step 2 in a thread of its own: a lease, then the chunk index (synced after it, see dsec_fs/gc.py),
+    while the block runs; the block gets their Future. Both are closed when it ends (the index first,
+    leaving the packs uploaded in ``own_packs``), whatever its outcome."""
+
+    def take() -> tuple[Lease, ChunkIndex]:
+        lease = Lease(store, purpose=purpose).acquire()
+        try:
+            return lease, load_chunk_index(store, own_packs=own_packs)
+        except BaseException:
+            lease.release()
+            raise
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="build-lease") as pool:
+        taken = pool.submit(take)
+        try:
+            yield taken
+        finally:
+            if taken.exception() is None:  # waits; an error of its own was raised to whoever took it
+                lease, index = taken.result()
+                try:
+                    index.close()
+                finally:
+                    lease.release()
+
+
+def _build_patched(rescan: Rescan, leased: Future[tuple[Lease, ChunkIndex]], store: Store, name: str | None,
+                   chunk_size: int, progress: Progress | None, workers: int | None,
+                   source: str) -> BuildResult | None:
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
-    change needs the full path after all."""
+    change needs the full path after all. ``leased``: the build's lease and chunk index (taken while the
+    scan ran, ``_lease_and_index``)."""
     parent = rescan.parent
     missing = missing_packs(store, parent.manifest.packs)
     if missing:
         log.warning("the store lacks pack %s of the parent layer: rebuilding in full", missing[0])
         return None
     files = rescan.files
-    with Lease(store, purpose=f"build {name or source}") as lease:
-        with load_chunk_index(store, own_packs=own_packs) as index:
-            with ChunkUploader(store, index) as uploader:
-                with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                             total_bytes=sum(node.size for node in files)) as chunker:
-                    for node in files:
-                        chunker.add_file(node)
-                    read = chunker.finish()
-                uploader.flush()
-            patched = rescan.patch(chunk_size)
+    lease, index = leased.result()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compress-meta") as compressor:
+        with ChunkUploader(store, index) as uploader:
+            with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
+                         total_bytes=sum(node.size for node in files)) as chunker:
+                for node in files:
+                    chunker.add_file(node)
+                chunker.send()
+                # While the workers hash and compress the pieces: what needs no chunk digest.
+                parent.blob_map  # noqa: B018 (decoded now, see ParentLayer.blob_map)
+                info = encode_rescanned(parent.info, rescan.identities, rescan.suspects, None,
+                                        rescan.scanned_at_ns)
+                read = chunker.finish()
+            uploader.send()
+            patched = rescan.patch(chunk_size)  # while the new pack is written
             if patched is None:
                 return None
-            # Every other chunk of the layer is the parent's, in the parent's packs (see patch.py).
-            own_packs = _packs_of(patched.new_chunks, index)
-            index.confirm(store, patched.new_chunks, own_packs)
-        packs = sorted(set(parent.manifest.packs).union(own_packs))
+            frames = compressor.submit(compress_metadata, patched.meta, patched.blob_map_bytes)
+            uploader.flush()
+        # Every other chunk of the layer is the parent's, in the parent's packs (see patch.py).
+        new_packs = _packs_of(patched.new_chunks, index)
+        index.confirm(store, patched.new_chunks, new_packs)
+        packs = sorted(set(parent.manifest.packs).union(new_packs))
         stats = _patched_stats(parent, rescan, read, patched)
-
-        def buildinfo(layer: str) -> bytes:
-            return encode_rescanned(parent.info, rescan.identities, rescan.suspects, layer, rescan.scanned_at_ns)
-
         # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
         result = _publish_layer(store, lease, patched.meta, parent.blob_map.blocks, patched.blob_map_bytes, packs,
-                                stats, name, chunk_size, source, buildinfo)
+                                stats, name, chunk_size, source, functools.partial(name_layer, info),
+                                frames=frames.result())
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
              stats.new_chunks)
     return result

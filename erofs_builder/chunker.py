@@ -212,10 +212,14 @@ class Chunker:
         if inline:  # complete: a tuple is 24 bytes less than a list (most files of a large tree are small)
             node.chunks = tuple(chunks)
 
-    def finish(self) -> ChunkStats:
-        """Wait for every queued piece; the caller then flushes the uploader."""
+    def send(self) -> None:
+        """Hand the pieces read so far to the workers now, without waiting for them (``finish`` waits)."""
         if self._batch:
             self._submit()
+
+    def finish(self) -> ChunkStats:
+        """Wait for every queued piece; the caller then flushes the uploader."""
+        self.send()
         while self._pending:
             self._settle_oldest()
         return self.stats

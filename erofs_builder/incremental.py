@@ -59,6 +59,7 @@ Threads: everything here runs in the build's calling thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import stat
@@ -74,7 +75,7 @@ from dsec_fs.layer import Manifest, open_layer
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap, blob_map_chunk_size
 from .ondisk import INODE_SLOT_SIZE, chunk_index, dirent, inode, xattr
 from .ondisk.superblock import Superblock
 from .reader import ErofsImage
@@ -164,11 +165,12 @@ def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int
     return _encode(records, shared, paths, layer, scanned_at_ns)
 
 
-def encode_rescanned(parent: BuildInfo, identities: list[Identity], changed: list[int], layer: str,
+def encode_rescanned(parent: BuildInfo, identities: list[Identity], changed: list[int], layer: str | None,
                      scanned_at_ns: int) -> bytearray:
     """The build info of ``layer``, built by patching ``parent``'s layer for a scan that found the same
     names (so the same paths and, see patch.py, the same shared chunks) with ``identities``, which differ
-    from the parent's at most at the indexes ``changed``."""
+    from the parent's at most at the indexes ``changed``. With ``layer`` None, as ``encode_buildinfo``
+    (a rebuild encodes it while its changed files are read, before the layer digest is known)."""
     records = bytearray(parent.records)
     for number in changed:
         _RECORD.pack_into(records, number * _RECORD.size, *identities[number])
@@ -299,21 +301,26 @@ def _read_buildinfo(store: Store, layer: str) -> BuildInfo | None:
 class ParentLayer:
     """A published layer that an incremental build may patch, or take chunk lists from for unchanged files."""
 
-    def __init__(self, digest: str, manifest: Manifest, meta: bytes, blob_map_bytes: bytes, blob_map: BlobMap,
-                 info: BuildInfo | None):
+    def __init__(self, digest: str, manifest: Manifest, meta: bytes, blob_map_bytes: bytes, info: BuildInfo | None):
         self.digest = digest
         self.manifest = manifest
         self.meta = meta
         self.image = ErofsImage(meta, source=keys.layer_meta(digest))
         self.blob_map_bytes = blob_map_bytes  # as stored (decompressed), which the patch path copies
-        self.blob_map = blob_map  # decoded from it
         self.info = info  # None: nothing can be reused (the build reads every file)
+
+    @functools.cached_property
+    def blob_map(self) -> BlobMap:
+        """The blob map, decoded (FormatError if it does not) when first asked for: a rebuild asks once
+        the changed files are being read (build.py), so that the decode runs beside their reading."""
+        return BlobMap.decode(self.blob_map_bytes, source=keys.layer_blobmap(self.digest))
 
     @classmethod
     def load(cls, store: Store, ref_or_digest: str, *, chunk_size: int) -> "ParentLayer":
         """Open the parent (NotFoundError if it is not published). A parent built with another chunk size,
         or whose build info is missing or fails validation, is usable but gives nothing: a warning is
-        logged and the build reads every file."""
+        logged and the build reads every file. The blob map's bytes are verified against the manifest
+        here and decoded on first use (``blob_map``)."""
         found: list[BuildInfo | None] = [None]
 
         def read_buildinfo(manifest: Manifest) -> None:  # while open_layer reads meta.erofs and the blob map
@@ -321,13 +328,15 @@ class ParentLayer:
                 found[0] = _read_buildinfo(store, manifest.layer)
 
         files = open_layer(store, ref_or_digest, on_manifest=read_buildinfo)
-        blob_map = BlobMap.decode(files.blobmap, source=keys.layer_blobmap(files.digest))
         info = found[0]
-        if chunk_size != blob_map.chunk_size or chunk_size != files.manifest.chunk_size:
+        map_chunk_size = blob_map_chunk_size(files.blobmap)
+        if map_chunk_size is None:  # not even a header: the decode says what is wrong, and where
+            BlobMap.decode(files.blobmap, source=keys.layer_blobmap(files.digest))
+        if chunk_size != map_chunk_size or chunk_size != files.manifest.chunk_size:
             log.warning("parent layer %s has chunk size %d, this build %d: every file is read",
-                        files.digest, blob_map.chunk_size, chunk_size)
+                        files.digest, map_chunk_size, chunk_size)
             info = None
-        return cls(files.digest, files.manifest, files.meta, files.blobmap, blob_map, info)
+        return cls(files.digest, files.manifest, files.meta, files.blobmap, info)
 
     def chunk_lists(self) -> "_ChunkLists":
         """The chunk digests of the parent's regular files, read from its image on demand."""

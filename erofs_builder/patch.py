@@ -60,6 +60,7 @@ import operator
 import os
 import stat
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dsec_fs.blobmap import BLOCK_SIZE
@@ -252,7 +253,7 @@ def _compare(suspects: list[tuple[bytes, bytes, os.stat_result]], parent: Parent
     from the parent's image in a way the patch cannot express."""
     image = parent.image
     superblock = image.superblock
-    chunk_size = parent.blob_map.chunk_size
+    chunk_size = parent.manifest.chunk_size  # the blob map's too (ParentLayer.load)
     changes: dict[tuple[int, int], _Change] = {}  # (st_dev, st_ino) -> change: a hard link's names share it
     for path, source, st in suspects:
         nid = image.resolve(path)
@@ -308,18 +309,32 @@ def _build_time_stays(changes: list[_Change], identities: list[Identity], parent
     if build_time_ns in moved or any(image.stat(change.nid).mtime_ns == build_time_ns
                                      for change in changes if change.node.mtime_ns in moved):
         return False
-    wanted = moved | {build_time_ns}
-    mtimes = map(operator.itemgetter(3), identities)
+    mtimes = list(map(operator.itemgetter(3), identities))
+    moved_inodes = _count_inodes(itertools.compress(identities, map(moved.__contains__, mtimes)))
+    # The build time must keep more inodes than any moved mtime has (as many if the root has it):
+    # counted only as far as that needs (it is the most common mtime, often thousands of inodes).
+    counts = [moved_inodes[mtime] for mtime in moved if mtime >= 0]
+    if not counts:
+        return True
+    needed = max(counts) + (identities[0][3] != build_time_ns)  # identities[0]: the root's
+    at_build_time = itertools.compress(identities, map(build_time_ns.__eq__, mtimes))
+    return _count_inodes(at_build_time, stop_at=needed)[build_time_ns] >= needed
+
+
+def _count_inodes(identities: Iterable[Identity], stop_at: int | None = None) -> Counter[int]:
+    """mtime -> the number of inodes of ``identities`` with it, counted as layout.py counts them (see
+    _build_time_stays); with ``stop_at``, only until one mtime reaches that count."""
     directories: Counter[int] = Counter()
-    others: dict[int, set[tuple[int, int]]] = {mtime: set() for mtime in wanted}
-    for dev, ino, _size, mtime_ns, _ctime_ns, mode in itertools.compress(identities, map(wanted.__contains__, mtimes)):
+    others: dict[int, set[tuple[int, int]]] = {}
+    for dev, ino, _size, mtime_ns, _ctime_ns, mode in identities:
         if stat.S_ISDIR(mode):
             directories[mtime_ns] += 1
         else:
-            others[mtime_ns].add((dev, ino))
-    inodes = {mtime: directories[mtime] + len(others[mtime]) for mtime in wanted}
-    most = inodes[build_time_ns] - (identities[0][3] != build_time_ns)  # identities[0]: the root's
-    return all(inodes[mtime] <= most for mtime in moved if mtime >= 0)
+            others.setdefault(mtime_ns, set()).add((dev, ino))
+        if stop_at is not None and directories[mtime_ns] + len(others.get(mtime_ns, ())) >= stop_at:
+            break
+    directories.update({mtime: len(inodes) for mtime, inodes in others.items()})
+    return directories
 
 
 def _full(reason: str) -> None:

@@ -12,7 +12,12 @@ cover most of them:
   it as readahead: they come in the GETs its first miss makes anyway (a file's chunks lie side by side in
   its pack). A read that goes on where the file's previous read ended and reads a chunk so named doubles
   the file's window, up to FILE_BYTES, and the grown window is fetched in the background. A read of the
-  file elsewhere (a page fault of a library mapped into memory, somewhere in the file) names none of it.
+  file elsewhere (a page fault of a library mapped into memory, somewhere in the file) names none of it,
+  and from then on the file's window no longer grows; nor does a shared object's (``*.so``, ``*.so.N``),
+  whose loader maps it before its first fault. The kernel reads around each page fault, so a mapped
+  library is read in order for a while at each fault, which a doubled window took for a reader going
+  through the file (numpy's OpenBLAS library: 10.5 MB named and never read; docs/benchmarks.md, issue
+  13, "bytes8").
 - **A directory's small files.** Once a reader has read two files of one directory (an import of a
   package, a scan), a read names the directory's other files of at most SMALL_FILE_BYTES, nearest in the
   blob first, up to DIRECTORY_BYTES: the build lays them out side by side, so they come in the GETs of one
@@ -59,6 +64,7 @@ Threads: ``FileChunks.of`` blocks (a worker thread); ``MissReadahead`` belongs t
 
 from __future__ import annotations
 
+import re
 from array import array
 
 from dsec_fs.chunks import ChunkLocation
@@ -71,6 +77,7 @@ FILE_BYTES = 16 << 20  # what a file's window grows to while the reader reads wh
 WINDOW_START = 256 << 10
 DEFAULT_WINDOW = 4 << 20
 WALK_GAP = 2  # blob entries between one file's last read chunk and the next file's first: still a walk
+_SHARED_OBJECT = re.compile(r"\.so(\.[0-9]+)*$")
 SMALL_FILE_BYTES = 256 << 10  # a directory's files up to this size come along as its neighbours
 DIRECTORY_BYTES = 2 << 20  # at most this much of a directory's small files named at once
 
@@ -79,11 +86,13 @@ class FileChunks:
     """For each blob-map entry, the file it belongs to (its first holder in the image's walk order); each
     file's chunks in file order and its directory; each directory's small files."""
 
-    def __init__(self, owner: array, files: list[tuple[int, ...]], directory: array, small: list[list[int]]):
+    def __init__(self, owner: array, files: list[tuple[int, ...]], directory: array, small: list[list[int]],
+                 libraries: frozenset[int] = frozenset()):
         self.owner = owner  # entry -> file number, -1 for none
         self.files = files  # file number -> its blob entries, in file order, no holes, no repeats
         self.directory = directory  # file number -> directory number
         self.small = small  # directory number -> its files of at most SMALL_FILE_BYTES, in blob order
+        self.libraries = libraries  # file numbers of shared objects (by name), which loaders map
 
     @classmethod
     def of(cls, index: LayerIndex) -> FileChunks:
@@ -93,6 +102,7 @@ class FileChunks:
         directory = array("i")
         directories: dict[str, int] = {}
         small: list[list[int]] = []
+        libraries = set()
         for file in index.files.values():
             entries = tuple(dict.fromkeys(entry for entry in file.chunks if entry is not None))
             if not entries:
@@ -103,6 +113,8 @@ class FileChunks:
             if parent == len(small):
                 small.append([])
             directory.append(parent)
+            if _is_shared_object(file.path):
+                libraries.add(number)
             if sum(lengths[entry] for entry in entries) <= SMALL_FILE_BYTES:
                 small[parent].append(number)
             for entry in entries:
@@ -110,7 +122,7 @@ class FileChunks:
                     owner[entry] = number
         for members in small:
             members.sort(key=lambda number: files[number][0])
-        return cls(owner, files, directory, small)
+        return cls(owner, files, directory, small, frozenset(libraries))
 
 
 class MissReadahead:
@@ -130,6 +142,7 @@ class MissReadahead:
         self._named: set[int] = set()  # entries named as readahead and not read yet
         self._file_window: dict[int, int] = {}  # file -> its window, once read
         self._file_end: dict[int, int] = {}  # file -> the last entry of its latest read
+        self._mapped: set[int] = set()  # files read elsewhere than where their previous read ended
         self._read_files: set[int] = set()  # files read so far
         self._directory_reads: dict[int, int] = {}  # directory -> files of it read so far
         self._warm: list[int] = []  # what the latest read named for the background (to_warm)
@@ -205,9 +218,11 @@ class MissReadahead:
         previous = self._file_end.get(number)
         self._file_end[number] = last
         if previous is not None and not previous <= first <= previous + 1:
+            self._mapped.add(number)
             return
         window = self._file_window.get(number, FILE_START)
-        grown = foreseen and window < FILE_BYTES
+        grown = (foreseen and window < FILE_BYTES and number not in self._mapped
+                 and number not in self.files.libraries)
         if grown:
             window = min(2 * window, FILE_BYTES)
         self._file_window[number] = window
@@ -237,6 +252,11 @@ class MissReadahead:
                 self._named.add(entry)
                 named.append(entry)
         return named
+
+
+def _is_shared_object(path: str) -> bool:
+    """``lib.so``, ``libc.so.6``, ``_ssl.cpython-311-x86_64-linux-gnu.so``: what a loader maps."""
+    return _SHARED_OBJECT.search(path) is not None
 
 
 def _in_directory(files: FileChunks, parent: int, entries):

@@ -16,6 +16,7 @@ from dsec_fs.layer import (
     list_refs,
     open_layer,
     parse_ref,
+    compress_metadata,
     publish_layer,
     resolve,
     set_ref,
@@ -147,6 +148,20 @@ def test_publish_then_open(store):
     layer = open_layer(store, LAYER)
     assert (layer.digest, layer.meta, layer.blobmap) == (LAYER, META, BLOBMAP)
     assert layer.manifest == manifest
+
+
+def test_publish_with_frames_made_beforehand_stores_what_publish_makes(tmp_path):
+    """A rebuild compresses meta.erofs and the blob map while its pack is written
+    (``compress_metadata``), then publishes those frames: the layer stored is the same."""
+    made, given = FilesystemStore(str(tmp_path / "made")), FilesystemStore(str(tmp_path / "given"))
+    first, second = make_manifest(), make_manifest()
+    publish_layer(made, META, BLOBMAP, first)
+    publish_layer(given, META, BLOBMAP, second, frames=compress_metadata(META, BLOBMAP))
+    assert first.stored == second.stored
+    for key in (keys.layer_meta(LAYER), keys.layer_blobmap(LAYER)):
+        assert made.get(key) == given.get(key)
+    layer = open_layer(given, LAYER)
+    assert (layer.meta, layer.blobmap) == (META, BLOBMAP)
 
 
 class MeetingStore(StoreWrapper):

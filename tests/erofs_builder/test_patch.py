@@ -18,13 +18,14 @@ import time
 import pytest
 from treecmp import assert_same_tree, snapshot
 
-from dsec_fs.errors import FormatError, UnavailableError
+from dsec_fs.errors import FormatError, NotFoundError, UnavailableError
 from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from erofs_builder.export import export_layer
 from erofs_builder.fsck import fsck_layer
 from erofs_builder.incremental import RACY_NS, decode_buildinfo, encode_buildinfo
+from erofs_builder.patch import _count_inodes
 from tests.erofs_builder.test_incremental import (
     CHUNK, assert_layer_is, counting_opens, distinct_mtimes, edit, files_read, make_source,
 )
@@ -38,7 +39,7 @@ STRUCTURAL = {"chmod": ("another mode",), "xattr": ("xattrs",), "rename": ("cann
               "touch-dir": ("not a regular file",), "add-put-back": ("other names",),
               "mkdir-put-back": ("other names",)}
 TREES = ("content", "grow", "boundary", "blocks", "racy", "hole", "shared", "same-chunk", "compact",
-         "tie", "hardlink", "chain", "kernel", "forged", "outage", *STRUCTURAL)
+         "tie", "hardlink", "chain", "kernel", "forged", "outage", "leases", *STRUCTURAL)
 ENTRIES = 14  # names make_source makes, the root included
 
 
@@ -326,3 +327,32 @@ def test_build_info_refuses_a_path_no_tree_has(path, message):
         decode_buildinfo(encode_buildinfo(entries, [], layer, 10**19), layer=layer, source="buildinfo")
     entries[3] = (b"a/d", identity)
     assert decode_buildinfo(encode_buildinfo(entries, [], layer, 10**19), layer=layer, source="x").paths[3] == b"a/d"
+
+
+def test_a_rebuild_leaves_no_lease_whichever_way_it_ends(aged, store, caplog):
+    """The patch path's lease and chunk index are taken beside loading the parent and the scan
+    (build._lease_and_index): a rebuild that takes the full path, and one whose parent is not published,
+    leave no lease behind."""
+    root = aged["leases"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    with open(f"{root}/lib/sub/added", "wb") as f:  # a name the parent lacks: the full path
+        f.write(b"added")
+    child, patched = rebuild(root, store, parent, caplog)
+    assert not patched and list(store.list("leases/")) == []
+    with pytest.raises(NotFoundError):
+        build_layer(root, store, chunk_size=CHUNK, parent="0" * 64)
+    assert list(store.list("leases/")) == []
+    edit(f"{root}/lib/file2", 1, b"content")
+    child, patched = rebuild(root, store, child, caplog)
+    assert patched and list(store.list("leases/")) == []
+
+
+def test_inodes_are_counted_as_the_layout_counts_them():
+    """patch._count_inodes: a directory per name, another inode once however many names it has; with
+    stop_at, counting stops once an mtime has that many."""
+    directory, regular = 0o040755, 0o100644
+    identities = [(1, 10, 0, 5, 0, directory), (1, 11, 0, 5, 0, directory),  # two directories
+                  (1, 20, 3, 5, 0, regular), (1, 20, 3, 5, 0, regular),  # one file, two names
+                  (1, 21, 3, 7, 0, regular), (2, 20, 3, 5, 0, regular)]  # another device: another inode
+    assert _count_inodes(identities) == {5: 4, 7: 1}
+    assert _count_inodes(identities, stop_at=2)[5] == 2

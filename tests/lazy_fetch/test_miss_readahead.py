@@ -13,6 +13,8 @@ import pytest
 
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
+from erofs_builder import build_layer
+from lazy_fetch.layer_index import LayerIndex
 from lazy_fetch.blob_reader import BlobChunk
 from lazy_fetch.miss_readahead import FILE_BYTES, FILE_START, WINDOW_START, FileChunks, MissReadahead
 from lazy_fetch.trace import FLAG_MISS, read_trace
@@ -37,7 +39,7 @@ def _chunks(*entries, length=CHUNK):
     return [BlobChunk(e, e.to_bytes(32, "big"), e * length, length) for e in entries]
 
 
-def _planner(files, lengths, max_window=4 * CHUNK, directories=None, small_files=True):
+def _planner(files, lengths, max_window=4 * CHUNK, directories=None, small_files=True, libraries=frozenset()):
     """A planner over ``files`` (their blob entries); ``directories``: each file's directory number
     (default: each file a directory of its own); ``small_files``: every file counts as a small one of its
     directory (else none does)."""
@@ -51,7 +53,7 @@ def _planner(files, lengths, max_window=4 * CHUNK, directories=None, small_files
     for number, parent in enumerate(directories):
         if small_files:
             small[parent].append(number)
-    planner.ready(FileChunks(owner, [tuple(f) for f in files], array("i", directories), small))
+    planner.ready(FileChunks(owner, [tuple(f) for f in files], array("i", directories), small, libraries))
     return planner
 
 
@@ -88,6 +90,45 @@ def test_a_file_read_in_order_doubles_its_window_as_it_reads_into_it():
     for entry in range(3, 3 + 8):
         planner.plan(_chunks(entry))
     assert len(planner.plan(_chunks(11))) == FILE_BYTES // CHUNK  # at most FILE_BYTES
+
+
+def test_a_file_read_in_places_keeps_its_first_window_when_it_is_then_read_in_order():
+    """A mapped library's page faults read around each fault in order for a while (the kernel's
+    read-around crosses a chunk boundary): once a file was read elsewhere than where its previous read
+    ended, reading into its window in order names the same window again, never a doubled one."""
+    start = FILE_START // CHUNK
+    count = 4 * start
+    planner = _planner([list(range(count))], [CHUNK] * count)
+    assert _locations(planner.plan(_chunks(0))) == list(range(1, 1 + start))
+    assert planner.plan(_chunks(3 * start)) == []  # a fault elsewhere
+    assert planner.plan(_chunks(0)) == []  # the rest of the first chunk, read around another fault
+    assert _locations(planner.plan(_chunks(1))) == list(range(2, 2 + start))  # into the first window: not doubled
+    assert planner.to_warm() == []
+
+
+def test_a_shared_object_read_in_order_keeps_its_first_window():
+    """A loader maps a library before touching it: its first faults may well come in order."""
+    start = FILE_START // CHUNK
+    count = 4 * start
+    planner = _planner([list(range(count))], [CHUNK] * count, libraries=frozenset({0}))
+    assert _locations(planner.plan(_chunks(0))) == list(range(1, 1 + start))
+    assert _locations(planner.plan(_chunks(1))) == list(range(2, 2 + start))
+    assert planner.to_warm() == []
+
+
+def test_shared_objects_are_known_by_name(tmp_path):
+    tree = tmp_path / "tree"
+    for name in ("libc.so.6", "_ssl.cpython-311-x86_64-linux-gnu.so", "libfoo.so", "notes.sort", "x.so.txt", "libz.so.1.2.13"):
+        (tree / "lib").mkdir(parents=True, exist_ok=True)
+        (tree / "lib" / name).write_bytes(name.encode() * 100)
+    store_dir = str(tmp_path / "store")
+    with FilesystemStore(store_dir) as store:
+        layer = build_layer(str(tree), store, name="t:1", chunk_size=CHUNK)
+        files = FileChunks.of(LayerIndex.open(store, layer.digest))
+        index = LayerIndex.open(store, layer.digest)
+    paths = [file.path for file in index.files.values() if file.chunks]
+    assert sorted(paths[n].rpartition("/")[2] for n in files.libraries) == [
+        "_ssl.cpython-311-x86_64-linux-gnu.so", "libc.so.6", "libfoo.so", "libz.so.1.2.13"]
 
 
 def test_a_walk_in_blob_order_grows_a_window_and_a_jump_resets_it():
