@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from . import compress
 from .digest import is_hex_digest, to_hex, verify
-from .errors import CorruptError, FormatError, InputError, NotFoundError
-from .pack import PackEntry, PackWriter, decode_index, entries_of_records
+from .errors import CorruptError, FormatError, InputError, NotFoundError, UnsupportedError
+from .pack import MAX_INDEX_BYTES, PackEntry, PackWriter, decode_index, entries_of_records
 from .store import keys
 from .store.base import Store, side_by_side
 
@@ -146,7 +146,11 @@ class ChunkIndex:
             pack_id = keys.id_from_key(key)
             if not is_hex_digest(pack_id):
                 raise FormatError("index key", None, "the last component is not a pack id", source=key)
-            self.add_pack(pack_id, decode_index(store.get(key), source=key))
+            try:
+                data = store.get_at_most(key, MAX_INDEX_BYTES)  # a bound: anyone who writes the store can grow it
+            except UnsupportedError as exc:
+                raise FormatError("pack index", None, f"larger than any pack's index: {exc.message}", source=key) from None
+            self.add_pack(pack_id, decode_index(data, source=key))
 
         with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="index-load") as pool:
             for _ in pool.map(load_one, index_keys):  # re-raises the first failure, naming its key

@@ -26,6 +26,12 @@ DEFAULT_LEVEL = 3
 # zstandard allocates the declared size before decompressing, so this is checked first.
 MAX_EXPANSION = (128 << 10) // 4
 
+def frame_bound(size: int) -> int:
+    """The longest frame zstd makes of ``size`` bytes (ZSTD_COMPRESSBOUND, headers included): an index
+    that gives a chunk a longer frame is lying, and would have a reader fetch that many bytes for it."""
+    return size + (size >> 8) + ((((128 << 10) - size) >> 11) if size < 128 << 10 else 0)
+
+
 # Bytes a frame may leave allocated beyond its length rather than be copied (see compress).
 PIN_SLACK = 1024
 

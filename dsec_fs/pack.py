@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+from .compress import frame_bound
 from .digest import DIGEST_SIZE, sha256, to_hex
 from .errors import ConflictError, FormatError, InputError
 
@@ -45,6 +46,10 @@ INDEX_ENTRY = struct.Struct(
 )
 
 INDEX_CHECKSUM_SIZE = DIGEST_SIZE  # sha256 over header and entries
+# More entries than any pack holds (a pack is sealed at ~16 MiB of frames, and the smallest frame is ~9
+# bytes): an index object is read only up to this many entries' bytes (~200 MB), so a store writer that
+# grows one to any size does not make a reader read all of it.
+MAX_INDEX_ENTRIES = 4 << 20
 
 PACK_TRAILER = struct.Struct(
     "<"
@@ -62,6 +67,9 @@ class PackEntry(NamedTuple):
 
 def index_size(count: int) -> int:
     return INDEX_HEADER.size + count * INDEX_ENTRY.size + INDEX_CHECKSUM_SIZE
+
+
+MAX_INDEX_BYTES = index_size(MAX_INDEX_ENTRIES)
 
 
 def encode_index(entries: list[PackEntry]) -> bytes:
@@ -132,6 +140,9 @@ def _decode_index(data: bytes, *, source: str, frames_end: int | None, base: int
         what = f"entry {number} (chunk {to_hex(entry.digest)})"
         if entry.clen == 0:
             raise fail(at, f"{what}: empty frame")
+        # A reader's ranged GET is clen bytes, whatever the chunk's size: bounded by what zstd can make of it.
+        if entry.clen > frame_bound(entry.ulen):
+            raise fail(at, f"{what}: a frame of {entry.clen} bytes for {entry.ulen} bytes, longer than zstd makes")
         if entry.digest in first_entry_of:
             raise fail(at, f"{what}: chunk already listed as entry {first_entry_of[entry.digest]}")
         if entry.offset < previous_end:

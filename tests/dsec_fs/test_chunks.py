@@ -1,6 +1,7 @@
 import os
 import random
 import threading
+import tracemalloc
 from collections import Counter
 
 import pytest
@@ -31,6 +32,11 @@ class CountingStore(FilesystemStore):
         with self._count_lock:
             self.gets[key.split("/")[0]] += 1
         return super().get(key, offset, length)
+
+    def get_at_most(self, key, limit):
+        with self._count_lock:
+            self.gets[key.split("/")[0]] += 1
+        return super().get_at_most(key, limit)
 
 
 def chunk(n: int, size: int = 4096) -> bytes:
@@ -359,3 +365,20 @@ def test_plan_runs_cuts_a_run_at_max_bytes_and_read_run_reads_each(store):
     assert store.gets["packs"] == 3
     # A frame longer than the limit still makes a run of its own.
     assert [len(run.chunks) for run in plan_runs(wanted, max_bytes=1)] == [1] * 6
+
+
+def test_a_pack_index_object_grown_to_a_gib_is_refused_without_reading_it(store):
+    """Anyone who writes the store can grow an index object (a sparse GiB here): loading a layer's pack
+    indexes reads at most MAX_INDEX_BYTES of one and says which key is wrong; before, all of it was read
+    into memory and only then found not to be an index."""
+    _uploader, _index, pack_ids = upload(store, [chunk(n) for n in range(4)])
+    os.truncate(os.path.join(store.root, *keys.index(pack_ids[0]).split("/")), 1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError) as info:
+            ChunkIndex().load_packs(store, pack_ids)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert keys.index(pack_ids[0]) in str(info.value)
+    assert peak < 64 << 20, f"{peak} bytes allocated loading an index of 4 entries"
