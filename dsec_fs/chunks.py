@@ -12,7 +12,8 @@ chunk its index claims (what a build checks before it deduplicates against a pac
 Threads:
 - ChunkIndex: any thread may call any method; ``_lock`` guards the digest -> location dicts and the set
   of packs loaded.
-- ChunkUploader: builder worker threads call ``add`` (or ``claim`` and ``add_claimed``) concurrently;
+- ChunkUploader: builder worker threads call ``add`` (or ``claim`` and ``add_claimed`` or
+  ``add_claimed_many``) concurrently;
   one thread calls ``flush`` (or ``close``) after every ``add`` has returned. ``_lock`` guards the open
   pack, the set of queued (or claimed) digests,
   the statistics, the list of written packs and the first upload error. Uploads run on the uploader's own
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 
 from . import compress
 from .digest import is_hex_digest, to_hex, verify
-from .errors import CorruptError, FormatError, InputError, NotFoundError
-from .pack import PackEntry, PackWriter, decode_index
+from .errors import CorruptError, FormatError, InputError, NotFoundError, UnsupportedError
+from .pack import MAX_INDEX_BYTES, PackEntry, PackWriter, decode_index, entries_of_records
 from .store import keys
 from .store.base import Store, side_by_side
 
@@ -126,6 +127,12 @@ class ChunkIndex:
                     if all(other.pack_id != pack_id for other in more):
                         more.append(location)
 
+    def add_pack_records(self, pack_id: str, records: bytes, digests: Iterable[bytes] | None = None) -> None:
+        """``add_pack`` of the entries that ``records`` (pack.INDEX_ENTRY records) hold; ``digests``, if
+        given, are the same chunks' digests as objects the caller holds anyway (the uploader's are the
+        chunker's, which the tree holds too), so that an index keyed by them makes no copy of each."""
+        self.add_pack(pack_id, entries_of_records(records))
+
     def load(self, store: Store) -> int:
         """Read every index object of ``store``; returns how many were read."""
         return self._load_keys(store, list(store.list(keys.INDEX)))
@@ -139,7 +146,11 @@ class ChunkIndex:
             pack_id = keys.id_from_key(key)
             if not is_hex_digest(pack_id):
                 raise FormatError("index key", None, "the last component is not a pack id", source=key)
-            self.add_pack(pack_id, decode_index(store.get(key), source=key))
+            try:
+                data = store.get_at_most(key, MAX_INDEX_BYTES)  # a bound: anyone who writes the store can grow it
+            except UnsupportedError as exc:
+                raise FormatError("pack index", None, f"larger than any pack's index: {exc.message}", source=key) from None
+            self.add_pack(pack_id, decode_index(data, source=key))
 
         with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="index-load") as pool:
             for _ in pool.map(load_one, index_keys):  # re-raises the first failure, naming its key
@@ -206,15 +217,27 @@ class ChunkUploader:
 
     def add_claimed(self, digest: bytes, ulen: int, frame: bytes) -> None:
         """Queue a chunk this caller claimed (``claim`` said True); may block as ``add`` does."""
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            self._writer.add(digest, frame, ulen)
-            self.new_chunks += 1
-            self.new_bytes += ulen
-            self.stored_bytes += len(frame)
-            sealed = self._seal_if(self._writer.size >= self.pack_target)
-        if sealed is not None:
+        self.add_claimed_many(((digest, ulen, frame),))
+
+    def add_claimed_many(self, chunks: Iterable[tuple[bytes, int, bytes]]) -> None:
+        """``add_claimed`` of each (digest, ulen, frame) in turn, each claimed by this caller: one lock taken
+        per pack filled, not one a chunk (a batch of small files' chunks); may block as ``add`` does."""
+        chunks = iter(chunks)
+        while True:
+            with self._lock:
+                if self._error is not None:
+                    raise self._error
+                writer, target, sealed = self._writer, self.pack_target, None
+                for digest, ulen, frame in chunks:
+                    writer.add(digest, frame, ulen)
+                    self.new_chunks += 1
+                    self.new_bytes += ulen
+                    self.stored_bytes += len(frame)
+                    if writer.size >= target:
+                        sealed = self._seal_if(True)
+                        break
+            if sealed is None:
+                return
             self._submit(sealed)
 
     def send(self) -> None:
@@ -269,13 +292,13 @@ class ChunkUploader:
 
     def _upload(self, writer: PackWriter) -> None:
         try:
-            entries = writer.entries
+            records, digests = writer.records, writer.digests
             pack_id, pack_bytes, index_bytes = writer.finish()
             # The index names the pack: it is written once the pack is stored, both files' fsyncs side by side.
             self.store.put_all([(keys.pack(pack_id), pack_bytes)], (keys.index(pack_id), index_bytes))
-            self.index.add_pack(pack_id, entries)
+            self.index.add_pack_records(pack_id, records, digests)
             with self._lock:
-                self._queued.difference_update(entry.digest for entry in entries)
+                self._queued.difference_update(digests)
                 self._pack_ids.append(pack_id)
                 self.packs += 1
         except Exception as exc:

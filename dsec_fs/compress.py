@@ -5,13 +5,16 @@ decompressed alone (a ranged GET of one frame is enough) and a decompression bom
 memory is spent: we refuse a frame whose declared size differs from the size the index promised.
 
 zstandard's compressor and decompressor objects are not thread-safe; each thread gets its own through
-``threading.local``. Both release the GIL, so a pool of worker threads keeps every core busy.
+``threading.local``. Both release the GIL, so a pool of worker threads keeps every core busy;
+``compress_many`` compresses a list of small chunks in one call that holds no GIL throughout, so a worker
+thread compresses a batch of small files beside the thread that reads them (one GIL hand-over a batch,
+not one a file).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import zstandard
 
@@ -22,6 +25,12 @@ DEFAULT_LEVEL = 3
 # standing for at most 128 KiB. A frame declaring more than this many bytes per byte of its own is lying.
 # zstandard allocates the declared size before decompressing, so this is checked first.
 MAX_EXPANSION = (128 << 10) // 4
+
+def frame_bound(size: int) -> int:
+    """The longest frame zstd makes of ``size`` bytes (ZSTD_COMPRESSBOUND, headers included): an index
+    that gives a chunk a longer frame is lying, and would have a reader fetch that many bytes for it."""
+    return size + (size >> 8) + ((((128 << 10) - size) >> 11) if size < 128 << 10 else 0)
+
 
 # Bytes a frame may leave allocated beyond its length rather than be copied (see compress).
 PIN_SLACK = 1024
@@ -58,6 +67,25 @@ def compress(data: bytes | memoryview, level: int = DEFAULT_LEVEL) -> bytes:
     if len(data) - len(frame) > max(PIN_SLACK, len(frame) >> 3):
         return bytes(memoryview(frame))
     return frame
+
+
+def compress_many(chunks: list[bytes], level: int = DEFAULT_LEVEL) -> Sequence[bytes]:
+    """``compress`` of each of ``chunks`` (at least one), in one call into zstd (zstandard's
+    multi_compress_to_buffer: the loop is C, the GIL released for all of it), for many small chunks.
+
+    Returns a sequence of the frames as bytes-like objects, the same bytes as ``compress`` gives: the
+    caller copies each to ``bytes`` in the thread that keeps them (``frames_of``). The frames share one
+    buffer, allocated in the calling thread's C heap: a worker thread that made each frame its own bytes
+    would leave those of a whole pack in flight in its own glibc arena, on top of the main one."""
+    try:
+        return _compressor(level).multi_compress_to_buffer(chunks, threads=0)
+    except NotImplementedError:  # zstandard's CFFI backend lacks it
+        return [compress(chunk, level) for chunk in chunks]
+
+
+def frames_of(compressed: Sequence[bytes]) -> list[bytes]:
+    """The frames of a ``compress_many`` result, each its own bytes."""
+    return [bytes(compressed[number]) for number in range(len(compressed))]
 
 
 def compress_pieces(pieces: Iterable[bytes | memoryview], size: int, level: int = DEFAULT_LEVEL) -> bytearray:

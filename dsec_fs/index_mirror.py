@@ -294,7 +294,7 @@ class IndexMirror:
             self._drop(txn, pack_id, record)
         stats.dropped = len(gone)
         for pack_id, entries in fetched.items():
-            stats.fetched += self._add(txn, pack_id, entries, added=began)
+            stats.fetched += self._add(txn, pack_id, _records_of(entries), added=began)
         txn.put(b"synced", SYNCED.pack(began), db=self._shared.meta)
 
     # -- reading and writing packs
@@ -303,11 +303,14 @@ class IndexMirror:
         """Add a pack this host just uploaded (its index object is in the store), trusted. A pack already
         here keeps its entries. A failure is logged, not raised: the mirror is a cache, the next sync
         catches up."""
-        entries = list(entries)
+        self.add_pack_records(pack_id, _records_of(entries))
+
+    def add_pack_records(self, pack_id: str, records: bytes) -> None:
+        """``add_pack`` of the entries that ``records`` (INDEX_ENTRY records) hold."""
         raw = bytes.fromhex(pack_id)
 
         def add(txn: lmdb.Transaction) -> None:
-            self._add(txn, raw, entries, added=time.time_ns())
+            self._add(txn, raw, records, added=time.time_ns())
             txn.put(raw, TRUSTED, db=self._shared.trust)
 
         try:
@@ -362,14 +365,15 @@ class IndexMirror:
         with self._shared.env.begin(db=self._shared.chunks) as txn:
             return txn.stat(self._shared.chunks)["entries"]
 
-    def _add(self, txn: lmdb.Transaction, pack_id: bytes, entries: list[PackEntry], *, added: int) -> int:
-        """Add a pack seen indexed at time ``added`` (a sync: when its listing began)."""
+    def _add(self, txn: lmdb.Transaction, pack_id: bytes, records: bytes, *, added: int) -> int:
+        """Add a pack seen indexed at time ``added`` (a sync: when its listing began), its entries given
+        as INDEX_ENTRY records."""
         if txn.get(pack_id, db=self._shared.packs) is not None:
             return 0
-        record = PACK_HEADER.pack(added, len(entries)) + b"".join(INDEX_ENTRY.pack(*e) for e in entries)
-        txn.put(pack_id, record, db=self._shared.packs)
-        for e in entries:
-            txn.put(e.digest, LOCATION.pack(pack_id, e.offset, e.clen, e.ulen), db=self._shared.chunks)
+        txn.put(pack_id, PACK_HEADER.pack(added, len(records) // INDEX_ENTRY.size) + records, db=self._shared.packs)
+        put, chunks, location = txn.put, self._shared.chunks, LOCATION.pack
+        for digest, offset, clen, ulen in INDEX_ENTRY.iter_unpack(records):
+            put(digest, location(pack_id, offset, clen, ulen), db=chunks)
         return 1
 
     def _drop(self, txn: lmdb.Transaction, pack_id: bytes, record: bytes) -> None:
@@ -396,3 +400,7 @@ class IndexMirror:
         except lmdb.MapFullError:
             raise UnavailableError(f"the index mirror is full ({DEFAULT_MAP_SIZE} bytes); remove the directory",
                                    where=self.path, transient=False) from None
+
+
+def _records_of(entries: Iterable[PackEntry]) -> bytes:
+    return b"".join(INDEX_ENTRY.pack(*entry) for entry in entries)

@@ -47,6 +47,10 @@ READABLE_VERSIONS = (1, 2)
 # The most metadata this reader decompresses for one object: a layer of ~10 million inodes. A manifest
 # may name any size; this keeps a lying one from making a reader allocate without limit.
 MAX_METADATA_SIZE = 4 << 30
+# The most a manifest or a ref may hold (ours are under 2 KB and 65 bytes): anyone who can write the store
+# can grow one, and a reader must not read a huge object into memory to find it is not a manifest.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_REF_BYTES = 4096
 STORED_ENCODING = "zstd"
 # zstd level of meta.erofs and the blob map: on the Debian rootfs level 1 gives a smaller meta.erofs than
 # level 3 (153,005 against 157,716 bytes) and a blob map 1% larger (240,425 against 238,041: digests do not
@@ -291,7 +295,7 @@ def read_manifest(store: Store, digest: str) -> Manifest:
     """The verified manifest of published layer ``digest`` (NotFoundError if it is not published)."""
     manifest_key = keys.layer_manifest(digest)
     try:
-        manifest_bytes = store.get(manifest_key)
+        manifest_bytes = _get_small(store, manifest_key, MAX_MANIFEST_BYTES, "manifest")
     except NotFoundError:
         raise NotFoundError("layer is not published (no manifest)", where=f"layer {digest}") from None
     manifest = Manifest.from_json(manifest_bytes, source=manifest_key)
@@ -312,13 +316,20 @@ def read_blobmap(store: Store, manifest: Manifest) -> bytes:
 
 
 def _read_object(store: Store, manifest: Manifest, name: str, key: str, expected_hex: str, expected_size: int) -> bytes:
-    data = store.get(key)
     how = manifest.stored.get(name)
+    stored_size = expected_size if how is None else how["size"]
+    if max(expected_size, stored_size) > MAX_METADATA_SIZE:
+        raise UnsupportedError(f"the manifest gives {max(expected_size, stored_size)} bytes, more than this "
+                               f"reader takes ({MAX_METADATA_SIZE})", where=key)
+    # At most the size the manifest gives is read: a store writer may have grown the object to any size,
+    # and reading all of it before comparing sizes could take all of the reader's memory.
+    try:
+        data = store.get_at_most(key, stored_size)
+    except UnsupportedError:
+        raise IntegrityError(f"larger than the {stored_size} bytes the manifest says",
+                             where=key if how is None else f"{key} (as stored)") from None
     if how is not None:
         _check_bytes(data, how["sha256"], how["size"], what=f"{key} (as stored)")
-        if expected_size > MAX_METADATA_SIZE:
-            raise UnsupportedError(f"the manifest gives {expected_size} bytes, more than this reader takes "
-                                   f"({MAX_METADATA_SIZE})", where=key)
         try:
             data = compress.decompress(data, expected_size, what=key)
         except CorruptError as exc:
@@ -414,10 +425,19 @@ def read_ref(store: Store, ref: str) -> str:
     name, tag = parse_ref(ref)
     key = keys.ref(name, tag)
     try:
-        data = store.get(key)
+        data = _get_small(store, key, MAX_REF_BYTES, "ref")
     except NotFoundError:
         raise NotFoundError(f"no such ref in store {store.url}", where=f"ref {name}:{tag}") from None
     return _decode_ref(data, source=key)
+
+
+def _get_small(store: Store, key: str, limit: int, structure: str) -> bytes:
+    """Object ``key`` (a manifest or a ref: ``structure``), read only if it holds at most ``limit`` bytes;
+    a larger one is a FormatError naming the key (no writer of ours makes one), not read at all."""
+    try:
+        return store.get_at_most(key, limit)
+    except UnsupportedError as exc:
+        raise FormatError(structure, None, exc.message, source=key) from None
 
 
 def layers_with_prefix(store: Store, prefix: str = "") -> list[str]:
@@ -440,7 +460,7 @@ def list_refs(store: Store) -> dict[str, str]:
         except InputError as exc:
             raise FormatError("ref key", None, exc.message, source=key) from None
         try:
-            refs[ref] = _decode_ref(store.get(key), source=key)
+            refs[ref] = _decode_ref(_get_small(store, key, MAX_REF_BYTES, "ref"), source=key)
         except NotFoundError:
             continue  # deleted since it was listed
     return refs

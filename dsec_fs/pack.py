@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+from .compress import frame_bound
 from .digest import DIGEST_SIZE, sha256, to_hex
 from .errors import ConflictError, FormatError, InputError
 
@@ -45,6 +46,10 @@ INDEX_ENTRY = struct.Struct(
 )
 
 INDEX_CHECKSUM_SIZE = DIGEST_SIZE  # sha256 over header and entries
+# More entries than any pack holds (a pack is sealed at ~16 MiB of frames, and the smallest frame is ~9
+# bytes): an index object is read only up to this many entries' bytes (~200 MB), so a store writer that
+# grows one to any size does not make a reader read all of it.
+MAX_INDEX_ENTRIES = 4 << 20
 
 PACK_TRAILER = struct.Struct(
     "<"
@@ -64,12 +69,22 @@ def index_size(count: int) -> int:
     return INDEX_HEADER.size + count * INDEX_ENTRY.size + INDEX_CHECKSUM_SIZE
 
 
+MAX_INDEX_BYTES = index_size(MAX_INDEX_ENTRIES)
+
+
 def encode_index(entries: list[PackEntry]) -> bytes:
     """Encode entries as they are; PackWriter is what guarantees they describe a valid pack."""
-    body = bytearray(INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, len(entries)))
-    for entry in entries:
-        body += INDEX_ENTRY.pack(*entry)
-    return bytes(body + sha256(body))
+    return index_of_records(b"".join(INDEX_ENTRY.pack(*entry) for entry in entries))
+
+
+def index_of_records(records: bytes | bytearray) -> bytes:
+    """The index object whose entries are ``records`` (INDEX_ENTRY records, back to back)."""
+    body = INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, len(records) // INDEX_ENTRY.size) + records
+    return body + sha256(body)
+
+
+def entries_of_records(records: bytes | bytearray) -> list[PackEntry]:
+    return [PackEntry(*fields) for fields in INDEX_ENTRY.iter_unpack(records)]
 
 
 def decode_index(data: bytes, *, source: str, pack_size: int | None = None) -> list[PackEntry]:
@@ -125,6 +140,9 @@ def _decode_index(data: bytes, *, source: str, frames_end: int | None, base: int
         what = f"entry {number} (chunk {to_hex(entry.digest)})"
         if entry.clen == 0:
             raise fail(at, f"{what}: empty frame")
+        # A reader's ranged GET is clen bytes, whatever the chunk's size: bounded by what zstd can make of it.
+        if entry.clen > frame_bound(entry.ulen):
+            raise fail(at, f"{what}: a frame of {entry.clen} bytes for {entry.ulen} bytes, longer than zstd makes")
         if entry.digest in first_entry_of:
             raise fail(at, f"{what}: chunk already listed as entry {first_entry_of[entry.digest]}")
         if entry.offset < previous_end:
@@ -139,11 +157,14 @@ def _decode_index(data: bytes, *, source: str, frames_end: int | None, base: int
 
 
 class PackWriter:
-    """Builds one pack in memory. Not thread-safe: one owner adds frames, then calls finish() once."""
+    """Builds one pack in memory. Not thread-safe: one owner adds frames, then calls finish() once.
+
+    Its index entries are kept as packed records (INDEX_ENTRY), the bytes the index is made of, not an
+    object per chunk: a pack of small files' chunks holds thousands."""
 
     def __init__(self) -> None:
         self._frames: list[bytes] | None = []
-        self._entries: list[PackEntry] = []
+        self._records = bytearray()
         self._digests: set[bytes] = set()
         self._size = 0
 
@@ -154,13 +175,23 @@ class PackWriter:
 
     @property
     def count(self) -> int:
-        return len(self._entries)
+        return len(self._digests)
 
     @property
     def entries(self) -> list[PackEntry]:
-        return list(self._entries)
+        return entries_of_records(self._records)
 
-    def add(self, digest: bytes, frame: bytes, ulen: int) -> PackEntry:
+    @property
+    def records(self) -> bytes:
+        """The index entries as INDEX_ENTRY records, in pack order."""
+        return bytes(self._records)
+
+    @property
+    def digests(self) -> set[bytes]:
+        """The digests of the chunks added (the writer's own set: not to be changed)."""
+        return self._digests
+
+    def add(self, digest: bytes, frame: bytes, ulen: int) -> None:
         """Append one chunk's zstd frame; ``digest`` is the sha256 of the chunk's ``ulen`` plain bytes."""
         if self._frames is None:
             raise RuntimeError("PackWriter.add after finish")
@@ -168,18 +199,16 @@ class PackWriter:
             raise InputError(f"digest is {len(digest)} bytes, expected {DIGEST_SIZE}", where=f"chunk {digest.hex()}")
         if digest in self._digests:
             raise ConflictError("chunk added to the same pack twice", where=f"chunk {to_hex(digest)}")
-        entry = PackEntry(digest, self._size, len(frame), ulen)
+        self._records += INDEX_ENTRY.pack(digest, self._size, len(frame), ulen)
         self._frames.append(frame)
-        self._entries.append(entry)
         self._digests.add(digest)
         self._size += len(frame)
-        return entry
 
     def finish(self) -> tuple[str, bytes, bytes]:
         """(pack id, pack bytes, index bytes). Releases the frames, so the writer cannot be used again."""
         if self._frames is None:
             raise RuntimeError("PackWriter.finish called twice")
-        index = encode_index(self._entries)
+        index = index_of_records(self._records)
         pack = b"".join([*self._frames, index, PACK_TRAILER.pack(len(index), PACK_MAGIC)])
         self._frames = None
         return to_hex(sha256(pack)), pack, index

@@ -11,7 +11,9 @@ shared file mapping stay in the page cache when dropped from the process. Readin
 
 The file is made with ``tempfile.TemporaryFile`` (O_TMPFILE where the filesystem has it, else created
 and unlinked at once): it has no name to leave behind, whatever happens, and its space is freed when
-``close`` (or the end of a ``with``) closes it, or when the process dies.
+``close`` (or the end of a ``with``) closes it, or when the process dies. Its space is allocated when it
+is made (posix_fallocate): a store through a mapping into a sparse file the filesystem has no room for
+is a SIGBUS that kills the process, where a full $TMPDIR must be an error naming it.
 
 Threads: one thread at a time per SpillFile.
 """
@@ -25,6 +27,7 @@ import tempfile
 from collections.abc import Iterator
 
 from . import compress
+from .errors import UnavailableError
 
 PIECE = 4 << 20  # bytes read back at a time
 
@@ -37,7 +40,13 @@ class SpillFile:
         self.size = size
         self._file = tempfile.TemporaryFile(prefix=prefix)
         try:
-            os.ftruncate(self._file.fileno(), size)
+            # Allocated, not only sized (see the module docstring: a full file system is ENOSPC here).
+            if size:
+                os.posix_fallocate(self._file.fileno(), 0, size)
+        except OSError as exc:
+            self._file.close()
+            raise UnavailableError(f"no room for a temporary file of {size} bytes: {os.strerror(exc.errno or 0)}",
+                                   where=tempfile.gettempdir(), transient=False) from None
         except BaseException:
             self._file.close()
             raise

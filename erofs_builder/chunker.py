@@ -15,23 +15,27 @@ Pipeline and threads:
   compresses and uploads each piece of its batch. hashlib and zstandard release the GIL, so on two cores
   both stay busy. A batch, not a piece, is the unit of work: a Future and a GIL hand-over per small file
   would cost far more than naming it.
-- Files under INLINE_BYTES are named in the main thread at once: for so few bytes a worker would save
-  less time than handing them over costs, since the main thread's reads and the worker's Python code
-  would take turns at the GIL.
+- Files under INLINE_BYTES are hashed and claimed in the main thread at once: for so few bytes a worker's
+  Python code per file would cost more than it saves, as the main thread's reads and that code would
+  take turns at the GIL. Their new chunks are compressed in a worker all the same, a batch of about
+  CLAIMED_BATCH_BYTES in one call that holds no GIL (compress.compress_many), so the main thread reads
+  on while the other core compresses; the worker hands the frames back, and the main thread queues
+  them for upload (``ChunkUploader.add_claimed_many``) when it settles the batch.
 - The main thread alone settles results (fills a node's chunk list at the piece's position, adds up the
   statistics), so those need no lock; the BlobMap is laid out from the final tree afterwards.
 - The threads share no state of the chunker: a thread that meets a new chunk claims it from the uploader
   (``ChunkUploader.claim``, under the uploader's lock) before compressing it, so two threads that meet
   the same new chunk do not both compress it, and nothing per chunk outlives the chunk's upload.
-- At most ``_max_batches`` batches (about 2 per worker, capped by INFLIGHT_BYTES) are read and not yet
-  settled, so memory does not grow with the amount of data (only the Tree grows, with the entries).
+- At most ``_max_batches`` batches of either kind (about 2 per worker, capped by INFLIGHT_BYTES) are read
+  and not yet settled, so memory does not grow with the amount of data (only the Tree grows, with the entries).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -48,6 +52,9 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 BATCH_BYTES = 1 << 20
 # Files smaller than this are named in the main thread (see the module docstring).
 INLINE_BYTES = 16 << 10
+# Their new chunks go to a worker in batches of this many bytes. 1 MiB batches grew the build's peak RSS by
+# ~80 MB at 100,000 small files, against ~13 MB for these (docs/benchmarks.md, build8), as fast.
+CLAIMED_BATCH_BYTES = 128 << 10
 # Read-ahead beyond two batches per worker adds memory, not speed (16 MiB in flight instead of 4 was
 # within noise for the Debian rootfs, for 8 MB more RSS: docs/benchmarks.md, issue 17, third session);
 # with large chunks fewer batches fit.
@@ -63,6 +70,8 @@ KnownChunks = Callable[[Node], "list[bytes | None] | None"]
 _Slot = tuple[list, int, int, bytes]
 # What naming a piece found: (digest, or None for all zeros; compressed size if it uploaded a new chunk).
 _Named = tuple["bytes | None", "int | None"]
+# A small file's new chunk, claimed and waiting to be compressed: (digest, length, bytes).
+_Claimed = tuple[bytes, int, bytes]
 
 
 @dataclass(slots=True)
@@ -113,14 +122,16 @@ class Chunker:
         self._pool = ThreadPoolExecutor(max_workers=min(workers, self._max_batches), thread_name_prefix="chunker")
         self._batch: list[_Slot] = []  # pieces read, not yet handed to a worker
         self._batch_size = 0  # their bytes
-        # Batches handed to workers, in order, with the Future of their results.
-        self._pending: collections.deque[tuple[list[_Slot], Future[list[_Named]]]] = collections.deque()
+        self._claimed: list[_Claimed] = []  # small files' new chunks, not yet handed to a worker
+        self._claimed_size = 0  # their bytes
+        # Batches handed to workers, in order: the Future of each one's result, and what settles it.
+        self._pending: collections.deque[tuple[Callable[[list], None], Future[list]]] = collections.deque()
 
     def __enter__(self) -> "Chunker":
         return self
 
     def __exit__(self, *exc) -> None:
-        for _batch, future in self._pending:
+        for _settle, future in self._pending:
             future.cancel()
         self._pending.clear()
         self._pool.shutdown(wait=True)
@@ -159,8 +170,9 @@ class Chunker:
                     close()
 
     def _add_small(self, node: Node) -> None:
-        """add_file for a file of one piece under INLINE_BYTES: read and named here, at once (most files of
-        a tree are such files, so this is ``_read`` without its loop and batches)."""
+        """add_file for a file of one piece under INLINE_BYTES: read, hashed and claimed here, at once (most
+        files of a tree are such files, so this is ``_read`` without its loop and batches); a new chunk
+        waits in ``_claimed`` for a worker to compress it."""
         if node.reader is None:
             raise InputError("regular file has no content reader", where=node.source)
         size = node.size
@@ -168,13 +180,15 @@ class Chunker:
         try:
             piece = next(pieces, _END)
             if piece is None:  # a hole the reader found without reading
-                digest = stored = None
+                digest = None
             elif piece is _END:
                 raise InputError("content ends after 0 of 1 chunks", where=node.source)
             elif len(piece) != size:
                 raise InputError(f"chunk 0 is {len(piece)} bytes, expected {size}", where=node.source)
+            elif not piece[0] and piece == bytes(size):  # all zeros (see _name)
+                digest = None
             else:
-                digest, stored = self._name(piece, size)
+                digest = sha256(piece)
             if next(pieces, _END) is not _END:
                 raise InputError(f"content runs past the file's size {size}", where=node.source)
         finally:
@@ -182,7 +196,14 @@ class Chunker:
             if close is not None:
                 close()
         node.chunks = (digest,)  # a tuple: 24 bytes less than a list (most files of a large tree are these)
-        self._settle(size, digest, stored)
+        if digest is not None and self._uploader.claim(digest):
+            self._claimed.append((digest, size, piece))
+            self._claimed_size += size
+            if self._claimed_size >= CLAIMED_BATCH_BYTES:
+                self._submit_claimed()
+            self._settle(size, digest, 0)  # its compressed size is counted when its batch is settled
+        else:
+            self._settle(size, digest, None)
 
     def _read(self, node: Node, pieces: Iterator[bytes | None]) -> None:
         """Take a file's pieces from its reader, checking that they add up to exactly ``node.size`` bytes,
@@ -216,6 +237,8 @@ class Chunker:
         """Hand the pieces read so far to the workers now, without waiting for them (``finish`` waits)."""
         if self._batch:
             self._submit()
+        if self._claimed:
+            self._submit_claimed()
 
     def finish(self) -> ChunkStats:
         """Wait for every queued piece; the caller then flushes the uploader."""
@@ -243,15 +266,34 @@ class Chunker:
 
     def _submit(self) -> None:
         batch, self._batch, self._batch_size = self._batch, [], 0
+        self._queue(functools.partial(self._settle_named, batch), self._name_batch, batch)
+
+    def _submit_claimed(self) -> None:
+        claimed, self._claimed, self._claimed_size = self._claimed, [], 0
+        self._queue(functools.partial(self._settle_compressed, claimed), compress.compress_many,
+                    [piece for _digest, _length, piece in claimed])
+
+    def _queue(self, settle: Callable[[list], None], work: Callable[[list], list], batch: list) -> None:
+        """Hand ``work(batch)`` to a worker, to be settled in order by ``settle(its result)``."""
         while len(self._pending) >= self._max_batches:
             self._settle_oldest()
-        self._pending.append((batch, self._pool.submit(self._name_batch, batch)))
+        self._pending.append((settle, self._pool.submit(work, batch)))
 
     def _settle_oldest(self) -> None:
-        batch, future = self._pending.popleft()
-        for (chunks, number, length, _piece), (digest, stored) in zip(batch, future.result()):
+        settle, future = self._pending.popleft()
+        settle(future.result())
+
+    def _settle_named(self, batch: list[_Slot], named: list[_Named]) -> None:
+        for (chunks, number, length, _piece), (digest, stored) in zip(batch, named):
             chunks[number] = digest
             self._settle(length, digest, stored)
+
+    def _settle_compressed(self, claimed: list[_Claimed], frames: Sequence[bytes]) -> None:
+        """Queue a batch of small files' new chunks for upload, now compressed; count what they store."""
+        frames = compress.frames_of(frames)  # here: see compress_many
+        self._uploader.add_claimed_many((digest, length, frame)
+                                        for (digest, length, _piece), frame in zip(claimed, frames))
+        self.stats.stored_bytes += sum(map(len, frames))
 
     def _settle(self, length: int, digest: bytes | None, stored: int | None) -> None:
         """Count one named piece in the statistics (its digest is already in its chunk list)."""

@@ -114,7 +114,8 @@ class DaemonMounts:
                 blob = blob or await self._open_blob(files, store)
             if plist is not None:
                 plist.verify((layer.blob if layer else blob).blob_map, layer=files.digest)
-            if layer is None:
+            new_layer = layer is None
+            if new_layer:
                 layer = self._add_layer(files, store, blob)
             idle = layer.prefetch is None or layer.prefetch.state != "running"
             if found is not None and idle:
@@ -126,6 +127,8 @@ class DaemonMounts:
                 fill_list = await trio.to_thread.run_sync(fill_entries, plist, layer.blob.blob_map)
                 if fill == "auto":
                     fill_when = functools.partial(_store_is_slow, layer.store.fetcher)
+            if new_layer:
+                self._map_files_at_mount(layer, plist)
             if fill_list:
                 prefetch = f"{prefetch}+fill" if prefetch else "fill"
             key, served = self._served_for(layer, mode, holder, ref_name, prefetch=prefetch or "",
@@ -214,7 +217,7 @@ class DaemonMounts:
             trace_path, trace = self.segments.open(layer.files, mode, layer.blob, label, prefetch=prefetch,
                                                    profile_key=profile_key)
             blob = TracedBlob(layer.blob, layer.usage, self._fetch_log, trace, layer.readahead,
-                              on_miss=functools.partial(self._map_files_soon, layer))
+                              on_miss=functools.partial(self._missed_in, layer))
             served = Served(layer, blob, trace_path, label, mode=mode, ref_name=ref_name)
         return key, served
 

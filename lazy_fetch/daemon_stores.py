@@ -28,10 +28,16 @@ from dsec_fs.store.base import Store
 from dsec_fs.store.ref_cache import RefCacheStore
 from dsec_fs.store.wrappers import CountingStore, LatencyStore, StoreWrapper, find_wrapper, wrap_store
 
+<<<<<<< HEAD
 from .blob_reader import LayerBlob, open_layer_blob
 from .fetcher import ROUND_TRIP_READ_BYTES, ChunkFetcher
+=======
+from .blob_reader import BlobChunk, LayerBlob, open_layer_blob
+from .fetcher import ChunkFetcher
+>>>>>>> main
 from .memory_cache import MemoryFrontedFetcher
 from .miss_readahead import FileChunks, MissReadahead
+from .prefetch_list import PrefetchList
 from .profile_keeper import FoundProfile
 from .served_layers import Layer, StoreContext
 from .traced_blob import LayerUsage
@@ -122,21 +128,43 @@ class DaemonStores:
         return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
 
     def _add_layer(self, files: LayerFiles, store: StoreContext, blob: LayerBlob) -> Layer:
+        """A layer new to this daemon; its mount (or adoption) then calls ``_map_files_at_mount``."""
         usage = self.usage.get(files.digest) or self.usage.setdefault(files.digest, LayerUsage(blob))
         layer = self.layers[files.digest] = Layer(files, blob, store, usage)
         if self.options.miss_readahead_bytes and self._background is not None:
             layer.readahead = MissReadahead(blob, self.options.miss_readahead_bytes)
-            if all(self.cache.lacks(digest) for _blkaddr, digest, _length in blob.blob_map.entries):
-                self._map_files_soon(layer)  # nothing of it on this node: its first reads miss
         return layer
 
+    def _map_files_at_mount(self, layer: Layer, plist: PrefetchList | None) -> None:
+        """At a new layer's first mount, with the prefetch it starts (``plist``: a profile's or a list's,
+        or None): build the map of its miss readahead now only when its first reads will miss, that is
+        when the node holds none of its chunks and no prefetch brings any; otherwise at the first read
+        that waits for the store for a chunk the prefetch does not bring (``_missed_in``)."""
+        if layer.readahead is None:
+            return
+        if plist is not None and plist.entries:
+            layer.planned = bytearray(len(layer.blob.blob_map.entries))
+            for entry in plist.entries:
+                layer.planned[entry.chunk] = 1
+        elif all(self.cache.lacks(digest) for _blkaddr, digest, _length in layer.blob.blob_map.entries):
+            self._map_files_soon(layer)  # nothing of it on this node, and nothing coming: its first reads miss
+
+    def _missed_in(self, layer: Layer, chunks: list[BlobChunk]) -> bool:
+        """TracedBlob's ``on_miss``: a read of ``layer`` waited for the store. True (and the map started)
+        unless it waited only for chunks the layer's prefetch brings."""
+        if layer.planned is not None and all(layer.planned[chunk.entry] for chunk in chunks):
+            return False
+        self._map_files_soon(layer)
+        return True
+
     def _map_files_soon(self, layer: Layer) -> None:
-        """Start building the map of the layer's miss readahead, unless it is under way or built: at its
-        mount when the node holds none of its chunks, else at its first read that waits for the store
-        (TracedBlob's ``on_miss``). Walking the image was the biggest piece of a warm start's own work
-        (0.6 s of CPU for the numpy toolkit and its base, sampled, contending for the GIL with up and
-        with the trio thread serving the command's reads), and on a node that holds every chunk a start
-        reads it is never needed."""
+        """Start building the map of the layer's miss readahead, unless it is under way or built
+        (``_map_files_at_mount`` says when). Walking the image was the biggest piece of a warm start's
+        own work (0.6 s of CPU for the numpy toolkit and its base, sampled, contending for the GIL with up
+        and with the trio thread serving the command's reads), and on a node that holds every chunk a
+        start reads it is never needed; on a new node whose profile brings what the command reads, it
+        took 0.45-0.85 s of a worker thread during `up` and the command's first second (issue 13, other8
+        in docs/benchmarks.md)."""
         if layer.readahead is None or layer.files_mapped or self._background is None:
             return
         layer.files_mapped = True

@@ -47,6 +47,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from dsec_fs import layer
 from dsec_fs.digest import is_hex_digest, sha256, to_hex
@@ -55,7 +56,7 @@ from dsec_fs.files import private_dir, write_atomic
 from dsec_fs.layer import Manifest
 from dsec_fs.pack import decode_index
 from dsec_fs.store import keys
-from dsec_fs.store.base import Store
+from dsec_fs.store.base import Store, too_large
 from dsec_fs.store.wrappers import StoreWrapper
 
 from .cache import remove_stray
@@ -239,17 +240,34 @@ class _PackIndexes(StoreWrapper):
         self.copies = copies
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        pack_id = keys.id_from_key(key)
-        if offset or length is not None or key != keys.index(pack_id) or not is_hex_digest(pack_id):
+        if offset or length is not None or not _is_index_key(key):
             return self.inner.get(key, offset, length)
-        name = _index_name(self.inner, pack_id)
+        return self._index(key, lambda: self.inner.get(key))
+
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        """How ChunkIndex reads an index object (a bound on it: dsec_fs.pack.MAX_INDEX_BYTES)."""
+        if not _is_index_key(key):
+            return self.inner.get_at_most(key, limit)
+        data = self._index(key, lambda: self.inner.get_at_most(key, limit))
+        if len(data) > limit:  # a copy kept by a read without the bound
+            raise too_large(key, len(data), limit)
+        return data
+
+    def _index(self, key: str, read: Callable[[], bytes]) -> bytes:
+        """The index object at ``key`` from the node's copy, else ``read()`` and kept if it decodes."""
+        name = _index_name(self.inner, keys.id_from_key(key))
         copy = self.copies._load("index", name)
         if copy is not None:
             return copy[0]
-        data = self.inner.get(key)
+        data = read()
         decode_index(data, source=key)  # keep only what decodes (the caller decodes it again, and says why not)
         self.copies._keep("index", name, data)
         return data
+
+
+def _is_index_key(key: str) -> bool:
+    pack_id = keys.id_from_key(key)
+    return key == keys.index(pack_id) and is_hex_digest(pack_id)
 
 
 def _manifest_name(store: Store, digest: str) -> str:

@@ -60,8 +60,8 @@ FLUSH_SECONDS = 15.0
 class PublishedRun:
     """What one run (a served blob's whole trace, or one segment of it for a combination) published so
     far, by key, and what its publishes learned from its trace so far. ``lock`` (worker threads) guards
-    ``published``, ``newest``, ``records_read`` and ``first_read``; ``last`` and ``_seq`` are the trio
-    thread's."""
+    ``published``, ``newest``, ``records_read`` and ``first_read``; ``last``, ``unfinished`` and ``_seq``
+    are the trio thread's."""
 
     published: dict[str, profile.Profile] = field(default_factory=dict)
     newest: int = -1  # the sequence number of the newest publish that wrote
@@ -71,6 +71,7 @@ class PublishedRun:
     records_read: dict[str, int] = field(default_factory=dict)
     first_read: dict[int, int] = field(default_factory=dict)
     last: float = field(default_factory=time.monotonic)  # when it was last queued (or the run began)
+    unfinished: int = 0  # its publishes queued or under way (the trio thread's)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _seq: itertools.count = field(default_factory=itertools.count)
 
@@ -150,11 +151,18 @@ class ProfileKeeper:
 
     def publish_soon(self, nursery: trio.Nursery | None, store: Store, files: LayerFiles,
                      index: Callable[[], LayerIndex], trace_paths: list[str], ref_name: str | None, *,
-                     run: PublishedRun, combination: str = "") -> None:
+                     run: PublishedRun, combination: str = "", if_idle: bool = False) -> None:
         """Publish in a task of ``nursery``; with None (the daemon is stopping), at ``flush``. ``index``:
         the layer's LayerIndex (called in a worker thread). ``trace_paths``: the segments of one trace,
         learned as one; with ``combination``, one segment, published for that combination only. ``run``:
-        the trace's (or, with ``combination``, the segment's) PublishedRun."""
+        the trace's (or, with ``combination``, the segment's) PublishedRun. ``if_idle`` (a periodic
+        publish): nothing, if a publish of ``run`` is still queued or under way. A store that does not
+        answer holds a worker thread a publish, each waiting on the run's lock behind the first: queued
+        every period regardless, they took one of trio's worker threads (40) each, until every store
+        call and read of the daemon waited for a thread."""
+        if if_idle and run.unfinished:
+            return
+        run.unfinished += 1
         job = _Publish(store, files, index, list(trace_paths), ref_name, combination, run, run.next())
         self._queued.append(job)
         if nursery is not None:
@@ -184,6 +192,7 @@ class ProfileKeeper:
             return
         finally:
             self._queued.remove(job)
+            job.run.unfinished -= 1
         if learned is not None:
             self.published += 1
             log.info("published the profile of layer %s%s (%d chunks, %d traces)", files.digest[:12],

@@ -59,6 +59,9 @@ class Layer:
     usage: LayerUsage
     readahead: MissReadahead | None = None  # shared by its mounts in both modes
     files_mapped: bool = False  # the map of its readahead is being built or ready (daemon_stores.py _map_files_soon)
+    # 1 for each blob-map entry the prefetch planned at its first mount brings: a read that waits for one
+    # of them waits for the prefetch, not for a miss the readahead could help (daemon_stores.py _missed_in)
+    planned: bytearray | None = None
     mounts: int = 0
     prefetch: PrefetchJob | None = None
     _index: LayerIndex | None = None

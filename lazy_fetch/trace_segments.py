@@ -91,24 +91,26 @@ class TraceSegments:
         now = time.monotonic()
         for one in served:
             if one.trace_path and now - one.run.last >= publish_every:
-                self._publish_layer(one)
-                self._publish_combination(one)
+                # Not while the run's previous publish is unfinished (a store that does not answer).
+                self._publish_layer(one, if_idle=True)
+                self._publish_combination(one, if_idle=True)
 
-    def _publish_layer(self, served: Served) -> None:
+    def _publish_layer(self, served: Served, *, if_idle: bool = False) -> None:
         segments = [*served.segments, served.trace_path] if served.trace_path else served.segments
         if self.profiles is not None and segments:
             layer = served.layer
             self.profiles.publish_soon(self._background(), layer.store.store, layer.files, layer.index,
-                                       segments, served.ref_name, run=served.run)
+                                       segments, served.ref_name, run=served.run, if_idle=if_idle)
 
-    def _publish_combination(self, served: Served) -> None:
+    def _publish_combination(self, served: Served, *, if_idle: bool = False) -> None:
         """If one combination's sandboxes alone hold the segment being written, publish its profile (so
         far) for that combination."""
         combination = served.label.combination if served.label is not None else ""
         if self.profiles is not None and served.trace_path and combination:
             layer = served.layer
             self.profiles.publish_soon(self._background(), layer.store.store, layer.files, layer.index,
-                                       [served.trace_path], None, run=served.segment_run, combination=combination)
+                                       [served.trace_path], None, run=served.segment_run, combination=combination,
+                                       if_idle=if_idle)
 
     def _end_segment(self, served: Served) -> None:
         """Close the segment being written, and publish it for its combination if it had one."""

@@ -108,10 +108,12 @@ class TracedBlob:
     counted in the layer's usage and, while ``trace`` is open, recorded in it."""
 
     def __init__(self, blob: LayerBlob, usage: LayerUsage, fetch_log: StoreFetchLog, trace: TraceWriter | None,
-                 readahead: MissReadahead | None = None, *, on_miss: Callable[[], None] | None = None):
+                 readahead: MissReadahead | None = None, *,
+                 on_miss: Callable[[list[BlobChunk]], bool] | None = None):
         self.blob = blob
         self.readahead = readahead  # what a read that misses brings along (miss_readahead.py)
-        self.on_miss = on_miss  # called (once) after the first read that waited for the store
+        # Called with the chunks of each read that waited for the store, until it returns True.
+        self.on_miss = on_miss
         self.size = blob.size
         self.usage = usage
         self.fetch_log = fetch_log
@@ -142,11 +144,11 @@ class TracedBlob:
         return data
 
     def _missed(self, mark: int, chunks: list[BlobChunk]) -> bool:
-        """Whether the read that took ``mark`` waited for the store; the first one that did calls ``on_miss``."""
+        """Whether the read that took ``mark`` waited for the store; if so ``on_miss`` is told, until it
+        says it needs no more."""
         missed = self.fetch_log.fetched_since(mark, (chunk.digest for chunk in chunks))
-        if missed and self.on_miss is not None:
-            on_miss, self.on_miss = self.on_miss, None
-            on_miss()
+        if missed and self.on_miss is not None and self.on_miss(chunks):
+            self.on_miss = None
         return missed
 
     def _note(self, offset: int, length: int, chunks: list[BlobChunk], missed: bool, started: int, *,

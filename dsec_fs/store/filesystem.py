@@ -163,7 +163,9 @@ class FilesystemStore(Store):
         try:
             if size > limit:
                 raise too_large(where, size, limit)
-            data = os.pread(fd, limit + 1, 0) if limit else b""
+            # pread allocates all it is asked for first: no more than the file holds (and a byte to tell
+            # that it grew), as ``limit`` may be a size a manifest gave, gigabytes for a small object.
+            data = os.pread(fd, min(limit, size) + 1, 0) if limit else b""
         except OSError as exc:
             raise _unavailable(exc, where) from None
         finally:

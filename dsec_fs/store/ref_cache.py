@@ -10,7 +10,9 @@ forgotten at once, and ``forget`` does the same for one set through another Stor
 sandbox commit), so a node sees its own changes; another node's change is seen within ``ttl``. A missing
 ref is not remembered (a ref about to be made must be found as soon as it is). ``ttl`` 0 turns caching off.
 
-Only whole reads of a ref key are cached; every other call goes to ``inner`` unchanged.
+Only whole reads of a ref key are cached (``get`` of all of it, and ``get_at_most``, which is how
+dsec_fs.layer reads a ref: anyone who can write the store can grow one); every other call goes to
+``inner`` unchanged.
 
 Threads: any thread; ``_lock`` guards ``_refs`` and is never held while the inner store is called.
 """
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
-from .base import Store
+from .base import Store, too_large
 from .keys import REFS
 from .wrappers import StoreWrapper
 
@@ -36,13 +39,25 @@ class RefCacheStore(StoreWrapper):
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         if not self.ttl or not key.startswith(REFS) or offset or length is not None:
             return self.inner.get(key, offset, length)
+        return self._whole(key, lambda: self.inner.get(key))
+
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        if not self.ttl or not key.startswith(REFS):
+            return self.inner.get_at_most(key, limit)
+        data = self._whole(key, lambda: self.inner.get_at_most(key, limit))
+        if len(data) > limit:  # cached by a get of all of it
+            raise too_large(key, len(data), limit)
+        return data
+
+    def _whole(self, key: str, read: Callable[[], bytes]) -> bytes:
+        """The ref at ``key`` from memory if read within ``ttl``, else ``read()`` and remembered."""
         now = time.monotonic()
         with self._lock:
             cached = self._refs.get(key)
             if cached is not None and now - cached[0] < self.ttl:
                 self.hits += 1
                 return cached[1]
-        data = self.inner.get(key)
+        data = read()
         with self._lock:
             self._refs[key] = (now, data)
             for stale in [k for k, (read_at, _) in self._refs.items() if now - read_at >= self.ttl]:

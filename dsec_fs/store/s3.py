@@ -65,6 +65,7 @@ REGION_ENVS = ("DSECFS_S3_REGION", "AWS_REGION")  # boto3 reads AWS_DEFAULT_REGI
 DEFAULT_REGION = "us-east-1"
 # S3 allows at most 10,000 parts per upload; larger objects get larger parts.
 MAX_PARTS = 10_000
+READ_PIECE = 4 * MiB  # the most a bounded read asks the HTTP body for at once (_read_at_most)
 
 _botocore_log = logging.getLogger("botocore")  # see the module docstring: credentials stay out of logs
 _botocore_log.setLevel(max(_botocore_log.level, logging.INFO))
@@ -196,7 +197,10 @@ class S3Store(Store):
             params["Range"] = f"bytes={offset}-"
 
         def fetch() -> bytes:
-            return self._client.get_object(Bucket=self.bucket, Key=name, **params)["Body"].read()
+            with contextlib.closing(self._client.get_object(Bucket=self.bucket, Key=name, **params)["Body"]) as body:
+                # One byte past the range at most: an endpoint (a proxy) may ignore Range and send the
+                # whole object, a pack of any size; more than asked for is refused below, never held.
+                return body.read() if length is None else _read_at_most(body, length + 1)
 
         try:
             data = self._call(key, fetch)
@@ -207,6 +211,9 @@ class S3Store(Store):
                 self._check_offset(key, offset, self._head(key)["ContentLength"])
                 return b""
             raise
+        if length is not None and len(data) > length:
+            raise CorruptError(f"the endpoint answered range [{offset}, {offset + length}) with more bytes "
+                               "(it ignored the range)", where=self._where(key))
         if length is not None and len(data) != length:
             raise CorruptError(
                 f"range [{offset}, {offset + length}) runs past the end ({offset + len(data)})",
@@ -226,7 +233,7 @@ class S3Store(Store):
                 size = int(size) if size.isdigit() else answer.get("ContentLength")
                 if size is not None and size > limit:
                     raise too_large(self._where(key), size, limit)
-                return body.read(limit + 1)
+                return _read_at_most(body, limit + 1)
 
         try:
             data = self._call(key, fetch)
@@ -389,6 +396,19 @@ class S3Store(Store):
 
     def _where(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.prefix}{key}"
+
+
+def _read_at_most(body, count: int) -> bytes:
+    """Up to ``count`` bytes of ``body``, read a piece at a time: one read of ``count`` would allocate all
+    of it first on an answer of unknown length, and ``count`` may be a size a manifest gave (gigabytes)."""
+    pieces, left = [], count
+    while left > 0:
+        piece = body.read(min(left, READ_PIECE))
+        if not piece:
+            break
+        pieces.append(piece)
+        left -= len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _status(exc: ClientError) -> int:

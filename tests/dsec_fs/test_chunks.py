@@ -1,6 +1,7 @@
 import os
 import random
 import threading
+import tracemalloc
 from collections import Counter
 
 import pytest
@@ -31,6 +32,11 @@ class CountingStore(FilesystemStore):
         with self._count_lock:
             self.gets[key.split("/")[0]] += 1
         return super().get(key, offset, length)
+
+    def get_at_most(self, key, limit):
+        with self._count_lock:
+            self.gets[key.split("/")[0]] += 1
+        return super().get_at_most(key, limit)
 
 
 def chunk(n: int, size: int = 4096) -> bytes:
@@ -122,6 +128,31 @@ def test_a_chunk_is_claimed_once_then_added_by_its_claimer(store):
     assert uploader.new_chunks == 1
     assert [entry.digest for entry in index_from_pack(store.get(keys.pack(pack_id)), source=pack_id)] == [digest]
     assert uploader.claim(digest) is False  # stored now: the index holds it
+
+
+def test_chunks_added_many_at_a_time_fill_packs_as_one_at_a_time(tmp_path):
+    """add_claimed_many across pack boundaries gives the packs add_claimed gives, chunk for chunk; and
+    compress_many's frames are compress's."""
+    chunks = [chunk(n, size=300 + 97 * n) for n in range(60)] + [b"x" * 5000, b"abc" * 999]
+    frames = compress.frames_of(compress.compress_many(chunks))
+    assert frames == [compress.compress(data) for data in chunks]
+    packs = []
+    for many in (False, True):
+        store = CountingStore(tmp_path / f"store-{many}")
+        uploader = ChunkUploader(store, ChunkIndex(), pack_target=8192)
+        for data in chunks:
+            assert uploader.claim(sha256(data))
+        items = [(sha256(data), len(data), frame) for data, frame in zip(chunks, frames)]
+        if many:
+            uploader.add_claimed_many(items[:25])
+            uploader.add_claimed_many(items[25:])
+        else:
+            for item in items:
+                uploader.add_claimed(*item)
+        ids = uploader.flush()
+        assert len(ids) > 3 and uploader.new_chunks == len(chunks)
+        packs.append(sorted(store.get(keys.pack(pack_id)) for pack_id in ids))
+    assert packs[0] == packs[1]
 
 
 def test_concurrent_adds_store_each_chunk_once(store):
@@ -334,3 +365,20 @@ def test_plan_runs_cuts_a_run_at_max_bytes_and_read_run_reads_each(store):
     assert store.gets["packs"] == 3
     # A frame longer than the limit still makes a run of its own.
     assert [len(run.chunks) for run in plan_runs(wanted, max_bytes=1)] == [1] * 6
+
+
+def test_a_pack_index_object_grown_to_a_gib_is_refused_without_reading_it(store):
+    """Anyone who writes the store can grow an index object (a sparse GiB here): loading a layer's pack
+    indexes reads at most MAX_INDEX_BYTES of one and says which key is wrong; before, all of it was read
+    into memory and only then found not to be an index."""
+    _uploader, _index, pack_ids = upload(store, [chunk(n) for n in range(4)])
+    os.truncate(os.path.join(store.root, *keys.index(pack_ids[0]).split("/")), 1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError) as info:
+            ChunkIndex().load_packs(store, pack_ids)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert keys.index(pack_ids[0]) in str(info.value)
+    assert peak < 64 << 20, f"{peak} bytes allocated loading an index of 4 entries"

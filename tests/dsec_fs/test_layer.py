@@ -3,6 +3,7 @@ import json
 import os
 import resource
 import threading
+import tracemalloc
 
 import pytest
 import zstandard
@@ -383,6 +384,58 @@ def test_a_manifest_naming_more_metadata_than_a_reader_takes_is_refused_before_d
     with pytest.raises(UnsupportedError) as info:
         open_layer(store, LAYER)
     assert keys.layer_meta(LAYER) in str(info.value)
+
+
+@pytest.mark.parametrize("key_of", [keys.layer_meta, keys.layer_blobmap, keys.layer_manifest])
+def test_a_layer_object_grown_past_its_size_is_refused_without_reading_it(store, key_of):
+    """A store writer appends a GiB to meta.erofs, the blob map or the manifest (a sparse file here):
+    the reader asks for no more than the manifest (or a manifest's bound) allows, and says which key is
+    wrong; before, it read the whole object into memory and only then compared sizes."""
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    os.truncate(path_of(store, key_of(LAYER)), 1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises((IntegrityError, FormatError)) as info:
+            open_layer(store, LAYER)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert key_of(LAYER) in str(info.value)
+    assert peak < 64 << 20, f"{peak} bytes allocated reading a layer of a few KB"
+
+
+@pytest.mark.parametrize("name", ["meta.erofs", "blobmap"])
+def test_a_manifest_giving_a_huge_stored_size_for_a_small_object_allocates_nothing_for_it(store, name):
+    """The bounded read takes the manifest's stored size as its limit: a lying manifest must not make the
+    reader allocate that much for an object of a few KB."""
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    obj = json.loads(store.get(keys.layer_manifest(LAYER)))
+    obj["stored"][name]["size"] = 3 << 30
+    store.put(keys.layer_manifest(LAYER), json.dumps(obj).encode())
+    tracemalloc.start()
+    try:
+        with pytest.raises(IntegrityError) as info:
+            open_layer(store, LAYER)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert name in str(info.value)
+    assert peak < 64 << 20, f"{peak} bytes allocated reading a layer of a few KB"
+
+
+def test_an_oversized_ref_is_refused_without_reading_it(store):
+    publish_layer(store, META, BLOBMAP, make_manifest())
+    set_ref(store, "base:1", LAYER)
+    os.truncate(path_of(store, keys.ref("base", "1")), 1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError) as info:
+            resolve(store, "base:1")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert keys.ref("base", "1") in str(info.value)
+    assert peak < 64 << 20, f"{peak} bytes allocated reading a ref"
 
 
 def test_a_corrupted_manifest_is_a_format_error_naming_its_key(store):

@@ -150,6 +150,21 @@ def test_empty_frame_is_rejected():
         decode_index(encode_index([ENTRIES[0]._replace(clen=0)]), source=SOURCE)
 
 
+def test_a_frame_longer_than_zstd_makes_for_its_chunk_is_rejected_naming_the_entry():
+    """A lying index may give a chunk of a few bytes a frame of gigabytes, which a reader would fetch
+    whole in one ranged GET (the pack's writer can make the pack that long too)."""
+    last = ENTRIES[-1]
+    bad = encode_index([*ENTRIES[:-1], last._replace(clen=1 << 30)])  # for a chunk of 5 bytes
+    with pytest.raises(FormatError, match="longer than zstd makes") as info:
+        decode_index(bad, source=SOURCE)
+    assert info.value.offset == entry_offset(len(ENTRIES) - 1) and last.digest.hex() in str(info.value)
+
+
+@pytest.mark.parametrize("size", [0, 1, 5000, 128 << 10, 1 << 20])
+def test_frame_bound_holds_for_incompressible_data(size):
+    assert len(compress.compress(os.urandom(size))) <= compress.frame_bound(size)
+
+
 def test_frame_past_the_end_of_the_pack_is_rejected_when_the_pack_size_is_known():
     last = ENTRIES[-1]
     bad = encode_index([*ENTRIES[:-1], last._replace(clen=last.clen + 1)])

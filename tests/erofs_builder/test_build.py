@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -16,6 +17,7 @@ from treecmp import assert_same_tree, snapshot, write_files
 from dsec_fs.chunks import ChunkIndex, read_chunk
 from dsec_fs.errors import InputError, UnavailableError
 from dsec_fs.layer import Manifest, open_layer, read_blobmap, read_meta, resolve
+from dsec_fs import mounts
 from dsec_fs.mounts import mounted_erofs
 from dsec_fs.spill import SpillFile
 from dsec_fs.store import FilesystemStore
@@ -258,3 +260,25 @@ def test_a_layer_stored_by_an_older_writer_still_checks_exports_and_serves_as_a_
     assert build_layer(src, store, chunk_size=CHUNK, parent=digest).digest == digest
     republished = Manifest.from_json(store.get(manifest_key), source=manifest_key)
     assert republished.version == 2 and open_layer(store, digest).meta == meta
+
+
+@pytest.mark.root
+def test_a_build_whose_temporary_directory_is_full_fails_with_an_error_naming_it(tmp_path):
+    """meta.erofs is written through a mapping of a temporary file (dsec_fs.spill): with $TMPDIR on a
+    file system with no room for it, ``dsecfs build`` exits with an error naming the directory and
+    publishes nothing; before, the first store into a page the file system had no room for was a SIGBUS
+    that killed the build."""
+    full = tempfile.mkdtemp(prefix="dsecfs-fulltmp-", dir="/tmp")  # a mount: not under tmp_path
+    mounts.mount("tmpfs", full, "tmpfs", 0, "size=64k,mode=0700")
+    try:
+        src = write_files(tmp_path / "src", {f"d{n // 100}/f{n}": b"x" for n in range(3000)})
+        store = tmp_path / "store"
+        dsecfs = os.path.join(os.path.dirname(sys.executable), "dsecfs")
+        result = subprocess.run([dsecfs, "build", str(src), "--store", str(store), "--name", "t/full"],
+                                env={**os.environ, "TMPDIR": full}, capture_output=True, text=True, timeout=120)
+        assert result.returncode > 0, (result.returncode, result.stderr)
+        assert full in result.stderr and "Traceback" not in result.stderr
+        assert not keys(FilesystemStore(str(store)), "refs/")
+    finally:
+        mounts.umount(full, lazy=True)
+        os.rmdir(full)

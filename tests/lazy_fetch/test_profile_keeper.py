@@ -3,10 +3,13 @@ its publishes read, and what they publish."""
 
 from __future__ import annotations
 
+import threading
+
 import trio
 
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore, keys
+from dsec_fs.store.wrappers import StoreWrapper
 from lazy_fetch import profile
 from lazy_fetch.layer_index import LayerIndex
 from lazy_fetch.profile_keeper import ProfileKeeper, PublishedRun
@@ -65,3 +68,60 @@ def test_a_long_runs_publishes_read_only_what_its_trace_gained_and_publish_all_o
     assert [(e.digest, e.first_read_us, e.path) for e in published.entries] == \
         [(e.digest, e.first_read_us, e.path) for e in whole.entries]
     assert {e.path for e in published.entries} == {"/" + read.path for read in WORKLOAD}
+
+
+class HungPuts(StoreWrapper):
+    """A real directory store whose puts wait until ``answer`` is set, as a hung 3FS or NFS mount's writes
+    wait in the kernel (tests/lazy_fetch/hung_store.py makes hung reads of a pack, not writes); ``waiting``
+    counts the threads stuck in one."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.answer = threading.Event()
+        self.waiting = 0
+        self._lock = threading.Lock()
+
+    def put(self, key, data):
+        with self._lock:
+            self.waiting += 1
+        try:
+            self.answer.wait(30)
+        finally:
+            with self._lock:
+                self.waiting -= 1
+        self.inner.put(key, data)
+
+
+def test_periodic_publishes_of_a_run_wait_for_its_unfinished_one_not_pile_up_in_worker_threads(layers, tmp_path):
+    """Each period queued another publish of the run whatever became of the last: behind a store that does
+    not answer, each took a worker thread (trio's 40, which every store call and read of the daemon
+    shares) waiting on the run's lock. A periodic publish is skipped while one is unfinished; the run's
+    last publish (at its end) is still queued, and publishes all of the trace once the store answers."""
+    base = layers.base
+    index = LayerIndex.open(layers.store, base.digest)
+    store = HungPuts(FilesystemStore(str(tmp_path / "store"), fsync=False))
+    keeper = ProfileKeeper(str(tmp_path / "state"))
+    files = open_layer(layers.store, base.digest)
+    run = PublishedRun()
+    path = str(tmp_path / "1.dtr")
+    writer = TraceWriter(path, TraceHeader(layer=base.digest, mode="fuse", chunk_size=CHUNK, started_ns=10**18))
+    for read in WORKLOAD:
+        _record(writer, base, read)
+    writer.close()
+    queued = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):  # five periods behind the hung store
+                keeper.publish_soon(nursery, store, files, lambda: index, [path], None, run=run, if_idle=True)
+                await trio.sleep(0.2)
+            queued.append(len(keeper._queued))
+            keeper.publish_soon(nursery, store, files, lambda: index, [path], None, run=run)  # the run ends
+            await trio.sleep(0.2)
+            store.answer.set()
+
+    trio.run(main)
+    assert queued == [1]
+    assert keeper.published == 2 and store.waiting == 0
+    published = profile.Profile.decode(store.get(keys.layer_profiles(base.digest) + keeper.node_id), source="k")
+    assert published.traces == 1

@@ -54,6 +54,23 @@ def test_merging_adds_traces_and_weights_first_read_times():
     assert [e.digest for e in merged.entries] == [bytes([2]) * 32, bytes([1]) * 32]  # first-read order
 
 
+def test_a_lookup_decodes_a_bounded_number_of_entries_from_all_node_objects(tmp_path, caplog):
+    """Anyone who can write the store can fill every node object of a key to MAX_ENTRIES (32 of them,
+    3.2 million entries: a minute of decoding and merging, 1.8 GB, for a mount that waits on it). One
+    lookup decodes at most 200,000 of all of them; the objects past that are skipped, named in the log.
+    Before, all four objects of 60,000 entries here were decoded and merged."""
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    prefix = keys.layer_profiles("ab" * 32)
+    for node in range(4):
+        entries = [profile.ProfileEntry(node.to_bytes(2, "big") + i.to_bytes(30, "big"), 1 << 20, i, 1)
+                   for i in range(60_000)]
+        store.put(f"{prefix}{node:016x}", profile.Profile(layer="ab" * 32, traces=1, entries=entries).encode())
+    found = profile.fetch(store, prefix)
+    assert found is not None and found.traces == 3  # 180,000 entries decoded; the fourth object skipped
+    assert any("entries, over what is left" in record.getMessage() and prefix in record.getMessage()
+               for record in caplog.records)
+
+
 def test_a_run_that_publishes_again_replaces_what_it_published_before(tmp_path):
     """A long run publishes while it goes on: each later publish of it holds all of the earlier one, and
     the node's object must count the run once, with everything it read, beside what other runs put in."""
