@@ -28,13 +28,8 @@ from dsec_fs.store.base import Store
 from dsec_fs.store.ref_cache import RefCacheStore
 from dsec_fs.store.wrappers import CountingStore, LatencyStore, StoreWrapper, find_wrapper, wrap_store
 
-<<<<<<< HEAD
-from .blob_reader import LayerBlob, open_layer_blob
-from .fetcher import ROUND_TRIP_READ_BYTES, ChunkFetcher
-=======
 from .blob_reader import BlobChunk, LayerBlob, open_layer_blob
-from .fetcher import ChunkFetcher
->>>>>>> main
+from .fetcher import ROUND_TRIP_READ_BYTES, ChunkFetcher
 from .memory_cache import MemoryFrontedFetcher
 from .miss_readahead import FileChunks, MissReadahead
 from .prefetch_list import PrefetchList
