@@ -204,6 +204,8 @@ class NodeDaemon(DaemonStores, DaemonMounts, DaemonTraces):
                     # Profiles of what unmounts from here on are published at the flush (the nursery is
                     # about to be cancelled: a publish started in it now would be lost).
                     self._background = None
+                    if self.profiles is not None:  # a publish under way gets a deadline, then is given up
+                        self.profiles.stop()
                     with trio.CancelScope(shield=True):
                         for hook in reversed(self.on_stop):
                             await hook()
