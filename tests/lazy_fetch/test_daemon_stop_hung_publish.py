@@ -2,9 +2,9 @@
 daemon, its S3 store a moto server behind tests/lazy_fetch/black_hole.py, which then accepts and never
 answers). Before, a publish under way ran in a worker thread the stop waited for, whatever the store did
 (each of its requests waits out S3's read timeout, five times over with the retries): SIGTERM left the
-daemon and its mounts there for minutes. Now a publish under way at the stop, and each one of the flush
-after the last unmounts, has profile_keeper.FLUSH_SECONDS, then is given up and logged; its thread is
-left where it waits. A stop whose store answers still publishes every profile (the second test).
+daemon and its mounts there for minutes. Now a publish under way at the stop has
+profile_keeper.FLUSH_SECONDS, and the flush after the last unmounts as long again for all it publishes;
+past that a publish is given up and logged, its thread left where it waits. A stop whose store answers still publishes every profile (the second test).
 """
 
 from __future__ import annotations
