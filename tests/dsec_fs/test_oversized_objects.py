@@ -23,15 +23,10 @@ FILES = {"a": random_bytes(1, 5 * CHUNK), "b": random_bytes(2, 3 * CHUNK)}
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, monkeypatch):
+    """A local store, and an index mirror of this test's own for the builds into it."""
+    monkeypatch.setenv("DSECFS_INDEX_DIR", str(tmp_path / "index-mirror"))
     return FilesystemStore(str(tmp_path / "store"), fsync=False)
-
-
-@pytest.fixture(autouse=True)
-def index_root(tmp_path, monkeypatch):
-    path = str(tmp_path / "index-mirror")
-    monkeypatch.setenv("DSECFS_INDEX_DIR", path)
-    return path
 
 
 def layer_and_pack(store, tmp_path) -> tuple[str, str]:
