@@ -32,12 +32,16 @@ from dataclasses import dataclass
 
 from . import compress
 from .digest import is_hex_digest, to_hex, verify
-from .errors import CorruptError, FormatError, InputError, NotFoundError, UnsupportedError
+from .errors import CorruptError, FormatError, InputError, NotFoundError
 from .pack import MAX_INDEX_BYTES, PackEntry, PackWriter, decode_index, entries_of_records
 from .store import keys
-from .store.base import Store, side_by_side
+from .store.base import Store, get_small, side_by_side
 
 DEFAULT_PACK_TARGET = 16 * 1024 * 1024
+# A pack is read whole only to restore its index (gc.restore_pack_index), at most this many bytes: far
+# more than a pack sealed at DEFAULT_PACK_TARGET (its last frame of at most a 16 MiB chunk past it, and
+# its index), so only a store writer's object is refused.
+MAX_PACK_BYTES = 256 << 20
 # Ranges in one pack closer than this are fetched with one GET: a request costs more than 64 KiB of transfer.
 MERGE_GAP = 64 * 1024
 # Index objects are small; reading several at once hides the store's per-request latency. A layer of a
@@ -146,11 +150,7 @@ class ChunkIndex:
             pack_id = keys.id_from_key(key)
             if not is_hex_digest(pack_id):
                 raise FormatError("index key", None, "the last component is not a pack id", source=key)
-            try:
-                data = store.get_at_most(key, MAX_INDEX_BYTES)  # a bound: anyone who writes the store can grow it
-            except UnsupportedError as exc:
-                raise FormatError("pack index", None, f"larger than any pack's index: {exc.message}", source=key) from None
-            self.add_pack(pack_id, decode_index(data, source=key))
+            self.add_pack(pack_id, read_index_object(store, key))
 
         with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="index-load") as pool:
             for _ in pool.map(load_one, index_keys):  # re-raises the first failure, naming its key
@@ -308,6 +308,12 @@ class ChunkUploader:
             raise
         finally:
             self._slots.release()
+
+
+def read_index_object(store: Store, key: str) -> list[PackEntry]:
+    """The entries of the pack index object ``key``, read only up to MAX_INDEX_BYTES: anyone who writes
+    the store can grow it (FormatError naming the key, past that)."""
+    return decode_index(get_small(store, key, MAX_INDEX_BYTES, "pack index"), source=key)
 
 
 def read_chunk(store: Store, digest: bytes, loc: ChunkLocation) -> bytes:

@@ -43,9 +43,9 @@ from .errors import CorruptError, NotFoundError
 from .gc import restore_pack_index
 from .index_mirror import FORGED, TRUSTED, IndexMirror
 
-from .pack import INDEX_ENTRY, PackEntry, decode_index, index_of_records
+from .pack import INDEX_ENTRY, MAX_INDEX_BYTES, PackEntry, decode_index, index_of_records
 from .store import keys
-from .store.base import Store, side_by_side
+from .store.base import Store, get_small, side_by_side
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class MirroredChunkIndex(ChunkIndex):
             key = keys.index(pack_id)
             records = own_records.get(pack_id)
             try:
-                data = store.get(key)
+                data = get_small(store, key, MAX_INDEX_BYTES, "pack index")
                 if records is not None and data == index_of_records(records):
                     return False
                 entries, restored = decode_index(data, source=key), False

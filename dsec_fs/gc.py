@@ -71,14 +71,15 @@ from dataclasses import dataclass, field
 
 from . import compress
 from .blobmap import BlobMap
-from .chunks import DEFAULT_PACK_TARGET, ChunkIndex, ChunkLocation, ChunkUploader, read_chunks
+from .chunks import (DEFAULT_PACK_TARGET, MAX_PACK_BYTES, ChunkIndex, ChunkLocation, ChunkUploader, read_chunks,
+                     read_index_object)
 from .digest import is_hex_digest, sha256, to_hex
-from .errors import CorruptError, DsecError, InputError, IntegrityError, NotFoundError, UnsupportedError
-from .layer import Manifest, list_refs, read_blobmap
+from .errors import CorruptError, DsecError, FormatError, InputError, IntegrityError, NotFoundError, UnsupportedError
+from .layer import Manifest, list_refs, manifest_at, read_blobmap
 from .leases import CLOCK_SKEW, DEFAULT_MAX_AGE, LeaseInfo, exclusive_lease, list_leases
-from .pack import PACK_TRAILER, PackEntry, decode_index, encode_index, index_from_pack, index_size
+from .pack import PACK_TRAILER, PackEntry, encode_index, index_from_pack, index_size
 from .store import keys
-from .store.base import Store, side_by_side
+from .store.base import Store, get_small, side_by_side
 from .store.filesystem import FilesystemStore
 from .store.wrappers import find_wrapper
 
@@ -88,6 +89,8 @@ log = logging.getLogger(__name__)
 READ_THREADS = 8
 # A temporary file younger than this may belong to a put still in progress, whatever the grace period.
 TEMP_FILE_MIN_AGE = 3600.0
+# A trash marker is {"trashed": <time>}: one larger than this was grown by a store writer, and is not read.
+MAX_MARKER_BYTES = 4096
 
 # Given the bytes of a layer's blob map and its key: the digests of the chunks it names (CorruptError if
 # malformed). The blob map format belongs to erofs_builder, which dsec_fs may not import.
@@ -190,7 +193,7 @@ def restore_pack_index(store: Store, pack_id: str) -> list[PackEntry]:
     """Put the index object of pack ``pack_id`` again, from the copy embedded in the pack; return its
     entries. The pack is checked against its id first: a damaged pack is never indexed again."""
     key = keys.pack(pack_id)
-    data = store.get(key)
+    data = get_small(store, key, MAX_PACK_BYTES, "pack")
     if to_hex(sha256(data)) != pack_id:
         raise IntegrityError("pack bytes do not hash to the pack id; not restoring its index", where=key)
     entries = index_from_pack(data, source=key)
@@ -289,9 +292,11 @@ class _Run:
         def read(pack_id: str) -> _Marker | None:
             key = keys.trash(pack_id)
             try:
-                data = self.store.get(key)
+                data = get_small(self.store, key, MAX_MARKER_BYTES, "trash marker")
             except NotFoundError:
                 return None
+            except FormatError:  # grown past any marker's size by a store writer: unreadable, as below
+                data = b""
             try:
                 trashed = json.loads(data)["trashed"]
                 if type(trashed) in (int, float):
@@ -309,7 +314,7 @@ class _Run:
         def read(pack_id: str) -> dict[bytes, PackEntry] | None:
             key = keys.index(pack_id)
             try:
-                return {e.digest: e for e in decode_index(self.store.get(key), source=key)}
+                return {e.digest: e for e in read_index_object(self.store, key)}
             except NotFoundError:
                 return None
             except CorruptError as exc:
@@ -364,7 +369,7 @@ class _Run:
     def _read_manifest(self, layer: _Layer) -> None:
         key = keys.layer_manifest(layer.digest)
         try:
-            layer.manifest = Manifest.from_json(self.store.get(key), source=key)
+            layer.manifest = manifest_at(self.store, key)
         except NotFoundError:
             pass  # deleted since the listing
         except (CorruptError, UnsupportedError) as exc:  # damaged, or written by a newer dsecfs
@@ -578,7 +583,7 @@ class _Run:
                 continue
             key = keys.layer_manifest(layer.digest)
             try:
-                current = Manifest.from_json(self.store.get(key), source=key)
+                current = manifest_at(self.store, key)
             except DsecError as exc:
                 self.report.problems.append(f"{key}: not rewritten: {exc}")
                 current = None

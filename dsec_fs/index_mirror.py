@@ -54,10 +54,10 @@ from dataclasses import dataclass
 
 import lmdb
 
-from .chunks import INDEX_LOAD_THREADS, ChunkLocation
+from .chunks import INDEX_LOAD_THREADS, ChunkLocation, read_index_object
 from .digest import DIGEST_SIZE, is_hex_digest, to_hex
 from .errors import CorruptError, NotFoundError, UnavailableError
-from .pack import INDEX_ENTRY, PackEntry, decode_index
+from .pack import INDEX_ENTRY, PackEntry
 from .paths import default_dir
 from .store import keys
 from .store.base import Store
@@ -267,7 +267,7 @@ class IndexMirror:
         def fetch(pack_id: str) -> list[PackEntry] | None:
             key = keys.index(pack_id)
             try:
-                return decode_index(store.get(key), source=key)
+                return read_index_object(store, key)
             except NotFoundError:
                 return None  # soft-deleted since the listing
             except CorruptError as exc:

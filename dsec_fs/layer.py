@@ -40,7 +40,7 @@ from .digest import is_hex_digest, sha256, to_hex
 from .errors import CorruptError, FormatError, InputError, IntegrityError, NotFoundError, UnsupportedError
 from .spill import SpillFile
 from .store import keys
-from .store.base import Store
+from .store.base import Store, get_small
 
 MANIFEST_VERSION = 2  # 2: meta.erofs and the blob map are stored zstd-compressed (``Manifest.stored``)
 READABLE_VERSIONS = (1, 2)
@@ -295,13 +295,18 @@ def read_manifest(store: Store, digest: str) -> Manifest:
     """The verified manifest of published layer ``digest`` (NotFoundError if it is not published)."""
     manifest_key = keys.layer_manifest(digest)
     try:
-        manifest_bytes = _get_small(store, manifest_key, MAX_MANIFEST_BYTES, "manifest")
+        manifest = manifest_at(store, manifest_key)
     except NotFoundError:
         raise NotFoundError("layer is not published (no manifest)", where=f"layer {digest}") from None
-    manifest = Manifest.from_json(manifest_bytes, source=manifest_key)
     if manifest.layer != digest:
         raise IntegrityError(f"manifest describes layer {manifest.layer}", where=manifest_key)
     return manifest
+
+
+def manifest_at(store: Store, key: str) -> Manifest:
+    """The manifest object ``key``, read only if it holds at most MAX_MANIFEST_BYTES (FormatError naming
+    the key otherwise), not checked against its key (``read_manifest`` is)."""
+    return Manifest.from_json(get_small(store, key, MAX_MANIFEST_BYTES, "manifest"), source=key)
 
 
 def read_meta(store: Store, manifest: Manifest) -> bytes:
@@ -425,19 +430,10 @@ def read_ref(store: Store, ref: str) -> str:
     name, tag = parse_ref(ref)
     key = keys.ref(name, tag)
     try:
-        data = _get_small(store, key, MAX_REF_BYTES, "ref")
+        data = get_small(store, key, MAX_REF_BYTES, "ref")
     except NotFoundError:
         raise NotFoundError(f"no such ref in store {store.url}", where=f"ref {name}:{tag}") from None
     return _decode_ref(data, source=key)
-
-
-def _get_small(store: Store, key: str, limit: int, structure: str) -> bytes:
-    """Object ``key`` (a manifest or a ref: ``structure``), read only if it holds at most ``limit`` bytes;
-    a larger one is a FormatError naming the key (no writer of ours makes one), not read at all."""
-    try:
-        return store.get_at_most(key, limit)
-    except UnsupportedError as exc:
-        raise FormatError(structure, None, exc.message, source=key) from None
 
 
 def layers_with_prefix(store: Store, prefix: str = "") -> list[str]:
@@ -460,7 +456,7 @@ def list_refs(store: Store) -> dict[str, str]:
         except InputError as exc:
             raise FormatError("ref key", None, exc.message, source=key) from None
         try:
-            refs[ref] = _decode_ref(_get_small(store, key, MAX_REF_BYTES, "ref"), source=key)
+            refs[ref] = _decode_ref(get_small(store, key, MAX_REF_BYTES, "ref"), source=key)
         except NotFoundError:
             continue  # deleted since it was listed
     return refs

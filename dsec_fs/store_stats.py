@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from .chunks import INDEX_LOAD_THREADS
+from .chunks import INDEX_LOAD_THREADS, read_index_object
 from .digest import is_hex_digest
 from .errors import CorruptError, NotFoundError, UnsupportedError
 from .gc import pack_size
-from .layer import Manifest, list_refs
-from .pack import PackEntry, decode_index
+from .layer import Manifest, list_refs, manifest_at
+from .pack import PackEntry
 from .store import keys
 from .store.base import Store
 
@@ -90,7 +90,7 @@ _GONE = object()
 
 def _manifest(store: Store, key: str) -> Manifest | None | object:
     try:
-        return Manifest.from_json(store.get(key), source=key)
+        return manifest_at(store, key)
     except NotFoundError:
         return _GONE
     except (CorruptError, UnsupportedError):
@@ -99,7 +99,7 @@ def _manifest(store: Store, key: str) -> Manifest | None | object:
 
 def _index(store: Store, key: str) -> list[PackEntry] | None | object:
     try:
-        return decode_index(store.get(key), source=key)
+        return read_index_object(store, key)
     except NotFoundError:
         return _GONE
     except CorruptError:

@@ -73,7 +73,7 @@ from dsec_fs.digest import DIGEST_SIZE, from_hex, sha256, to_hex
 from dsec_fs.errors import CorruptError, FormatError, NotFoundError, UnsupportedError
 from dsec_fs.layer import Manifest, open_layer
 from dsec_fs.store import keys
-from dsec_fs.store.base import Store
+from dsec_fs.store.base import Store, get_small
 
 from dsec_fs.blobmap import BlobMap, blob_map_chunk_size
 from .ondisk import INODE_SLOT_SIZE, chunk_index, dirent, inode, xattr
@@ -104,6 +104,9 @@ _HEADER = struct.Struct(
     f"{DIGEST_SIZE}s"  # 32 frame_sha256: sha256 of the zstd frame that follows (checked before decompressing)
     f"{DIGEST_SIZE}s"  # 64 layer: the layer this describes (raw sha256 of its meta.erofs)
 )
+# Bytes of a stored build info read at most: its header and the longest frame of a MAX_BODY body. Anyone
+# who writes the store can grow the object; past this it is unusable (a FormatError naming the key).
+MAX_STORED = _HEADER.size + compress.frame_bound(MAX_BODY)
 
 _RECORD = struct.Struct(
     "<"
@@ -290,7 +293,7 @@ def _read_buildinfo(store: Store, layer: str) -> BuildInfo | None:
     """The build info of published ``layer``; None, with a warning, if it is missing or unusable."""
     key = keys.layer_buildinfo(layer)
     try:
-        return decode_buildinfo(store.get(key), layer=layer, source=key)
+        return decode_buildinfo(get_small(store, key, MAX_STORED, "build info"), layer=layer, source=key)
     except NotFoundError:
         log.warning("parent layer %s has no build info (not built from a directory?): every file is read", layer)
     except CorruptError as exc:

@@ -25,10 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from dsec_fs.blobmap import BlobMap
-from dsec_fs.chunks import INDEX_LOAD_THREADS
+from dsec_fs.chunks import INDEX_LOAD_THREADS, read_index_object
 from dsec_fs.errors import NotFoundError
-from dsec_fs.layer import LayerFiles, Manifest, layers_with_prefix, open_layer, read_blobmap
-from dsec_fs.pack import decode_index
+from dsec_fs.layer import LayerFiles, layers_with_prefix, manifest_at, open_layer, read_blobmap
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
@@ -90,7 +89,7 @@ def layer_figures(store: Store, ref_or_digest: str) -> tuple[LayerFiles, LayerFi
 def _index(store: Store, pack_id: str) -> list:
     key = keys.index(pack_id)
     try:
-        return decode_index(store.get(key), source=key)
+        return read_index_object(store, key)
     except NotFoundError:
         return []  # soft-deleted by gc: its chunks count as missing
 
@@ -100,7 +99,7 @@ def _chunks_of(store: Store, digest: str) -> set[bytes]:
     removed since the listing has none)."""
     manifest_key = keys.layer_manifest(digest)
     try:
-        manifest = Manifest.from_json(store.get(manifest_key), source=manifest_key)
+        manifest = manifest_at(store, manifest_key)
         data = read_blobmap(store, manifest)  # stored compressed or not, verified against the manifest
     except NotFoundError:
         return set()

@@ -111,6 +111,10 @@ from .traced_blob import LayerUsage, StoreFetchLog
 log = logging.getLogger(__name__)
 
 TRACE_DIR = "traces"
+# Connections of the TCP metrics page at once: a scraper needs one or two, and anyone who reaches the port
+# (another local user) may open them; each is a descriptor the mounts' reads need (with 512, the default of
+# the API's socket, they took them all and every read failed).
+METRICS_CONNECTIONS = 16
 
 
 class NodeDaemon(DaemonStores, DaemonMounts, DaemonTraces):
@@ -188,7 +192,7 @@ class NodeDaemon(DaemonStores, DaemonMounts, DaemonTraces):
                     await hook()
                 await nursery.start(self.api.serve, options.socket_path)
                 if options.metrics_address:  # the metrics page alone, on TCP, for Prometheus
-                    metrics_only = HttpApi()
+                    metrics_only = HttpApi(max_connections=METRICS_CONNECTIONS)
                     routes.register_metrics(metrics_only, self)
                     await nursery.start(metrics_only.serve_tcp, options.metrics_address)
                     log.info("metrics on http://%s/metrics", options.metrics_address)
@@ -204,6 +208,8 @@ class NodeDaemon(DaemonStores, DaemonMounts, DaemonTraces):
                     # Profiles of what unmounts from here on are published at the flush (the nursery is
                     # about to be cancelled: a publish started in it now would be lost).
                     self._background = None
+                    if self.profiles is not None:  # a publish under way gets a deadline, then is given up
+                        self.profiles.stop()
                     with trio.CancelScope(shield=True):
                         for hook in reversed(self.on_stop):
                             await hook()

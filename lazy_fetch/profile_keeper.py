@@ -14,20 +14,24 @@
   long run is learned from before it ends. A run's publishes share a PublishedRun: each takes the one
   before it back out of the node's object (profile.without), and one that finishes after a newer one of
   the same run writes nothing, so the run counts once, with all it read. Best effort and off
-  every request's path: a failure is logged, never raised. A publish under way when the daemon stops
-  finishes (its worker thread is waited for), and ``flush`` (when the daemon stops, after its last unmounts) publishes what is still queued,
-  within FLUSH_SECONDS.
+  every request's path: a failure is logged, never raised. When the daemon stops (``stop``), a publish
+  under way has FLUSH_SECONDS more to finish, and ``flush`` (after the last unmounts) publishes what is
+  still queued, within FLUSH_SECONDS of its own. A publish past its time (a store that never answers: a
+  hung mount, an endpoint that accepts and never replies) is given up, its profile lost (logged), and
+  its worker thread abandoned where it waits, so the daemon still exits.
 
 The node id names this node's objects: 16 random hex digits made once, kept in ``state_dir/node-id``.
 
-Threads: ``lookup`` and ``plan`` block (worker threads); ``publish_soon`` is called in the daemon's trio
-thread and runs its store calls in worker threads.
+Threads: ``lookup`` and ``plan`` block (worker threads); ``publish_soon``, ``stop`` and ``flush`` are
+called in the daemon's trio thread and run the store calls in worker threads; ``_deadline`` and
+``_under_way`` are the trio thread's.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import secrets
 import threading
@@ -118,6 +122,8 @@ class ProfileKeeper:
         self.published = 0
         self.publish_failures = 0
         self._queued: list[_Publish] = []
+        self._deadline = math.inf  # when publishes are given up (trio's clock): set at the stop
+        self._under_way: set[trio.CancelScope] = set()  # of the publishes in a worker thread
 
     def lookup(self, store: Store, digest: str, ref_name: str | None, combination: str = "") -> FoundProfile | None:
         """Two round trips: the combination's, the layer's and the ref name's objects are listed side by
@@ -168,13 +174,21 @@ class ProfileKeeper:
         if nursery is not None:
             nursery.start_soon(self._publish, job)
 
+    def stop(self) -> None:
+        """The daemon stops: publishes under way get FLUSH_SECONDS more, then are given up."""
+        self._give_up_in(FLUSH_SECONDS)
+
     async def flush(self) -> None:
         """Publish what is still queued, for at most FLUSH_SECONDS (shielded: the daemon is stopping)."""
-        with trio.CancelScope(shield=True), trio.move_on_after(FLUSH_SECONDS) as waited:
+        self._give_up_in(FLUSH_SECONDS)
+        with trio.CancelScope(shield=True):
             for job in list(self._queued):
                 await self._publish(job)
-        if waited.cancelled_caught:
-            log.warning("%d profiles left unpublished: the store took over %g s", len(self._queued), FLUSH_SECONDS)
+
+    def _give_up_in(self, seconds: float) -> None:
+        self._deadline = trio.current_time() + seconds
+        for scope in self._under_way:
+            scope.deadline = self._deadline
 
     async def _publish(self, job: _Publish) -> None:
         if job.started:
@@ -183,16 +197,25 @@ class ProfileKeeper:
         await trio.lowlevel.checkpoint_if_cancelled()
         job.started = True
         files, trace_path = job.files, job.trace_paths[-1]
-        try:
-            # Not abandoned when cancelled: a publish under way finishes even as the daemon stops.
-            learned = await trio.to_thread.run_sync(self._publish_blocking, job)
-        except (DsecError, OSError) as exc:
+        # Shielded, so that cancelling the daemon's background tasks does not cut a quick publish short;
+        # bounded by the deadline ``stop`` and ``flush`` set instead, past which the thread is abandoned.
+        with trio.CancelScope(shield=True, deadline=self._deadline) as waited:
+            self._under_way.add(waited)
+            try:
+                learned = await trio.to_thread.run_sync(self._publish_blocking, job, abandon_on_cancel=True)
+            except (DsecError, OSError) as exc:
+                self.publish_failures += 1
+                log.warning("cannot publish the profile of layer %s from %s: %s", files.digest[:12], trace_path, exc)
+                return
+            finally:
+                self._under_way.discard(waited)
+                self._queued.remove(job)
+                job.run.unfinished -= 1
+        if waited.cancelled_caught:
             self.publish_failures += 1
-            log.warning("cannot publish the profile of layer %s from %s: %s", files.digest[:12], trace_path, exc)
+            log.warning("gave up publishing the profile of layer %s from %s: the store did not answer within "
+                        "%g s of the daemon's stop; the profile is lost", files.digest[:12], trace_path, FLUSH_SECONDS)
             return
-        finally:
-            self._queued.remove(job)
-            job.run.unfinished -= 1
         if learned is not None:
             self.published += 1
             log.info("published the profile of layer %s%s (%d chunks, %d traces)", files.digest[:12],

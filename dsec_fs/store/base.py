@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from ..errors import InputError, UnsupportedError
+from ..errors import FormatError, InputError, UnsupportedError
 
 # Objects ``put_all`` writes side by side (a layer's meta.erofs, blob map and build info).
 PUT_ALL_THREADS = 3
@@ -132,6 +132,16 @@ def side_by_side(store: Store, request: Callable[[T], R], items: Iterable[T], *,
 
 def too_large(where: str, size: int | str, limit: int) -> UnsupportedError:
     return UnsupportedError(f"{size} bytes, over the limit of {limit} for this object", where=where)
+
+
+def get_small(store: Store, key: str, limit: int, structure: str) -> bytes:
+    """Object ``key`` (a ``structure``: a manifest, a ref, a pack index...), read only if it holds at most
+    ``limit`` bytes; a larger one is a FormatError naming the key (no writer of ours makes one, so a
+    store writer grew it), and no more than ``limit`` of its bytes is ever in memory."""
+    try:
+        return store.get_at_most(key, limit)
+    except UnsupportedError as exc:
+        raise FormatError(structure, None, exc.message, source=key) from None
 
 
 def check_range(key: str, offset: int, length: int | None) -> None:

@@ -25,10 +25,11 @@ from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from erofs_builder.export import export_layer, extract_layer
 from erofs_builder.incremental import RACY, RACY_NS, decode_buildinfo
+from tests.dsec_fs.oversized import BOUNDED, grow, peak_allocated
 
 CHUNK = 4096
 TREES = ("reads-one", "same-size-mtime", "replaced", "corrupt", "missing", "version-1", "chunk-size", "other-store",
-         "untouched", "kernel")
+         "untouched", "kernel", "grown")
 
 _opened: list[str] | None = None  # paths os.open was called with while counting
 
@@ -270,3 +271,18 @@ def test_build_info_rejects_every_damaged_byte(aged, store):
             decode_buildinfo(data[:cut], layer=parent.digest, source="buildinfo")
     with pytest.raises(FormatError, match="describes layer"):
         decode_buildinfo(data, layer="0" * 64, source="buildinfo")
+
+
+def test_a_parent_whose_build_info_a_writer_grew_is_not_read_whole(aged, store, tmp_path, caplog):
+    """Build info grown past any a build writes (2 GiB, sparse): the rebuild reads at most its bound
+    (incremental.MAX_STORED), warns naming the key and reads every file; before, it read all of it."""
+    root = aged["grown"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    key = keys.layer_buildinfo(parent.digest)
+    grow(store, key, 2 << 30)
+    edit(f"{root}/lib/file1", 0, b"X")
+    with caplog.at_level(logging.WARNING, logger="erofs_builder.incremental"), peak_allocated() as peak:
+        child = build_layer(root, store, chunk_size=CHUNK, parent=parent.digest)
+    assert peak[0] < BOUNDED, f"{peak[0]} bytes allocated"
+    assert child.stats.reused_files == 0 and "every file is read" in caplog.text and key in caplog.text
+    assert_layer_is(store, child.digest, root, tmp_path)

@@ -12,9 +12,11 @@ from click.testing import CliRunner
 from treecmp import write_files
 
 from cli.main import main
-from dsec_fs.store import FilesystemStore
+from dsec_fs.errors import FormatError
+from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from erofs_builder.layer_figures import layer_figures
+from tests.dsec_fs.oversized import BOUNDED, grow, peak_allocated
 
 CHUNK = 64 * 1024
 
@@ -57,3 +59,21 @@ def test_inspect_reports_the_layer_and_a_rebuild_does_not_change_it(tmp_path, tr
     assert data["figures"] == now.to_dict() and data["build_stats"]["stored_bytes"] == 0
     text = CliRunner().invoke(main, ["inspect", "a:1", "--store", store.root]).stdout
     assert "files       3 (" in text and "shared      3 chunks" in text and "1 other layers" in text
+
+
+@pytest.mark.parametrize("grown", ["index of its pack", "manifest of another layer"])
+def test_inspect_refuses_a_grown_store_object_without_reading_it(tmp_path, trees, grown):
+    """A store writer grew an object ``inspect`` reads to 2 GiB (sparse): it reads at most the bound of
+    that kind of object, and fails naming the key (before, it read all of it into memory)."""
+    a, b = trees
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    layer = build_layer(a, store, name="a:1", chunk_size=CHUNK)
+    other = build_layer(b, store, name="b:1", chunk_size=CHUNK)
+    key = keys.index(layer.manifest.packs[0]) if grown.startswith("index") else keys.layer_manifest(other.digest)
+    grow(store, key)
+    with peak_allocated() as peak, pytest.raises(FormatError) as refused:
+        layer_figures(store, "a:1")
+    assert peak[0] < BOUNDED, f"{peak[0]} bytes allocated"
+    assert key in str(refused.value)
+    shown = CliRunner().invoke(main, ["inspect", "a:1", "--store", store.root])
+    assert shown.exit_code == FormatError.exit_code and key in shown.output

@@ -23,6 +23,7 @@ import pytest
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
 from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_store, mount_dirs
+from tests.s3server import free_port
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -183,3 +184,53 @@ def test_a_state_dir_on_tmpfs_refuses_kernel_mode_clearly_and_fuse_mode_works(st
     finally:
         daemons.stop_all()
         umount(str(memory), lazy=True)
+
+
+_HOLD_CONNECTIONS = r"""
+import socket, sys
+port, count = int(sys.argv[1]), int(sys.argv[2])
+held = []
+for _ in range(count):
+    sock = socket.socket()
+    sock.setblocking(False)
+    sock.connect_ex(("127.0.0.1", port))
+    held.append(sock)
+for sock in held:  # each a request begun and never finished
+    try:
+        sock.send(b"GET /metrics HTTP/1.1\r\nhost: x\r\n")
+    except OSError:
+        pass
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_another_user_flooding_the_metrics_port_leaves_the_daemon_its_descriptors(store_dir, daemons, tmp_path):
+    """uid 65534 opens 600 connections to the TCP metrics page and begins a request on each. The page took
+    up to 512 connections, as the API's socket does: with nofile 256 every descriptor went to them, every
+    read of a mounted layer failed (EIO) and so did ``status``. It keeps at most METRICS_CONNECTIONS."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 8192), max(hard, 8192)))
+    port = free_port()
+    daemons.start(store_dir, command=["prlimit", "--nofile=256:256", DSECFS],
+                  extra_args=["--metrics-address", f"127.0.0.1:{port}"])
+    node = Node(daemons.socket, timeout=20)
+    mnt, = mount_dirs(tmp_path, "mnt")
+    flood = None
+    try:
+        node.mount("t/hostile:1", mnt, mode="fuse")
+        flood = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                                  "-I", "-S", "-c", _HOLD_CONNECTIONS, str(port), "600"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert flood.stdout.readline() == "holding\n"
+        time.sleep(1)  # the daemon accepts what it will meanwhile
+        node.cache_evict(0)
+        for name, data in FILES.items():
+            assert _read(os.path.join(mnt, name)) == data
+        assert node.status().pid > 0
+        node.umount(mnt)
+    finally:
+        if flood is not None:
+            flood.stdin.close()
+            flood.wait(10)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
