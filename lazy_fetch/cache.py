@@ -457,7 +457,7 @@ class ChunkCache:
             if not known.chunks:
                 del self._segments[segment]
                 self._dead_bytes -= known.dead
-                _unlink_if_present(self._segment_path(segment))
+                _unlink_segment(self._segment_path(segment))
             elif not self._punch(segment, entries):
                 freed = sum(entry.size for entry in entries)
                 known.dead += freed
@@ -555,6 +555,15 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             first += 1
         if written:
             views[first] = views[first][written:]
+
+
+def _unlink_segment(path: str) -> None:
+    """Unlink a segment none of whose chunks is indexed; a stray in its place that unlink cannot remove
+    (a directory) is logged and left to the next open."""
+    try:
+        _unlink_if_present(path)
+    except OSError as exc:
+        log.warning("chunk cache: cannot remove the segment %s: %s", path, exc.strerror)
 
 
 def _unlink_if_present(path: str) -> None:

@@ -1,9 +1,11 @@
+import errno
 import os
 import random
 import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -546,3 +548,165 @@ def test_another_user_reads_nothing_under_the_cache(tmp_path):
         assert readable_by_nobody(paths) == [p for p in paths if os.path.isdir(p)]
     finally:
         shutil.rmtree(parent)
+
+
+# -- segments: a batch in one file, holes on eviction, damage under the cache, the older layout
+
+
+def allocated(path: str) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_a_batch_lands_in_one_segment(tmp_path):
+    chunks = [chunk(n, 4096 + 100 * n) for n in range(50)]
+    with ChunkCache(str(tmp_path), 1 << 24) as cache:
+        assert cache.put_many([(sha256(data), data) for data in chunks + chunks[:3]]) == 53  # repeats kept once
+        (name, path), = segment_files(tmp_path).items()
+        offset = 0
+        for data in chunks:  # end to end, in the batch's order
+            assert located(cache, sha256(data)) == (path, offset, len(data))
+            offset += len(data)
+        assert os.path.getsize(path) == offset == cache.stats().bytes
+        assert cache.put_many([(sha256(data), data) for data in chunks[:10]]) == 10  # all cached: no segment
+        assert list(segment_files(tmp_path)) == [name]
+        assert all(cache.get(sha256(data)) == data for data in chunks)
+
+
+def test_eviction_punches_holes_and_unlinks_an_emptied_segment(tmp_path):
+    older = [chunk(n, 64 * 1024) for n in range(16)]
+    newer = [chunk(n, 64 * 1024) for n in range(100, 116)]
+    with ChunkCache(str(tmp_path), 1 << 24) as cache:
+        cache.put_many([(sha256(data), data) for data in older])
+        cache.put_many([(sha256(data), data) for data in newer])
+        older_path, newer_path = located(cache, sha256(older[0]))[0], located(cache, sha256(newer[0]))[0]
+        full = allocated(older_path)
+        assert full >= 16 * 64 * 1024
+        assert cache.evict_to(24 * 64 * 1024) == 8  # the least recent: half of the older batch (one atime)
+        assert allocated(older_path) <= full - 8 * 64 * 1024  # their blocks are free
+        assert os.path.getsize(older_path) == 16 * 64 * 1024  # the others keep their offsets
+        kept = [data for data in older if cache.holds([sha256(data)])]  # (holds: no LRU move)
+        assert len(kept) == 8
+        assert cache.evict_to(16 * 64 * 1024) == 8
+        assert not os.path.exists(older_path) and os.path.exists(newer_path)  # none of it left: unlinked
+        assert all(cache.get(sha256(data)) == data for data in newer)
+        assert not cache.holds(sha256(data) for data in older)
+        assert cache.stats().rotten == 0
+    assert_consistent(tmp_path, 1 << 24)
+
+
+def test_without_holes_evicted_bytes_count_against_the_bound_until_their_segment_goes(tmp_path, monkeypatch):
+    def refuse(fd, offset, length):  # a filesystem without FALLOC_FL_PUNCH_HOLE (vfat, some FUSE ones)
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(cache_module, "punch_hole", refuse)
+    size, max_bytes = 16 * 1024, 32 * 16 * 1024
+    with ChunkCache(str(tmp_path), max_bytes) as cache:
+        for batch in range(8):  # a batch of 8 chunks a segment; each second chunk used again
+            chunks = [chunk(batch * 100 + n, size) for n in range(8)]
+            cache.put_many([(sha256(data), data) for data in chunks])
+            for data in chunks[::2]:
+                assert cache.get(sha256(data)) == data
+            on_disk = sum(os.path.getsize(path) for path in segment_files(tmp_path).values())
+            assert on_disk <= max_bytes  # the segments, evicted bytes in them included, within the bound
+            assert cache.stats().bytes <= max_bytes
+        assert cache.stats().evictions > 0 and cache.stats().rotten == 0
+    assert_consistent(tmp_path, max_bytes)
+
+
+def test_a_segment_truncated_or_rotted_under_the_cache_gives_misses_not_wrong_bytes(tmp_path):
+    chunks = [chunk(n) for n in range(10)]
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        cache.put_many([(sha256(data), data) for data in chunks])
+        path, offset, _size = located(cache, sha256(chunks[7]))
+        os.truncate(path, offset + 100)  # chunks 7, 8 and 9 cut off
+        overwrite(path, located(cache, sha256(chunks[2]))[1] + 50, b"rot")
+        assert [cache.get(sha256(data)) for data in chunks] == chunks[:2] + [None] + chunks[3:7] + [None] * 3
+        stats = cache.stats()
+        assert (stats.rotten, stats.entries) == (4, 6)
+        cache.put_many([(sha256(data), data) for data in chunks[7:9]])  # fetched again, into a new segment
+    os.truncate(path, offset - 1)  # now chunk 6 too, the cache closed: found at open
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert (cache.stats().reconciled, cache.stats().entries) == (1, 7)
+        assert [cache.get(sha256(data)) for data in chunks] == chunks[:2] + [None] + chunks[3:6] + [None] + \
+            chunks[7:9] + [None]
+        assert cache.stats().rotten == 0
+
+
+def test_a_crash_between_a_segment_and_its_index_commit_leaves_nothing_indexed(tmp_path):
+    # The writer is killed inside its first put_many, once the segment is renamed into place and before
+    # the index records it.
+    writer = r"""
+import os, random, signal, sys
+from dsec_fs.digest import sha256
+from lazy_fetch import lmdb_index
+from lazy_fetch.cache import ChunkCache
+
+def die(self, entries):
+    os.kill(os.getpid(), signal.SIGKILL)
+lmdb_index.CacheIndex.put_many = die
+cache = ChunkCache(sys.argv[1], 1 << 20)
+cache.put_many([(sha256(data), data) for data in (random.Random(n).randbytes(4096) for n in range(20))])
+"""
+    process = subprocess.run([sys.executable, "-c", writer, str(tmp_path)], cwd=PROJECT, timeout=60,
+                             env={**os.environ, "PYTHONPATH": PROJECT})
+    assert process.returncode == -signal.SIGKILL
+    (name, path), = segment_files(tmp_path).items()
+    assert not name.startswith(TMP_PREFIX) and os.path.getsize(path) == 20 * 4096  # written, in place
+    assert read_index(str(tmp_path)) == {}
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert (cache.stats().entries, cache.stats().reconciled) == (0, 1)
+        assert segment_files(tmp_path) == {}
+        assert all(cache.lacks(sha256(chunk(n))) for n in range(20))
+
+
+@pytest.mark.parametrize("hostile", ["symlink", "fifo", "symlink-to-fifo", "directory"])
+def test_a_hostile_entry_in_place_of_a_segment_is_not_followed_and_does_not_block(tmp_path, hostile):
+    directory, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    chunks = [chunk(n) for n in range(4)]
+    results = []
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        cache.put_many([(sha256(data), data) for data in chunks])
+        path = located(cache, sha256(chunks[0]))[0]
+        (outside / "copy").write_bytes(open(path, "rb").read())  # the segment's very bytes
+        os.unlink(path)
+        if hostile == "symlink":
+            os.symlink(outside / "copy", path)
+        elif hostile == "directory":
+            os.makedirs(os.path.join(path, "inside"))
+        else:
+            os.mkfifo(outside / "fifo")
+            os.symlink(outside / "fifo", path) if hostile == "symlink-to-fifo" else os.mkfifo(path)
+        reader = threading.Thread(target=lambda: results.extend(cache.get(sha256(data)) for data in chunks[:2]))
+        reader.start()
+        reader.join(timeout=20)
+        assert not reader.is_alive(), "a read blocked on what is in the segment's place"
+        assert results == [None, None] and cache.stats().rotten == 2
+        cache.evict_to(0)  # no hole is punched through it
+        assert (outside / "copy").read_bytes() == b"".join(chunks)
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        assert cache.stats().entries == 0 and segment_files(directory) == {}
+    assert sorted(os.listdir(outside)) == ["copy", "fifo"][:1 + ("fifo" in hostile)]
+
+
+def test_a_cache_of_the_older_layout_starts_again_empty(tmp_path, caplog):
+    # Layout 1, as main wrote it before segments: an index of (size, atime, xxh3) entries and no layout
+    # mark, a file per chunk under chunks/<hh>/.
+    data = chunk(1)
+    digest = sha256(data)
+    os.makedirs(tmp_path / "index", mode=0o700)
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=3, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(digest, struct.pack("<QQQ", len(data), 1, 2), db=env.open_db(b"entries", txn=txn))
+        txn.put(struct.pack(">Q", 1) + digest, b"", db=env.open_db(b"lru", txn=txn))
+        txn.put(b"bytes", struct.pack("<Q", len(data)), db=env.open_db(b"totals", txn=txn))
+    env.close()
+    os.makedirs(tmp_path / "chunks" / to_hex(digest)[:2])
+    (tmp_path / "chunks" / to_hex(digest)[:2] / to_hex(digest)).write_bytes(data)
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert (cache.stats().entries, cache.stats().bytes) == (0, 0)
+        assert cache.get(digest) is None and cache.lacks(digest)
+        assert not os.path.exists(tmp_path / "chunks")
+        assert cache.put(digest, data) and cache.get(digest) == data
+    assert "layout 1" in caplog.text
+    assert_consistent(tmp_path, 1 << 20)
