@@ -113,6 +113,8 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _PUNCH_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
+# A stray whose name is a segment number this high does not move the count (the index holds 64 bits).
+_SEGMENT_NUMBER_LIMIT = 1 << 62
 # Hits remembered before their LRU moves are written to the index in one transaction.
 TOUCH_BATCH = 64
 # Presence counters (``lacks``): slots per byte of the cache's bound (a power of two at least this many),
@@ -230,19 +232,23 @@ class ChunkCache:
         indexed = {entry.segment for entry in entries.values()}
         sizes: dict[int, int] = {}
         removed = 0
+        kept: set[int] = set()  # numbers no new segment may take: segments and strays left in place
         for item in scan(self._segments_dir):
             segment = _segment_number(item.name)
-            if segment is not None:
-                self._next_segment = max(self._next_segment, segment + 1)  # even one that stays a stray
             if segment in indexed and item.is_file(follow_symlinks=False):
                 st = item.stat(follow_symlinks=False)
                 if st.st_mode & 0o077:
                     narrow_path(item.path, FILE_MODE)
                 sizes[segment] = st.st_size
+                kept.add(segment)
                 continue
             # A temporary segment, one whose put never reached the index, one whose chunks were all
             # evicted from the index but that was not yet unlinked, or something that is not a segment.
-            removed += remove_stray(item.path)
+            if remove_stray(item.path):
+                removed += 1
+            elif segment is not None and segment < _SEGMENT_NUMBER_LIMIT:
+                kept.add(segment)
+        self._next_segment = max(kept, default=0) + 1
         unsound = []
         for digest, entry in entries.items():
             size = sizes.get(entry.segment)
