@@ -10,6 +10,8 @@ Layout of the cache directory (layout 2, lmdb_index.LAYOUT_VERSION)::
                                never appended to once in place; the number is the segment's, counted up
     segments/.tmp-<random>     a segment being written
 
+The segment files' own I/O is cache_segments.py's; the strays and modes at open, cache_strays.py's.
+
 A batch (what ``put_many`` is given: the fetcher's cache writer hands over the chunks of the store reads
 since its last batch, up to fetcher.WRITE_BATCH_BYTES) is written to one new file, renamed into place and
 recorded in one index commit: one file creation per batch, not per chunk, like a restic or borg pack.
@@ -82,39 +84,26 @@ atomic); ``note_misses`` is called by one thread (the fetcher's). ``read_index``
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import secrets
-import stat
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import xxhash
-
 from dsec_fs.digest import short, to_hex
 from dsec_fs.errors import CorruptError, InputError, UnavailableError, UnsupportedError
-from dsec_fs.files import LOCK_NAME, lock_directory, private_dir, punch_hole
+from dsec_fs.files import LOCK_NAME, lock_directory, private_dir
 
+from .cache_segments import (DIR_MODE, FILE_MODE, SEGMENT_NUMBER_LIMIT, checksum, punch_holes, read_chunk, segment_name,
+                             segment_number, unlink_if_present, unlink_segment, write_temporary)
 from .cache_strays import INDEX_FILES, make_room, narrow, narrow_path, remove_stray, scan
 from .lmdb_index import DEFAULT_MAP_SIZE, CacheIndex, IndexEntry
 
 log = logging.getLogger(__name__)
 
-TMP_PREFIX = ".tmp-"
 SEGMENTS = "segments"
 OLD_CHUNKS = "chunks"  # layout 1's directory of chunk files
-DIR_MODE = 0o700
-FILE_MODE = 0o600
-# Segments are opened so: a symlink is not followed (ELOOP) and a FIFO does not block.
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_PUNCH_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_IOV_MAX = os.sysconf("SC_IOV_MAX")
-# A stray whose name is a segment number this high does not move the count (the index holds 64 bits).
-_SEGMENT_NUMBER_LIMIT = 1 << 62
 # Hits remembered before their LRU moves are written to the index in one transaction.
 TOUCH_BATCH = 64
 # Presence counters (``lacks``): slots per byte of the cache's bound (a power of two at least this many),
@@ -143,21 +132,6 @@ class _Segment:
     size: int  # its bytes, as written
     chunks: int  # indexed chunks in it
     dead: int = 0  # bytes of chunks no longer indexed that are still on disk (no hole punched)
-
-
-def checksum(data: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def segment_name(segment: int) -> str:
-    return f"{segment:016x}"
-
-
-def _segment_number(name: str) -> int | None:
-    """The number of a segment's name (16 lowercase hex digits); None for any other name."""
-    if len(name) != 16 or name.strip("0123456789abcdef"):
-        return None
-    return int(name, 16)
 
 
 class ChunkCache:
@@ -234,7 +208,7 @@ class ChunkCache:
         removed = 0
         kept: set[int] = set()  # numbers no new segment may take: segments and strays left in place
         for item in scan(self._segments_dir):
-            segment = _segment_number(item.name)
+            segment = segment_number(item.name)
             if segment in indexed and item.is_file(follow_symlinks=False):
                 st = item.stat(follow_symlinks=False)
                 if st.st_mode & 0o077:
@@ -246,7 +220,7 @@ class ChunkCache:
             # evicted from the index but that was not yet unlinked, or something that is not a segment.
             if remove_stray(item.path):
                 removed += 1
-            elif segment is not None and segment < _SEGMENT_NUMBER_LIMIT:
+            elif segment is not None and segment < SEGMENT_NUMBER_LIMIT:
                 kept.add(segment)
         self._next_segment = max(kept, default=0) + 1
         unsound = []
@@ -279,7 +253,7 @@ class ChunkCache:
     def get(self, digest: bytes) -> bytes | None:
         """The chunk's bytes, checked against the index; None when it is not cached (or was rotten)."""
         entry = self._index.get(digest)
-        data = None if entry is None else self._read_valid(entry)[0]
+        data = None if entry is None else read_chunk(self._segment_path(entry.segment), entry.offset, entry.size, entry.checksum)[0]
         if entry is not None and data is None:
             data = self._recheck(digest)
         with self._counters_lock:
@@ -362,7 +336,7 @@ class ChunkCache:
     def _add_segment(self, new: dict[bytes, tuple[memoryview, int]]) -> None:
         """Write ``new``'s bytes to a temporary segment, then under ``_lock`` rename it into place as the
         next segment and record its chunks (the crash rule: bytes in place before their entries)."""
-        tmp = self._write_temporary([view for view, _checksum in new.values()])
+        tmp = write_temporary(self._segments_dir, [view for view, _checksum in new.values()])
         recorded = False
         try:
             with self._lock:
@@ -384,29 +358,7 @@ class ChunkCache:
                     self._evict_locked(self.max_bytes)
         finally:
             if not recorded:
-                _unlink_if_present(tmp)
-
-    def _read_valid(self, entry: IndexEntry) -> tuple[bytes | None, str]:
-        """(bytes, "") when the segment holds the bytes the index entry says, else (None, why not)."""
-        try:
-            fd = os.open(self._segment_path(entry.segment), _READ_FLAGS)
-        except FileNotFoundError:
-            return None, "segment missing"
-        except OSError as exc:  # ELOOP: a symlink in its place; EACCES, ...
-            return None, f"cannot open its segment: {exc.strerror}"
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None, "its segment is not a regular file"
-            data = os.pread(fd, entry.size, entry.offset)
-        except OSError as exc:
-            return None, f"cannot read its segment: {exc.strerror}"
-        finally:
-            os.close(fd)
-        if len(data) != entry.size:
-            return None, f"its segment holds {len(data)} of its {entry.size} bytes"
-        if checksum(data) != entry.checksum:
-            return None, "xxh3 mismatch"
-        return data, ""
+                unlink_if_present(tmp)
 
     def _recheck(self, digest: bytes) -> bytes | None:
         """A read failed: under ``_lock`` look again, and drop the entry only if it is still bad.
@@ -418,7 +370,7 @@ class ChunkCache:
             entry = self._index.get(digest)
             if entry is None:
                 return None
-            data, problem = self._read_valid(entry)
+            data, problem = read_chunk(self._segment_path(entry.segment), entry.offset, entry.size, entry.checksum)
             if data is not None:
                 return data
             log.warning("chunk cache: dropping rotten chunk %s (%s)", to_hex(digest), problem)
@@ -463,38 +415,19 @@ class ChunkCache:
             if not known.chunks:
                 del self._segments[segment]
                 self._dead_bytes -= known.dead
-                _unlink_segment(self._segment_path(segment))
-            elif not self._punch(segment, entries):
+                unlink_segment(self._segment_path(segment))
+            elif not self._punch(segment, [(entry.offset, entry.size) for entry in entries]):
                 freed = sum(entry.size for entry in entries)
                 known.dead += freed
                 self._dead_bytes += freed
 
-    def _punch(self, segment: int, entries: list[IndexEntry]) -> bool:
-        """Punch the holes of ``entries`` in ``segment``; False when the filesystem cannot (from then on
-        not tried again), True when done or when the segment is gone or not a file (nothing to free)."""
-        if not self._can_punch:
-            return False
-        try:
-            fd = os.open(self._segment_path(segment), _PUNCH_FLAGS)
-        except OSError:  # gone, or a stray in its place: its entries go as they are read
-            return True
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                for entry in entries:
-                    if entry.size:
-                        punch_hole(fd, entry.offset, entry.size)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
-                log.warning("chunk cache: cannot free evicted bytes of segment %s: %s", segment_name(segment),
-                            exc.strerror)
-                return True
+    def _punch(self, segment: int, ranges: list[tuple[int, int]]) -> bool:
+        """Punch holes in ``segment``; False when the filesystem cannot (not tried again after the first)."""
+        if self._can_punch and not punch_holes(self._segment_path(segment), ranges):
             log.info("chunk cache %s: the filesystem cannot punch holes; evicted bytes stay until their "
                      "segment goes, and count against the bound", self.directory)
             self._can_punch = False
-            return False
-        finally:
-            os.close(fd)
-        return True
+        return self._can_punch
 
     def _presence_slot(self, digest: bytes) -> int:
         """A digest's presence counter: from its first bytes (digests are sha256: uniform)."""
@@ -515,26 +448,6 @@ class ChunkCache:
         if touches:
             self._index.touch(touches)
 
-    def _write_temporary(self, views: list[memoryview]) -> str:
-        """Write ``views`` end to end to a new temporary segment; returns its path. segments/ is made again
-        if someone removed it (the open makes it)."""
-        tmp = os.path.join(self._segments_dir, f"{TMP_PREFIX}{secrets.token_hex(8)}")
-        try:
-            try:
-                fd = os.open(tmp, _CREATE_FLAGS, FILE_MODE)
-            except FileNotFoundError:
-                os.makedirs(self._segments_dir, mode=DIR_MODE, exist_ok=True)
-                fd = os.open(tmp, _CREATE_FLAGS, FILE_MODE)
-            try:
-                _write_all(fd, [view for view in views if view.nbytes])
-            finally:
-                os.close(fd)
-        except BaseException:
-            _unlink_if_present(tmp)
-            raise
-        return tmp
-
-
 def read_index(directory: str) -> dict[bytes, IndexEntry]:
     """The index of the cache in ``directory`` while no ChunkCache has it open (UnavailableError then):
     digest -> its entry, nothing checked or changed (for benches and tests that look at what a daemon
@@ -549,31 +462,3 @@ def read_index(directory: str) -> dict[bytes, IndexEntry]:
             index.close()
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    """Write every byte of ``views`` (none empty), in order, with as few writev calls as the kernel allows."""
-    first = 0
-    while first < len(views):
-        written = os.writev(fd, views[first:first + _IOV_MAX])
-        while written and written >= views[first].nbytes:
-            written -= views[first].nbytes
-            first += 1
-        if written:
-            views[first] = views[first][written:]
-
-
-def _unlink_segment(path: str) -> None:
-    """Unlink a segment none of whose chunks is indexed; a stray in its place that unlink cannot remove
-    (a directory) is logged and left to the next open."""
-    try:
-        _unlink_if_present(path)
-    except OSError as exc:
-        log.warning("chunk cache: cannot remove the segment %s: %s", path, exc.strerror)
-
-
-def _unlink_if_present(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -17,8 +17,9 @@ import pytest
 
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, UnavailableError
-from lazy_fetch import cache as cache_module
-from lazy_fetch.cache import TMP_PREFIX, ChunkCache, read_index, segment_name
+from lazy_fetch import cache_segments
+from lazy_fetch.cache import ChunkCache, read_index
+from lazy_fetch.cache_segments import TMP_PREFIX, segment_name
 from lazy_fetch.lmdb_index import CacheIndex, IndexEntry
 from tests.other_user import all_paths, readable_by_nobody
 
@@ -298,7 +299,7 @@ def test_threads_share_one_cache(tmp_path):
 WRITER = r"""
 import os, random, signal, sys
 from dsec_fs.digest import sha256
-from lazy_fetch import cache as cache_module
+from lazy_fetch import cache_segments
 from lazy_fetch.cache import ChunkCache
 
 directory, max_bytes, crash, api = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -325,7 +326,7 @@ def punch_hole(fd, offset, length):
         die()  # the index forgot an evicted chunk, its bytes are still in a segment in use
     real_punch_hole(fd, offset, length)
 os.rename, os.unlink = rename, unlink
-real_punch_hole, cache_module.punch_hole = cache_module.punch_hole, punch_hole
+real_punch_hole, cache_segments.punch_hole = cache_segments.punch_hole, punch_hole
 
 cache = ChunkCache(directory, max_bytes)
 rng = random.Random(7)
@@ -599,7 +600,7 @@ def test_without_holes_evicted_bytes_count_against_the_bound_until_their_segment
     def refuse(fd, offset, length):  # a filesystem without FALLOC_FL_PUNCH_HOLE (vfat, some FUSE ones)
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
 
-    monkeypatch.setattr(cache_module, "punch_hole", refuse)
+    monkeypatch.setattr(cache_segments, "punch_hole", refuse)
     size, max_bytes = 16 * 1024, 32 * 16 * 1024
     with ChunkCache(str(tmp_path), max_bytes) as cache:
         for batch in range(8):  # a batch of 8 chunks a segment; each second chunk used again
