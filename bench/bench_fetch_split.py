@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench_sandbox_coldstart import ENV, WORKLOADS, Node_, parse_variant, setup  # noqa: E402
 from benchlib import drop_caches, log  # noqa: E402
 from dsec_fs.store import FilesystemStore  # noqa: E402
+from lazy_fetch.cache import read_index  # noqa: E402
 from lazy_fetch.layer_index import LayerIndex  # noqa: E402
 from lazy_fetch.trace import FLAG_ERROR, FLAG_PREFETCH, read_trace  # noqa: E402
 
@@ -64,8 +65,7 @@ def start(info: dict, workload: str, store_name: str, daemon_args: tuple[str, ..
 
 
 def split(store_dir: str, work: str, cache_dir: str) -> dict:
-    cached = {bytes.fromhex(name) for _dir, _subdirs, names in os.walk(os.path.join(cache_dir, "chunks"))
-              for name in names if not name.startswith(".")}
+    cached = set(read_index(cache_dir))
     totals = {"read_chunks": 0, "unread": 0, "asked": 0, "unread_in_read_files": 0}
     unread_files: dict[str, int] = {}
     per_file: dict[str, dict] = {}  # path -> size, fetched, read chunk bytes, asked bytes, chunk size

@@ -1,4 +1,4 @@
-"""Small file helpers every package shares: atomic writes, directory locks, private directories.
+"""Small file helpers every package shares: atomic writes, directory locks, private directories, holes.
 
 ``write_atomic`` writes a file whole under a temporary name beside it and renames it into place, so a
 reader (or a daemon started after a crash) sees the old file or the new one, never a torn one; the
@@ -13,11 +13,15 @@ image keeps 0600 included) 0700, and narrows one it finds wider (made by an olde
 as a parent by ``os.makedirs``, whose mode applies to the last directory only), so that no file's mode
 inside matters to another local user.
 
+``punch_hole`` frees the disk blocks of a range of a file (fallocate FALLOC_FL_PUNCH_HOLE, keeping the
+file's size: reads of the range give zeros), through the C library (os has no fallocate with a mode).
+
 Threads: plain functions with no state; any thread.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import os
@@ -30,6 +34,19 @@ from .errors import ConflictError, InputError
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "lock"
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)  # the C library the interpreter runs on
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free the blocks of ``length`` bytes at ``offset`` of the file open for writing at ``fd``; its size
+    stays. OSError as fallocate(2) fails: EOPNOTSUPP where the filesystem cannot punch holes."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | Callable[[int], None], *, mode: int = 0o600,

@@ -1,41 +1,61 @@
-"""The node's local chunk cache: verified chunk bytes in files keyed by digest, an LMDB index beside them,
-bounded in size with least-recently-used eviction.
+"""The node's local chunk cache: verified chunk bytes appended to segment files, an LMDB index beside them
+saying where each chunk is, bounded in size with least-recently-used eviction.
 
-Layout of the cache directory::
+Layout of the cache directory (layout 2, lmdb_index.LAYOUT_VERSION)::
 
     lock                       flock()ed while a ChunkCache is open: one owner per directory
-    index/                     the LMDB index (lmdb_index.py): size, atime, xxh3_64 per chunk, total bytes
-    chunks/<hh>/<digest hex>   a chunk's plain bytes; <hh> is the first two hex characters
-    chunks/<hh>/.tmp-<random>  a chunk being written
+    index/                     the LMDB index (lmdb_index.py): per chunk its segment, offset, size, atime
+                               and xxh3_64, and the total bytes
+    segments/<16 hex digits>   a segment: the plain bytes of the chunks of one put_many, end to end,
+                               never appended to once in place; the number is the segment's, counted up
+    segments/.tmp-<random>     a segment being written
 
-The rule that keeps it consistent after SIGKILL at any point: an index entry is only ever added for a file
-already renamed into place, and removed before its file is unlinked. A crash can therefore leave only
-files nobody indexes (temporary or complete), and the next open deletes them in one scan, together with
-index entries whose file has gone (someone deleted it) or is not the size the index says. Chunk files are
-not fsynced: every read checks the size and xxh3_64 the index recorded, so bytes a power cut lost (or a
-disk rotted) are found on read; such a rotten entry is dropped and reported as a miss, and the fetcher
-fetches the chunk again. The index commits atomically, and a system crash may undo its last commit
-(lmdb_index.py), which leaves at most files nobody indexes, or entries whose file went: both are what the
-open's scan clears. A commit still costs a disk flush: ``put_many`` records a whole batch (the chunks of
-the store reads handed over since the last one) in one commit, after renaming all its files into place.
+The segment files' own I/O is cache_segments.py's; the strays and modes at open, cache_strays.py's.
 
-Nothing left in the directory stops an open (``_reconcile``, ``_make_room``): under chunks/ whatever is
-not a regular file of an indexed chunk, with its name, in its fan-out directory and of its indexed size,
-is removed, be it a directory, a symlink (never followed), a FIFO, a socket or a file of the wrong name;
-so is a stray where ``chunks``, ``index``, ``lock`` or an LMDB file belongs (a damaged index starts
-again empty). A stray that cannot be removed (a mount point, a directory it may not write) is logged and
-left alone, and under chunks/ that costs only its chunks. Other names at the top are not the cache's
-and are left alone.
+A batch (what ``put_many`` is given: the fetcher's cache writer hands over the chunks of the store reads
+since its last batch, up to fetcher.WRITE_BATCH_BYTES) is written to one new file, renamed into place and
+recorded in one index commit: one file creation per batch, not per chunk, like a restic or borg pack.
+Eviction drops a chunk's entry and then punches a hole in its segment (fallocate PUNCH_HOLE|KEEP_SIZE:
+the blocks are freed, the offsets of the others stay); the segment is unlinked once none of its chunks is
+indexed. Where the filesystem refuses to punch holes (EOPNOTSUPP), the bytes of evicted chunks stay on
+disk until their segment goes, and until then count against ``max_bytes`` like live ones (more is
+evicted), so the disk still holds at most ``max_bytes`` of segments; the count restarts at each open.
 
-Private: the directory is made 0700 (narrowed if found wider), chunk and lock files 0600 and the index
-files 0600 (lmdb_index.FILE_MODE); a chunk file or fan-out directory found wider, say from an older
-version, is narrowed at open. Chunk files are only ever opened O_NOFOLLOW | O_NONBLOCK and read if
-regular, so nothing put in their place can send a read elsewhere or make it block.
+Layout 1 (before segments) kept a file per chunk under chunks/<hh>/ and an index without a layout mark:
+such an index is refused (lmdb_index: UnsupportedError), never read as this layout, and the cache starts
+again empty; the old chunks/ directory is removed at open. A node's cache is only ever a copy of what
+the store holds, so losing it costs fetches, never data.
 
-``max_bytes`` bounds the sum of the chunk sizes (not the disk blocks they occupy, nor the index). Hits
-move a chunk to the recent end of the LRU order; those moves are collected in memory and written in
-one transaction per TOUCH_BATCH hits, and always before eviction, so a hit does not cost an index commit.
-A crash loses at most the last batch of moves, which only makes the LRU order slightly stale.
+The rule that keeps it consistent after SIGKILL at any point: an index entry is only ever added for bytes
+already written and renamed into place in their segment, and removed before its bytes are punched out
+or its segment unlinked. A crash can therefore leave only segments (temporary or complete) nobody
+indexes, and evicted bytes not yet punched out of a segment still in use (disk the cache no longer
+counts, freed when that segment goes). The next open deletes unindexed segments and temporaries in one
+scan, and drops index entries whose segment has gone (someone deleted it) or is too short to hold them.
+Segments are not fsynced: every read checks the size and xxh3_64 the index recorded, so bytes a power
+cut lost (or a disk rotted) are found on read; such a rotten entry is dropped and reported as a miss,
+and the fetcher fetches the chunk again. The index commits atomically, and a system crash may undo its
+last commit (lmdb_index.py), which leaves at most segments nobody indexes, or entries whose segment went
+or holes were punched: the first two are what the open's scan clears, the third a read finds rotten.
+
+Nothing left in the directory stops an open (``_reconcile``, ``_make_room``): under segments/ whatever is
+not a regular file with an indexed segment's name is removed, be it a directory, a symlink (never
+followed), a FIFO, a socket or a file of the wrong name; so is a stray where ``segments``, ``index``,
+``lock`` or an LMDB file belongs (a damaged index starts again empty). A stray that cannot be removed (a
+mount point, a directory it may not write) is logged and left alone, and under segments/ that costs only
+its chunks. Other names at the top are not the cache's and are left alone (``chunks``, the old layout's,
+is removed).
+
+Private: the directory is made 0700 (narrowed if found wider), segment and lock files 0600 and the index
+files 0600 (lmdb_index.FILE_MODE); a segment or directory found wider is narrowed at open. Segments are
+only ever opened O_NOFOLLOW | O_NONBLOCK and read (or holes punched) if regular, so nothing put in their
+place can send a read elsewhere or make it block.
+
+``max_bytes`` bounds the sum of the chunk sizes (not the disk blocks they occupy, nor the index; see above
+for a filesystem without holes). Hits move a chunk to the recent end of the LRU order; those moves are
+collected in memory and written in one transaction per TOUCH_BATCH hits, and always before eviction, so
+a hit does not cost an index commit. A crash loses at most the last batch of moves, which only makes the
+LRU order slightly stale.
 
 The cache trusts the bytes it is given: callers put only chunks they verified against their digest
 (the fetcher's read_chunks does).
@@ -52,44 +72,38 @@ of the bound (a slot per 4 KiB: a full cache of chunks of 40 KiB or more takes a
 at most PRESENCE_SLOTS_MAX (4 Mi slots, 4 MiB of memory, which the default 10 GiB bound gets).
 
 Threads: every method blocks (disk I/O and index transactions); in the daemon they run in trio worker
-threads and any number may run at once. ``_lock`` serialises the changes that must agree between files
-and index: rename + record (put, put_many), eviction, dropping a rotten entry. Reads take no lock: a read that races
-an eviction sees a missing file and re-checks under ``_lock`` before calling anything rotten.
-``_counters_lock`` guards the statistics counters and the pending LRU moves. The presence counters are
-changed under ``_lock`` only, with the index, and read by ``lacks`` from any thread without a lock (a byte
-read is atomic); ``note_misses`` is called by one thread (the fetcher's).
+threads and any number may run at once. ``_lock`` serialises the changes that must agree between
+segments and index: rename + record (put, put_many), eviction, dropping a rotten entry, and guards the
+per-segment counts (``_segments``, ``_dead_bytes``, ``_next_segment``, ``_can_punch``). A batch's segment
+is written before ``_lock`` is taken. Reads take no lock: a read that races an eviction sees a missing
+segment or a hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock``
+guards the statistics counters and the pending LRU moves. The presence counters are changed under
+``_lock`` only, with the index, and read by ``lacks`` from any thread without a lock (a byte read is
+atomic); ``note_misses`` is called by one thread (the fetcher's). ``read_index`` is for a closed cache.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import secrets
-import shutil
-import stat
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import xxhash
-
-from dsec_fs.digest import is_hex_digest, short, to_hex
-from dsec_fs.errors import CorruptError, InputError, UnavailableError
+from dsec_fs.digest import short, to_hex
+from dsec_fs.errors import CorruptError, InputError, UnavailableError, UnsupportedError
 from dsec_fs.files import LOCK_NAME, lock_directory, private_dir
-from dsec_fs.mounts import is_mountpoint, mounts_below
 
+from .cache_segments import (DIR_MODE, FILE_MODE, SEGMENT_NUMBER_LIMIT, checksum, punch_holes, read_chunk, segment_name,
+                             segment_number, unlink_if_present, unlink_segment, write_temporary)
+from .cache_strays import INDEX_FILES, make_room, narrow, narrow_path, remove_stray, scan
 from .lmdb_index import DEFAULT_MAP_SIZE, CacheIndex, IndexEntry
 
 log = logging.getLogger(__name__)
 
-TMP_PREFIX = ".tmp-"
-FAN_OUTS = frozenset(f"{n:02x}" for n in range(256))
-DIR_MODE = 0o700
-FILE_MODE = 0o600
-# Chunk files are opened so: a symlink is not followed (ELOOP) and a FIFO does not block.
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+SEGMENTS = "segments"
+OLD_CHUNKS = "chunks"  # layout 1's directory of chunk files
 # Hits remembered before their LRU moves are written to the index in one transaction.
 TOUCH_BATCH = 64
 # Presence counters (``lacks``): slots per byte of the cache's bound (a power of two at least this many),
@@ -108,12 +122,16 @@ class CacheStats:
     hits: int  # gets answered, since open
     misses: int  # gets not answered (absent, raced an eviction, or rotten)
     evictions: int  # entries removed to stay under max_bytes
-    rotten: int  # entries dropped because the file was missing, the wrong size or failed its xxh3 check
-    reconciled: int  # files (and strays) deleted and entries dropped by the check at open
+    rotten: int  # entries dropped because the segment was missing, too short or failed the xxh3 check
+    reconciled: int  # segments (and strays) deleted and entries dropped by the check at open
 
 
-def checksum(data: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+@dataclass
+class _Segment:
+    """What the cache knows of one segment in place (under ``_lock``)."""
+    size: int  # its bytes, as written
+    chunks: int  # indexed chunks in it
+    dead: int = 0  # bytes of chunks no longer indexed that are still on disk (no hole punched)
 
 
 class ChunkCache:
@@ -124,21 +142,28 @@ class ChunkCache:
             raise InputError(f"the cache size must be positive, got {max_bytes}", where=directory)
         self.directory = os.path.abspath(directory)
         self.max_bytes = max_bytes
-        self._chunks_dir = os.path.join(self.directory, "chunks")
+        self._segments_dir = os.path.join(self.directory, SEGMENTS)
         self._lock = threading.Lock()
         self._counters_lock = threading.Lock()
         self._pending_touches: dict[bytes, int] = {}
         self._hits = self._misses = self._evictions = self._rotten = 0
         self._known_misses = 0  # misses that ``lacks`` answered (note_misses)
+        self._segments: dict[int, _Segment] = {}
+        self._dead_bytes = 0  # the sum of their ``dead``
+        self._next_segment = 1
+        self._can_punch = True  # until the filesystem refuses
         wanted = max(PRESENCE_SLOTS_MIN, min(PRESENCE_SLOTS_MAX, int(max_bytes * PRESENCE_SLOTS_PER_BYTE)))
         self._presence = bytearray(1 << (wanted - 1).bit_length())
         self._presence_mask = len(self._presence) - 1
         private_dir(self.directory)
-        _make_room(self._chunks_dir, directory=True)
-        os.makedirs(self._chunks_dir, mode=DIR_MODE, exist_ok=True)
-        _narrow_path(self._chunks_dir, DIR_MODE)
+        make_room(self._segments_dir, directory=True)
+        os.makedirs(self._segments_dir, mode=DIR_MODE, exist_ok=True)
+        narrow_path(self._segments_dir, DIR_MODE)
         self._lock_fd = self._lock_directory()
         try:
+            old_chunks = os.path.join(self.directory, OLD_CHUNKS)
+            if os.path.lexists(old_chunks) and remove_stray(old_chunks):
+                log.info("chunk cache %s: removed the chunk files of an older layout", self.directory)
             self._index = self._open_index(map_size)
             self._reconciled = self._reconcile()
             self.evict_to(max_bytes)  # in case it was reopened with a smaller limit
@@ -147,73 +172,88 @@ class ChunkCache:
             raise
 
     def _lock_directory(self) -> int:
-        _make_room(os.path.join(self.directory, LOCK_NAME), directory=False)
+        make_room(os.path.join(self.directory, LOCK_NAME), directory=False)
         fd = lock_directory(self.directory, what="another ChunkCache (this or another process)",
                             error=lambda message, where: UnavailableError(message, where=where, transient=False))
-        _narrow(fd, FILE_MODE)
+        narrow(fd, FILE_MODE)
         return fd
 
     def _open_index(self, map_size: int) -> CacheIndex:
-        """Open the index; a damaged one (or one LMDB will not open) is a cache we can afford to lose, so
-        it starts again empty. Anything in the index directory but LMDB's two files goes first."""
+        """Open the index; a damaged one (or one LMDB will not open, or one of another layout) is a cache
+        we can afford to lose, so it starts again empty. Anything in the index directory but LMDB's two
+        files goes first."""
         index_dir = os.path.join(self.directory, "index")
-        _make_room(index_dir, directory=True)
+        make_room(index_dir, directory=True)
         os.makedirs(index_dir, mode=DIR_MODE, exist_ok=True)
-        _narrow_path(index_dir, DIR_MODE)
-        for entry in _scan(index_dir):
+        narrow_path(index_dir, DIR_MODE)
+        for entry in scan(index_dir):
             if entry.name in INDEX_FILES and entry.is_file(follow_symlinks=False):
-                _narrow_path(entry.path, FILE_MODE)
+                narrow_path(entry.path, FILE_MODE)
             else:
                 remove_stray(entry.path)
         try:
             return CacheIndex(index_dir, map_size)
-        except (CorruptError, UnavailableError) as exc:
+        except (CorruptError, UnavailableError, UnsupportedError) as exc:
             log.warning("chunk cache %s: %s; starting with an empty cache", self.directory, exc)
         for name in os.listdir(index_dir):
             os.unlink(os.path.join(index_dir, name))
         return CacheIndex(index_dir, map_size)
 
     def _reconcile(self) -> int:
-        """Make files and index agree after a crash, and clear out strays: one pass over the index, one
-        over chunks/ (nothing in it is followed or opened)."""
-        sizes = self._index.sizes()
-        present: set[bytes] = set()
+        """Make segments and index agree after a crash, and clear out strays: one pass over the index, one
+        over segments/ (nothing in it is followed or opened)."""
+        entries = self._index.entries()
+        indexed = {entry.segment for entry in entries.values()}
+        sizes: dict[int, int] = {}
         removed = 0
-        for fan_out in _scan(self._chunks_dir):
-            if fan_out.name not in FAN_OUTS or not fan_out.is_dir(follow_symlinks=False):
-                removed += remove_stray(fan_out.path)
+        kept: set[int] = set()  # numbers no new segment may take: segments and strays left in place
+        for item in scan(self._segments_dir):
+            segment = segment_number(item.name)
+            if segment in indexed and item.is_file(follow_symlinks=False):
+                st = item.stat(follow_symlinks=False)
+                if st.st_mode & 0o077:
+                    narrow_path(item.path, FILE_MODE)
+                sizes[segment] = st.st_size
+                kept.add(segment)
                 continue
-            _narrow_path(fan_out.path, DIR_MODE)
-            for entry in _scan(fan_out.path):
-                name = entry.name
-                digest = bytes.fromhex(name) if is_hex_digest(name) and name.startswith(fan_out.name) else None
-                if digest in sizes and entry.is_file(follow_symlinks=False):
-                    st = entry.stat(follow_symlinks=False)
-                    if st.st_size == sizes[digest]:
-                        if st.st_mode & 0o077:
-                            _narrow_path(entry.path, FILE_MODE)
-                        present.add(digest)
-                        continue
-                # A temporary file, a chunk whose put never reached the index, one evicted from the index
-                # but not yet unlinked, one truncated, or something that is not a chunk file at all.
-                removed += remove_stray(entry.path)
-        missing = sizes.keys() - present
-        if missing:
-            self._index.delete(missing)
-        self._count_presence(present, +1)
-        if removed or missing:
-            log.info("chunk cache %s: removed %d unindexed files or strays, dropped %d entries without a "
-                     "sound file", self.directory, removed, len(missing))
-        return removed + len(missing)
+            # A temporary segment, one whose put never reached the index, one whose chunks were all
+            # evicted from the index but that was not yet unlinked, or something that is not a segment.
+            if remove_stray(item.path):
+                removed += 1
+            elif segment is not None and segment < SEGMENT_NUMBER_LIMIT:
+                kept.add(segment)
+        self._next_segment = max(kept, default=0) + 1
+        unsound = []
+        for digest, entry in entries.items():
+            size = sizes.get(entry.segment)
+            if size is None or entry.offset + entry.size > size:
+                unsound.append(digest)
+                continue
+            known = self._segments.setdefault(entry.segment, _Segment(size=size, chunks=0))
+            known.chunks += 1
+        for segment in sizes.keys() - self._segments.keys():  # every chunk of it was unsound
+            removed += remove_stray(self._segment_path(segment))
+        if unsound:
+            self._index.delete(unsound)
+        dropped = set(unsound)
+        self._count_presence((digest for digest in entries if digest not in dropped), +1)
+        if removed or unsound:
+            log.info("chunk cache %s: removed %d unindexed segments or strays, dropped %d entries without a "
+                     "sound segment", self.directory, removed, len(unsound))
+        return removed + len(unsound)
 
-    def _path(self, digest: bytes) -> str:
-        name = to_hex(digest)
-        return os.path.join(self._chunks_dir, name[:2], name)
+    def _segment_path(self, segment: int) -> str:
+        return os.path.join(self._segments_dir, segment_name(segment))
+
+    def locate(self, digest: bytes) -> tuple[str, int, int] | None:
+        """Where the index says a chunk's bytes are: (segment path, offset, size); None when not indexed."""
+        entry = self._index.get(digest)
+        return None if entry is None else (self._segment_path(entry.segment), entry.offset, entry.size)
 
     def get(self, digest: bytes) -> bytes | None:
         """The chunk's bytes, checked against the index; None when it is not cached (or was rotten)."""
         entry = self._index.get(digest)
-        data = None if entry is None else self._read_valid(digest, entry)[0]
+        data = None if entry is None else read_chunk(self._segment_path(entry.segment), entry.offset, entry.size, entry.checksum)[0]
         if entry is not None and data is None:
             data = self._recheck(digest)
         with self._counters_lock:
@@ -246,36 +286,25 @@ class ChunkCache:
         return self.put_many([(digest, data)]) == 1
 
     def put_many(self, chunks: Iterable[tuple[bytes, bytes | memoryview]]) -> int:
-        """Cache verified chunks: write each new one to a temporary file, then rename them all into place
-        and record them in one index transaction. Returns how many are kept (a chunk larger than the whole
-        cache is not)."""
+        """Cache verified chunks: write the new ones end to end to a temporary segment, then rename it into
+        place and record them in one index transaction. Returns how many are kept (a chunk larger than the
+        whole cache is not)."""
         kept = 0
-        written: list[tuple[bytes, str, int, int]] = []  # digest, temporary path, size, checksum
-        try:
-            for digest, data in chunks:
-                size = memoryview(data).nbytes
-                if size > self.max_bytes:
-                    continue
-                kept += 1
-                if not self.lacks(digest) and self._index.get(digest) is not None:
-                    with self._counters_lock:
-                        self._pending_touches[digest] = time.time_ns()
-                    continue
-                written.append((digest, self._write_temporary(digest, data), size, checksum(data)))
-            if written:
-                with self._lock:
-                    for digest, tmp, _size, _checksum in written:
-                        os.rename(tmp, self._path(digest))
-                    now = time.time_ns()
-                    added, total = self._index.put_many((digest, size, xxh3, now)
-                                                        for digest, _tmp, size, xxh3 in written)
-                    self._count_presence(added, +1)
-                    if total > self.max_bytes:
-                        self._evict_locked(self.max_bytes)
-        except BaseException:
-            for _digest, tmp, _size, _checksum in written:  # those renamed already are gone: no harm
-                _unlink_if_present(tmp)
-            raise
+        new: dict[bytes, tuple[memoryview, int]] = {}  # digest -> bytes, checksum; in segment order
+        for digest, data in chunks:
+            view = memoryview(data).cast("B")
+            if view.nbytes > self.max_bytes:
+                continue
+            kept += 1
+            if digest in new:
+                continue
+            if not self.lacks(digest) and self._index.get(digest) is not None:
+                with self._counters_lock:
+                    self._pending_touches[digest] = time.time_ns()
+                continue
+            new[digest] = view, checksum(view)
+        if new:
+            self._add_segment(new)
         return kept
 
     def evict_to(self, max_bytes: int) -> int:
@@ -304,57 +333,101 @@ class ChunkCache:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _read_valid(self, digest: bytes, entry: IndexEntry) -> tuple[bytes | None, str]:
-        """(bytes, "") when the file matches the index entry, else (None, why not)."""
+    def _add_segment(self, new: dict[bytes, tuple[memoryview, int]]) -> None:
+        """Write ``new``'s bytes to a temporary segment, then under ``_lock`` rename it into place as the
+        next segment and record its chunks (the crash rule: bytes in place before their entries)."""
+        tmp = write_temporary(self._segments_dir, [view for view, _checksum in new.values()])
+        recorded = False
         try:
-            fd = os.open(self._path(digest), _READ_FLAGS)
-        except FileNotFoundError:
-            return None, "file missing"
-        except OSError as exc:  # ELOOP: a symlink in its place; EACCES, ...
-            return None, f"cannot open it: {exc.strerror}"
-        with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None, "not a regular file"
-            data = f.read(entry.size + 1)  # one byte more shows a file that grew
-        if len(data) != entry.size:
-            return None, f"{len(data)} bytes, the index says {entry.size}"
-        if checksum(data) != entry.checksum:
-            return None, "xxh3 mismatch"
-        return data, ""
+            with self._lock:
+                segment = self._next_segment
+                self._next_segment += 1
+                path = self._segment_path(segment)
+                os.rename(tmp, path)
+                tmp = path  # unlinked below unless the index records it
+                now, offset, entries = time.time_ns(), 0, []
+                for digest, (view, xxh3) in new.items():
+                    entries.append((digest, IndexEntry(segment, offset, view.nbytes, now, xxh3)))
+                    offset += view.nbytes
+                added, replaced, total = self._index.put_many(entries)
+                recorded = True
+                self._segments[segment] = _Segment(size=offset, chunks=len(entries))
+                self._count_presence(added, +1)
+                self._release(replaced)  # put meanwhile by another thread: that copy's bytes are unused now
+                if total > self.max_bytes:
+                    self._evict_locked(self.max_bytes)
+        finally:
+            if not recorded:
+                unlink_if_present(tmp)
 
     def _recheck(self, digest: bytes) -> bytes | None:
         """A read failed: under ``_lock`` look again, and drop the entry only if it is still bad.
 
-        The lock keeps eviction and put out, so a file that vanished because it was evicted (its entry is
-        gone too) or re-put meanwhile (its new file is good) is not mistaken for rot.
+        The lock keeps eviction and put out, so a chunk whose bytes vanished because it was evicted (its
+        entry is gone too) or re-put meanwhile (its new bytes are good) is not mistaken for rot.
         """
         with self._lock:
             entry = self._index.get(digest)
             if entry is None:
                 return None
-            data, problem = self._read_valid(digest, entry)
+            data, problem = read_chunk(self._segment_path(entry.segment), entry.offset, entry.size, entry.checksum)
             if data is not None:
                 return data
             log.warning("chunk cache: dropping rotten chunk %s (%s)", to_hex(digest), problem)
-            self._index.delete([digest])
+            dropped = self._index.delete([digest])
             self._count_presence([digest], -1)
-            self._unlink(digest)
+            self._release(dropped)
         with self._counters_lock:
             self._rotten += 1
         return None
 
     def _evict_locked(self, max_bytes: int) -> int:
-        """With ``_lock`` held: evict down to ``max_bytes``; index first, then files (see the module doc)."""
+        """With ``_lock`` held: evict down to ``max_bytes``, counting bytes no hole freed (``_dead_bytes``)
+        as cached; index first, then segments (see the module doc)."""
         self._flush_touches()
-        evicted = self._index.evict_to(max_bytes)
-        self._count_presence(evicted, -1)
-        for digest in evicted:
-            self._unlink(digest)
-        if evicted:
-            log.debug("chunk cache: evicted %d chunks, first %s", len(evicted), short(evicted[0]))
+        evicted = 0
+        while True:
+            batch = self._index.evict_to(max(0, max_bytes - self._dead_bytes))
+            if not batch:
+                break
+            self._count_presence((digest for digest, _entry in batch), -1)
+            self._release(batch)
+            evicted += len(batch)
+            log.debug("chunk cache: evicted %d chunks, first %s", len(batch), short(batch[0][0]))
+            if not self._dead_bytes:
+                break
         with self._counters_lock:
-            self._evictions += len(evicted)
-        return len(evicted)
+            self._evictions += evicted
+        return evicted
+
+    def _release(self, removed: Iterable[tuple[bytes, IndexEntry]]) -> None:
+        """With ``_lock`` held, after ``removed`` left the index: free their bytes, unlinking each segment
+        left without an indexed chunk and punching holes in the others (one open per segment)."""
+        holes: dict[int, list[IndexEntry]] = {}
+        for _digest, entry in removed:
+            known = self._segments.get(entry.segment)
+            if known is None:
+                continue
+            known.chunks -= 1
+            holes.setdefault(entry.segment, []).append(entry)
+        for segment, entries in holes.items():
+            known = self._segments[segment]
+            if not known.chunks:
+                del self._segments[segment]
+                self._dead_bytes -= known.dead
+                unlink_segment(self._segment_path(segment))
+            elif not self._punch(segment, [(entry.offset, entry.size) for entry in entries]):
+                freed = sum(entry.size for entry in entries)
+                known.dead += freed
+                self._dead_bytes += freed
+
+    def _punch(self, segment: int, ranges: list[tuple[int, int]]) -> bool:
+        """Punch holes in ``segment``; False when the filesystem cannot (not tried again after the first)."""
+        if self._can_punch and not punch_holes(self._segment_path(segment), ranges):
+            log.info("chunk cache %s: the filesystem cannot punch holes; evicted bytes stay until their "
+                     "segment goes, and count against the bound", self.directory)
+            self._can_punch = False
+        return self._can_punch
 
     def _presence_slot(self, digest: bytes) -> int:
         """A digest's presence counter: from its first bytes (digests are sha256: uniform)."""
@@ -375,104 +448,17 @@ class ChunkCache:
         if touches:
             self._index.touch(touches)
 
-    def _write_temporary(self, digest: bytes, data: bytes | memoryview) -> str:
-        """Write ``data`` to a new temporary file beside the chunk's place; returns its path. The fan-out
-        directory is made only when the open finds it missing (a stat and a mkdir per chunk were a tenth of
-        a fill's cache writes, sampled)."""
-        directory = os.path.dirname(self._path(digest))
-        tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+def read_index(directory: str) -> dict[bytes, IndexEntry]:
+    """The index of the cache in ``directory`` while no ChunkCache has it open (UnavailableError then):
+    digest -> its entry, nothing checked or changed (for benches and tests that look at what a daemon
+    cached). Its segments are ``directory``/segments/``segment_name(entry.segment)``."""
+    fd = lock_directory(directory, what="a ChunkCache",
+                        error=lambda message, where: UnavailableError(message, where=where, transient=False))
+    try:
+        index = CacheIndex(os.path.join(directory, "index"))
         try:
-            try:
-                fd = os.open(tmp, flags, FILE_MODE)
-            except FileNotFoundError:
-                os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
-                fd = os.open(tmp, flags, FILE_MODE)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-        except BaseException:
-            _unlink_if_present(tmp)
-            raise
-        return tmp
-
-    def _unlink(self, digest: bytes) -> None:
-        _unlink_if_present(self._path(digest))
-
-
-def _unlink_if_present(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-# -- strays and modes: used at open, in the thread that opens the cache
-
-INDEX_FILES = ("data.mdb", "lock.mdb")
-
-
-def _scan(directory: str) -> list[os.DirEntry]:
-    """The entries of ``directory``; none (logged) when it cannot be listed."""
-    try:
-        with os.scandir(directory) as entries:
-            return list(entries)
-    except OSError as exc:
-        log.warning("chunk cache: cannot list %s, skipping it: %s", directory, exc)
-        return []
-
-
-def _make_room(path: str, *, directory: bool) -> None:
-    """Remove what is at ``path`` unless it is a real directory (``directory``) or a regular file (not
-    a symlink to one), so that the cache can make its own there."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode):
-        return
-    log.warning("chunk cache: %s is not a %s; replacing it", path, "directory" if directory else "regular file")
-    remove_stray(path)
-
-
-def remove_stray(path: str) -> int:
-    """Remove a file, symlink (not its target), FIFO, socket or directory tree that does not belong in
-    the cache; 1 if removed, 0 (logged) when it cannot be, or holds a mount (whose files are not ours)."""
-    try:
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            if is_mountpoint(path) or mounts_below(path):
-                raise OSError(errno.EBUSY, "a mount point is in it")
-            shutil.rmtree(path)  # works on file descriptors: no symlink inside is followed
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        return 0
-    except OSError as exc:
-        log.warning("cache: cannot remove the stray %s, leaving it: %s", path, exc.strerror or exc)
-        return 0
-    log.debug("cache: removed the stray %s", path)
-    return 1
-
-
-def _narrow(fd: int, mode: int) -> None:
-    """Take away the group and other bits ``mode`` does not have; a failure is logged, not fatal (the
-    cache directory, 0700, guards what is below it anyway)."""
-    try:
-        current = stat.S_IMODE(os.fstat(fd).st_mode)
-        if current & ~mode & 0o077:
-            os.fchmod(fd, current & mode)
-    except OSError as exc:
-        log.warning("chunk cache: cannot narrow the mode of its lock file: %s", exc.strerror)
-
-
-def _narrow_path(path: str, mode: int) -> None:
-    """_narrow by path (callers checked it is no symlink)."""
-    try:
-        current = stat.S_IMODE(os.lstat(path).st_mode)
-        if current & ~mode & 0o077:
-            os.chmod(path, current & mode)
-    except OSError as exc:
-        log.warning("chunk cache: cannot narrow the mode of %s: %s", path, exc.strerror)
+            return index.entries()
+        finally:
+            index.close()
+    finally:
+        os.close(fd)

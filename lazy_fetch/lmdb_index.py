@@ -1,19 +1,23 @@
 """The index of the node's chunk cache, in LMDB: per cached chunk its size, last access time and xxh3_64
 checksum, plus the running total of cached bytes. The only module of the project that imports lmdb.
 
-One LMDB environment (a directory holding data.mdb and lock.mdb) with three named databases:
+One LMDB environment (a directory holding data.mdb and lock.mdb) with four named databases:
 
-    entries   chunk digest (32 raw bytes) -> ENTRY (size, atime, checksum)
+    entries   chunk digest (32 raw bytes) -> ENTRY (segment, offset, size, atime, checksum): where the
+              chunk's bytes are (cache.py: the segment file, the offset in it) and how to check them
     lru       atime (8 bytes, big-endian) + chunk digest -> b""
               the access-ordered secondary key: a cursor from the first key walks the entries least
               recently used first, so eviction reads only the entries it removes
     totals    b"bytes" -> TOTAL: the sum of every entry's size
+    meta      b"layout" -> LAYOUT: the cache layout the index describes (LAYOUT_VERSION). An environment
+              with databases but not this version (layout 1, a file per chunk, had no meta database)
+              is refused with UnsupportedError, never read with this entry format
 
 Each method is one transaction, and every change keeps the three databases in agreement inside it, so the
 index is consistent after a crash at any point (LMDB commits are atomic). A commit flushes the data pages
 but not the meta page (``metasync=False``, LMDB's MDB_NOMETASYNC): it keeps atomicity and consistency,
 and a system crash may undo the last commit, which the cache does not mind (cache.py: an entry is
-recorded only after its file is in place and removed before its file goes, and the check at open drops
+recorded only after its bytes are in place and removed before they go, and the check at open drops
 whatever a rolled-back commit leaves unmatched). One flush a commit instead of two: the commit is what a
 cache write waits for, and it held the disk from the reads behind it.
 
@@ -35,7 +39,7 @@ from typing import NamedTuple
 import lmdb
 
 from dsec_fs.digest import DIGEST_SIZE, to_hex
-from dsec_fs.errors import CorruptError, FormatError, UnavailableError
+from dsec_fs.errors import CorruptError, FormatError, UnavailableError, UnsupportedError
 
 # The map is a sparse file; its size only caps growth. 1 GiB holds several million entries.
 DEFAULT_MAP_SIZE = 1 << 30
@@ -44,7 +48,9 @@ FILE_MODE = 0o600
 
 ENTRY = struct.Struct(
     "<"
-    "Q"  # size: bytes of the cached chunk file, checked on every read
+    "Q"  # segment: the number of the segment file holding the chunk's bytes (cache.py names it)
+    "Q"  # offset: where in the segment they start
+    "Q"  # size: how many bytes they are, checked on every read
     "Q"  # atime: nanoseconds since the epoch of the last access (put or hit); also in the lru key
     "Q"  # checksum: xxh3_64 of the chunk's bytes, checked on every read to catch local disk rot
 )
@@ -61,12 +67,22 @@ TOTAL = struct.Struct(
 )
 TOTAL_KEY = b"bytes"
 
+# Layout 1 kept a file per chunk and had no meta database; 2 keeps chunks in segments.
+LAYOUT_VERSION = 2
+LAYOUT = struct.Struct(
+    "<"
+    "Q"  # version: LAYOUT_VERSION of the cache that wrote the index
+)
+LAYOUT_KEY = b"layout"
+
 # lmdb errors that mean the files are not a sound LMDB environment (as opposed to full or busy).
 _CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
                    lmdb.PanicError)
 
 
 class IndexEntry(NamedTuple):
+    segment: int
+    offset: int
     size: int
     atime: int
     checksum: int
@@ -86,13 +102,13 @@ def unpack_entry(value: bytes, digest: bytes, *, source: str) -> IndexEntry:
 
 class CacheIndex:
     """The LMDB environment at ``path`` (a directory, created 0700 if missing); its files are made readable
-    by their owner only (FILE_MODE)."""
+    by their owner only (FILE_MODE). UnsupportedError when it is the index of another cache layout."""
 
     def __init__(self, path: str, map_size: int = DEFAULT_MAP_SIZE):
         self.path = path
         os.makedirs(path, mode=0o700, exist_ok=True)  # lmdb would make it with FILE_MODE: no x bit
         try:
-            self._env = lmdb.open(path, map_size=map_size, max_dbs=3, subdir=True, readahead=False, mode=FILE_MODE,
+            self._env = lmdb.open(path, map_size=map_size, max_dbs=4, subdir=True, readahead=False, mode=FILE_MODE,
                                   create=False, metasync=False)
         except _CORRUPT_ERRORS as exc:
             raise CorruptError(f"not a sound LMDB environment: {exc}", where=path) from None
@@ -100,12 +116,25 @@ class CacheIndex:
             raise UnavailableError(f"cannot open the cache index: {exc}", where=path, transient=False) from None
         try:
             with self._transaction(write=True) as txn:
+                self._check_layout(txn)
                 self._entries = self._env.open_db(b"entries", txn=txn)
                 self._lru = self._env.open_db(b"lru", txn=txn)
                 self._totals = self._env.open_db(b"totals", txn=txn)
         except BaseException:
             self._env.close()
             raise
+
+    def _check_layout(self, txn: lmdb.Transaction) -> None:
+        """Mark a new environment with LAYOUT_VERSION; refuse one of databases of another (or no) version."""
+        named = list(txn.cursor().iternext(keys=True, values=False))  # the main database names the others
+        meta = self._env.open_db(b"meta", txn=txn)
+        found = txn.get(LAYOUT_KEY, db=meta)
+        if found is None and not named:
+            txn.put(LAYOUT_KEY, LAYOUT.pack(LAYOUT_VERSION), db=meta)
+        elif found is None or len(found) != LAYOUT.size or LAYOUT.unpack(found)[0] != LAYOUT_VERSION:
+            version = LAYOUT.unpack(found)[0] if found is not None and len(found) == LAYOUT.size else 1
+            raise UnsupportedError(f"a cache index of layout {version}; this version reads layout {LAYOUT_VERSION}",
+                                   where=self.path)
 
     @contextmanager
     def _transaction(self, *, write: bool) -> Iterator[lmdb.Transaction]:
@@ -126,26 +155,26 @@ class CacheIndex:
             value = txn.get(digest, db=self._entries)
         return None if value is None else unpack_entry(value, digest, source=self.path)
 
-    def put(self, digest: bytes, size: int, checksum: int, atime: int) -> None:
-        """Record a chunk whose file is in place, replacing any previous entry for it."""
-        self.put_many([(digest, size, checksum, atime)])
-
-    def put_many(self, entries: Iterable[tuple[bytes, int, int, int]]) -> tuple[list[bytes], int]:
-        """Record chunks whose files are in place, each (digest, size, checksum, atime), in one transaction
-        (one commit for a whole batch); each replaces any previous entry for its digest. Returns the
-        digests that had no entry before, and the total after."""
-        added = []
+    def put_many(self, entries: Iterable[tuple[bytes, IndexEntry]]) -> tuple[list[bytes], list[tuple[bytes, IndexEntry]], int]:
+        """Record chunks whose bytes are in place, each (digest, entry), in one transaction (one commit for
+        a whole batch); each replaces any previous entry for its digest. Returns the digests that had no
+        entry before, the (digest, entry) pairs replaced, and the total after."""
+        added: list[bytes] = []
+        replaced: list[tuple[bytes, IndexEntry]] = []
         with self._transaction(write=True) as txn:
             total = self._total(txn)
-            for digest, size, checksum, atime in entries:
+            for digest, entry in entries:
                 previous = self._remove(txn, digest)
                 if previous is None:
                     added.append(digest)
-                total += size - (previous or 0)
-                txn.put(digest, pack_entry(IndexEntry(size, atime, checksum)), db=self._entries)
-                txn.put(LRU_KEY.pack(atime, digest), b"", db=self._lru)
+                else:
+                    replaced.append((digest, previous))
+                    total -= previous.size
+                total += entry.size
+                txn.put(digest, pack_entry(entry), db=self._entries)
+                txn.put(LRU_KEY.pack(entry.atime, digest), b"", db=self._lru)
             self._set_total(txn, total)
-        return added, total
+        return added, replaced, total
 
     def touch(self, accesses: Mapping[bytes, int]) -> None:
         """Move each digest's atime forward to the given time; digests no longer indexed are skipped."""
@@ -161,16 +190,21 @@ class CacheIndex:
                 txn.put(digest, pack_entry(old._replace(atime=atime)), db=self._entries)
                 txn.put(LRU_KEY.pack(atime, digest), b"", db=self._lru)
 
-    def delete(self, digests: Iterable[bytes]) -> int:
-        """Remove the entries of ``digests`` (absent ones are skipped); returns the bytes they held."""
+    def delete(self, digests: Iterable[bytes]) -> list[tuple[bytes, IndexEntry]]:
+        """Remove the entries of ``digests`` (absent ones are skipped); returns them, (digest, entry)."""
+        removed: list[tuple[bytes, IndexEntry]] = []
         with self._transaction(write=True) as txn:
-            freed = sum(self._remove(txn, digest) or 0 for digest in digests)
-            self._set_total(txn, self._total(txn) - freed)
-        return freed
+            for digest in digests:
+                entry = self._remove(txn, digest)
+                if entry is not None:
+                    removed.append((digest, entry))
+            self._set_total(txn, self._total(txn) - sum(entry.size for _digest, entry in removed))
+        return removed
 
-    def evict_to(self, max_total: int) -> list[bytes]:
-        """Remove least recently used entries until the total is at most ``max_total``; returns their digests."""
-        evicted: list[bytes] = []
+    def evict_to(self, max_total: int) -> list[tuple[bytes, IndexEntry]]:
+        """Remove least recently used entries until the total is at most ``max_total``; returns them,
+        (digest, entry), least recent first."""
+        evicted: list[tuple[bytes, IndexEntry]] = []
         with self._transaction(write=True) as txn:
             total = self._total(txn)
             cursor = txn.cursor(db=self._lru)
@@ -180,8 +214,9 @@ class CacheIndex:
                 cursor.delete()
                 value = txn.pop(digest, db=self._entries)
                 if value is not None:
-                    total -= unpack_entry(value, digest, source=self.path).size
-                    evicted.append(digest)
+                    entry = unpack_entry(value, digest, source=self.path)
+                    total -= entry.size
+                    evicted.append((digest, entry))
             self._set_total(txn, total)
         return evicted
 
@@ -196,11 +231,10 @@ class CacheIndex:
                 found.append((digest, unpack_entry(txn.get(digest, db=self._entries), digest, source=self.path)))
         return found
 
-    def sizes(self) -> dict[bytes, int]:
-        """Every indexed digest -> its chunk's size (one pass over the entries; used to reconcile the index
-        with the files)."""
+    def entries(self) -> dict[bytes, IndexEntry]:
+        """Every indexed digest -> its entry (one pass; used to reconcile the index with the segments)."""
         with self._transaction(write=False) as txn:
-            return {digest: unpack_entry(value, digest, source=self.path).size
+            return {digest: unpack_entry(value, digest, source=self.path)
                     for digest, value in txn.cursor(db=self._entries).iternext(keys=True, values=True)}
 
     def __len__(self) -> int:
@@ -215,14 +249,14 @@ class CacheIndex:
     def close(self) -> None:
         self._env.close()
 
-    def _remove(self, txn: lmdb.Transaction, digest: bytes) -> int | None:
-        """Delete ``digest``'s entry and lru key inside ``txn``; returns its size (None when absent)."""
+    def _remove(self, txn: lmdb.Transaction, digest: bytes) -> IndexEntry | None:
+        """Delete ``digest``'s entry and lru key inside ``txn``; returns the entry (None when absent)."""
         value = txn.pop(digest, db=self._entries)
         if value is None:
             return None
         entry = unpack_entry(value, digest, source=self.path)
         txn.delete(LRU_KEY.pack(entry.atime, digest), db=self._lru)
-        return entry.size
+        return entry
 
     def _total(self, txn: lmdb.Transaction) -> int:
         value = txn.get(TOTAL_KEY, db=self._totals)

@@ -59,7 +59,7 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store, too_large
 from dsec_fs.store.wrappers import StoreWrapper
 
-from .cache import remove_stray
+from .cache_strays import remove_stray
 
 log = logging.getLogger(__name__)
 

@@ -1,20 +1,26 @@
+import errno
 import os
 import random
 import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import replace
 
+import lmdb
 import pytest
 
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, UnavailableError
-from lazy_fetch.cache import TMP_PREFIX, ChunkCache
-from lazy_fetch.lmdb_index import CacheIndex
+from lazy_fetch import cache_segments
+from lazy_fetch.cache import ChunkCache, read_index
+from lazy_fetch.cache_segments import TMP_PREFIX, segment_name
+from lazy_fetch.lmdb_index import CacheIndex, IndexEntry
 from tests.other_user import all_paths, readable_by_nobody
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,32 +30,49 @@ def chunk(n: int, size: int = 4096) -> bytes:
     return random.Random(n).randbytes(size)
 
 
-def chunk_files(directory) -> dict[str, str]:
-    """name -> path of every file under the cache's chunks/ directory, temporary ones included."""
+def segment_files(directory) -> dict[str, str]:
+    """name -> path of every file under the cache's segments/ directory, temporary ones included."""
     found = {}
-    for dirpath, _dirnames, filenames in os.walk(os.path.join(directory, "chunks")):
+    for dirpath, _dirnames, filenames in os.walk(os.path.join(directory, "segments")):
         for name in filenames:
             found[name] = os.path.join(dirpath, name)
     return found
 
 
+def located(cache: ChunkCache, digest: bytes) -> tuple[str, int, int]:
+    where = cache.locate(digest)
+    assert where is not None
+    return where
+
+
+def overwrite(path: str, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
 def assert_consistent(directory, max_bytes):
-    """Open the cache and check that index and files agree exactly and every entry reads back valid."""
+    """Open the cache and check that index and segments agree exactly and every entry reads back valid;
+    returns the stats of that open (with what it reconciled)."""
     with ChunkCache(str(directory), max_bytes) as cache:
-        files = chunk_files(directory)
-        assert not [name for name in files if name.startswith(TMP_PREFIX)]
-        stats = cache.stats()
-        assert stats.entries == len(files)
+        reconciled = cache.stats().reconciled
+    entries = read_index(str(directory))
+    files = segment_files(directory)
+    assert not [name for name in files if name.startswith(TMP_PREFIX)]
+    assert set(files) == {segment_name(entry.segment) for entry in entries.values()}  # none unindexed
+    for entry in entries.values():
+        assert entry.offset + entry.size <= os.path.getsize(files[segment_name(entry.segment)])
+    with ChunkCache(str(directory), max_bytes) as cache:
         total = 0
-        for name in files:
-            assert not cache.lacks(bytes.fromhex(name))  # never claims to lack a chunk it holds
-            data = cache.get(bytes.fromhex(name))
-            assert data is not None and to_hex(sha256(data)) == name
+        for digest, entry in entries.items():
+            assert not cache.lacks(digest)  # never claims to lack a chunk it holds
+            data = cache.get(digest)
+            assert data is not None and sha256(data) == digest and len(data) == entry.size
             total += len(data)
         stats = cache.stats()
-        assert stats.rotten == 0
+        assert (stats.rotten, stats.reconciled, stats.entries) == (0, 0, len(entries))
         assert stats.bytes == total <= max_bytes
-        return stats
+        return replace(stats, reconciled=reconciled)
 
 
 def test_put_get_and_stats(tmp_path):
@@ -60,21 +83,22 @@ def test_put_get_and_stats(tmp_path):
         assert cache.get(sha256(data)) == data
         stats = cache.stats()
         assert (stats.entries, stats.bytes, stats.hits, stats.misses) == (1, 5000, 1, 1)
-        path = chunk_files(tmp_path)[to_hex(sha256(data))]
-        assert os.path.basename(os.path.dirname(path)) == to_hex(sha256(data))[:2]
+        path, offset, size = located(cache, sha256(data))
+        assert (os.path.dirname(path), offset, size) == (os.path.join(tmp_path, "segments"), 0, 5000)
+        with open(path, "rb") as f:
+            assert f.read() == data
 
 
-def test_a_put_makes_its_fan_out_directory_when_it_is_gone(tmp_path):
-    # the fan-out directory is made when the open finds it missing, not before every write
+def test_a_put_makes_the_segments_directory_when_it_is_gone(tmp_path):
+    # made at open, and again by a put that finds it gone (not checked before every write)
     cache = ChunkCache(str(tmp_path / "c"), 1 << 20)
     try:
-        first = chunk(1)
-        second = next(chunk(n) for n in range(2, 100) if to_hex(sha256(chunk(n)))[:2] != to_hex(sha256(first))[:2])
+        first, second = chunk(1), chunk(2)
         cache.put(sha256(first), first)
-        fan_out = os.path.join(tmp_path, "c", "chunks", to_hex(sha256(second))[:2])
-        shutil.rmtree(fan_out, ignore_errors=True)
+        shutil.rmtree(tmp_path / "c" / "segments")
         assert cache.put(sha256(second), second)
-        assert cache.get(sha256(second)) == second and cache.get(sha256(first)) == first
+        assert cache.get(sha256(second)) == second
+        assert cache.get(sha256(first)) is None and cache.stats().rotten == 1  # its segment went with it
     finally:
         cache.close()
 
@@ -103,19 +127,20 @@ def test_size_must_be_positive(tmp_path):
         ChunkCache(str(tmp_path), 0)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "grow", "delete"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "zeroed", "delete"])
 def test_rotten_entry_is_dropped_and_reported_as_miss(tmp_path, damage):
     data, other = chunk(1), chunk(2)
     with ChunkCache(str(tmp_path), 1 << 20) as cache:
         cache.put(sha256(data), data)
         cache.put(sha256(other), other)
-        path = chunk_files(tmp_path)[to_hex(sha256(data))]
+        path, offset, size = located(cache, sha256(data))
+        assert located(cache, sha256(other))[0] != path  # two puts, two segments
         if damage == "delete":
             os.unlink(path)
+        elif damage == "truncate":
+            os.truncate(path, offset + size - 1)
         else:
-            damaged = {"flip": bytes([data[0] ^ 1]) + data[1:], "truncate": data[:-1], "grow": data + b"\0"}[damage]
-            with open(path, "wb") as f:
-                f.write(damaged)
+            overwrite(path, offset, bytes([data[0] ^ 1]) if damage == "flip" else bytes(size))
         assert cache.get(sha256(data)) is None
         stats = cache.stats()
         assert (stats.rotten, stats.entries, stats.bytes) == (1, 1, len(other))
@@ -135,7 +160,8 @@ def test_lacks_answers_from_memory_and_never_for_a_cached_chunk(tmp_path):
         assert not any(cache.lacks(sha256(data)) for data in held)
         assert sum(cache.lacks(sha256(data)) for data in others) >= 190  # slots shared by chance: looked up
         # A rotten chunk, dropped, is lacked again.
-        os.unlink(chunk_files(tmp_path)[to_hex(sha256(held[0]))])
+        path, offset, _size = located(cache, sha256(held[0]))
+        overwrite(path, offset, bytes([held[0][0] ^ 1]))
         assert cache.get(sha256(held[0])) is None
         assert cache.lacks(sha256(held[0]))
         before = cache.stats().misses
@@ -175,7 +201,7 @@ def test_lru_eviction_keeps_under_max_bytes(tmp_path):
         assert stats.bytes <= max_bytes and stats.evictions == 2
         cached = {n for n, data in enumerate(chunks) if cache.get(sha256(data)) is not None}
         assert cached == {0, 3, 4, 5, 6, 7, 8, 9}
-        assert len(chunk_files(tmp_path)) == 8
+        assert len(segment_files(tmp_path)) == 8  # one put, one segment; the evicted ones' are gone
     assert_consistent(tmp_path, max_bytes)
 
 
@@ -183,10 +209,10 @@ def test_index_walks_least_recent_first(tmp_path):
     index = CacheIndex(str(tmp_path / "index"))
     try:
         for n in range(5):
-            index.put(bytes([n]) * 32, 100, 0, atime=1000 + n)
+            index.put_many([(bytes([n]) * 32, IndexEntry(segment=n, offset=0, size=100, atime=1000 + n, checksum=0))])
         index.touch({bytes([0]) * 32: 2000, bytes([9]) * 32: 3000})  # an unknown digest is skipped
         assert [digest[0] for digest, _entry in index.least_recent(10)] == [1, 2, 3, 4, 0]
-        assert index.evict_to(250) == [bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32]
+        assert [digest for digest, _entry in index.evict_to(250)] == [bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32]
         assert (len(index), index.total_bytes) == (2, 200)
     finally:
         index.close()
@@ -207,25 +233,25 @@ def test_reopen_with_smaller_limit_evicts(tmp_path):
     assert stats.entries == 4
 
 
-def test_open_reconciles_files_and_index(tmp_path):
+def test_open_reconciles_segments_and_index(tmp_path):
     kept, lost = chunk(1), chunk(2)
     with ChunkCache(str(tmp_path), 1 << 20) as cache:
         cache.put(sha256(kept), kept)
         cache.put(sha256(lost), lost)
-    files = chunk_files(tmp_path)
-    os.unlink(files[to_hex(sha256(lost))])  # an entry without a file
-    orphan = chunk(3)  # a file without an entry (a put killed before it reached the index)
-    orphan_path = os.path.join(tmp_path, "chunks", to_hex(sha256(orphan))[:2], to_hex(sha256(orphan)))
-    os.makedirs(os.path.dirname(orphan_path), exist_ok=True)
-    with open(orphan_path, "wb") as f:
+        kept_path, lost_path = located(cache, sha256(kept))[0], located(cache, sha256(lost))[0]
+    os.unlink(lost_path)  # an entry without a segment
+    orphan = chunk(3)  # a segment without an entry (a put killed before it reached the index)
+    with open(os.path.join(tmp_path, "segments", segment_name(99)), "wb") as f:
         f.write(orphan)
-    with open(os.path.join(os.path.dirname(files[to_hex(sha256(kept))]), TMP_PREFIX + "leftover"), "wb") as f:
+    with open(os.path.join(tmp_path, "segments", TMP_PREFIX + "leftover"), "wb") as f:
         f.write(b"partial")
     with ChunkCache(str(tmp_path), 1 << 20) as cache:
         stats = cache.stats()
         assert (stats.entries, stats.bytes, stats.reconciled) == (1, len(kept), 3)
-        assert set(chunk_files(tmp_path)) == {to_hex(sha256(kept))}
+        assert set(segment_files(tmp_path).values()) == {kept_path}
         assert cache.get(sha256(orphan)) is None
+        cache.put(sha256(orphan), orphan)
+        assert located(cache, sha256(orphan))[0] != kept_path and cache.get(sha256(kept)) == kept
 
 
 def test_damaged_index_starts_empty(tmp_path):
@@ -234,7 +260,7 @@ def test_damaged_index_starts_empty(tmp_path):
     with open(os.path.join(tmp_path, "index", "data.mdb"), "r+b") as f:
         f.write(os.urandom(8192))
     with ChunkCache(str(tmp_path), 1 << 20) as cache:
-        assert cache.stats().entries == 0 and chunk_files(tmp_path) == {}
+        assert cache.stats().entries == 0 and segment_files(tmp_path) == {}
         cache.put(sha256(chunk(1)), chunk(1))
         assert cache.get(sha256(chunk(1))) == chunk(1)
 
@@ -273,6 +299,7 @@ def test_threads_share_one_cache(tmp_path):
 WRITER = r"""
 import os, random, signal, sys
 from dsec_fs.digest import sha256
+from lazy_fetch import cache_segments
 from lazy_fetch.cache import ChunkCache
 
 directory, max_bytes, crash, api = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -286,15 +313,20 @@ def rename(src, dst):
     global renames
     renames += 1
     if crash == "before-rename" and renames == 20:
-        die()  # the temporary file is written, the chunk not yet in place
+        die()  # the temporary segment is written, not yet in place
     real_rename(src, dst)
     if crash == "after-rename" and renames == 20:
-        die()  # the chunk file is in place, the index does not know it
+        die()  # the segment is in place, the index does not know its chunks
 def unlink(path):
-    if crash == "mid-eviction" and "/chunks/" in path and ".tmp-" not in path:
-        die()  # the index forgot the evicted chunk, its file is still there
+    if crash == "mid-eviction" and "/segments/" in path and ".tmp-" not in path:
+        die()  # the index forgot every chunk of the segment, the segment is still there
     real_unlink(path)
+def punch_hole(fd, offset, length):
+    if crash == "mid-punch":
+        die()  # the index forgot an evicted chunk, its bytes are still in a segment in use
+    real_punch_hole(fd, offset, length)
 os.rename, os.unlink = rename, unlink
+real_punch_hole, cache_segments.punch_hole = cache_segments.punch_hole, punch_hole
 
 cache = ChunkCache(directory, max_bytes)
 rng = random.Random(7)
@@ -333,14 +365,15 @@ def run_writer(directory, crash, kill_after=None, api="put"):
     assert process.returncode == -signal.SIGKILL
 
 
-@pytest.mark.parametrize("api", ["put", "put_many"])
-@pytest.mark.parametrize("crash", ["before-rename", "after-rename", "mid-eviction"])
+@pytest.mark.parametrize(("crash", "api"), [
+    (crash, api) for crash in ("before-rename", "after-rename", "mid-eviction") for api in ("put", "put_many")
+] + [("mid-punch", "put_many")])  # a put's segment holds one chunk: it goes whole, no hole is punched
 def test_sigkill_at_each_step_leaves_a_consistent_cache(tmp_path, crash, api):
     run_writer(tmp_path, crash, api=api)
     stats = assert_consistent(tmp_path, CRASH_MAX_BYTES)
     assert stats.entries > 0
-    if crash != "before-rename":  # the kill left an unindexed chunk file, which the reopen removed
-        assert stats.reconciled >= 1
+    if crash in ("before-rename", "after-rename", "mid-eviction"):  # an unindexed segment (or a
+        assert stats.reconciled >= 1  # temporary one) was left, which the reopen removed
 
 
 def test_sigkill_at_random_points_leaves_a_consistent_cache(tmp_path):
@@ -352,10 +385,6 @@ def test_sigkill_at_random_points_leaves_a_consistent_cache(tmp_path):
 # -- leftovers and strays: nothing in the directory stops an open, nothing in it is followed
 
 
-def chunk_path(directory, digest: bytes) -> str:
-    return os.path.join(directory, "chunks", to_hex(digest)[:2], to_hex(digest))
-
-
 def test_open_survives_strays_of_every_kind_and_follows_none(tmp_path):
     directory, outside = tmp_path / "cache", tmp_path / "outside"
     outside.mkdir()
@@ -365,9 +394,9 @@ def test_open_survives_strays_of_every_kind_and_follows_none(tmp_path):
     with ChunkCache(str(directory), 1 << 20) as cache:
         for digest, data in zip(digests, chunks):
             cache.put(digest, data)
-    paths = [chunk_path(directory, digest) for digest in digests]
-    # Indexed chunks whose files were replaced: by a directory, a symlink to a file of the right bytes
-    # outside, an empty file, half of it, a FIFO, a symlink to a FIFO; the last one stays sound.
+        paths = [located(cache, digest)[0] for digest in digests]  # a segment each
+    # Indexed segments replaced: by a directory, a symlink to a file of the right bytes outside, an
+    # empty file, half of it, a FIFO, a symlink to a FIFO; the last one stays sound.
     os.unlink(paths[0])
     os.makedirs(os.path.join(paths[0], "inside"))
     (outside / "copy").write_bytes(chunks[1])
@@ -381,24 +410,27 @@ def test_open_survives_strays_of_every_kind_and_follows_none(tmp_path):
     os.mkfifo(outside / "fifo")
     os.unlink(paths[5])
     os.symlink(outside / "fifo", paths[5])
-    chunks_dir = directory / "chunks"
-    os.makedirs(chunks_dir / "ab" / "some-dir" / "deeper")  # the directory of issue 12
-    (chunks_dir / "ab" / "some-dir" / "deeper" / "file").write_bytes(b"x")
-    os.symlink(outside, chunks_dir / "ab" / "link-to-outside")
-    os.symlink(outside, chunks_dir / "cd")  # a fan-out that is a symlink out of the cache
-    (chunks_dir / "ef").write_bytes(b"a file where a fan-out directory belongs")
-    os.makedirs(chunks_dir / "not-a-fan-out" / "x")
-    (chunks_dir / "README").write_bytes(b"a file of a wrong name")
-    os.makedirs(chunks_dir / "01", exist_ok=True)
-    os.mkfifo(chunks_dir / "01" / "fifo")
-    os.makedirs(chunks_dir / "02", exist_ok=True)
+    segments_dir = directory / "segments"
+    os.makedirs(segments_dir / "some-dir" / "deeper")  # the directory of issue 12
+    (segments_dir / "some-dir" / "deeper" / "file").write_bytes(b"x")
+    os.symlink(outside, segments_dir / "link-to-outside")
+    os.symlink(outside, segments_dir / segment_name(1000))  # a segment's name, a symlink out of the cache
+    (segments_dir / ("f" * 16)).write_bytes(b"the last segment number")  # no new number past it
+    os.makedirs(segments_dir / "not-a-segment" / "x")
+    (segments_dir / "README").write_bytes(b"a file of a wrong name")
+    (segments_dir / segment_name(1001).upper()).write_bytes(b"a segment's name, almost")
+    os.mkfifo(segments_dir / "fifo")
     with socket.socket(socket.AF_UNIX) as sock:
-        sock.bind(str(chunks_dir / "02" / "sock"))
-    locked = chunks_dir / "03"
+        sock.bind(str(segments_dir / segment_name(1002)))
+    locked = segments_dir / "03"
     os.makedirs(locked / "sub", exist_ok=True)
     (locked / "sub" / "f").write_bytes(b"y")
     os.chmod(locked / "sub", 0)
     os.chmod(locked, 0)  # unreadable
+    old_chunks = directory / "chunks"  # an older layout's chunk files, one a symlink out of the cache
+    os.makedirs(old_chunks / "ab")
+    (old_chunks / "ab" / ("ab" + "0" * 62)).write_bytes(b"an old chunk file")
+    os.symlink(outside, old_chunks / "cd")
     (directory / "index" / "stray").write_bytes(b"z")
     os.makedirs(directory / "index" / "stray-dir")
     (directory / "operator-notes").write_bytes(b"left alone")
@@ -408,17 +440,17 @@ def test_open_survives_strays_of_every_kind_and_follows_none(tmp_path):
         assert cache.get(digests[6]) == chunks[6]
         assert [cache.get(digest) for digest in digests[:6]] == [None] * 6
         assert cache.stats().rotten == 0  # all dropped at open, none found on read
-        for digest, data in zip(digests, chunks):  # every place can be filled again
+        for digest, data in zip(digests, chunks):  # every chunk can be cached again
             cache.put(digest, data)
         assert [cache.get(digest) for digest in digests] == chunks
+        held = {located(cache, digest)[0] for digest in digests}
     # Nothing outside was touched, nothing stray is left, the operator's file is there.
     assert sorted(os.listdir(outside)) == ["copy", "fifo", "precious"]
     assert (outside / "precious").read_bytes() == b"not the cache's"
     assert sorted(os.listdir(directory / "index")) == ["data.mdb", "lock.mdb"]
-    assert (directory / "operator-notes").exists()
-    left = {os.path.join(d, n) for d, ds, fs in os.walk(chunks_dir) for n in ds + fs}
-    assert {path for path in left if not os.path.isdir(path) or os.listdir(path)} == \
-        {os.path.dirname(path) for path in paths} | set(paths)  # and empty fan-out directories
+    assert (directory / "operator-notes").exists() and not os.path.lexists(old_chunks)
+    assert sorted(os.listdir(segments_dir)) == sorted(os.path.basename(path) for path in held)
+    assert paths[6] in held and len(held) == 7
     with ChunkCache(str(directory), 1 << 20) as cache:
         assert (cache.stats().reconciled, cache.stats().entries) == (0, 7)
 
@@ -428,21 +460,21 @@ def test_open_survives_strays_where_the_cache_keeps_its_own(tmp_path):
     outside.mkdir()
     (outside / "precious").write_bytes(b"keep")
     directory.mkdir()
-    os.symlink(outside, directory / "chunks")  # would send every chunk out of the cache
+    os.symlink(outside, directory / "segments")  # would send every chunk out of the cache
     os.makedirs(directory / "lock" / "sub")  # a directory where the lock file belongs
     (directory / "index").write_bytes(b"a file where the index directory belongs")
     with ChunkCache(str(directory), 1 << 20) as cache:
         cache.put(sha256(chunk(1)), chunk(1))
         assert cache.get(sha256(chunk(1))) == chunk(1)
     assert os.listdir(outside) == ["precious"]
-    assert not os.path.islink(directory / "chunks") and os.path.isfile(directory / "lock")
+    assert not os.path.islink(directory / "segments") and os.path.isfile(directory / "lock")
     # Inside the index: its files replaced by a directory and a symlink.
     os.unlink(directory / "index" / "data.mdb")
     os.makedirs(directory / "index" / "data.mdb")
     os.unlink(directory / "index" / "lock.mdb")
     os.symlink(outside / "precious", directory / "index" / "lock.mdb")
     with ChunkCache(str(directory), 1 << 20) as cache:
-        assert cache.stats().entries == 0  # the index started again, the orphaned chunk file went
+        assert cache.stats().entries == 0  # the index started again, the orphaned segment went
         cache.put(sha256(chunk(2)), chunk(2))
         assert cache.get(sha256(chunk(2))) == chunk(2)
     assert (outside / "precious").read_bytes() == b"keep"
@@ -454,7 +486,7 @@ def test_a_stray_holding_a_mount_is_left_alone(tmp_path):
     directory = tmp_path / "cache"
     with ChunkCache(str(directory), 1 << 20):
         pass
-    target = directory / "chunks" / "ab" / "mounted"
+    target = directory / "segments" / "mounted"
     os.makedirs(target)
     subprocess.run(["mount", "-t", "tmpfs", "none", str(target)], check=True)
     try:
@@ -466,7 +498,7 @@ def test_a_stray_holding_a_mount_is_left_alone(tmp_path):
         subprocess.run(["umount", str(target)], check=True)
 
 
-# -- private: the directory 0700, chunk and index files 0600, narrowed when found wider
+# -- private: the directory 0700, segment and index files 0600, narrowed when found wider
 
 
 def modes_below(directory) -> dict[str, int]:
@@ -486,7 +518,7 @@ def test_the_cache_is_private_and_made_so_when_found_wider(tmp_path):
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     assert modes and all(mode & 0o077 == 0 for mode in modes.values()), modes
     assert {name: mode for name, mode in modes.items() if name.startswith("index/") or "/" not in name} == {
-        "chunks": 0o700, "index": 0o700, "lock": 0o600, "index/data.mdb": 0o600, "index/lock.mdb": 0o600}
+        "segments": 0o700, "index": 0o700, "lock": 0o600, "index/data.mdb": 0o600, "index/lock.mdb": 0o600}
     # An older version left it world-readable: the next open narrows all of it.
     for path in [str(directory), *(os.path.join(directory, name) for name in modes)]:
         os.chmod(path, 0o755 if os.path.isdir(path) else 0o644)
@@ -513,10 +545,170 @@ def test_another_user_reads_nothing_under_the_cache(tmp_path):
         assert readable_by_nobody(paths) == []
         # Nor through the files alone, were the directory opened up by mistake.
         os.chmod(directory, 0o755)
-        for sub in ("chunks", "index"):
+        for sub in ("segments", "index"):
             os.chmod(os.path.join(directory, sub), 0o755)
-        for fan_out in os.listdir(os.path.join(directory, "chunks")):
-            os.chmod(os.path.join(directory, "chunks", fan_out), 0o755)
         assert readable_by_nobody(paths) == [p for p in paths if os.path.isdir(p)]
     finally:
         shutil.rmtree(parent)
+
+
+# -- segments: a batch in one file, holes on eviction, damage under the cache, the older layout
+
+
+def allocated(path: str) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_a_batch_lands_in_one_segment(tmp_path):
+    chunks = [chunk(n, 4096 + 100 * n) for n in range(50)]
+    with ChunkCache(str(tmp_path), 1 << 24) as cache:
+        assert cache.put_many([(sha256(data), data) for data in chunks + chunks[:3]]) == 53  # repeats kept once
+        (name, path), = segment_files(tmp_path).items()
+        offset = 0
+        for data in chunks:  # end to end, in the batch's order
+            assert located(cache, sha256(data)) == (path, offset, len(data))
+            offset += len(data)
+        assert os.path.getsize(path) == offset == cache.stats().bytes
+        assert cache.put_many([(sha256(data), data) for data in chunks[:10]]) == 10  # all cached: no segment
+        assert list(segment_files(tmp_path)) == [name]
+        assert all(cache.get(sha256(data)) == data for data in chunks)
+
+
+def test_eviction_punches_holes_and_unlinks_an_emptied_segment(tmp_path):
+    older = [chunk(n, 64 * 1024) for n in range(16)]
+    newer = [chunk(n, 64 * 1024) for n in range(100, 116)]
+    with ChunkCache(str(tmp_path), 1 << 24) as cache:
+        cache.put_many([(sha256(data), data) for data in older])
+        cache.put_many([(sha256(data), data) for data in newer])
+        older_path, newer_path = located(cache, sha256(older[0]))[0], located(cache, sha256(newer[0]))[0]
+        full = allocated(older_path)
+        assert full >= 16 * 64 * 1024
+        assert cache.evict_to(24 * 64 * 1024) == 8  # the least recent: half of the older batch (one atime)
+        assert allocated(older_path) <= full - 8 * 64 * 1024  # their blocks are free
+        assert os.path.getsize(older_path) == 16 * 64 * 1024  # the others keep their offsets
+        kept = [data for data in older if cache.holds([sha256(data)])]  # (holds: no LRU move)
+        assert len(kept) == 8
+        assert cache.evict_to(16 * 64 * 1024) == 8
+        assert not os.path.exists(older_path) and os.path.exists(newer_path)  # none of it left: unlinked
+        assert all(cache.get(sha256(data)) == data for data in newer)
+        assert not cache.holds(sha256(data) for data in older)
+        assert cache.stats().rotten == 0
+    assert_consistent(tmp_path, 1 << 24)
+
+
+def test_without_holes_evicted_bytes_count_against_the_bound_until_their_segment_goes(tmp_path, monkeypatch):
+    def refuse(fd, offset, length):  # a filesystem without FALLOC_FL_PUNCH_HOLE (vfat, some FUSE ones)
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(cache_segments, "punch_hole", refuse)
+    size, max_bytes = 16 * 1024, 32 * 16 * 1024
+    with ChunkCache(str(tmp_path), max_bytes) as cache:
+        for batch in range(8):  # a batch of 8 chunks a segment; each second chunk used again
+            chunks = [chunk(batch * 100 + n, size) for n in range(8)]
+            cache.put_many([(sha256(data), data) for data in chunks])
+            for data in chunks[::2]:
+                assert cache.get(sha256(data)) == data
+            on_disk = sum(os.path.getsize(path) for path in segment_files(tmp_path).values())
+            assert on_disk <= max_bytes  # the segments, evicted bytes in them included, within the bound
+            assert cache.stats().bytes <= max_bytes
+        assert cache.stats().evictions > 0 and cache.stats().rotten == 0
+    assert_consistent(tmp_path, max_bytes)
+
+
+def test_a_segment_truncated_or_rotted_under_the_cache_gives_misses_not_wrong_bytes(tmp_path):
+    chunks = [chunk(n) for n in range(10)]
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        cache.put_many([(sha256(data), data) for data in chunks])
+        path, offset, _size = located(cache, sha256(chunks[7]))
+        os.truncate(path, offset + 100)  # chunks 7, 8 and 9 cut off
+        overwrite(path, located(cache, sha256(chunks[2]))[1] + 50, b"rot")
+        assert [cache.get(sha256(data)) for data in chunks] == chunks[:2] + [None] + chunks[3:7] + [None] * 3
+        stats = cache.stats()
+        assert (stats.rotten, stats.entries) == (4, 6)
+        cache.put_many([(sha256(data), data) for data in chunks[7:9]])  # fetched again, into a new segment
+    os.truncate(path, offset - 1)  # now chunk 6 too, the cache closed: found at open
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert (cache.stats().reconciled, cache.stats().entries) == (1, 7)
+        assert [cache.get(sha256(data)) for data in chunks] == chunks[:2] + [None] + chunks[3:6] + [None] + \
+            chunks[7:9] + [None]
+        assert cache.stats().rotten == 0
+
+
+def test_a_crash_between_a_segment_and_its_index_commit_leaves_nothing_indexed(tmp_path):
+    # The writer is killed inside its first put_many, once the segment is renamed into place and before
+    # the index records it.
+    writer = r"""
+import os, random, signal, sys
+from dsec_fs.digest import sha256
+from lazy_fetch import lmdb_index
+from lazy_fetch.cache import ChunkCache
+
+def die(self, entries):
+    os.kill(os.getpid(), signal.SIGKILL)
+lmdb_index.CacheIndex.put_many = die
+cache = ChunkCache(sys.argv[1], 1 << 20)
+cache.put_many([(sha256(data), data) for data in (random.Random(n).randbytes(4096) for n in range(20))])
+"""
+    process = subprocess.run([sys.executable, "-c", writer, str(tmp_path)], cwd=PROJECT, timeout=60,
+                             env={**os.environ, "PYTHONPATH": PROJECT})
+    assert process.returncode == -signal.SIGKILL
+    (name, path), = segment_files(tmp_path).items()
+    assert not name.startswith(TMP_PREFIX) and os.path.getsize(path) == 20 * 4096  # written, in place
+    assert read_index(str(tmp_path)) == {}
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert (cache.stats().entries, cache.stats().reconciled) == (0, 1)
+        assert segment_files(tmp_path) == {}
+        assert all(cache.lacks(sha256(chunk(n))) for n in range(20))
+
+
+@pytest.mark.parametrize("hostile", ["symlink", "fifo", "symlink-to-fifo", "directory"])
+def test_a_hostile_entry_in_place_of_a_segment_is_not_followed_and_does_not_block(tmp_path, hostile):
+    directory, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    chunks = [chunk(n) for n in range(4)]
+    results = []
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        cache.put_many([(sha256(data), data) for data in chunks])
+        path = located(cache, sha256(chunks[0]))[0]
+        (outside / "copy").write_bytes(open(path, "rb").read())  # the segment's very bytes
+        os.unlink(path)
+        if hostile == "symlink":
+            os.symlink(outside / "copy", path)
+        elif hostile == "directory":
+            os.makedirs(os.path.join(path, "inside"))
+        else:
+            os.mkfifo(outside / "fifo")
+            os.symlink(outside / "fifo", path) if hostile == "symlink-to-fifo" else os.mkfifo(path)
+        reader = threading.Thread(target=lambda: results.extend(cache.get(sha256(data)) for data in chunks[:2]))
+        reader.start()
+        reader.join(timeout=20)
+        assert not reader.is_alive(), "a read blocked on what is in the segment's place"
+        assert results == [None, None] and cache.stats().rotten == 2
+        cache.evict_to(0)  # no hole is punched through it
+        assert (outside / "copy").read_bytes() == b"".join(chunks)
+    with ChunkCache(str(directory), 1 << 20) as cache:
+        assert cache.stats().entries == 0 and segment_files(directory) == {}
+    assert sorted(os.listdir(outside)) == ["copy", "fifo"][:1 + ("fifo" in hostile)]
+
+
+def test_a_cache_of_the_older_layout_starts_again_empty(tmp_path, caplog):
+    # Layout 1, as main wrote it before segments: an index of (size, atime, xxh3) entries and no layout
+    # mark, a file per chunk under chunks/<hh>/.
+    data = chunk(1)
+    digest = sha256(data)
+    os.makedirs(tmp_path / "index", mode=0o700)
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=3, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(digest, struct.pack("<QQQ", len(data), 1, 2), db=env.open_db(b"entries", txn=txn))
+        txn.put(struct.pack(">Q", 1) + digest, b"", db=env.open_db(b"lru", txn=txn))
+        txn.put(b"bytes", struct.pack("<Q", len(data)), db=env.open_db(b"totals", txn=txn))
+    env.close()
+    os.makedirs(tmp_path / "chunks" / to_hex(digest)[:2])
+    (tmp_path / "chunks" / to_hex(digest)[:2] / to_hex(digest)).write_bytes(data)
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert (cache.stats().entries, cache.stats().bytes) == (0, 0)
+        assert cache.get(digest) is None and cache.lacks(digest)
+        assert not os.path.exists(tmp_path / "chunks")
+        assert cache.put(digest, data) and cache.get(digest) == data
+    assert "layout 1" in caplog.text
+    assert_consistent(tmp_path, 1 << 20)

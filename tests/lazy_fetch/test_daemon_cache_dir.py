@@ -62,33 +62,41 @@ def read_all(node, mountpoint: str, mode: str) -> None:
 
 
 def litter(cache_dir: str, outside: str) -> None:
-    """Strays of every kind: in place of chunk files, among them, and where chunks/, index/ hold theirs."""
-    chunks_dir = os.path.join(cache_dir, "chunks")
-    files = sorted(os.path.join(d, n) for d, _, names in os.walk(chunks_dir) for n in names)
-    assert len(files) >= 5
-    os.unlink(files[0])
-    os.makedirs(os.path.join(files[0], "sub"))  # a directory where a chunk file belongs
-    os.unlink(files[1])
-    os.symlink(os.path.join(outside, "precious"), files[1])
-    os.unlink(files[2])
-    os.mkfifo(files[2])  # a read of it would block for ever
-    with open(files[3], "r+b") as f:
-        f.truncate(10)
-    open(files[4], "w").close()
-    os.makedirs(os.path.join(chunks_dir, "ab", "some-dir"))  # issue 12's own example
-    os.symlink(outside, os.path.join(chunks_dir, "cd"))
-    with open(os.path.join(chunks_dir, "ef"), "wb") as f:
-        f.write(b"a file where a fan-out directory belongs")
-    os.makedirs(os.path.join(chunks_dir, "12"), exist_ok=True)
-    os.mkfifo(os.path.join(chunks_dir, "12", "fifo"))
+    """Strays of every kind: in place of segments, among them, where segments/, index/ hold theirs, and an
+    older layout's chunks/ directory."""
+    segments_dir = os.path.join(cache_dir, "segments")
+    segments = sorted(os.path.join(segments_dir, name) for name in os.listdir(segments_dir))
+    assert segments
+    for path, kind in zip(segments, ["directory", "symlink", "fifo", "truncated", "empty"]):
+        if kind == "truncated":
+            with open(path, "r+b") as f:
+                f.truncate(10)
+            continue
+        os.unlink(path)
+        if kind == "directory":
+            os.makedirs(os.path.join(path, "sub"))  # a directory where a segment belongs
+        elif kind == "symlink":
+            os.symlink(os.path.join(outside, "precious"), path)
+        elif kind == "fifo":
+            os.mkfifo(path)  # a read of it would block for ever
+        else:
+            open(path, "w").close()
+    os.makedirs(os.path.join(segments_dir, "some-dir"))  # issue 12's own example
+    os.symlink(outside, os.path.join(segments_dir, "f" * 16))  # a segment's name, a symlink out of the cache
+    with open(os.path.join(segments_dir, "README"), "wb") as f:
+        f.write(b"a file of a wrong name")
+    os.mkfifo(os.path.join(segments_dir, "fifo"))
     short = tempfile.mkdtemp(prefix="dsd-", dir="/tmp")  # a socket path holds at most 107 bytes: bind, then move
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(os.path.join(short, "s"))
-    os.rename(os.path.join(short, "s"), os.path.join(chunks_dir, "12", to_hex(bytes(32))))
+    os.rename(os.path.join(short, "s"), os.path.join(segments_dir, "e" * 16))
     os.rmdir(short)
-    os.makedirs(os.path.join(chunks_dir, "wrong name", "x"))
+    os.makedirs(os.path.join(segments_dir, "wrong name", "x"))
+    os.chmod(os.path.join(segments_dir, "wrong name"), 0)
+    old_chunks = os.path.join(cache_dir, "chunks")  # layout 1's, with a fan-out that is a symlink out
+    os.makedirs(os.path.join(old_chunks, "ab", "some-dir"))
+    os.symlink(outside, os.path.join(old_chunks, "cd"))
     os.makedirs(os.path.join(cache_dir, "index", "stray-dir"))
-    os.chmod(os.path.join(chunks_dir, "wrong name"), 0)
 
 
 def test_the_daemon_starts_on_a_littered_cache_and_serves_right_bytes(daemons, tmp_path, world_traversable_dir):
@@ -125,7 +133,8 @@ def test_the_daemon_starts_on_a_littered_cache_and_serves_right_bytes(daemons, t
 
     # Nobody else reads a byte of it: not the directory, not a chunk, not the index.
     paths = all_paths(cache_dir)
-    assert any("/chunks/" in path for path in paths) and any(path.endswith("data.mdb") for path in paths)
+    assert any("/segments/" in path for path in paths) and any(path.endswith("data.mdb") for path in paths)
+    assert not os.path.lexists(os.path.join(cache_dir, "chunks"))
     assert readable_by_nobody([world_traversable_dir]) == [world_traversable_dir]  # the probe works
     assert readable_by_nobody(paths) == []
     assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o700

@@ -129,8 +129,9 @@ def test_corrupted_cache_file_is_dropped_and_refetched(backend, cache, tmp_path)
         async with open_fetcher(counting, cache) as fetcher:
             assert await fetcher.fetch(digest, location) == data
             await until(lambda: fetcher.in_flight == 0)  # cached after the reader had it
-            path = os.path.join(cache.directory, "chunks", to_hex(digest)[:2], to_hex(digest))
+            path, offset, _size = cache.locate(digest)
             with open(path, "r+b") as f:
+                f.seek(offset)
                 f.write(bytes([data[0] ^ 0x80]))
             assert await fetcher.fetch(digest, location) == data
             assert await fetcher.fetch(digest, location) == data

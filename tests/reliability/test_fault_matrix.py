@@ -279,7 +279,7 @@ def test_cache_directory_deleted_under_the_daemon(fault_layer, daemons, tmp_path
     check_daemon_up(daemon)
     cache = daemon.node.cache_stats()
     assert cache.rotten > 0 and cache.entries > 0
-    assert os.listdir(os.path.join(daemons.cache_dir, "chunks"))  # chunk files are written again
+    assert os.listdir(os.path.join(daemons.cache_dir, "segments"))  # segments are written again
     fetched = layer_status(daemon, fault_layer.digest).chunks_fetched
     assert read_checked(os.path.join(mnt, "victim.bin"), FILES["victim.bin"]) == DATA
     assert layer_status(daemon, fault_layer.digest).chunks_fetched == fetched  # from the disk cache
