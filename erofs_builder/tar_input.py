@@ -64,7 +64,11 @@ class _TarStream:
     messages speak of; the read-ahead is at most one block beyond it."""
 
     def __init__(self, data, counting: _CountingInput | None, source: str, limits: TarLimits):
-        self._data = data  # anything with read(n): the decompressor, or the raw input for a plain tar
+        # Anything with read(n): the decompressor, or the raw input for a plain tar. gzip's read1, not read:
+        # read drops what it decompressed when the compressed input ends early (EOFError), read1 hands it
+        # over first, so a truncation is reported by the read that needs the missing bytes, at its offset
+        # (not by a read-ahead that began before it).
+        self._read_input = data.read1 if isinstance(data, gzip.GzipFile) else data.read
         self._counting = counting  # the compressed input, for the expansion ratio; None for a plain tar
         self.source = source
         self.limits = limits
@@ -153,7 +157,7 @@ class _TarStream:
     def _read(self, n: int, at: int, where: str) -> bytes:
         """One read of the input, which is at uncompressed offset ``at``."""
         try:
-            return self._data.read(n)
+            return self._read_input(n)
         except EOFError:  # gzip's way of saying the compressed stream stops early
             raise InputError(f"truncated: the compressed input ends at uncompressed offset {at}", where=where) from None
         except (OSError, zlib.error, zstandard.ZstdError) as exc:

@@ -35,6 +35,10 @@ Tree refuses (e.g. an entry below a non-directory). Offsets are in the uncompres
 The parts, one module each: tar_input.py (decompression, exact reads, TarLimits on the stream),
 tar_header.py (one header block, PAX records), tar_members.py (members with their extension headers,
 sparse maps and content, MemberError); here, each member made a Node and the Nodes added to a Tree.
+Nearly every member of a real tar is plain (a GNU or ustar file, directory, symlink or hard link with
+no extension header): ``_plain_entry`` parses its header with one unpack and makes its node in one
+step (a regular file's is a ``StreamedFile``, Node's fields in fewer bytes), declining, with nothing
+consumed, anything the general rules would read otherwise or refuse, which they then do.
 
 Threads: one thread iterates and calls the readers; nothing here is shared between threads.
 """
