@@ -85,7 +85,9 @@ class LayerBudget:
         """Count a name placed in the layer; ``new_inode`` unless it is another name of a counted inode."""
         self.meta += DIRENT_BYTES + len(name)
         if new_inode:
-            self.meta += INODE_BYTES + len(node.target) + sum(len(k) + len(v) + 4 for k, v in node.xattrs.items())
+            self.meta += INODE_BYTES + len(node.target)
+            if node.xattrs:  # (most entries have none: no generator for them)
+                self.meta += sum(len(k) + len(v) + 4 for k, v in node.xattrs.items())
             if node.is_reg:
                 self.size += node.size
                 self.meta += -(-node.size // self.chunk_size) * CHUNK_INDEX_ENTRY

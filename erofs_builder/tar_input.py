@@ -23,6 +23,7 @@ from dsec_fs.errors import InputError, UnsupportedError
 from .limits import TarLimits
 
 _SKIP_PIECE = 1 << 20  # bytes per read when skipping data
+_BLOCK_READ = 1 << 20  # bytes read ahead from the input at a time (_TarStream)
 
 
 class _CountingInput:
@@ -54,15 +55,32 @@ class _CountingInput:
 
 
 class _TarStream:
-    """The uncompressed tar bytes: exact reads, the current offset, and the decompression limits."""
+    """The uncompressed tar bytes: exact reads, the current offset, and the decompression limits.
+
+    The input is read in blocks of ``_BLOCK_READ`` bytes into a buffer, from which headers and the data
+    of small members are sliced: one read of the input (and its decompressor) for many members, not two
+    a member. A read of more than the buffer holds takes the rest of it and reads the remainder straight
+    from the input. ``offset`` counts the bytes handed out (consumed), which is what the limits and
+    messages speak of; the read-ahead is at most one block beyond it."""
 
     def __init__(self, data, counting: _CountingInput | None, source: str, limits: TarLimits):
-        self._data = data  # anything with read(n): the decompressor, or the raw input for a plain tar
+        # Anything with read(n): the decompressor, or the raw input for a plain tar. gzip's read1, not read:
+        # read drops what it decompressed when the compressed input ends early (EOFError), read1 hands it
+        # over first, so a truncation is reported by the read that needs the missing bytes, at its offset
+        # (not by a read-ahead that began before it).
+        self._read_input = data.read1 if isinstance(data, gzip.GzipFile) else data.read
         self._counting = counting  # the compressed input, for the expansion ratio; None for a plain tar
         self.source = source
         self.limits = limits
-        self.offset = 0  # uncompressed bytes consumed
-        self.zero_bytes = 0  # of them, in file pieces that were all zeros (holes of the layer)
+        self.buffer = b""  # input read ahead; bytes before ``pos`` are consumed
+        self.pos = 0
+        self._buffer_offset = 0  # stream offset of buffer[0]
+        self.zero_bytes = 0  # of the bytes consumed, those in file pieces that were all zeros (holes of the layer)
+
+    @property
+    def offset(self) -> int:
+        """Uncompressed bytes consumed."""
+        return self._buffer_offset + self.pos
 
     def read(self, n: int, what: str, where: str, *, piece: bool = False) -> bytes:
         """Exactly ``n`` bytes; the input ending first means the archive is truncated. ``piece``: a whole
@@ -74,31 +92,74 @@ class _TarStream:
 
     def read_some(self, n: int, where: str, *, piece: bool = False) -> bytes:
         """``n`` bytes, or fewer at the end of the input."""
-        data = self._read(n, 0, where)
-        got = len(data)
-        if got < n and data:  # a short read (a decompressor's, or a pipe's): read on to n or the end
-            parts = [data]
-            while got < n:
-                more = self._read(n - got, got, where)
-                if not more:
-                    break
-                parts.append(more)
-                got += len(more)
-            data = b"".join(parts)
-        self.offset += got
-        if piece and got and not data[0] and data.count(0) == got:
-            self.zero_bytes += got
-        self._check_limits(where)
+        pos = self.pos
+        end = pos + n
+        if end <= len(self.buffer):
+            data = self.buffer[pos:end]
+            self.pos = end
+        else:
+            data = self._read_beyond(n, where)
+        if piece and data and not data[0] and data.count(0) == len(data):
+            self.zero_bytes += len(data)
+        if not self.within_limits(self._buffer_offset + self.pos, self.zero_bytes):
+            self.check_limits(where)
         return data
 
-    def _read(self, n: int, got: int, where: str) -> bytes:
-        """One read of the input, ``got`` bytes past the current offset."""
+    def take(self, n: int, *, skip: int = 0, piece: bool = False) -> bytes | None:
+        """``skip`` bytes passed over and the ``n`` after them, as ``read`` would give them, when the
+        read-ahead holds them all and the limits still hold after them; else None, and nothing consumed
+        (the caller then reads them with ``read``, which reads on, or raises naming where: no message is
+        made here, as this is called for each header and small file)."""
+        pos = self.pos + skip
+        end = pos + n
+        if end > len(self.buffer):
+            return None
+        data = self.buffer[pos:end]
+        zeros = n if piece and n and not data[0] and data.count(0) == n else 0
+        if not self.within_limits(self._buffer_offset + end, self.zero_bytes + zeros):
+            return None
+        self.pos = end
+        self.zero_bytes += zeros
+        return data
+
+    def fill(self, n: int, where: str) -> bool:
+        """Make ``buffer[pos:pos + n]`` hold ``n`` bytes, reading ahead; False if the input ends first."""
+        buffer, pos = self.buffer, self.pos
+        if pos + n <= len(buffer):
+            return True
+        parts = [buffer[pos:]]
+        got = len(buffer) - pos
+        while got < n:
+            more = self._read(max(_BLOCK_READ, n - got), self.offset + got, where)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        self._buffer_offset += pos
+        self.buffer, self.pos = b"".join(parts), 0
+        return got >= n
+
+    def _read_beyond(self, n: int, where: str) -> bytes:
+        """read_some of more than the buffer holds: its rest, then the input read to ``n`` or its end."""
+        parts = [self.buffer[self.pos:]]
+        got = len(parts[0])
+        self._buffer_offset += len(self.buffer)
+        self.buffer, self.pos = b"", 0
+        while got < n:
+            more = self._read(n - got, self._buffer_offset, where)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+            self._buffer_offset += len(more)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _read(self, n: int, at: int, where: str) -> bytes:
+        """One read of the input, which is at uncompressed offset ``at``."""
         try:
-            return self._data.read(n)
+            return self._read_input(n)
         except EOFError:  # gzip's way of saying the compressed stream stops early
-            raise InputError(
-                f"truncated: the compressed input ends at uncompressed offset {self.offset + got}", where=where
-            ) from None
+            raise InputError(f"truncated: the compressed input ends at uncompressed offset {at}", where=where) from None
         except (OSError, zlib.error, zstandard.ZstdError) as exc:
             raise InputError(f"cannot read or decompress the input: {exc}", where=where) from None
 
@@ -115,7 +176,17 @@ class _TarStream:
             self.read(step, what, where)
             n -= step
 
-    def _check_limits(self, where: str) -> None:
+    def within_limits(self, offset: int, zero_bytes: int) -> bool:
+        """Whether ``offset`` bytes consumed, ``zero_bytes`` of them in all-zero file pieces, are within
+        TarLimits.max_tar_bytes and the expansion ratio."""
+        limits = self.limits
+        if offset > limits.max_tar_bytes:
+            return False
+        counting = self._counting
+        return counting is None or offset - zero_bytes <= limits.expansion_allowance + limits.max_expansion * counting.count
+
+    def check_limits(self, where: str) -> None:
+        """InputError if the bytes consumed exceed TarLimits.max_tar_bytes or the expansion ratio."""
         limits = self.limits
         if self.offset > limits.max_tar_bytes:
             raise InputError(

@@ -2,7 +2,7 @@
 names 'L'/'K', PAX 'x' and 'g'), its sparse map (old GNU 'S', GNU PAX sparse 0.0, 0.1 and 1.0), and its
 content, readable once, in order, while the stream is on it.
 
-``_TarReader.next_member`` walks the archive member by member, first skipping what is left of the
+``_TarReader.next_block`` and ``member`` walk the archive member by member, first skipping what is left of the
 previous one, and ends at the end marker (data after a lone zero block is refused). Everything that
 breaks the archive's framing is fatal (InputError): truncation, oversized extension headers, a
 header-only member (link, device, directory...) that claims data. A bad member whose extent is known
@@ -50,8 +50,8 @@ class _Member:
     where: str  # the archive, the member and the offset of its first header: errors name it
     header: _Header
     linkname: bytes
+    offset: int  # of its first header (an extension header's, if any)
     size: int  # bytes of data after the header (sparse: the stored segments, plus the 1.0 map)
-    data_left: int  # of those, not yet consumed
     pax: dict[bytes, bytes]  # the member's PAX records, the last of a repeated key winning
     sparse_00: list[tuple[bytes, bytes]]  # PAX 0.0 sparse records in order (their keys repeat)
     old_sparse: list[tuple[int, int]] | None = None  # the map of an old GNU 'S' member
@@ -76,35 +76,67 @@ _NO_EXTENSIONS = _Extensions(pax={}, sparse_00=[])
 
 
 class _TarReader:
-    """Walks the archive member by member; ``next_member`` first skips what is left of the previous one."""
+    """Walks the archive member by member: ``next_block`` finishes the current member (skips what is left
+    of its data) and gives the next header block, ``member`` reads the member that block starts (with its
+    extension headers); a caller that reads a plain member itself (walk_tar._plain_entry) says so with
+    ``start``. The current member's unread data is ``data_left``."""
 
     def __init__(self, stream: _TarStream):
         self.stream = stream
-        self._member: _Member | None = None
+        self.data_left = 0  # bytes of the current member's data not yet consumed
+        self._padding = 0  # after the current member's data, up to the next header
+        self._current: tuple[bytes, int] | None = None  # the current member's name and offset, for messages
         self._content: _Content | None = None
-        self._ended = False
         self._warned_keys: set[bytes] = set()
 
-    def next_member(self) -> _Member | None:
-        padding, member_where = self._finish_member()
-        if self._ended:
-            return None
+    def start(self, name: bytes, offset: int, size: int, content: _Content | None) -> None:
+        """The member at ``offset`` named ``name`` with ``size`` bytes of data is the current one; its
+        ``content`` reader, if any, is closed when the reader moves on."""
+        self._current = (name, offset)
+        self.data_left = size
+        self._padding = -size % BLOCK
+        self._content = content
+
+    def where(self) -> str:
+        """The current member, for messages (member_where's form)."""
+        name, offset = self._current
+        return member_where(self.stream.source, name, offset)
+
+    def next_block(self) -> tuple[bytes, int]:
+        """Finish the current member, then the next header block, consumed, and its offset. The member's
+        padding is read with the block (and a truncation inside it names the member)."""
+        if self._content is not None:
+            self._content.close()
+            self._content = None
+        stream = self.stream
+        if self.data_left:
+            stream.skip(self.data_left, "member data", self.where())
+            self.data_left = 0
+        padding, self._padding = self._padding, 0
+        block = stream.take(BLOCK, skip=padding)
+        if block is None and stream.fill(padding + BLOCK, f"{stream.source}: header at offset {stream.offset + padding}"):
+            block = stream.take(BLOCK, skip=padding)
+        if block is not None:
+            return block, stream.offset - BLOCK
+        # The input ends within the padding or the header, or a limit is reached: as a plain read says it.
+        offset = stream.offset + padding
+        where = f"{stream.source}: header at offset {offset}"
+        data = stream.read_some(padding + BLOCK, where)
+        if len(data) < padding:
+            raise InputError(f"truncated: the input ends at offset {stream.offset} inside member data",
+                             where=self.where())
+        if len(data) < padding + BLOCK:
+            raise InputError(f"truncated: the input ends at offset {stream.offset} inside a header (or "
+                             "the end-of-archive marker)", where=where)
+        return data[padding:], offset
+
+    def member(self, block: bytes, offset: int) -> _Member | None:
+        """The member whose first header (an extension header, or its own) is ``block`` at ``offset``, now
+        the current one; None at the end of the archive."""
         stream = self.stream
         ext = _NO_EXTENSIONS  # until an extension header comes
         while True:
-            offset = stream.offset + padding
             where = f"{stream.source}: header at offset {offset}"
-            if padding:  # the last member's padding and the next header in one read
-                data = stream.read_some(padding + BLOCK, where)
-                if len(data) < padding:
-                    raise InputError(f"truncated: the input ends at offset {stream.offset} inside member data",
-                                     where=member_where)
-                block, padding = data[padding:], 0
-                if len(block) < BLOCK:
-                    raise InputError(f"truncated: the input ends at offset {stream.offset} inside a header (or "
-                                     "the end-of-archive marker)", where=where)
-            else:
-                block = stream.read(BLOCK, "a header (or the end-of-archive marker)", where)
             if block == ZERO_BLOCK:
                 if ext.offset is not None:
                     raise InputError("extension header not followed by a member", where=where)
@@ -119,31 +151,21 @@ class _TarReader:
             elif kind == b"V":  # a volume label names the archive, not a file
                 stream.skip(header.size + _padding(header.size), "a volume label", where)
             else:
-                self._member = self._read_member(header, offset, ext)
-                return self._member
+                member = self._read_member(header, offset, ext)
+                if header.typeflag == b"S":
+                    self._read_old_sparse(member)
+                return member
+            offset = stream.offset
+            block = stream.read(BLOCK, "a header (or the end-of-archive marker)", f"{stream.source}: header at "
+                                f"offset {offset}")
 
     def attach(self, content: _Content) -> None:
         """The content reader of the current member, to be closed when the reader moves on."""
         self._content = content
 
-    def _finish_member(self) -> tuple[int, str | None]:
-        """Close the current member: skip what is left of its data; its padding is left to the caller, to
-        be read with the next header (and where to say the member was truncated)."""
-        if self._content is not None:
-            self._content.close()
-            self._content = None
-        member, self._member = self._member, None
-        if member is None:
-            return 0, None
-        if member.data_left:
-            self.stream.skip(member.data_left, "member data", member.where)
-            member.data_left = 0
-        return _padding(member.size), member.where
-
     def _end_of_archive(self, where: str) -> None:
         # The marker is two zero blocks; GNU tar accepts a lone one at the very end. A non-zero block
         # after a zero block is data most readers never see: refuse it rather than guess.
-        self._ended = True
         rest = self.stream.read_some(BLOCK, where)
         if rest.strip(b"\0"):
             raise InputError("data after a zero block (a hidden second archive?)", where=where)
@@ -184,7 +206,9 @@ class _TarReader:
         # An empty PAX value means "no override".
         name = pax.get(b"GNU.sparse.name") or pax.get(b"path") or ext.long_name or header.name
         source = name.decode("utf-8", "backslashreplace")
-        where = f"{self.stream.source}: member {source} at offset {offset if ext.offset is None else ext.offset}"
+        if ext.offset is not None:
+            offset = ext.offset
+        where = member_where(self.stream.source, name, offset)
         size = header.size
         if pax.get(b"size"):
             size = _pax_decimal(pax[b"size"], "size", where, InputError)  # framing: fatal
@@ -198,13 +222,12 @@ class _TarReader:
             where=where,
             header=header,
             linkname=pax.get(b"linkpath") or ext.long_link or header.linkname,
+            offset=offset,
             size=size,
-            data_left=size,
             pax=pax,
             sparse_00=ext.sparse_00,
         )
-        if header.typeflag == b"S":
-            self._read_old_sparse(member)
+        self.start(name, offset, size, None)
         return member
 
     def _read_old_sparse(self, member: _Member) -> None:
@@ -235,6 +258,11 @@ class _TarReader:
 
 def _padding(size: int) -> int:
     return -size % BLOCK
+
+
+def member_where(source: str, name: bytes, offset: int) -> str:
+    """How errors name a member: the archive, the member's name and the offset of its first header."""
+    return f"{source}: member {name.decode('utf-8', 'backslashreplace')} at offset {offset}"
 
 
 def _pax_decimal(value: bytes, what: str, where: str, error: type[InputError] = MemberError) -> int:
@@ -279,7 +307,7 @@ def _sparse_map(member: _Member, reader: _TarReader) -> tuple[int, list[tuple[in
         count = _pax_decimal(pax[b"GNU.sparse.numblocks"], "GNU.sparse.numblocks", where)
         if count != len(segments):
             raise MemberError(f"GNU.sparse.numblocks is {count} but the map has {len(segments)} segments", where=where)
-    return realsize, _checked_segments(segments, realsize, member.data_left, limit, where)
+    return realsize, _checked_segments(segments, realsize, reader.data_left, limit, where)
 
 
 def _check_segment_count(count: int, limit: int, where: str) -> None:
@@ -320,10 +348,10 @@ def _read_sparse_map_1_0(member: _Member, reader: _TarReader) -> list[tuple[int,
             continue
         if len(pending) > 20:
             raise MemberError("malformed sparse map: a line longer than a number", where=where)
-        if member.data_left < BLOCK:
+        if reader.data_left < BLOCK:
             raise MemberError("sparse map runs past the member's data", where=where)
         pending += reader.stream.read(BLOCK, "the sparse map", where)
-        member.data_left -= BLOCK
+        reader.data_left -= BLOCK
     return _pairs(numbers, where)
 
 
@@ -354,19 +382,26 @@ def _checked_segments(
 class _Content:
     """The data of the member the stream is on: readable once, in order, until the reader moves on."""
 
-    def __init__(self, reader: _TarReader, member: _Member, node: Node, segments: list[tuple[int, int]] | None):
-        self._stream = reader.stream
-        self._member = member
+    __slots__ = ("_reader", "_node", "_segments", "_name", "_offset", "_started", "_closed")
+
+    def __init__(self, reader: _TarReader, node: Node, segments: list[tuple[int, int]] | None, name: bytes,
+                 offset: int):
+        self._reader = reader
         self._node = node
         self._segments = segments  # None: the data is the whole file
+        self._name, self._offset = name, offset  # the member's, for messages (made only for one)
         self._started = False
         self._closed = False
+
+    @property
+    def where(self) -> str:
+        return member_where(self._reader.stream.source, self._name, self._offset)
 
     def read(self, chunk_size: int) -> Iterator[bytes | None]:
         """Node.reader: pieces of ``chunk_size`` bytes (the last shorter), None for a piece that is all hole."""
         self._check_open()
         if self._started:
-            raise RuntimeError(f"{self._member.where}: the content of a tar member can be read only once")
+            raise RuntimeError(f"{self.where}: the content of a tar member can be read only once")
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {chunk_size}")
         self._started = True
@@ -374,7 +409,13 @@ class _Content:
             return self._sparse_pieces(chunk_size)
         size = self._node.size
         if size <= chunk_size:  # one piece (most files): read now, without a generator
-            return iter((self._take(size, piece=True),) if size else ())
+            if not size:
+                return iter(())
+            data = self._reader.stream.take(size, piece=True)
+            if data is None:
+                return iter((self._take(size, piece=True),))
+            self._reader.data_left -= size
+            return iter((data,))
         return self._pieces(chunk_size)
 
     def close(self) -> None:
@@ -384,14 +425,14 @@ class _Content:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(
-                f"{self._member.where}: content read after the tar stream moved past the member "
+                f"{self.where}: content read after the tar stream moved past the member "
                 "(read it before advancing the iterator)"
             )
 
     def _take(self, n: int, *, piece: bool = False) -> bytes:
         self._check_open()
-        data = self._stream.read(n, "the member's data", self._member.where, piece=piece)
-        self._member.data_left -= n
+        data = self._reader.stream.read(n, "the member's data", self.where, piece=piece)
+        self._reader.data_left -= n
         return data
 
     def _pieces(self, chunk_size: int) -> Iterator[bytes]:

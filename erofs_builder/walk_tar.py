@@ -35,6 +35,10 @@ Tree refuses (e.g. an entry below a non-directory). Offsets are in the uncompres
 The parts, one module each: tar_input.py (decompression, exact reads, TarLimits on the stream),
 tar_header.py (one header block, PAX records), tar_members.py (members with their extension headers,
 sparse maps and content, MemberError); here, each member made a Node and the Nodes added to a Tree.
+Nearly every member of a real tar is plain (a GNU or ustar file, directory, symlink or hard link with
+no extension header): ``_plain_entry`` parses its header with one unpack and makes its node in one
+step (a regular file's is a ``StreamedFile``, Node's fields in fewer bytes), declining, with nothing
+consumed, anything the general rules would read otherwise or refuse, which they then do.
 
 Threads: one thread iterates and calls the readers; nothing here is shared between threads.
 """
@@ -47,13 +51,16 @@ import contextlib
 import logging
 import os
 import stat
+import struct
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
+from types import MappingProxyType
 from typing import BinaryIO
 
 from dsec_fs.errors import InputError
 
 from .limits import DEFAULT_LIMITS, LayerBudget, TarLimits
+from .tar_header import _POSIX_MAGIC, header_sum
 from .tar_input import _open_input
 from .tar_members import (MAX_DECIMAL_DIGITS, REGULAR_TYPES, MemberError, _Content, _Member, _pax_decimal, _sparse_map,
                           _TarReader)
@@ -205,9 +212,110 @@ def _node_for(member: _Member, reader: _TarReader, links: dict[bytes, Node]) -> 
     if node.is_dir:
         node.children = {}
     if node.is_reg:
-        content = _Content(reader, member, node, None if sparse is None else sparse[1])
+        content = _Content(reader, node, None if sparse is None else sparse[1], member.name, member.offset)
         node.reader = content.read
         reader.attach(content)
+    links[path] = node
+    return path, node
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain members in one step.
+
+# A header's first 265 bytes as plain members have them: name, mode, uid, gid, size, mtime, chksum, typeflag,
+# linkname and magic (the fields of tar_header._HEADER; devmajor and devminor are sliced, the rest unused).
+_PLAIN_HEADER = struct.Struct("100s8s8s8s12s12s8sc100s8s")
+_GNU_MAGIC = b"ustar  \0"
+_PLAIN_TYPES = frozenset((b"0", b"5", b"2", b"1"))  # file, directory, symlink, hard link
+_OCTAL_DIGITS = b"01234567"
+_NO_XATTRS = MappingProxyType({})
+
+
+class StreamedFile:
+    """The node of a plain regular-file member (``_plain_entry``): a Node to everything that reads it (the
+    same fields), in 10 slots instead of Node's 14, with no xattrs of its own (one shared empty mapping) and
+    its ``source`` (the member's name, for messages) made from the name as archived only when asked for. A
+    Node, its own empty dict and its source string were ~230 bytes a file."""
+
+    __slots__ = ("mode", "uid", "gid", "mtime_ns", "size", "xattrs", "nlink", "chunks", "reader", "_name")
+    rdev = 0
+    target = b""
+    children = None
+    identity = None
+    is_dir, is_reg, is_symlink = Node.is_dir, Node.is_reg, Node.is_symlink
+
+    def __init__(self, mode: int, uid: int, gid: int, mtime_ns: int, size: int, name: bytes):
+        self.mode, self.uid, self.gid, self.mtime_ns, self.size = mode, uid, gid, mtime_ns, size
+        self.xattrs = _NO_XATTRS
+        self.nlink, self.chunks, self.reader = 0, None, None
+        self._name = name
+
+    @property
+    def source(self) -> str:
+        return self._name.decode("utf-8", "backslashreplace")
+
+
+def _plain_entry(block: bytes, offset: int, reader: _TarReader, links: dict[bytes, Node],
+                 shared: dict[int, int]) -> tuple[bytes, Node] | None:
+    """The (path, node) of the member whose header is ``block``, made in one step, when the member is plain:
+    a file, directory, symlink or hard link of a GNU or POSIX ustar header (no prefix) with no extension
+    header before it, every number octal digits then padding, the unsigned checksum right, nothing the
+    general rules (``_TarReader.member``, ``_node_for``) would refuse or read otherwise; the member is then
+    the reader's current one. None for anything else, with nothing consumed or changed: the general rules
+    then read the member from the same block and give the same node, or the error. Nearly every member of
+    a tar is plain, and this is the only code most of them meet."""
+    name, mode, uid, gid, size, mtime, chksum, kind, linkname, magic = _PLAIN_HEADER.unpack_from(block)
+    if kind not in _PLAIN_TYPES or (magic != _GNU_MAGIC and (magic != _POSIX_MAGIC or block[345])):
+        return None
+    numbers = [field.rstrip(b" \0") for field in (chksum, size, mode, uid, gid, mtime, block[329:337], block[337:345])]
+    if not numbers[0] or b"".join(numbers).translate(None, _OCTAL_DIGITS):
+        return None
+    stored, size, mode, uid, gid, mtime = [int(number, 8) if number else 0 for number in numbers[:6]]
+    if stored != header_sum(block):
+        return None
+    end = name.find(0)
+    if end >= 0:
+        name = name[:end]
+    path = name[2:] if name.startswith(b"./") else name
+    if path.endswith(b"/"):
+        path = path[:-1]
+    if not path or path.startswith((b"/", b".")) or path.endswith(b"/") or b"//" in path or b"/." in path:
+        if b".." in name:
+            return None  # maybe a '..' component: refused by the general rules
+        path = _normalize(name, "name", "")  # '.' components, empty ones, dotfiles: never raises here
+    mode = shared.setdefault(mode & 0o7777, mode & 0o7777)
+    uid, gid = shared.setdefault(uid, uid), shared.setdefault(gid, gid)  # < 8**8: always within MAX_ID
+    mtime_ns = mtime * 1_000_000_000  # < 8**12 s: always within range
+    if kind == b"0":
+        if size > reader.stream.limits.max_file_size:
+            return None
+        node = StreamedFile(shared.setdefault(stat.S_IFREG | mode, stat.S_IFREG | mode), uid, gid, mtime_ns, size,
+                            name)
+        content = _Content(reader, node, None, name, offset)
+        node.reader = content.read
+        reader.start(name, offset, size, content)
+        links[path] = node
+        return path, node
+    if size:
+        return None  # a header-only member that claims data
+    end = linkname.find(0)
+    if end >= 0:
+        linkname = linkname[:end]
+    if kind == b"1":
+        if b".." in linkname:
+            return None
+        node = links.get(_normalize(linkname, "hard link target", ""))
+        if node is None or node.is_dir:
+            return None
+    elif kind == b"2":
+        if not linkname:
+            return None
+        node = Node(stat.S_IFLNK | 0o777, uid, gid, mtime_ns, len(linkname), 0, {}, linkname,
+                    source=name.decode("utf-8", "backslashreplace"))
+    else:
+        node = Node(stat.S_IFDIR | mode, uid, gid, mtime_ns, 0, 0, {}, children={},
+                    source=name.decode("utf-8", "backslashreplace"))
+    reader.start(name, offset, 0, None)
     links[path] = node
     return path, node
 
@@ -230,15 +338,22 @@ def tar_nodes(
     """
     reader = _TarReader(_open_input(stream, source, limits))
     links: dict[bytes, Node] = {}  # path -> the Node last placed there, for hard links
-    while (member := reader.next_member()) is not None:
-        try:
-            path, node = _node_for(member, reader, links)
-        except MemberError as exc:
-            if not lenient:
-                raise
-            log.warning("%s: member skipped: %s", exc.where, exc.message)
-            continue
-        yield path, node
+    shared: dict[int, int] = {}  # one int object for each mode, uid and gid seen (plain members)
+    while True:
+        block, offset = reader.next_block()
+        entry = _plain_entry(block, offset, reader, links, shared)
+        if entry is None:  # anything but a plain member: the general rules
+            member = reader.member(block, offset)
+            if member is None:
+                return
+            try:
+                entry = _node_for(member, reader, links)
+            except MemberError as exc:
+                if not lenient:
+                    raise
+                log.warning("%s: member skipped: %s", exc.where, exc.message)
+                continue
+        yield entry
 
 
 def fill_tree(

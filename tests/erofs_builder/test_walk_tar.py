@@ -824,3 +824,117 @@ def test_malformed_sparse_map_1_0(caplog):
             walk(data)
         tree = assert_skipped_leniently(data, caplog)
         assert tree.lookup(b"sp") is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain members (walk_tar._plain_entry) against the general rules, and the stream's read-ahead.
+
+
+def general_rules_only(monkeypatch) -> None:
+    """Every member read by the general rules (_TarReader.member, _node_for), as before the plain path."""
+    import erofs_builder.walk_tar as walk_tar_module
+
+    monkeypatch.setattr(walk_tar_module, "_plain_entry", lambda *args: None)
+
+
+def described_with_sources(data: bytes, **kw) -> dict:
+    tree, collect = walk(data, **kw)
+    sources = {path: node.source for path, node in tree.walk() if path}
+    return {"nodes": describe(tree, collect), "sources": sources}
+
+
+def plain_and_unusual_members() -> list:
+    """Plain members of every kind, and members next to them that the plain path must leave alone."""
+    return [
+        (info("./", tarfile.DIRTYPE, mode=0o755, mtime=1_500_000_000), None),
+        (info("./d", tarfile.DIRTYPE, mode=0o2775, uid=1000, gid=1000), None),
+        file("./d/f", b"plain", uid=1000, gid=1000, mode=0o4755),
+        file("./d/.hidden", b"dotfile"),
+        file("d//double", b"an empty component"),
+        file("./d/./dot", b"a '.' component"),
+        file("/abs/olute", b"a leading slash"),
+        file("a..b", b"two dots in a name"),
+        file("l" * 60 + "/" + "n" * 80, b"a long name"),  # ustar: prefix; GNU: 'L'; PAX: path
+        (info("link", tarfile.LNKTYPE, linkname="./d/f"), None),
+        (info("link-to-long", tarfile.LNKTYPE, linkname="l" * 60 + "/" + "n" * 80), None),
+        (info("sym", tarfile.SYMTYPE, linkname="d/f"), None),
+        (info("longsym", tarfile.SYMTYPE, linkname="t" * 150), None),  # GNU: 'K'; PAX: linkpath
+        file("empty", b""),
+        file("big", os.urandom(3 * CHUNK + 7)),
+        (info("fifo", tarfile.FIFOTYPE), None),
+        file("after", b"framing intact"),
+    ]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+def test_plain_members_give_what_the_general_rules_give(fmt, monkeypatch):
+    members = plain_and_unusual_members()
+    if fmt == tarfile.USTAR_FORMAT:  # no long link names in ustar
+        members = [m for m in members if m[0].name not in ("longsym", "link-to-long")]
+    data = make_tar(members, fmt)
+    import erofs_builder.walk_tar as walk_tar_module
+
+    plain = []
+    real = walk_tar_module._plain_entry
+    monkeypatch.setattr(walk_tar_module, "_plain_entry", lambda *a: plain.append(real(*a)) or plain[-1])
+    fast = described_with_sources(data)
+    assert sum(entry is not None for entry in plain) >= 8  # the plain path took the plain members
+    general_rules_only(monkeypatch)
+    assert described_with_sources(data) == fast
+    assert fast["nodes"][b"d/.hidden"][0] == "-rw-r--r--" and b"d/double" in fast["nodes"]
+
+
+@pytest.mark.parametrize("options", [["--sparse"], ["--sparse", "--format=posix"], ["--sparse", "--format=oldgnu"]])
+def test_gnu_tar_archives_plain_and_general_give_the_same_tree(tmp_path, options, monkeypatch):
+    root = str(tmp_path / "root")
+    os.mkdir(root)
+    make_real_tree(root)
+    sparse_file(os.path.join(root, "sparse"))
+    archive = str(tmp_path / "t.tar")
+    subprocess.run(["tar", *options, "-C", root, "-cf", archive, "."], check=True)
+    with open(archive, "rb") as f:
+        data = f.read()
+    fast = described_with_sources(data)
+    general_rules_only(monkeypatch)
+    assert described_with_sources(data) == fast
+
+
+@pytest.mark.parametrize("block_read", [512, 700, 1537, 4096])
+def test_members_across_read_ahead_boundaries(block_read, monkeypatch):
+    """Headers, padding and data cut by the read-ahead at any offset read as with one large buffer; so do
+    truncations, which still name what they cut."""
+    data = make_tar(plain_and_unusual_members(), tarfile.GNU_FORMAT)
+    whole = described_with_sources(data)
+    import erofs_builder.tar_input as tar_input_module
+
+    monkeypatch.setattr(tar_input_module, "_BLOCK_READ", block_read)
+    assert described_with_sources(data) == whole
+    assert described_with_sources(gzip.compress(data)) == whole
+    for cut in range(100, len(data) - 1024, 1111):
+        with pytest.raises(InputError, match="truncated"):
+            walk(data[:cut])
+
+
+def test_truncated_plain_member_names_the_member_and_its_offset():
+    data = make_tar([file("a", b"x" * 600), file("b", b"y" * 300)], tarfile.GNU_FORMAT)
+    with pytest.raises(InputError, match="truncated") as exc:
+        walk(data[:1536 + 512 + 100])  # inside b's data; b's header is at 512 + 1024
+    assert exc.value.where.endswith("member b at offset 1536")
+    with pytest.raises(InputError, match="truncated") as exc:
+        walk(data[:512 + 300])  # inside a's data
+    assert exc.value.where.endswith("member a at offset 0")
+
+
+def test_a_plain_member_over_the_limits_meets_the_general_rules(caplog):
+    """What the plain path does not take (a file over max_file_size, a header-only member with data, a
+    hard link to a missing member, a signed checksum) is refused or read as the general rules say."""
+    limits = TarLimits(max_file_size=4)
+    with pytest.raises(MemberError, match="max_file_size"):
+        walk(make_tar([file("big", b"12345")], tarfile.GNU_FORMAT), limits=limits)
+    with pytest.raises(MemberError, match="which no earlier member is"):
+        walk(make_tar([(info("l", tarfile.LNKTYPE, linkname="gone"), None)], tarfile.GNU_FORMAT))
+    block = bytearray(raw_member(info("s", tarfile.SYMTYPE, linkname="t"))[:512])
+    block[124:136] = b"00000000001\0"  # a symlink claiming a byte of data
+    block[148:156] = b"%06o\0 " % header_sum(bytes(block))
+    with pytest.raises(InputError, match="claims 1 bytes"):
+        walk(bytes(block) + bytes(512) + END)
