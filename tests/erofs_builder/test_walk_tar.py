@@ -16,6 +16,7 @@ import random
 import stat
 import subprocess
 import tarfile
+import zlib
 
 import pytest
 import zstandard
@@ -938,3 +939,26 @@ def test_a_plain_member_over_the_limits_meets_the_general_rules(caplog):
     block[148:156] = b"%06o\0 " % header_sum(bytes(block))
     with pytest.raises(InputError, match="claims 1 bytes"):
         walk(bytes(block) + bytes(512) + END)
+
+
+def test_truncated_gzip_names_the_member_cut_and_where_the_input_ends():
+    """A gzip stream cut short: the error names the member whose data is cut and the uncompressed offset
+    where the input ends, not a read-ahead begun at an earlier header (gzip's read drops what it had
+    decompressed when it meets the early end)."""
+    rng = random.Random(17)
+    sizes = [50_000] * 30 + [900_000] + [50_000] * 9
+    members = [file(f"f{i:02d}", rng.randbytes(size)) for i, size in enumerate(sizes)]
+    plain = make_tar(members, tarfile.GNU_FORMAT)
+    headers, offset = {}, 0
+    for ti, data in members:
+        headers[ti.name] = offset
+        offset += 512 + -(-len(data) // 512) * 512
+    compressed = gzip.compress(plain)
+    for fraction in (0.3, 0.8):
+        cut = compressed[: int(len(compressed) * fraction)]
+        ends_at = len(zlib.decompressobj(31).decompress(cut))  # the uncompressed bytes the cut input holds
+        name = max((n for n, at in headers.items() if at + 512 <= ends_at), key=headers.get)
+        message = f"truncated: the compressed input ends at uncompressed offset {ends_at}$"
+        with pytest.raises(InputError, match=message) as exc:
+            walk(cut)
+        assert exc.value.where.endswith(f"member {name} at offset {headers[name]}")
