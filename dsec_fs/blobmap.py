@@ -27,7 +27,6 @@ import hashlib
 import itertools
 import operator
 import struct
-from collections.abc import Iterator
 
 from .digest import DIGEST_SIZE, short
 from .errors import FormatError, InputError, NotFoundError, UnsupportedError
@@ -183,25 +182,19 @@ class BlobMap:
             raise InputError(f"block {blkaddr} is outside the blob ({self.blocks} blocks)", where="blob map")
         return bisect.bisect_right(self._starts, blkaddr) - 1
 
-    def entries_in(self, offset: int, end: int) -> Iterator[tuple[int, bytes, int, int]]:
-        """(index, digest, byte offset of its first byte, length) of each entry whose data overlaps bytes
-        [offset, end) of the blob, in blob order; ``end`` is cut to the blob's end, and a range only in
-        padding or past the end has none. A reader's hot path: one bisect, then the entries in the range."""
+    def entries_in(self, offset: int, end: int) -> range:
+        """The indexes of the entries whose data overlaps bytes [offset, end) of the blob, in blob order;
+        ``end`` is cut to the blob's end, and a range only in padding or past the end has none. A reader's
+        hot path: two bisects and no test per entry (docs/benchmarks.md, "tidy9": 0.1-0.3 us more per
+        read than the loops it replaced, on a walk of 1.5-2 us)."""
         end = min(end, self.blocks << BLOCK_SIZE_BITS)
         if offset >= end:
-            return
-        entries = self.entries
-        index = bisect.bisect_right(self._starts, offset >> BLOCK_SIZE_BITS) - 1
-        blkaddr, digest, length = entries[index]
-        start = blkaddr << BLOCK_SIZE_BITS
-        if start + length > offset:  # else the range starts in this chunk's padding
-            yield index, digest, start, length
-        for index in range(index + 1, len(entries)):
-            blkaddr, digest, length = entries[index]
-            start = blkaddr << BLOCK_SIZE_BITS
-            if start >= end:
-                return
-            yield index, digest, start, length
+            return range(0)
+        first = bisect.bisect_right(self._starts, offset >> BLOCK_SIZE_BITS) - 1
+        blkaddr, _digest, length = self.entries[first]
+        if (blkaddr << BLOCK_SIZE_BITS) + length <= offset:  # the range starts in this chunk's padding
+            first += 1
+        return range(first, bisect.bisect_left(self._starts, -(-end >> BLOCK_SIZE_BITS), first))
 
     def _take_valid(self, entries: list[tuple[int, int, bytes]]) -> bool:
         """Fill an empty map with decoded (blkaddr, length, digest) entries if they are all valid: checked

@@ -63,7 +63,12 @@ class LayerBlob:
         """The chunks whose data overlaps [offset, offset + length), in blob order. A range that falls
         only in padding or past the end of the blob needs none."""
         _check_range(offset, length)
-        return list(map(BlobChunk._make, self.blob_map.entries_in(offset, offset + length)))
+        entries, block_size = self.blob_map.entries, self.blob_map.block_size
+        chunks = []
+        for number in self.blob_map.entries_in(offset, offset + length):
+            blkaddr, digest, chunk_length = entries[number]
+            chunks.append(BlobChunk(number, digest, blkaddr * block_size, chunk_length))
+        return chunks
 
     async def read(self, offset: int, length: int, *, priority: Priority = ONDEMAND,
                    readahead: list[tuple[bytes, ChunkLocation]] = ()) -> bytes:

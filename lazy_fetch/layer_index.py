@@ -168,10 +168,13 @@ class LayerIndex:
     def _blob_pieces(self, offset: int, length: int) -> list[Piece]:
         end = offset + length
         pieces = []
-        for entry, _digest, chunk_start, chunk_length in self.blob_map.entries_in(offset, end):
+        entries, block_size = self.blob_map.entries, self.blob_map.block_size
+        for entry in self.blob_map.entries_in(offset, end):
             owner = self.owner[entry]
             if owner is not None:  # bytes of a chunk no file holds are no file's
                 nid, file_offset = owner
+                blkaddr, _digest, chunk_length = entries[entry]
+                chunk_start = blkaddr * block_size
                 a, b = max(offset, chunk_start), min(end, chunk_start + chunk_length)
                 pieces.append(Piece(nid, file_offset + a - chunk_start, file_offset + b - chunk_start, entry))
         return pieces
