@@ -182,6 +182,20 @@ class BlobMap:
             raise InputError(f"block {blkaddr} is outside the blob ({self.blocks} blocks)", where="blob map")
         return bisect.bisect_right(self._starts, blkaddr) - 1
 
+    def entries_in(self, offset: int, end: int) -> range:
+        """The indexes of the entries whose data overlaps bytes [offset, end) of the blob, in blob order;
+        ``end`` is cut to the blob's end, and a range only in padding or past the end has none. A reader's
+        hot path: two bisects and no test per entry (docs/benchmarks.md, "tidy9": 0.1-0.3 us more per
+        read than the loops it replaced, on a walk of 1.5-2 us)."""
+        end = min(end, self.blocks << BLOCK_SIZE_BITS)
+        if offset >= end:
+            return range(0)
+        first = bisect.bisect_right(self._starts, offset >> BLOCK_SIZE_BITS) - 1
+        blkaddr, _digest, length = self.entries[first]
+        if (blkaddr << BLOCK_SIZE_BITS) + length <= offset:  # the range starts in this chunk's padding
+            first += 1
+        return range(first, bisect.bisect_left(self._starts, -(-end >> BLOCK_SIZE_BITS), first))
+
     def _take_valid(self, entries: list[tuple[int, int, bytes]]) -> bool:
         """Fill an empty map with decoded (blkaddr, length, digest) entries if they are all valid: checked
         and taken at C speed, not an add() per entry (a layer's map has an entry per distinct chunk)."""

@@ -195,7 +195,10 @@ class Node:
         payload = None if body is None else json.dumps(body).encode()
         headers = {"content-type": "application/json"} if payload is not None else {}
         try:
-            connection.request(method, path, body=payload, headers=headers)
+            try:
+                connection.request(method, path, body=payload, headers=headers)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon answered before reading it all (503: over its connection cap) and closed
             response = connection.getresponse()
             data = response.read()
         except (FileNotFoundError, ConnectionRefusedError) as exc:

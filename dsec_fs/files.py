@@ -58,17 +58,15 @@ def write_atomic(path: str | os.PathLike, data: bytes | Callable[[int], None], *
     tmp = os.path.join(directory, f"{tmp_prefix}{name}.tmp-{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     try:
-        try:
-            if callable(data):
+        if callable(data):
+            try:
                 data(fd)
-            else:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        else:
+            write_and_close(fd, data, sync=sync)
         os.rename(tmp, path)
     except BaseException:
         try:
@@ -76,6 +74,19 @@ def write_atomic(path: str | os.PathLike, data: bytes | Callable[[int], None], *
         except FileNotFoundError:
             pass
         raise
+
+
+def write_and_close(fd: int, data: bytes | memoryview, *, sync: bool) -> None:
+    """Write all of ``data`` to ``fd`` (os.write may write less than asked), fsync it if ``sync``, and close
+    it, whatever happens."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def lock_directory(directory: str | os.PathLike, *, what: str = "another process",

@@ -63,19 +63,11 @@ class LayerBlob:
         """The chunks whose data overlaps [offset, offset + length), in blob order. A range that falls
         only in padding or past the end of the blob needs none."""
         _check_range(offset, length)
-        end = min(offset + length, self.size)
-        if offset >= end:
-            return []
-        block_size = self.blob_map.block_size
-        entries = self.blob_map.entries
+        entries, block_size = self.blob_map.entries, self.blob_map.block_size
         chunks = []
-        for number in range(self.blob_map.locate(offset // block_size), len(entries)):
+        for number in self.blob_map.entries_in(offset, offset + length):
             blkaddr, digest, chunk_length = entries[number]
-            start = blkaddr * block_size
-            if start >= end:
-                break
-            if start + chunk_length > offset:
-                chunks.append(BlobChunk(number, digest, start, chunk_length))
+            chunks.append(BlobChunk(number, digest, blkaddr * block_size, chunk_length))
         return chunks
 
     async def read(self, offset: int, length: int, *, priority: Priority = ONDEMAND,

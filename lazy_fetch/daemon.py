@@ -67,6 +67,37 @@ run once the FUSE session serves and stale mounts are detached, before the API a
 (shielded, newest first) once shutdown is asked for, while the API still answers and every layer is still
 mounted. overlay/node_service.py serves sandboxes this way.
 
+Shared state. The three mixins are parts of one object: NodeDaemon.__init__ and ``run`` set every
+attribute below, and the mixins read and change them as their own (a split by concern of one class, not
+composed objects; making each part own its state is a larger change, left for later). Who writes, who reads:
+
+    attribute                      set by (here)          changed by            read by
+    options, state_dir, fuse_dir,  __init__               -                     all three
+      trace_dir, api, memory
+    stores (URL -> StoreContext)   __init__               stores (open, close)  stores; node_status
+    layers (digest -> Layer)       __init__               stores (add),         stores, mounts, traces;
+                                                            mounts (release)      node_status
+    usage (digest -> LayerUsage)   __init__               stores                stores; node_status
+    _served ((mode, layer) ->      __init__               mounts (add, release) mounts, traces
+      Served)                                               traces (clear at close)
+    table (MountTable)             __init__               mounts (add, remove,  mounts, traces; mounts()
+                                                            save)
+    cleaned                        __init__               mounts (stale ones)   node_status
+    _lock / _stores_lock           __init__               -                     mounts, traces / stores
+    cache, _fetch_log, _own_dirs,  run                    -                     stores, mounts, traces
+      meta_copies, profiles
+    segments (TraceSegments)       run                    mounts, traces        mounts, traces
+    _mounter (LayerMounter)        run (open_mounter)     mounts (at adoption)  mounts
+    _flights / prefetcher          run                    -                     stores / traces
+    _background (nursery)          run (None at stop)     -                     stores, traces
+
+Methods they call across: mounts calls stores' ``_store_context``, ``_open_layer``, ``_add_layer``,
+``_open_blob``, ``_missed_in``, ``_map_files_at_mount``, and traces' ``_start_prefetch``; traces calls
+mounts' ``_known_mountpoint`` and ``_read_prefetch_list``; ``run`` calls the start and stop steps of each
+(mounts: ``_adopt_mounts``, ``_clean_stale_mounts``, ``_unmount_all``; traces: ``_prune_traces``,
+``_flush_traces_now_and_then``, ``_publish_the_rest``, ``_close_traces``, ``_cache_room``; stores:
+``_close_stores``). node_status.py reads ``stores``, ``usage``, ``layers`` and ``cleaned`` for status.
+
 Threads: everything here and in the three mixin modules runs in the daemon's trio thread, so the tables
 and the traces need no lock; blocking work (opening layers and stores, resolving paths, mount(2), cache
 eviction) runs in worker threads through trio.to_thread. ``_lock`` (a trio.Lock) makes mount and unmount

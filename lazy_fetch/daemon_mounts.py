@@ -20,13 +20,13 @@ import trio
 from dsec_fs import api
 from dsec_fs.api import FILLS, MODES
 from dsec_fs.digest import is_hex_digest
-from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError, UnavailableError
+from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError
 from dsec_fs.layer import parse_ref, utc_now
 from dsec_fs.mounts import is_below, top_mount, umount
 
 from . import request_paths
 from .fetcher import ChunkFetcher
-from .layer_mount import LayerMounter
+from .layer_mount import LayerMounter, unmount_or_detach
 from .mount_table import Mount, is_ours
 from .prefetch_list import PrefetchList
 from .prefetcher import AUTO_FILL_MIN_ROUND_TRIP, AUTO_FILL_PATIENCE, AUTO_FILL_SAMPLES, fill_entries
@@ -196,15 +196,7 @@ class DaemonMounts:
         Shielded: it runs when the daemon stops, cancelled or not."""
         with trio.CancelScope(shield=True):
             for mountpoint in reversed(list(self.table.mounts)):
-                try:
-                    await self.unmount(mountpoint)
-                except UnavailableError:
-                    try:
-                        await self.unmount(mountpoint, lazy=True)
-                    except DsecError as exc:
-                        log.error("cannot unmount %s: %s", mountpoint, exc)
-                except DsecError as exc:
-                    log.error("cannot unmount %s: %s", mountpoint, exc)
+                await unmount_or_detach(self.unmount, mountpoint)
 
     def _served_for(self, layer: Layer, mode: str, holder: Holder, ref_name: str | None = None, *,
                     prefetch: str = "", profile_key: str = "") -> tuple[tuple[str, str], Served]:

@@ -166,20 +166,16 @@ class LayerIndex:
         return pieces
 
     def _blob_pieces(self, offset: int, length: int) -> list[Piece]:
-        end = min(offset + length, self.blob_bytes)
-        if offset >= end:
-            return []
-        entries, block_size = self.blob_map.entries, self.blob_map.block_size
+        end = offset + length
         pieces = []
-        for entry in range(self.blob_map.locate(offset // block_size), len(entries)):
-            blkaddr, _digest, chunk_length = entries[entry]
-            chunk_start = blkaddr * block_size
-            if chunk_start >= end:
-                break
-            a, b = max(offset, chunk_start), min(end, chunk_start + chunk_length)
+        entries, block_size = self.blob_map.entries, self.blob_map.block_size
+        for entry in self.blob_map.entries_in(offset, end):
             owner = self.owner[entry]
-            if a < b and owner is not None:  # bytes in the padding, or of a chunk no file holds, are no file's
+            if owner is not None:  # bytes of a chunk no file holds are no file's
                 nid, file_offset = owner
+                blkaddr, _digest, chunk_length = entries[entry]
+                chunk_start = blkaddr * block_size
+                a, b = max(offset, chunk_start), min(end, chunk_start + chunk_length)
                 pieces.append(Piece(nid, file_offset + a - chunk_start, file_offset + b - chunk_start, entry))
         return pieces
 

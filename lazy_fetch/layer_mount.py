@@ -277,16 +277,23 @@ class LayerMounter:
         """Unmount every layer (lazily where busy), newest first; the FUSE session is the caller's to end.
         A mount that cannot be detached at all is logged and skipped, so the others still go."""
         for mount in reversed(self.mounts()):
-            try:
-                await self.unmount(mount)
-            except UnavailableError:
-                try:
-                    await self.unmount(mount, lazy=True)
-                except DsecError as exc:
-                    log.error("cannot unmount %s: %s", mount.mountpoint, exc)
+            await unmount_or_detach(self.unmount, mount.mountpoint)
         for mount in self._detached:
             await self._release_all(mount)
         self._detached.clear()
+
+
+async def unmount_or_detach(unmount: Callable[..., Awaitable[object]], mountpoint: str) -> None:
+    """``unmount(mountpoint)``, or where the mount is busy ``unmount(mountpoint, lazy=True)``: what a
+    closing mounter or a stopping daemon does to each of its mounts. One that cannot be detached at all is
+    logged and skipped, so that the caller goes on with the others."""
+    try:
+        try:
+            await unmount(mountpoint)
+        except UnavailableError:  # busy
+            await unmount(mountpoint, lazy=True)
+    except DsecError as exc:
+        log.error("cannot unmount %s: %s", mountpoint, exc)
 
 
 @contextlib.asynccontextmanager

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..beneath import open_beneath
 from ..errors import CorruptError, InputError, NotFoundError, UnavailableError
+from ..files import write_and_close
 from .base import PUT_ALL_THREADS, Store, check_key, check_range, too_large
 
 TMP_PREFIX = ".tmp-"
@@ -268,14 +269,7 @@ class FilesystemStore(Store):
         tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_and_close(fd, data, sync=sync)
         except OSError as exc:
             _remove(dir_fd, tmp)
             raise _unavailable(exc, self._where(key)) from None

@@ -48,6 +48,22 @@ def test_locate_maps_every_block_to_its_chunk():
         blob_map.locate(blob_map.blocks)
 
 
+def test_entries_in_are_the_chunks_whose_data_a_range_overlaps():
+    blob_map = sample_map()
+    size = blob_map.blocks * BLOCK_SIZE
+    # every edge a walk can get wrong: chunk starts and data ends (and the bytes either side), padding,
+    # the blob's end and past it
+    edges = sorted({edge + step for addr, _d, length in blob_map.entries
+                    for edge in (addr * BLOCK_SIZE, addr * BLOCK_SIZE + length) for step in (-1, 0, 1)
+                    if edge + step >= 0} | {size, size + 1, size + 5000})
+    for offset in edges:
+        for end in edges:
+            expected = [index for index, (addr, _digest, length) in enumerate(blob_map.entries)
+                        if offset < end and addr * BLOCK_SIZE < end and offset < addr * BLOCK_SIZE + length]
+            assert list(blob_map.entries_in(offset, end)) == expected, (offset, end)
+    assert list(BlobMap(4096).entries_in(0, 10)) == []
+
+
 def test_round_trip_and_blob_id():
     blob_map = sample_map()
     data = blob_map.encode()

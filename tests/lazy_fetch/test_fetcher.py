@@ -547,25 +547,44 @@ def test_other_store_calls_are_bounded_like_reads(backend, cache):
         hung.answer()
 
 
+class TurnstileStore(StoreWrapper):
+    """Holds each get until the test lets one through (``turns.release()``): reads that come back one
+    by one, exactly when told, however slow the machine is."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.turns = threading.Semaphore(0)
+
+    def _call(self, op, key, fn, sent=0):
+        if op == "get":
+            self.turns.acquire()
+        return fn()
+
+
 def test_an_object_that_answers_may_have_more_reads_at_once(backend, cache):
     # The per-object bound holds an object that has not answered (yet); one whose reads come back gets the
-    # slots, so a pack read hard is not slowed down by it.
-    items = upload(backend, [chunk(n) for n in range(13)])
-    counting = CountingStore(LatencyStore(backend, latency=0.05, bandwidth=None))
+    # slots, so a pack read hard is not slowed down by it. A burst after the last one ended starts at the
+    # bound again.
+    items = upload(backend, [chunk(n) for n in range(20)])  # one pack; one fetch call each: a store read each
+    turnstile = TurnstileStore(backend)
+    counting = CountingStore(turnstile)
 
     async def main():
         async with open_fetcher(counting, cache, object_reads=2) as fetcher:
-            async with trio.open_nursery() as nursery:  # nothing has come back yet: two at a time
-                for item in items[:4]:
-                    nursery.start_soon(lambda item=item: fetcher.fetch(*item))
-            assert counting.max_in_flight == 2
-            counting.reset()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(lambda: fetcher.fetch(*items[4]))
-                await until(lambda: counting.in_flight == 1)
-                for item in items[5:]:  # while the pack is answering: more at once
-                    nursery.start_soon(lambda item=item: fetcher.fetch(*item))
-            assert counting.max_in_flight > 2
+            for burst in (items[:10], items[10:]):
+                counting.reset()
+                async with trio.open_nursery() as nursery:
+                    for item in burst:
+                        nursery.start_soon(lambda item=item: fetcher.fetch(*item))
+                    await until(lambda: fetcher.store_reads_running + fetcher.waiting(ONDEMAND) == 10)
+                    # Nothing has come back yet: two at a time, the rest wait.
+                    assert (fetcher.store_reads_running, fetcher.waiting(ONDEMAND)) == (2, 8)
+                    await until(lambda: counting.in_flight == 2)
+                    turnstile.turns.release()  # one answers while the other is in the air: the rest go too
+                    await until(lambda: counting.in_flight == 9)
+                    assert fetcher.waiting(ONDEMAND) == 0
+                    turnstile.turns.release(9)
+                assert counting.max_in_flight == 9
 
     trio.run(main)
 
