@@ -25,11 +25,7 @@ body that does not match its checksum) is refused with a FormatError or Integrit
 and the daemon goes on without it (a profile only ever speeds a mount up). One lookup decodes at most
 MAX_LOADED_ENTRIES entries of all the objects it merges; one past that is skipped too (UnsupportedError).
 
-Merging: an entry's traces add up; its first-read time is the traces-weighted mean. A lookup merges the
-node objects of a key with none counting for more traces than the median of them (``weighed``): anyone
-can write an object with a count of 2^40 (or a node can have merged a layer's runs for a year), and it
-would outvote every other node's, so that no chunk the others read reached ``min_fraction`` of the
-total and the layer's prefetch was off, or its order that object's. A long run publishes
+Merging: an entry's traces add up; its first-read time is the traces-weighted mean. A long run publishes
 while it goes on (profile_keeper.PublishedRun): each publish of it takes what it published before back
 out of the node's object (``without``) before merging in what it learned since, so a run counts as one
 trace however often it published. A prefetch list takes
@@ -41,7 +37,6 @@ Threads: plain functions on values; the store calls block and run in worker thre
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -314,17 +309,7 @@ def load(store: Store, names: list[str], *, combination: str = "", layer: str = 
         return None
     with ThreadPoolExecutor(max_workers=min(8, len(names)), thread_name_prefix="profile") as pool:
         found = [p for p in pool.map(load_one, names) if p is not None]
-    return merge(weighed(found)) if found else None
-
-
-def weighed(profiles: list[Profile]) -> list[Profile]:
-    """``profiles`` (node objects of one key) with each one's traces, and its entries' in proportion (at
-    least 1), cut down to the median count of them all (the lower one, of an even number): one object's
-    count, however large, weighs as much as a typical node's."""
-    cap = sorted(p.traces for p in profiles)[(len(profiles) - 1) // 2]
-    return [p if p.traces <= cap else dataclasses.replace(
-        p, traces=cap, entries=[dataclasses.replace(e, traces=max(1, e.traces * cap // p.traces)) for e in p.entries])
-        for p in profiles]
+    return merge(found) if found else None
 
 
 def publish(store: Store, key: str, learned: Profile, *, replacing: Profile | None = None) -> Profile:

@@ -3,22 +3,18 @@ shared through the store, used by another daemon with its own state and cache; h
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import threading
 
 import pytest
 
-from dsec_fs.blobmap import BlobMap
 from dsec_fs.client import Node
 from dsec_fs.errors import FormatError, IntegrityError
-from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import RetryStore, StoreWrapper
 from erofs_builder import build_layer
 from lazy_fetch import profile
-from lazy_fetch.layer_index import LayerIndex
 from lazy_fetch.trace import FLAG_MISS, FLAG_PREFETCH, read_trace
 from tests.lazy_fetch.daemon_support import Daemons, layer_store, mount_dirs, wait_for
 
@@ -230,50 +226,6 @@ def test_a_hostile_profile_object_is_ignored_and_the_mount_works(store_dir, tmp_
     finally:
         a.stop_all()
         b.stop_all()
-
-
-@pytest.mark.fuse
-@pytest.mark.root
-@pytest.mark.parametrize("counts", ["huge", "huge-entries"])
-def test_a_node_object_with_a_huge_traces_count_neither_switches_prefetch_off_nor_reorders_it(
-        store_dir, tmp_path, counts):
-    """Next to the honest nodes' objects, one whose count is 2^40 traces (anyone may write one; a node
-    that merged a layer's runs for long has a large one). "huge", its entries read by one trace each:
-    no honest node's entry reached half of all traces, and the mount prefetched nothing. "huge-entries",
-    the honest nodes' chunks read by all of its traces, in the reverse order: the prefetch went in its
-    order. No object weighs more than the median of them now: the mount prefetches what the honest
-    nodes read, in their order."""
-    learners = [Daemons(tmp_path / name) for name in ("a", "c")[:1 if counts == "huge" else 2]]
-    b = Daemons(tmp_path / "b")
-    try:
-        for learner in learners:
-            _learn(learner, store_dir, learner.tmp_path)
-        store = FilesystemStore(store_dir)
-        files = open_layer(store, "t/app:1")
-        prefix = keys.layer_profiles(files.digest)
-        honest = profile.fetch(store, prefix)
-        assert honest.traces == len(learners) and len(list(store.list(prefix))) == len(learners)
-        every = 1 << 40
-        decoys = [profile.ProfileEntry(bytes([i]) * 32, 100, 0, 1, f"/decoy{i}", 0) for i in range(4)]
-        hostile = profile.Profile(layer=files.digest, traces=every, entries=decoys if counts == "huge" else [
-            dataclasses.replace(e, traces=every, first_read_us=10**9 - e.first_read_us) for e in honest.entries])
-        store.put(prefix + "0000000000000000", hostile.encode())
-
-        plan = profile.to_prefetch_list(profile.fetch(store, prefix), files.digest,
-                                        BlobMap.decode(files.blobmap, source="blob map"),
-                                        lambda: LayerIndex.open(store, files.digest))
-        assert [e.digest for e in plan.entries] == [e.digest for e in honest.entries]
-        b.start(store_dir, profiles=True)
-        node = Node(b.socket)
-        mnt, = mount_dirs(tmp_path, "mnt-b")
-        info = node.mount("t/app:1", mnt, mode="fuse")
-        assert info.prefetch == "profile:layer" and info.prefetch_chunks == READ_CHUNKS
-        for name in READ:
-            assert _read(os.path.join(mnt, name)) == FILES[name]
-        node.umount(mnt)
-    finally:
-        for daemons in (*learners, b):
-            daemons.stop_all()
 
 
 @pytest.mark.fuse
