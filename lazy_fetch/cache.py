@@ -103,6 +103,7 @@ from .lmdb_index import DEFAULT_MAP_SIZE, CacheIndex, IndexEntry
 log = logging.getLogger(__name__)
 
 SEGMENTS = "segments"
+INDEX = "index"
 OLD_CHUNKS = "chunks"  # layout 1's directory of chunk files
 # Hits remembered before their LRU moves are written to the index in one transaction.
 TOUCH_BATCH = 64
@@ -173,8 +174,7 @@ class ChunkCache:
 
     def _lock_directory(self) -> int:
         make_room(os.path.join(self.directory, LOCK_NAME), directory=False)
-        fd = lock_directory(self.directory, what="another ChunkCache (this or another process)",
-                            error=lambda message, where: UnavailableError(message, where=where, transient=False))
+        fd = lock_directory(self.directory, what="another ChunkCache (this or another process)", error=_held)
         narrow(fd, FILE_MODE)
         return fd
 
@@ -182,7 +182,7 @@ class ChunkCache:
         """Open the index; a damaged one (or one LMDB will not open, or one of another layout) is a cache
         we can afford to lose, so it starts again empty. Anything in the index directory but LMDB's two
         files goes first."""
-        index_dir = os.path.join(self.directory, "index")
+        index_dir = os.path.join(self.directory, INDEX)
         make_room(index_dir, directory=True)
         os.makedirs(index_dir, mode=DIR_MODE, exist_ok=True)
         narrow_path(index_dir, DIR_MODE)
@@ -448,14 +448,19 @@ class ChunkCache:
         if touches:
             self._index.touch(touches)
 
+
+def _held(message: str, where: str) -> UnavailableError:
+    """The error of a cache directory another ChunkCache holds: not transient (it holds it until closed)."""
+    return UnavailableError(message, where=where, transient=False)
+
+
 def read_index(directory: str) -> dict[bytes, IndexEntry]:
     """The index of the cache in ``directory`` while no ChunkCache has it open (UnavailableError then):
     digest -> its entry, nothing checked or changed (for benches and tests that look at what a daemon
     cached). Its segments are ``directory``/segments/``segment_name(entry.segment)``."""
-    fd = lock_directory(directory, what="a ChunkCache",
-                        error=lambda message, where: UnavailableError(message, where=where, transient=False))
+    fd = lock_directory(directory, what="a ChunkCache", error=_held)
     try:
-        index = CacheIndex(os.path.join(directory, "index"))
+        index = CacheIndex(os.path.join(directory, INDEX))
         try:
             return index.entries()
         finally:
