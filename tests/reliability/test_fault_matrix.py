@@ -266,13 +266,14 @@ def test_cache_disk_full(small_tmpfs, fault_layer, daemons, tmp_path, mode):
 
 def remove_under_a_writer(path: str) -> None:
     """``rm -rf`` of a directory the daemon may be writing into: its cache writer, still putting a batch,
-    can make segments/ again between rmtree's listing and its rmdir (ENOTEMPTY); remove again then."""
+    can make segments/ again between rmtree's listing and its rmdir (ENOTEMPTY), or rename a temporary
+    segment rmtree has listed into place before rmtree unlinks it (ENOENT); remove again then."""
     for _ in range(50):
         try:
             shutil.rmtree(path)
             return
         except OSError as exc:
-            if exc.errno != errno.ENOTEMPTY:
+            if exc.errno not in (errno.ENOTEMPTY, errno.ENOENT):
                 raise
     raise AssertionError(f"{path} kept being written into")
 
