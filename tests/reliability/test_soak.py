@@ -154,6 +154,7 @@ class Slot:
     """One sandbox place: the sandbox living there now, what its root must show, its worker's state."""
 
     def __init__(self, number: int, images: SoakImages, manager: SandboxManager, rng: random.Random):
+        self.last_up_error: DsecError | None = None  # why the last up failed, for the assertion at the end
         self.number = number
         self.images = images
         self.manager = manager
@@ -170,8 +171,9 @@ class Slot:
         self.generation += 1
         try:
             self.state = self.manager.up(spec)
-        except DsecError:  # a layer could not be mounted under the faults: nothing is left behind
+        except DsecError as exc:  # a layer could not be mounted under the faults: nothing is left behind
             tally.add("up", "failed")
+            self.last_up_error = exc
             return False
         tally.add("up", "ok")
         self.expected = {}
@@ -306,7 +308,7 @@ def soak(images: SoakImages, daemons, tmp_path, *, sandboxes: int, seconds: floa
                 for _attempt in range(UP_ATTEMPTS):
                     if slot.state is not None or slot.up(tally):
                         break
-                assert slot.state is not None, "a sandbox cannot be started again"
+                assert slot.state is not None, f"a sandbox cannot be started again: {slot.last_up_error!r}"
                 for name, data in slot.expected.items():
                     outcomes = read_until_correct(slot.path(name), data, attempts=READ_ATTEMPTS)
                     assert outcomes[-1] == DATA, (slot.state.name, name, outcomes)
