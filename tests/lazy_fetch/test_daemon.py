@@ -25,7 +25,7 @@ import pytest
 from treecmp import assert_same_tree, snapshot
 
 from dsec_fs.digest import to_hex
-from dsec_fs.errors import ConflictError, InputError, NotFoundError, UnavailableError
+from dsec_fs.errors import ConflictError, CorruptError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import LayerFiles, open_layer
 from dsec_fs.pack import decode_index
 from dsec_fs.store import FilesystemStore, keys, open_store
@@ -319,6 +319,28 @@ def test_store_faults_come_from_the_environment(layers, daemons, tmp_path, monke
     with open(os.path.join(mnt, "healthy.bin"), "rb") as f:
         assert f.read() == FILES["healthy.bin"]
     assert layer_metric(node, "dsecfs_fetch_errors_total", layers.main.digest, kind="other") >= 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "another digest"])
+def test_a_ref_damaged_on_the_way_fails_one_mount_and_not_the_next(layers, daemons, tmp_path, monkeypatch, damage):
+    """The daemon's first store get is the ref its first mount reads. Cut short, it is a CorruptError; with
+    a low bit flipped where the digest stays hex, it names a layer that is not there (NotFoundError). The
+    daemon's ref cache (15 s by default) keeps neither, so the next mount reads the ref again and mounts
+    the layer: the reliability soak's sandboxes failed every up for the TTL after one such read."""
+    digest = layers.main.digest
+    if damage == "truncate":
+        rule, error = "get:1:truncate", CorruptError
+    else:
+        at = next(i for i, c in enumerate(digest) if c in "0123456789bcde")  # stays hex with its low bit flipped
+        rule, error = f"get:1:corrupt={at}-{at + 1}", NotFoundError
+    monkeypatch.setenv("DSECFS_FAULTS", rule)
+    node = daemons.start(layers.store_dir).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    with pytest.raises(error):
+        node.mount("test/main:1", mnt)
+    assert node.mount("test/main:1", mnt).layer == digest
+    with open(os.path.join(mnt, "dir/small.txt"), "rb") as f:
+        assert f.read() == FILES["dir/small.txt"]
 
 
 @pytest.mark.s3
