@@ -343,6 +343,28 @@ def test_a_ref_damaged_on_the_way_fails_one_mount_and_not_the_next(layers, daemo
         assert f.read() == FILES["dir/small.txt"]
 
 
+@pytest.mark.parametrize(("field", "failing"), [("meta_size", "meta.erofs: zstd frame"),
+                                               ("blob_blocks", "blob map header")])
+def test_a_manifest_damaged_on_the_way_fails_one_mount_and_not_the_next(layers, daemons, tmp_path, monkeypatch,
+                                                                        field, failing):
+    """The second store get of the daemon's first mount is the layer's manifest (the first is its ref). With
+    a digit of its meta_size flipped it still parses, and names a meta.erofs no object is (the layer open
+    fails); with one of its blob_blocks, a blob its blob map is not (the blob open fails): that mount
+    fails (corrupt). The next one reads the manifest again, not the node's copy of the damaged one, which
+    would fail every mount of the layer for an hour (meta_cache.MANIFEST_FRESH_SECONDS)."""
+    digest = layers.main.digest
+    text = FilesystemStore(layers.store_dir).get(keys.layer_manifest(digest)).decode()
+    at = text.index(f'"{field}": ') + len(f'"{field}": ')  # a digit: it stays one with its low bit flipped
+    monkeypatch.setenv("DSECFS_FAULTS", f"get:2:corrupt={at}-{at + 1}")
+    node = daemons.start(layers.store_dir).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    with pytest.raises(CorruptError, match=failing):
+        node.mount("test/main:1", mnt)
+    assert node.mount("test/main:1", mnt).layer == digest
+    with open(os.path.join(mnt, "dir/small.txt"), "rb") as f:
+        assert f.read() == FILES["dir/small.txt"]
+
+
 @pytest.mark.s3
 @pytest.mark.slow
 def test_an_unreachable_store_fails_reads_within_the_timeout(daemons, tmp_path, monkeypatch):
