@@ -22,7 +22,7 @@ import pytest
 
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
-from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_store, mount_dirs
+from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_metric, layer_store, mount_dirs
 from tests.s3server import free_port
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
@@ -234,3 +234,47 @@ def test_another_user_flooding_the_metrics_port_leaves_the_daemon_its_descriptor
             flood.stdin.close()
             flood.wait(10)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_mount_requests_naming_ever_new_stores_leave_the_daemon_bounded(store_dir, daemons, tmp_path):
+    """A mount request may name any store URL, and the daemon kept a store context (a store client, a chunk
+    index, a fetcher) for each one for good: a client naming new URLs grew it without bound. Now at most
+    MAX_STORES are held: those no layer uses are let go (their counters stay in the figures), and a new URL
+    finding every one in use is refused, clearly, until a layer of one is unmounted."""
+    from dsec_fs.errors import UnavailableError
+    from lazy_fetch.daemon_stores import MAX_STORES
+
+    node = daemons.start(store_dir).node
+    mnt, *mnts = mount_dirs(tmp_path, "own", *(f"m{i}" for i in range(MAX_STORES)))
+    node.mount("t/hostile:1", mnt, mode="fuse")  # the daemon's own store: one context, in use
+    for i in range(2 * MAX_STORES):  # stores without the ref: each answer says so, none is refused
+        empty = tmp_path / f"empty{i}"
+        empty.mkdir()
+        with pytest.raises(NotFoundError):
+            node.mount("t/hostile:1", mnts[0], mode="fuse", store=str(empty))
+    stores = {}
+    for i in range(MAX_STORES):  # distinct layers, so that each store has a layer of its own mounted
+        stores[i] = layer_store(tmp_path / f"s{i}", {"n.txt": f"store {i}\n".encode()}, "t/other:1", 64 * 1024)
+    for i in range(MAX_STORES - 1):
+        node.mount("t/other:1", mnts[i], mode="fuse", store=stores[i])
+    last = mnts[MAX_STORES - 1]
+    with pytest.raises(UnavailableError, match="stores already") as refused:
+        node.mount("t/other:1", last, mode="fuse", store=stores[MAX_STORES - 1])
+    assert refused.value.where == stores[MAX_STORES - 1]
+    assert _read(os.path.join(mnts[0], "n.txt")) == b"store 0\n"
+    first = next(m.layer for m in node.mounts() if m.mountpoint == mnts[0])
+    misses = layer_metric(node, "dsecfs_layer_chunk_misses_total", first)
+    assert misses > 0
+    node.umount(mnts[0])
+    node.mount("t/other:1", last, mode="fuse", store=stores[MAX_STORES - 1])  # lets go of store 0
+    assert layer_metric(node, "dsecfs_layer_chunk_misses_total", first) == misses  # what it counted stays
+    for i in range(1, MAX_STORES):
+        assert _read(os.path.join(mnts[i], "n.txt")) == f"store {i}\n".encode()
+    _assert_serving_one(mnt)
+    for path in [mnt, *mnts[1:]]:
+        node.umount(path)
+
+
+def _assert_serving_one(mnt: str) -> None:
+    for name, data in FILES.items():
+        assert _read(os.path.join(mnt, name)) == data
