@@ -361,3 +361,18 @@ def _processes(cmdline: bytes) -> int:
         except OSError:  # gone meanwhile
             pass
     return count
+
+
+def test_an_attached_namespaces_command_says_its_gathered_output_was_cut(sandbox, daemons):
+    """The namespaces runtime gathers an attached command's output as exec does, so it keeps the first
+    MAX_OUTPUT bytes of each stream too (the daemon's memory); the EXIT frame and the CLI say so."""
+    from overlay.runtime import MAX_OUTPUT
+
+    script = f"head -c {MAX_OUTPUT + 1} /dev/zero; echo err >&2"
+    with sandbox.attach(["/bin/sh", "-c", script], runtime="namespaces") as command:
+        output = list(command.output())
+    assert b"".join(data for kind, data in output if kind == "stdout") == bytes(MAX_OUTPUT)
+    assert b"".join(data for kind, data in output if kind == "stderr") == b"err\n"
+    assert command.result.exit_code == 0 and command.result.truncated
+    done = daemons.cli("exec", "--runtime", "namespaces", "att", "/bin/sh", "-c", script)
+    assert len(done.stdout) == MAX_OUTPUT and done.stderr.startswith(b"err\n") and b"output was cut" in done.stderr
