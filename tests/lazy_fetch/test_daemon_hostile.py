@@ -22,7 +22,7 @@ import pytest
 
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
-from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_metric, layer_store, mount_dirs
+from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_metric, layer_store, memory_bytes, mount_dirs
 from tests.s3server import free_port
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
@@ -93,11 +93,6 @@ def test_paths_on_the_daemons_own_mounts_are_refused_while_it_keeps_serving(stor
             node.umount(mnt)
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def test_prefetch_lists_that_are_no_regular_files_are_refused_at_once(store_dir, daemons, tmp_path):
     daemon = daemons.start(store_dir)
     node = Node(daemons.socket, timeout=10)
@@ -108,14 +103,14 @@ def test_prefetch_lists_that_are_no_regular_files_are_refused_at_once(store_dir,
     huge = str(tmp_path / "huge.json")
     with open(huge, "wb") as f:
         f.truncate(1 << 30)  # sparse: a gigabyte of zeros that costs no disk
-    rss_before = _rss_bytes(daemon.pid)
+    rss_before = memory_bytes(daemon.pid)
     try:
         for path, match in (("/dev/zero", "not a regular file"), (fifo, "not a regular file"),
                             (str(tmp_path), "not a regular file"), (huge, "over the limit")):
             _refused_quickly(lambda: node.mount("t/hostile:1", kernel_mnt, prefetch_list=path), match=match)
             _refused_quickly(node.prefetch, fuse_mnt, path, match=match)
         assert node.mounts()[0].mountpoint == fuse_mnt and len(node.mounts()) == 1
-        assert _rss_bytes(daemon.pid) < rss_before + (64 << 20)
+        assert memory_bytes(daemon.pid) < rss_before + (64 << 20)
         assert _read(os.path.join(fuse_mnt, "dir/sub/b.bin")) == FILES["dir/sub/b.bin"]
     finally:
         node.umount(fuse_mnt)

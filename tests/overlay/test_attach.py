@@ -25,7 +25,7 @@ from dsec_fs.errors import InputError, NotFoundError, UnavailableError, Unsuppor
 from dsec_fs.sandbox_client import Sandbox
 from tests.lazy_fetch import daemon_support
 from tests.cli.cli_support import interruptible
-from tests.lazy_fetch.daemon_support import wait_for
+from tests.lazy_fetch.daemon_support import memory_bytes, wait_for
 from tests.other_user import NOBODY
 # The layers (the Debian base) and the daemons of a test, as the other sandbox tests have them.
 from tests.overlay.test_node_sandboxes import BASE, daemons, layers, workspace_ref  # noqa: F401 (fixtures)
@@ -201,14 +201,6 @@ def test_a_client_that_leaves_mid_stream_ends_the_command_and_the_daemon_serves_
     assert sandbox.node.status().pid
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_flood_of_output_to_a_slow_reader_keeps_the_daemon_small(daemons):
     daemon = daemons.start()
     node = daemon.node
@@ -216,13 +208,13 @@ def test_a_flood_of_output_to_a_slow_reader_keeps_the_daemon_small(daemons):
     with sandbox.attach(["/bin/sh", "-c", "exec yes 0123456789abcdefghijklmnopqrstuvwxyz"]) as command:
         output = command.output()
         next(output)
-        before = rss_bytes(daemon.pid)
+        before = memory_bytes(daemon.pid)
         received = 0
         end = time.monotonic() + 3.0
         while time.monotonic() < end:  # 64 KiB per 10 ms at most: far slower than `yes` writes
             time.sleep(0.01)
             received += len(next(output)[1])
-        grown = rss_bytes(daemon.pid) - before
+        grown = memory_bytes(daemon.pid) - before
     assert received > 0 and grown < 16 << 20, (received, grown)
     wait_for(lambda: daemons.runc_containers() == [], "the container to be deleted")
     assert sandbox.exec(["true"]).exit_code == 0

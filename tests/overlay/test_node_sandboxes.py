@@ -396,14 +396,6 @@ def test_bad_input_fails_clearly_and_leaves_nothing_mounted(daemons, tmp_path, l
     assert only_the_fuse_session_is_mounted(daemons, tmp_path) and layer_dirs(daemons) == []
 
 
-def _peak_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def test_a_sandbox_writing_without_end_to_an_exec_leaves_the_daemon_its_memory(daemons):
     """exec gathered a command's whole output in the daemon (then base64 in its JSON answer): a sandbox's
     process writing GiB took the daemon to the OOM killer. It keeps the first MAX_OUTPUT bytes of each
@@ -413,8 +405,8 @@ def test_a_sandbox_writing_without_end_to_an_exec_leaves_the_daemon_its_memory(d
     daemon = daemons.start()
     sandbox = Sandbox(daemon.node, daemon.node.sandbox_up(BASE, workspace_ref("task00"), name="chatty").id)
     assert sandbox.exec(["true"]).exit_code == 0
-    peak = _peak_rss_bytes(daemon.pid)
+    peak = daemon_support.memory_bytes(daemon.pid, "VmHWM")
     result = sandbox.exec(["/bin/sh", "-c", "head -c 268435456 /dev/zero; echo done >&2; exit 3"])
     assert (result.exit_code, result.stdout, result.stderr, result.truncated) == (3, bytes(MAX_OUTPUT), b"done\n", True)
-    assert _peak_rss_bytes(daemon.pid) - peak < 64 << 20
+    assert daemon_support.memory_bytes(daemon.pid, "VmHWM") - peak < 64 << 20
     assert sandbox.exec(["echo", "ok"]) == ExecResult(0, b"ok\n", b"")
