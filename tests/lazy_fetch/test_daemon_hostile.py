@@ -83,7 +83,7 @@ def test_paths_on_the_daemons_own_mounts_are_refused_while_it_keeps_serving(stor
         assert cli.returncode != 0 and "FUSE session" in cli.stderr
         assert time.monotonic() - started < 10
         _assert_serving(node, fuse_mnt, kernel_mnt)
-        assert daemon.alive
+        assert daemon.alive()
         to_kernel_mnt = str(tmp_path / "link-to-a-mountpoint")  # names one of ours: unmounted, not refused
         os.symlink(kernel_mnt, to_kernel_mnt)
         node.umount(to_kernel_mnt)
@@ -147,7 +147,7 @@ def test_thousands_of_idle_connections_neither_stop_nor_block_the_daemon(store_d
             sock.close()
         idle = []
         time.sleep(0.5)
-        assert node.status().pid == daemon.pid and daemon.alive
+        assert node.status().pid == daemon.pid and daemon.alive()
         assert _read(os.path.join(mnt, "dir/a.txt")) == FILES["dir/a.txt"]
         node.umount(mnt)
     finally:
@@ -273,3 +273,63 @@ def test_mount_requests_naming_ever_new_stores_leave_the_daemon_bounded(store_di
 def _assert_serving_one(mnt: str) -> None:
     for name, data in FILES.items():
         assert _read(os.path.join(mnt, name)) == data
+
+
+def _fill(directory: str) -> str:
+    """Write zeros into a file of ``directory`` until its filesystem has no room left; returns the file."""
+    path = os.path.join(directory, "filler")
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return path
+
+
+def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
+    """The sandboxes' upper dirs live in the daemon's state directory (overlay/node_service.py), so a
+    sandbox's process that fills its upper dir fills the disk the daemon traces reads on. A trace write
+    that failed (ENOSPC) failed the read it was recording (EIO, and every read after it), and the failed
+    write of the periodic flush ended the daemon, and a mount or unmount whose mount table could not be
+    written answered "internal error" and left the daemon's tables behind. The trace is given up instead
+    (logged) and reads go on; a mount is refused, clearly; an unmount is made, its record logged as failed."""
+    from dsec_fs.errors import UnavailableError
+    from dsec_fs.mounts import mount, umount
+    from lazy_fetch.daemon_traces import TRACE_FLUSH_SECONDS
+    from lazy_fetch.trace import FLUSH_RECORDS
+
+    files = {f"many/{i:04d}.txt": f"file {i}\n".encode() * 50 for i in range(2 * FLUSH_RECORDS)}
+    store_dir = layer_store(tmp_path / "many", files, "t/many:1", 64 * 1024)
+    small = tmp_path / "small"
+    small.mkdir()
+    mount("tmpfs", str(small), "tmpfs", data="size=4m")
+    daemons = Daemons(tmp_path)
+    daemons.state_dir = str(small / "state")
+    try:
+        daemon = daemons.start(store_dir, binding="raw")
+        mnt, = mount_dirs(tmp_path, "mnt")
+        daemon.node.mount("t/many:1", mnt, mode="fuse")
+        names = sorted(files)
+        assert _read(os.path.join(mnt, names[0])) == files[names[0]]
+        filler = _fill(str(small))
+        for name in names:  # more reads than a trace buffers: its writes meet the full disk
+            assert _read(os.path.join(mnt, name)) == files[name]
+        time.sleep(TRACE_FLUSH_SECONDS + 1)  # the periodic flush meets it too
+        assert daemon.alive() and daemon.node.status().pid == daemon.pid
+        assert "cannot write the trace" in daemons.log()
+        # A mount must be listed before it is made (mount_table.py): refused, clearly, while the disk is full.
+        other, = mount_dirs(tmp_path, "other")
+        with pytest.raises(UnavailableError, match="cannot write the mount table"):
+            daemon.node.mount("t/many:1", other, mode="fuse")
+        daemon.node.umount(mnt)  # the change stands, its record fails (logged)
+        assert daemon.node.mounts() == []
+        os.unlink(filler)
+        daemon.node.mount("t/many:1", other, mode="fuse")
+        assert _read(os.path.join(other, names[-1])) == files[names[-1]]
+        daemon.node.umount(other)
+    finally:
+        try:
+            daemons.stop_all()
+        finally:
+            umount(str(small), lazy=True)
