@@ -388,7 +388,7 @@ def set_ref(store: Store, ref: str, digest: str) -> None:
     if not store.exists(keys.layer_manifest(digest)):
         raise NotFoundError("layer is not published (no manifest); refusing to point a ref at it",
                             where=f"layer {digest}")
-    store.put(keys.ref(name, tag), f"{digest}\n".encode())
+    store.put(keys.ref(name, tag), keys.ref_body(digest))
 
 
 def resolve(store: Store, ref_or_digest: str) -> str:
@@ -472,7 +472,8 @@ def delete_ref(store: Store, ref: str) -> None:
 
 
 def _decode_ref(data: bytes, *, source: str) -> str:
-    text = data.decode("ascii", errors="replace").strip()
-    if not is_hex_digest(text):
+    digest = keys.ref_target(data)
+    if digest is None:
+        text = data.decode("ascii", errors="replace").strip()
         raise FormatError("ref", None, f"expected a layer digest, got {text[:80]!r}", source=source)
-    return text
+    return digest

@@ -134,12 +134,16 @@ class DaemonStores:
 
         def open_with_profile() -> tuple[LayerFiles, FoundProfile | None]:
             digest = resolve(reads, ref)
-            if keeper is None:
-                return open_layer(reads, digest, on_manifest=on_manifest, reads=store.copies), None
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-lookup") as pool:
-                lookup = pool.submit(keeper.lookup, store.store, digest, profile_of, combination)
-                files = open_layer(reads, digest, on_manifest=on_manifest, reads=store.copies)
-                return files, lookup.result()
+            try:
+                if keeper is None:
+                    return open_layer(reads, digest, on_manifest=on_manifest, reads=store.copies), None
+                with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-lookup") as pool:
+                    lookup = pool.submit(keeper.lookup, store.store, digest, profile_of, combination)
+                    files = open_layer(reads, digest, on_manifest=on_manifest, reads=store.copies)
+                    return files, lookup.result()
+            except DsecError:
+                _forget_manifest(store, digest)  # here, not after the deadline: this thread may outlive it
+                raise
 
         # Within the fetcher's deadline and its bounds on stuck threads (fetcher.call_store).
         files, found = await store.fetcher.call_store(f"layer {ref} in {store.url}", open_with_profile)
@@ -147,7 +151,11 @@ class DaemonStores:
         return files, found
 
     async def _open_blob(self, files: LayerFiles, store: StoreContext) -> LayerBlob:
-        return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
+        try:
+            return await open_layer_blob(files, store.reader, chunk_index=store.chunk_index, label=files.digest)
+        except DsecError:  # the manifest may be what failed (its blob_blocks): read it again next time
+            await trio.to_thread.run_sync(_forget_manifest, store, files.digest)
+            raise
 
     def _add_layer(self, files: LayerFiles, store: StoreContext, blob: LayerBlob) -> Layer:
         """A layer new to this daemon; its mount (or adoption) then calls ``_map_files_at_mount``."""
@@ -206,6 +214,12 @@ class DaemonStores:
         for context in self.stores.values():
             context.store.close()
         self.stores.clear()
+
+
+def _forget_manifest(store: StoreContext, digest: str) -> None:
+    """An open of layer ``digest`` failed: the node's copy of its manifest goes (meta_cache.py says why)."""
+    if store.copies is not None:
+        store.copies.forget_manifest(store.store, digest)
 
 
 class _LayerObjectTimer(StoreWrapper):

@@ -20,7 +20,10 @@ go after gc's grace period. So a manifest copy is used for an hour at most (far 
 store runs gc with; their old packs still serve every chunk meanwhile), and only while the copies of all
 its pack indexes are here (a repack removes the old indexes from the store at once, so an evicted one
 could not be read again), then read again; if its pack list changed, the new packs' indexes are read as
-they would be on a first open.
+they would be on a first open. A manifest is checked only for its form when it is read, so an open that
+fails drops the copy of the manifest it read (``forget_manifest``): a body damaged on the way can still
+parse, naming sizes or sha256s no object of the layer has, and its copy would fail every open of the
+layer for the hour, on this node and after a restart.
 
 Each file is ``HEADER`` (magic, the sha256 of the body, the time it was read from the store) and the body.
 Every load checks the sha256 (and, for meta and blobmap, that it is the file's name: the content address
@@ -120,6 +123,14 @@ class MetaCache:
 
     def blobmap(self, store: Store, manifest: Manifest) -> bytes:
         return self._content(manifest.blobmap_sha256, lambda: layer.read_blobmap(store, manifest), "blobmap")
+
+    def forget_manifest(self, store: Store, digest: str) -> None:
+        """An open of layer ``digest`` from ``store`` failed: its next open reads the manifest from the
+        store, not from a copy (the module docstring says why)."""
+        path = self._path("manifest", _manifest_name(store, digest))
+        with self._lock:
+            self._bytes -= self._entries.pop(path, 0)
+            remove_stray(path)
 
     def pack_indexes(self, store: Store) -> Store:
         """``store``, with the pack index objects it is asked for answered from here (for

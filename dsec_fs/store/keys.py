@@ -16,10 +16,13 @@
                                                  stack of layers (lazy_fetch/trace_holders.combination_id)
 
 <hh> is the first two hex characters of the id: a fan-out that keeps directories of POSIX stores small
-and spreads S3 key prefixes.
+and spreads S3 key prefixes. A ref object's text is spelled out here too (``ref_body``, ``ref_target``):
+its writer (dsec_fs.layer) and the node's ref cache (ref_cache.py) both read it.
 """
 
 from __future__ import annotations
+
+from ..digest import is_hex_digest
 
 PACKS = "packs/"
 INDEX = "index/"
@@ -57,6 +60,18 @@ def layer_manifest(layer: str) -> str:
 
 def ref(name: str, tag: str) -> str:
     return f"{REFS}{name}:{tag}"
+
+
+def ref_body(digest: str) -> bytes:
+    """What the ref object of a ref pointing at layer ``digest`` holds."""
+    return f"{digest}\n".encode()
+
+
+def ref_target(body: bytes) -> str | None:
+    """The layer digest a ref object's ``body`` names, or None when it holds no digest (cut short, or
+    damaged)."""
+    text = body.decode("ascii", errors="replace").strip()
+    return text if is_hex_digest(text) else None
 
 
 def trash(pack_id: str) -> str:

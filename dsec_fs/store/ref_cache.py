@@ -10,9 +10,15 @@ forgotten at once, and ``forget`` does the same for one set through another Stor
 sandbox commit), so a node sees its own changes; another node's change is seen within ``ttl``. A missing
 ref is not remembered (a ref about to be made must be found as soon as it is). ``ttl`` 0 turns caching off.
 
+Nor is a ref that names no published layer: a body that holds no layer digest (cut short or damaged on
+the way) is not kept, and a kept ref is forgotten once a read of the manifest of the layer it names finds
+none (a damaged body can still read as a digest: a wrong one). Either would otherwise fail every open of
+the ref for the TTL, and no retry would make the store request that mends it (one cut-short ref read made
+a sandbox of the reliability soak fail all of its 21 tries to start again).
+
 Only whole reads of a ref key are cached (``get`` of all of it, and ``get_at_most``, which is how
 dsec_fs.layer reads a ref: anyone who can write the store can grow one); every other call goes to
-``inner`` unchanged.
+``inner`` unchanged (of a manifest read, only its NotFoundError is looked at).
 
 Threads: any thread; ``_lock`` guards ``_refs`` and is never held while the inner store is called.
 """
@@ -23,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..errors import NotFoundError
+from . import keys
 from .base import Store, too_large
 from .keys import REFS
 from .wrappers import StoreWrapper
@@ -34,16 +42,21 @@ class RefCacheStore(StoreWrapper):
         self.ttl = ttl
         self.hits = 0
         self._lock = threading.Lock()
-        self._refs: dict[str, tuple[float, bytes]] = {}  # key -> (monotonic time it was read, its bytes)
+        # key -> (monotonic time it was read, its bytes, the manifest key of the layer they name)
+        self._refs: dict[str, tuple[float, bytes, str]] = {}
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        if not self.ttl or not key.startswith(REFS) or offset or length is not None:
+        if not self.ttl:
             return self.inner.get(key, offset, length)
+        if not key.startswith(REFS) or offset or length is not None:
+            return self._other(key, lambda: self.inner.get(key, offset, length))
         return self._whole(key, lambda: self.inner.get(key))
 
     def get_at_most(self, key: str, limit: int) -> bytes:
-        if not self.ttl or not key.startswith(REFS):
+        if not self.ttl:
             return self.inner.get_at_most(key, limit)
+        if not key.startswith(REFS):
+            return self._other(key, lambda: self.inner.get_at_most(key, limit))
         data = self._whole(key, lambda: self.inner.get_at_most(key, limit))
         if len(data) > limit:  # cached by a get of all of it
             raise too_large(key, len(data), limit)
@@ -58,11 +71,24 @@ class RefCacheStore(StoreWrapper):
                 self.hits += 1
                 return cached[1]
         data = read()
+        target = keys.ref_target(data)
         with self._lock:
-            self._refs[key] = (now, data)
-            for stale in [k for k, (read_at, _) in self._refs.items() if now - read_at >= self.ttl]:
+            if target is not None:
+                self._refs[key] = (now, data, keys.layer_manifest(target))
+            for stale in [k for k, (read_at, _, _) in self._refs.items() if now - read_at >= self.ttl]:
                 del self._refs[stale]
         return data
+
+    def _other(self, key: str, read: Callable[[], bytes]) -> bytes:
+        """``read()`` of a key that is no ref; a manifest found missing makes the refs naming its layer
+        forgotten (see the module docstring)."""
+        try:
+            return read()
+        except NotFoundError:
+            with self._lock:
+                for naming in [k for k, (_, _, manifest) in self._refs.items() if manifest == key]:
+                    del self._refs[naming]
+            raise
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         self._forget(key)

@@ -25,7 +25,7 @@ import pytest
 from treecmp import assert_same_tree, snapshot
 
 from dsec_fs.digest import to_hex
-from dsec_fs.errors import ConflictError, InputError, NotFoundError, UnavailableError
+from dsec_fs.errors import ConflictError, CorruptError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import LayerFiles, open_layer
 from dsec_fs.pack import decode_index
 from dsec_fs.store import FilesystemStore, keys, open_store
@@ -319,6 +319,50 @@ def test_store_faults_come_from_the_environment(layers, daemons, tmp_path, monke
     with open(os.path.join(mnt, "healthy.bin"), "rb") as f:
         assert f.read() == FILES["healthy.bin"]
     assert layer_metric(node, "dsecfs_fetch_errors_total", layers.main.digest, kind="other") >= 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "another digest"])
+def test_a_ref_damaged_on_the_way_fails_one_mount_and_not_the_next(layers, daemons, tmp_path, monkeypatch, damage):
+    """The daemon's first store get is the ref its first mount reads. Cut short, it is a CorruptError; with
+    a low bit flipped where the digest stays hex, it names a layer that is not there (NotFoundError). The
+    daemon's ref cache (15 s by default) keeps neither, so the next mount reads the ref again and mounts
+    the layer: the reliability soak's sandboxes failed every up for the TTL after one such read."""
+    digest = layers.main.digest
+    if damage == "truncate":
+        rule, error = "get:1:truncate", CorruptError
+    else:
+        at = next(i for i, c in enumerate(digest) if c in "0123456789bcde")  # stays hex with its low bit flipped
+        rule, error = f"get:1:corrupt={at}-{at + 1}", NotFoundError
+    monkeypatch.setenv("DSECFS_FAULTS", rule)
+    node = daemons.start(layers.store_dir).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    with pytest.raises(error):
+        node.mount("test/main:1", mnt)
+    assert node.mount("test/main:1", mnt).layer == digest
+    with open(os.path.join(mnt, "dir/small.txt"), "rb") as f:
+        assert f.read() == FILES["dir/small.txt"]
+
+
+@pytest.mark.parametrize(("field", "failing"), [("meta_size", "meta.erofs: zstd frame"),
+                                               ("blob_blocks", "blob map header")])
+def test_a_manifest_damaged_on_the_way_fails_one_mount_and_not_the_next(layers, daemons, tmp_path, monkeypatch,
+                                                                        field, failing):
+    """The second store get of the daemon's first mount is the layer's manifest (the first is its ref). With
+    a digit of its meta_size flipped it still parses, and names a meta.erofs no object is (the layer open
+    fails); with one of its blob_blocks, a blob its blob map is not (the blob open fails): that mount
+    fails (corrupt). The next one reads the manifest again, not the node's copy of the damaged one, which
+    would fail every mount of the layer for an hour (meta_cache.MANIFEST_FRESH_SECONDS)."""
+    digest = layers.main.digest
+    text = FilesystemStore(layers.store_dir).get(keys.layer_manifest(digest)).decode()
+    at = text.index(f'"{field}": ') + len(f'"{field}": ')  # a digit: it stays one with its low bit flipped
+    monkeypatch.setenv("DSECFS_FAULTS", f"get:2:corrupt={at}-{at + 1}")
+    node = daemons.start(layers.store_dir).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    with pytest.raises(CorruptError, match=failing):
+        node.mount("test/main:1", mnt)
+    assert node.mount("test/main:1", mnt).layer == digest
+    with open(os.path.join(mnt, "dir/small.txt"), "rb") as f:
+        assert f.read() == FILES["dir/small.txt"]
 
 
 @pytest.mark.s3
