@@ -126,13 +126,16 @@ def exec_(key: str, command: tuple[str, ...], runtime: str | None, env: tuple[st
     if as_json:  # the output as text (undecodable bytes replaced); the SDK has the bytes
         out, err = io.BytesIO(), io.BytesIO()
         result = relay(attached, forward_stdin=with_stdin, tty_mode=with_tty, out=out, err=err)
-        emit(True, {"exit_code": result.exit_code, "timed_out": result.timed_out,
+        emit(True, {"exit_code": result.exit_code, "timed_out": result.timed_out, "truncated": result.truncated,
                     "stdout": out.getvalue().decode(errors="replace"),
                     "stderr": err.getvalue().decode(errors="replace")}, lambda: "")
         sys.exit(result.exit_code)
     result = relay(attached, forward_stdin=with_stdin, tty_mode=with_tty)
     if result.timed_out:
         click.echo(f"dsecfs: the command ran out of its {timeout:g} s and was killed", err=True)
+    if result.truncated:
+        click.echo("dsecfs: the command's output was cut: the namespaces runtime gathers each stream and keeps "
+                   "its first MiBs (runc streams all of it)", err=True)
     sys.exit(result.exit_code)
 
 

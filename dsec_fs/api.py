@@ -280,12 +280,15 @@ class ExecResult(_Response):
     stdout: bytes  # base64 in JSON
     stderr: bytes
     timed_out: bool = False
+    truncated: bool = False  # stdout or stderr passed the daemon's bound (overlay/runtime.py MAX_OUTPUT,
+    # 4 MiB): each holds its first bytes, the rest was dropped; attach streams output of any size
 
 
 class ExecExit(_Response):
     """The EXIT frame of an attached command."""
     exit_code: int  # as ExecResult's
     timed_out: bool = False
+    truncated: bool = False  # as ExecResult's: only the namespaces runtime, which gathers the output, cuts it
 
 
 class CommitResult(_Response):

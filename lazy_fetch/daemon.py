@@ -74,7 +74,8 @@ composed objects; making each part own its state is a larger change, left for la
     attribute                      set by (here)          changed by            read by
     options, state_dir, fuse_dir,  __init__               -                     all three
       trace_dir, api, memory
-    stores (URL -> StoreContext)   __init__               stores (open, close)  stores; node_status
+    stores (URL -> StoreContext)   __init__               stores (open, let go, stores; node_status
+      stores_let_go                                         close)
     layers (digest -> Layer)       __init__               stores (add),         stores, mounts, traces;
                                                             mounts (release)      node_status
     usage (digest -> LayerUsage)   __init__               stores                stores; node_status
@@ -166,6 +167,7 @@ class NodeDaemon(DaemonStores, DaemonMounts, DaemonTraces):
         self._lock = trio.Lock()
         self._stores_lock = trio.Lock()
         self.stores: dict[str, StoreContext] = {}
+        self.stores_let_go = node_status.LetGoFigures()  # what the stores let go of had counted
         self.layers: dict[str, Layer] = {}
         self.usage: dict[str, LayerUsage] = {}
         self._served: dict[tuple[str, str], Served] = {}

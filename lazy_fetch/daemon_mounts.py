@@ -139,13 +139,13 @@ class DaemonMounts:
                 job = self._start_prefetch(layer, plist, prefetch, served, fill=fill_list, fill_when=fill_when)
             # Written ahead: a daemon killed between mount(2) and the table update below still leaves
             # the mountpoint listed, so the next daemon detaches it.
-            self.table.save(mounting=(mountpoint, mode, files.digest))
             try:
+                self.table.save(mounting=(mountpoint, mode, files.digest))
                 await self._mounter.mount_layer(files, served.blob, mountpoint, mode=mode)
             except BaseException:
                 if job is not None:
                     job.cancel_scope.cancel()
-                self.table.save()
+                self.table.save_after_change()
                 self._drop_unused(layer, served)
                 raise
             if job is not None:
@@ -153,7 +153,7 @@ class DaemonMounts:
             mount = self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch=prefetch or "",
                                        created=utc_now(), prefetch_chunks=job.chunks if job else 0,
                                        profile_key=profile_key, holder=holder)
-            self.table.save()
+            self.table.save_after_change()
             log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
         return mount_info(mount)
 
@@ -168,7 +168,7 @@ class DaemonMounts:
                 raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
             await self._mounter.unmount(mountpoint, lazy=lazy)
             del self.table.mounts[mountpoint]
-            self.table.save()
+            self.table.save_after_change()
             log.info("unmounted %s%s", mountpoint, " (lazily)" if lazy else "")
             if not lazy:
                 self._release(mount)  # (lazily: still served and traced, for its holders, until the daemon stops)
@@ -287,7 +287,7 @@ class DaemonMounts:
             if detached:
                 self.cleaned.append(mountpoint)
                 log.warning("detached %s, left mounted (%s mode) by a daemon that died", mountpoint, mode)
-        self.table.save()
+        self.table.save_after_change()
 
     def _detach_stale(self, mountpoint: str, mode: str, layer: str) -> bool:
         """Detach our mounts at ``mountpoint`` (several, if stacked); leave anything else there alone."""

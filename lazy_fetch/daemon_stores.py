@@ -7,6 +7,11 @@ layer's miss readahead, built in the background when first needed.
 Threads: the methods run in the daemon's trio thread; opening a store or a layer runs in worker threads
 (trio.to_thread, fetcher.call_store). ``_stores_lock`` (a trio.Lock, NodeDaemon's) guards ``stores``, so
 a URL is opened once; the rest of the state is NodeDaemon's and needs no lock (one trio thread).
+
+Bounds: at most MAX_STORES store contexts; when a new URL finds them all open, those no layer uses (but
+the daemon's own store's) are let go: dropped from ``stores``, their counters kept for the figures
+(node_status.LetGoFigures), not closed (a mount opening a layer, or a profile publish queued, may still
+hold one: it closes when the last of them lets go of it). If every one is used, the new URL is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import trio
 
 from dsec_fs import api
 from dsec_fs.chunks import ChunkIndex, check_packs_present
-from dsec_fs.errors import DsecError
+from dsec_fs.errors import DsecError, UnavailableError
 from dsec_fs.layer import LayerFiles, Manifest, open_layer, parse_ref, resolve
 from dsec_fs.store import default_store_url, keys, open_store
 from dsec_fs.store.base import Store
@@ -40,6 +45,12 @@ from .traced_blob import LayerUsage
 log = logging.getLogger(__name__)
 
 FAULTS_ENV = "DSECFS_FAULTS"  # FaultStore rules for every store the daemon opens (tests)
+# Store URLs held open at once. A node reads its layers from a handful of stores (its own, a team's, a
+# base image's), but a mount request may name any URL, and each one opened holds a store client (boto3's
+# takes MiBs), a chunk index of the packs it read and a fetcher, which were kept for ever: a client naming
+# new URLs grew the daemon without bound. Past this many, those no layer uses are let go, and beyond
+# those a new URL is refused.
+MAX_STORES = 16
 
 
 class DaemonStores:
@@ -50,10 +61,17 @@ class DaemonStores:
         return (await self._store_context(url)).store
 
     async def _store_context(self, url: str | None) -> StoreContext:
-        url = url or self.options.store_url or default_store_url()
+        own = self.options.store_url or default_store_url()
+        url = url or own
         async with self._stores_lock:
             context = self.stores.get(url)
             if context is None:
+                if len(self.stores) >= MAX_STORES:
+                    self._let_go_unused_stores(keep=own)
+                if len(self.stores) >= MAX_STORES:
+                    raise UnavailableError(f"the daemon reads from {MAX_STORES} stores already (at most "
+                                           f"{MAX_STORES}), each used by a mounted layer; unmount the layers of "
+                                           "one of them first", where=url, transient=False)
                 options = self.options
                 backend = await trio.to_thread.run_sync(open_store, url)
                 requests = CountingStore(backend)  # what the store itself saw (metrics)
@@ -72,6 +90,15 @@ class DaemonStores:
                 self.stores[url] = context
                 log.info("opened store %s%s", backend.url, f" with faults {faults!r}" if faults else "")
         return context
+
+    def _let_go_unused_stores(self, *, keep: str) -> None:
+        """Drop the store contexts no layer uses, but ``keep``'s (see the module docstring)."""
+        used = {id(layer.store) for layer in self.layers.values()}
+        for url, context in list(self.stores.items()):
+            if url != keep and id(context) not in used:
+                del self.stores[url]
+                self.stores_let_go.add(context)
+                log.info("let go of store %s: no mounted layer reads from it", url)
 
     def ref_moved(self, store_url: str, ref: str) -> None:
         """This node just pointed ``ref`` elsewhere in ``store_url`` through a store of its own (a sandbox

@@ -28,7 +28,8 @@ bodies or headers.
 Bounds: at most ``max_connections`` connections at once (MAX_CONNECTIONS; the daemon lowers it to a
 quarter of its descriptor limit) (when full, the connection idle the longest is
 closed for a new one; if none is idle, the new one is answered 503 and closed); a request must arrive
-whole within REQUEST_SECONDS of its first byte; bodies and headers are bounded (MAX_BODY, MAX_HEADER).
+whole within REQUEST_SECONDS of its first byte, and its answer must be taken whole within SEND_SECONDS
+(else the connection is closed); bodies and headers are bounded (MAX_BODY, MAX_HEADER).
 When accept() fails for want of descriptors (EMFILE, ENFILE) or memory, the server closes the longest
 idle connection and tries again after ACCEPT_BACKOFF seconds: it never stops serving for it (the daemon
 also raises its RLIMIT_NOFILE to the hard limit at start, ``raise_fd_limit``).
@@ -66,6 +67,12 @@ MAX_BODY = 1 << 20  # bytes of a request body: the API's requests are small JSON
 MAX_HEADER = 64 << 10
 IDLE_TIMEOUT = 300.0  # seconds a kept-alive connection may sit between requests
 REQUEST_SECONDS = 30.0  # seconds from a request's first byte to its last
+# Seconds an answer (or a 101 switch) may take to leave: a client that stops reading while the answer is
+# bigger than the socket buffers holds its connection in a request, where it is never closed for a new
+# one (only idle ones are); 16 of them took every connection of the TCP metrics page. The biggest answers
+# (metrics, the mount and sandbox lists) are a few MiB at most, which a live client takes in
+# milliseconds: 30 s leaves a loaded or swapped-out client room, as REQUEST_SECONDS does on the way in.
+SEND_SECONDS = 30.0
 MAX_CONNECTIONS = 512
 ACCEPT_BACKOFF = 0.1  # seconds to wait after accept() found no descriptor or memory
 _ACCEPT_CAPACITY_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
@@ -322,6 +329,8 @@ class HttpApi:
                     conn.start_next_cycle()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away
+        except trio.TooSlowError:
+            log.info("closing an API connection whose client took no answer for %g s", SEND_SECONDS)
         finally:
             self._connections.discard(connection)
             with trio.CancelScope(shield=True):
@@ -372,12 +381,14 @@ async def _send(conn: h11.Connection, stream: trio.SocketStream, response: Respo
     data = conn.send(h11.Response(status_code=response.status, headers=headers))
     data += conn.send(h11.Data(data=response.body)) if response.body else b""
     data += conn.send(h11.EndOfMessage())
-    await stream.send_all(data)
+    with trio.fail_after(SEND_SECONDS):  # TooSlowError: the connection closes (_serve_connection)
+        await stream.send_all(data)
 
 
 async def _switch(conn: h11.Connection, stream: trio.SocketStream, upgrade: Upgrade) -> None:
-    await stream.send_all(conn.send(h11.InformationalResponse(
-        status_code=101, headers=[("connection", "upgrade"), ("upgrade", upgrade.protocol)])))
+    with trio.fail_after(SEND_SECONDS):
+        await stream.send_all(conn.send(h11.InformationalResponse(
+            status_code=101, headers=[("connection", "upgrade"), ("upgrade", upgrade.protocol)])))
     early, _closed = conn.trailing_data  # what the client sent after its request
     try:
         await upgrade.run(stream, bytes(early))

@@ -22,6 +22,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 
+from dsec_fs.errors import UnavailableError
 from dsec_fs.files import write_atomic
 from dsec_fs.mounts import MountEntry
 
@@ -59,11 +60,27 @@ class MountTable:
         self.mounts: dict[str, Mount] = {}
 
     def save(self, mounting: tuple[str, str, str] | None = None) -> None:
-        """Write the live mounts, and ``mounting`` (mountpoint, mode, layer digest): the mount being made."""
+        """Write the live mounts, and ``mounting`` (mountpoint, mode, layer digest): the mount being made.
+        UnavailableError (transient) if the file cannot be written: a full disk (the sandboxes' upper dirs
+        share the state directory's), so a mount that must be listed before it is made is refused."""
         entries = [m.to_json() for m in self.mounts.values()]
         if mounting is not None:
             entries.append(dict(zip(("mountpoint", "mode", "layer"), mounting), mounting=True))
-        write_atomic(self.path, json.dumps({"pid": os.getpid(), "mounts": entries}, indent=1).encode(), sync=False)
+        try:
+            write_atomic(self.path, json.dumps({"pid": os.getpid(), "mounts": entries}, indent=1).encode(),
+                         sync=False)
+        except OSError as exc:
+            raise UnavailableError(f"cannot write the mount table: {exc.strerror or exc}", where=self.path,
+                                   transient=True) from None
+
+    def save_after_change(self) -> None:
+        """``save`` once a mount or unmount is made: a failure is logged, not raised, as the change stands.
+        The file then still lists what was mounted before (and the mount being made, if one was), which
+        the next daemon checks against what is really mounted (``is_ours``) before it acts on an entry."""
+        try:
+            self.save()
+        except UnavailableError as exc:
+            log.error("%s; it lists what was mounted before this change", exc)
 
     def read_left(self) -> list[dict]:
         """The entries a daemon before us left (each with string mountpoint, mode and layer); an unreadable

@@ -28,9 +28,25 @@ SUMMED = ("hits", "misses", "coalesced", "chunks_fetched", "bytes_fetched", "sto
           "timeouts", "abandoned", "refused", "readahead", "latency_sum")
 
 
-def fetch_stats(stores: dict[str, StoreContext]) -> dict[str, FetchStats]:
-    """FetchStats by layer, summed over the stores' fetchers (a layer read through two stores)."""
-    merged: dict[str, FetchStats] = {}
+class LetGoFigures:
+    """What the store contexts the daemon let go of had counted (daemon_stores.py), so that its figures,
+    summed over the stores, never go back."""
+
+    def __init__(self) -> None:
+        self.fetch: dict[str, FetchStats] = {}
+        self.requests: Counter[str] = Counter()
+
+    def add(self, context: StoreContext) -> None:
+        for label, stats in context.fetcher.all_stats().items():
+            self.fetch[label] = _add(self.fetch.get(label), stats)
+        if context.requests is not None:
+            self.requests.update(context.requests.snapshot()["calls"])
+
+
+def fetch_stats(stores: dict[str, StoreContext], let_go: LetGoFigures) -> dict[str, FetchStats]:
+    """FetchStats by layer, summed over the stores' fetchers (a layer read through two stores) and what
+    the stores let go of had counted."""
+    merged = dict(let_go.fetch)
     for context in stores.values():
         for label, stats in context.fetcher.all_stats().items():
             merged[label] = _add(merged.get(label), stats)
@@ -55,7 +71,7 @@ def cache_info(daemon: NodeDaemon, *, evicted: int = 0) -> api.CacheInfo:
 
 
 def figures(daemon: NodeDaemon) -> NodeFigures:
-    fetch = fetch_stats(daemon.stores)
+    fetch = fetch_stats(daemon.stores, daemon.stores_let_go)
     profiles = {m.layer: (m.prefetch.removeprefix("profile:").split("+")[0], m.profile_key)
                 for m in daemon.table.mounts.values() if m.profile_key}
     layers = []
@@ -75,15 +91,15 @@ def figures(daemon: NodeDaemon) -> NodeFigures:
         prefetch_running=daemon.prefetcher.running if daemon.prefetcher else 0,
         store_reads_running=sum(f.store_reads_running for f in fetchers),
         store_reads_waiting={p.name.lower(): sum(f.waiting(p) for f in fetchers) for p in Priority},
-        store_requests=store_requests(daemon.stores), meta_cache_hits=copies.hits if copies else 0,
+        store_requests=store_requests(daemon.stores, daemon.stores_let_go), meta_cache_hits=copies.hits if copies else 0,
         meta_cache_misses=copies.misses if copies else 0, idle_mounts=len(daemon.idle),
         store_serial_round_trips=max((c.emulated.serial_round_trips for c in daemon.stores.values() if c.emulated),
                                      default=0))
 
 
-def store_requests(stores: dict[str, StoreContext]) -> dict[str, int]:
-    """Operation -> requests the stores answered, summed over the stores."""
-    total: Counter[str] = Counter()
+def store_requests(stores: dict[str, StoreContext], let_go: LetGoFigures) -> dict[str, int]:
+    """Operation -> requests the stores answered, summed over the stores (those let go of too)."""
+    total = Counter(let_go.requests)
     for context in stores.values():
         if context.requests is not None:
             total.update(context.requests.snapshot()["calls"])
@@ -91,7 +107,7 @@ def store_requests(stores: dict[str, StoreContext]) -> dict[str, int]:
 
 
 def status(daemon: NodeDaemon) -> api.NodeStatus:
-    fetch = fetch_stats(daemon.stores)
+    fetch = fetch_stats(daemon.stores, daemon.stores_let_go)
     mounts = daemon.table.mounts.values()
     layers = []
     for digest, usage in sorted(daemon.usage.items()):

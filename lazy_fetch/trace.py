@@ -19,13 +19,15 @@ Retention. Trace files are named ``*.dtr`` (TRACE_SUFFIX) and pile up on a node 
 now and then, keeping its open traces; ``dsecfs trace prune`` runs it by hand).
 
 Threads: a TraceWriter is used by one trio task (the mount's); writes go to a buffered file and are
-flushed every FLUSH_RECORDS records and at close, so tracing adds no syscall per read. ``prune_traces``
+flushed every FLUSH_RECORDS records and at close, so tracing adds no syscall per read. A write that fails
+(a full disk) ends the trace, logged, never the read it records or the daemon. ``prune_traces``
 touches only files and may run in any thread.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import time
@@ -34,6 +36,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import BinaryIO
 
 from dsec_fs.errors import FormatError, UnsupportedError
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"DSECTRC1"
 PREAMBLE = struct.Struct("<8sI")  # magic, header length
@@ -103,8 +107,12 @@ class TraceWriter:
         self._pending: list[bytes] = []
         header_bytes = json.dumps(asdict(header), sort_keys=True).encode()
         self._file: BinaryIO = open(path, "wb")
-        self._file.write(PREAMBLE.pack(MAGIC, len(header_bytes)) + header_bytes)
-        self._file.flush()
+        try:
+            self._file.write(PREAMBLE.pack(MAGIC, len(header_bytes)) + header_bytes)
+            self._file.flush()
+        except OSError:
+            self._give_up_quietly()
+            raise
 
     def record(self, *, nid: int, offset: int, length: int, chunk: int, latency_us: int, flags: int,
                time_ns: int | None = None) -> None:
@@ -117,15 +125,34 @@ class TraceWriter:
             self.flush()
 
     def flush(self) -> None:
-        if self._pending:
-            self._file.write(b"".join(self._pending))
-            self._pending.clear()
-            self._file.flush()
+        if self._pending and not self._file.closed:
+            try:
+                self._file.write(b"".join(self._pending))
+                self._file.flush()
+            except OSError as exc:
+                self._give_up(exc)
+        self._pending.clear()
 
     def close(self) -> None:
         if not self._file.closed:
             self.flush()
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._give_up(exc)
+
+    def _give_up(self, exc: OSError) -> None:
+        """A write failed (ENOSPC: the sandboxes' upper dirs share the state directory's disk; EIO): the
+        trace ends here, and what reads it finds at most its last record cut short (``strict=False``)."""
+        log.error("cannot write the trace %s: %s; it ends here, and the mount's reads go on untraced", self.path,
+                  exc.strerror or exc)
+        self._give_up_quietly()
+
+    def _give_up_quietly(self) -> None:
+        try:
             self._file.close()
+        except OSError:
+            pass  # the buffer's flush failed again; the descriptor is closed all the same
 
 
 @dataclass

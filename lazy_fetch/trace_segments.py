@@ -17,6 +17,8 @@ Threads: the daemon's trio thread (it owns the Served records); opening a file i
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import secrets
 import time
@@ -31,6 +33,8 @@ from .profile_keeper import ProfileKeeper, PublishedRun
 from .served_layers import Served
 from .trace import TRACE_SUFFIX, TraceHeader, TraceWriter
 from .trace_holders import Label
+
+log = logging.getLogger(__name__)
 
 
 class TraceSegments:
@@ -56,7 +60,13 @@ class TraceSegments:
                              layer_files=int(stats.get("files", 0)), blob_bytes=blob.size, started_ns=started_ns)
         name = f"{time.strftime('%Y%m%dT%H%M%S')}-{files.digest[:12]}-{mode}-{secrets.token_hex(3)}{TRACE_SUFFIX}"
         path = os.path.join(self.trace_dir, name)
-        return path, TraceWriter(path, header, start_ns=label.since_ns)
+        try:
+            return path, TraceWriter(path, header, start_ns=label.since_ns)
+        except OSError as exc:  # a full disk (the sandboxes' upper dirs share it): the mount goes untraced
+            log.error("cannot start the trace %s: %s; the mount's reads go untraced", path, exc.strerror or exc)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return "", None
 
     def relabel(self, served: Served) -> None:
         """When the labels of ``served``'s holders changed, its trace goes on in a new segment; when no one

@@ -25,8 +25,9 @@ While a STDIN frame waits for a command that does not read, the client's connect
 is the backpressure), but it is watched (poll's RDHUP) for the client's leaving.
 
 The namespaces runtime cannot give a terminal (UnsupportedError); without one, its command runs as exec
-runs it (stdin gathered first, output sent when it ends, up to the API's request bound), so that a client
-can attach whatever the runtime.
+runs it (stdin gathered first, up to the API's request bound; output sent when it ends, the first
+runtime.MAX_OUTPUT bytes of each stream, ExecExit.truncated saying it was cut), so that a client can attach
+whatever the runtime.
 
 Threads: ``relay`` runs in the daemon's trio loop, a task per stream; no thread waits on the command
 (trio reads the pipes and waits for runc's exit with a pidfd). The bundle is written in a worker thread.
@@ -277,7 +278,8 @@ class _Session:
             for kind, output in ((exec_frames.STDOUT, result.stdout), (exec_frames.STDERR, result.stderr)):
                 for start in range(0, len(output), CHUNK):
                     await self.send(kind, output[start:start + CHUNK])
-            await self.send(exec_frames.EXIT, api.encode(api.ExecExit(result.exit_code, result.timed_out)))
+            await self.send(exec_frames.EXIT, api.encode(api.ExecExit(result.exit_code, result.timed_out,
+                                                                     result.truncated)))
 
 
 async def _delete(container: RuncContainer, process: trio.Process | None) -> None:

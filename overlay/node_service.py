@@ -422,7 +422,7 @@ class SandboxService:
         # Abandoned if the daemon stops meanwhile: a namespaces command cannot be killed from here.
         result = await trio.to_thread.run_sync(run, limiter=self._execs, abandon_on_cancel=True)
         return api.ExecResult(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr,
-                              timed_out=result.timed_out)
+                              timed_out=result.timed_out, truncated=result.truncated)
 
     async def _post_attach(self, request: Request) -> Upgrade:
         self._check_serving()

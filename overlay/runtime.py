@@ -3,7 +3,9 @@
 ``run_in_rootfs(rootfs, argv, ...)`` runs ``argv`` as root (uid 0, gid 0) in ``rootfs`` (usually a
 sandbox's OverlayFS stack) with its own pid, mount, ipc and uts namespaces, and a new empty network
 namespace (only a loopback interface, down) unless ``network=True``. stdout and stderr are captured
-separately (no terminal); the exit code passes through, 128 + N for a command killed by signal N.
+separately (no terminal), the first MAX_OUTPUT bytes of each (``truncated`` says more were written and
+dropped; the command is never blocked for it); the exit code passes through, 128 + N for a command killed
+by signal N.
 
 Two runtimes:
 
@@ -49,11 +51,13 @@ import math
 import os
 import re
 import secrets
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -65,6 +69,13 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_HOSTNAME = "sandbox"
 CPU_PERIOD_US = 100_000
 SIGNAL_EXIT_BASE = 128  # a command killed by signal N exits 128 + N, as shells and runc report it
+# Bytes of each of a command's streams kept (RunResult.truncated past it). Its output was gathered whole in
+# the caller's memory, which is the daemon's for a sandbox's exec (then 4/3 of it again as base64 in the
+# answer): a sandbox's process writing without end took the daemon to the OOM killer. Output meant to be
+# big goes through attach (overlay/attach.py), which streams it; 4 MiB is far more than a command's answer
+# needs, and 256 execs at once (node_service.EXEC_THREADS) keep at most 2 GiB of it.
+MAX_OUTPUT = 4 << 20
+OUTPUT_READ = 64 << 10  # bytes read from (or written to) a command's pipe at once
 
 # Docker's default capability set (linux/capability.h numbers).
 DEFAULT_CAPABILITIES = {
@@ -98,6 +109,7 @@ class RunResult:
     stdout: bytes
     stderr: bytes
     timed_out: bool = False  # ``timeout`` passed and the sandbox's processes were killed
+    truncated: bool = False  # stdout or stderr passed MAX_OUTPUT bytes: each holds its first MAX_OUTPUT
 
 
 @dataclass(frozen=True)
@@ -196,19 +208,66 @@ def _require(program: str, runtime: str) -> str:
     return path
 
 
-def _finish(returncode: int, stdout: bytes, stderr: bytes, timed_out: bool = False) -> RunResult:
-    return RunResult(exit_code=exit_code(returncode), stdout=stdout or b"", stderr=stderr or b"", timed_out=timed_out)
-
-
 def _communicate(process: subprocess.Popen, options: RunOptions, stop: Callable[[], None]) -> RunResult:
-    """Feed stdin and collect output; after ``timeout``, ``stop()`` kills the sandbox, and what it wrote is kept."""
-    try:
-        stdout, stderr = process.communicate(options.stdin, timeout=options.timeout)
-    except subprocess.TimeoutExpired:
-        stop()
-        stdout, stderr = process.communicate()
-        return _finish(-signal.SIGKILL, stdout, stderr, timed_out=True)
-    return _finish(process.returncode, stdout, stderr)
+    """Feed stdin and collect output, the first MAX_OUTPUT bytes of each stream (the rest is read and
+    dropped, so the command is not blocked on a full pipe); after ``timeout``, ``stop()`` kills the
+    sandbox, and what it wrote is kept."""
+    deadline = None if options.timeout is None else time.monotonic() + options.timeout
+    stdout, stderr = bytearray(), bytearray()
+    kept = {process.stdout.fileno(): stdout, process.stderr.fileno(): stderr}
+    stdin = memoryview(options.stdin or b"")
+    timed_out = truncated = False
+    with selectors.DefaultSelector() as selector:
+        for fd in kept:
+            selector.register(fd, selectors.EVENT_READ)
+        if process.stdin is not None:
+            if stdin:
+                os.set_blocking(process.stdin.fileno(), False)
+                selector.register(process.stdin.fileno(), selectors.EVENT_WRITE)
+            else:
+                process.stdin.close()
+        while selector.get_map():
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                stop()
+                timed_out, deadline = True, None
+                if process.stdin is not None and not process.stdin.closed:
+                    with contextlib.suppress(KeyError):
+                        selector.unregister(process.stdin.fileno())
+                    process.stdin.close()
+                continue
+            for key, _events in selector.select(wait):
+                if key.fd in kept:
+                    data = os.read(key.fd, OUTPUT_READ)
+                    if not data:
+                        selector.unregister(key.fd)
+                        continue
+                    buffer = kept[key.fd]
+                    room = MAX_OUTPUT - len(buffer)
+                    buffer += data[:room]
+                    truncated = truncated or len(data) > room
+                    continue
+                try:
+                    stdin = stdin[os.write(key.fd, stdin[:OUTPUT_READ]):]
+                except BlockingIOError:
+                    continue
+                except BrokenPipeError:  # the command closed its stdin, or ended
+                    stdin = stdin[:0]
+                if not stdin:
+                    selector.unregister(key.fd)
+                    process.stdin.close()
+    while True:  # the output ended; the command may still run (it closed its stdout and stderr)
+        try:
+            process.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            break
+        except subprocess.TimeoutExpired:
+            stop()
+            timed_out, deadline = True, None
+    process.stdout.close()
+    process.stderr.close()
+    returncode = -signal.SIGKILL if timed_out else process.returncode
+    return RunResult(exit_code=exit_code(returncode), stdout=bytes(stdout), stderr=bytes(stderr),
+                     timed_out=timed_out, truncated=truncated)
 
 
 # --- runc -------------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from typing import Protocol
 
 from dsec_fs import mounts
 from dsec_fs.files import lock_directory, write_atomic
+from dsec_fs.trees import remove_tree_or_log
 from dsec_fs.errors import ConflictError, CorruptError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import resolve, utc_now
 from dsec_fs.store.base import Store
@@ -428,7 +429,8 @@ class SandboxManager:
     def _remove_files(self, state: SandboxState) -> None:
         if mounts.is_mountpoint(state.rootfs):
             raise UnavailableError("the sandbox's root is still mounted", where=state.rootfs, transient=False)
-        shutil.rmtree(os.path.dirname(state.rootfs), ignore_errors=True)
+        # Its upper dir is a tree the sandbox's processes made, nested any depth (remove_tree).
+        remove_tree_or_log(os.path.dirname(state.rootfs), "the sandbox directory")
         _remove(self._state_path(state.id))
 
     def _remove_strays(self) -> None:
@@ -447,7 +449,7 @@ class SandboxManager:
                 rootfs = os.path.join(path, "rootfs")
                 if mounts.is_mountpoint(rootfs):
                     unmount_stack(rootfs)
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree_or_log(path, "the stray sandbox directory")
             else:
                 _remove(path)
 

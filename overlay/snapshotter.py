@@ -38,8 +38,8 @@ import json
 import logging
 import os
 import re
-import shutil
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from dsec_fs.client import Node
 from dsec_fs.errors import ConflictError, InputError, NotFoundError
+from dsec_fs.trees import remove_tree_or_log, walk_directories
 from dsec_fs.mounts import umount_or_detach
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ class Snapshots:
             if row.layer is not None and os.path.ismount(layer_dir):
                 self._umount_layer(layer_dir)
             self._db.execute("DELETE FROM snapshots WHERE id = ?", (row.id,))
-            shutil.rmtree(directory, ignore_errors=True)
+            remove_tree_or_log(directory, "the snapshot directory")  # a container's tree: any depth
 
     def stat(self, key: str) -> SnapshotInfo:
         with self._lock:
@@ -181,16 +182,27 @@ class Snapshots:
         with self._lock:
             row = self._get(key)
             top = os.path.join(self._dir(row.id), "layer" if row.layer else "fs")
-        size = inodes = 0
-        for directory, dirs, files in os.walk(top):
-            for name in dirs + files:
-                try:
-                    st = os.lstat(os.path.join(directory, name))
-                except OSError:
-                    continue
-                inodes += 1
-                size += st.st_blocks * 512
-        return size, inodes
+        counted = [0, 0]  # bytes, inodes
+
+        def count(fd: int) -> list[str]:  # a container's tree: nested any depth (dsec_fs.trees)
+            directories = []
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        st = entry.stat(follow_symlinks=False)
+                        counted[0] += st.st_blocks * 512
+                        counted[1] += 1
+                        if stat.S_ISDIR(st.st_mode):
+                            directories.append(entry.name)
+            except OSError as exc:  # changed meanwhile, or a layer read that failed: counted as far as read
+                log.debug("usage of %s: %s", top, exc)
+            return directories
+
+        try:
+            walk_directories(top, count)
+        except OSError as exc:
+            log.warning("usage of snapshot %s: counted as far as the walk went: %s", key, exc)
+        return counted[0], counted[1]
 
     def cleanup(self) -> None:
         """Remove snapshot directories no snapshot names (left by a crash between the two)."""
@@ -202,7 +214,7 @@ class Snapshots:
                     layer_dir = os.path.join(base, entry, "layer")
                     if os.path.ismount(layer_dir):
                         self._umount_layer(layer_dir)
-                    shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+                    remove_tree_or_log(os.path.join(base, entry), "the stray snapshot directory")
 
     # -- restarts -----------------------------------------------------------------------------------------
 
@@ -236,7 +248,7 @@ class Snapshots:
             self._mount_layer(layer, store, layer_dir)
         except BaseException:
             self._db.execute("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
-            shutil.rmtree(self._dir(snapshot_id), ignore_errors=True)
+            remove_tree_or_log(self._dir(snapshot_id), "the snapshot directory")
             raise
         log.info("remote snapshot %s: layer %s mounted at %s", key, layer, layer_dir)
         raise ConflictError(f"target snapshot {target!r} exists", where=self.root)

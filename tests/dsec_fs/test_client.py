@@ -359,3 +359,46 @@ def test_a_request_refused_before_it_is_sent_whole_gets_the_daemons_answer(socke
         assert api.refused_connections == 1
         release()
         assert node.request("POST", "/fast", {}) == {"fast": True}
+
+
+def test_a_client_that_never_reads_its_answer_is_closed_and_its_slot_freed(socket_dir, monkeypatch):
+    """A client that sends a request and never reads held its connection "in a request" for ever once the
+    answer filled the socket buffers: never idle, so never closed for a new one, and with the cap reached
+    (16 on the TCP metrics page, which other users reach) everyone else was answered 503. An answer must go
+    within SEND_SECONDS; the stalled client gets a prefix of the right answer, then the end."""
+    from lazy_fetch import http_api
+
+    monkeypatch.setattr(http_api, "SEND_SECONDS", 0.5, raising=False)  # (main had none)
+    api = HttpApi(max_connections=1)
+    big = os.urandom(8 << 20)  # far beyond both sockets' buffers
+    answering = threading.Event()
+
+    async def answer_big(request: Request):
+        answering.set()
+        return Response(200, big, "application/octet-stream")
+
+    async def fast(request: Request):
+        return {"fast": True}
+
+    api.route("GET", "/big", answer_big)
+    api.route("GET", "/fast", fast)
+    path = os.path.join(socket_dir, "api.sock")
+    with serving(api, path) as node, socket.socket(socket.AF_UNIX) as stalled:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(path)
+        stalled.sendall(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert answering.wait(10)
+        deadline = time.monotonic() + 10
+        while api.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert api.connections == 0, "the stalled connection still holds the only slot"
+        assert node.request("GET", "/fast") == {"fast": True}
+        received = bytearray()
+        stalled.settimeout(10)
+        try:
+            while chunk := stalled.recv(1 << 20):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        head, _, body = bytes(received).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and len(body) < len(big) and big.startswith(body)

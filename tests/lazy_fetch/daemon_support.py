@@ -115,6 +115,15 @@ def mount_dirs(tmp_path, *names) -> list[str]:
     return paths
 
 
+def memory_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A memory figure of process ``pid`` from /proc/PID/status: VmRSS (resident now), VmHWM (its peak)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 def wait_for(condition, what: str, timeout: float = 20.0):
     """``condition()``'s first true value, polled every 20 ms; AssertionError naming ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -22,7 +22,7 @@ import pytest
 
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
-from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_store, mount_dirs
+from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_metric, layer_store, memory_bytes, mount_dirs
 from tests.s3server import free_port
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
@@ -83,7 +83,7 @@ def test_paths_on_the_daemons_own_mounts_are_refused_while_it_keeps_serving(stor
         assert cli.returncode != 0 and "FUSE session" in cli.stderr
         assert time.monotonic() - started < 10
         _assert_serving(node, fuse_mnt, kernel_mnt)
-        assert daemon.alive
+        assert daemon.alive()
         to_kernel_mnt = str(tmp_path / "link-to-a-mountpoint")  # names one of ours: unmounted, not refused
         os.symlink(kernel_mnt, to_kernel_mnt)
         node.umount(to_kernel_mnt)
@@ -91,11 +91,6 @@ def test_paths_on_the_daemons_own_mounts_are_refused_while_it_keeps_serving(stor
     finally:
         for mnt in {m.mountpoint for m in node.mounts()}:
             node.umount(mnt)
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def test_prefetch_lists_that_are_no_regular_files_are_refused_at_once(store_dir, daemons, tmp_path):
@@ -108,14 +103,14 @@ def test_prefetch_lists_that_are_no_regular_files_are_refused_at_once(store_dir,
     huge = str(tmp_path / "huge.json")
     with open(huge, "wb") as f:
         f.truncate(1 << 30)  # sparse: a gigabyte of zeros that costs no disk
-    rss_before = _rss_bytes(daemon.pid)
+    rss_before = memory_bytes(daemon.pid)
     try:
         for path, match in (("/dev/zero", "not a regular file"), (fifo, "not a regular file"),
                             (str(tmp_path), "not a regular file"), (huge, "over the limit")):
             _refused_quickly(lambda: node.mount("t/hostile:1", kernel_mnt, prefetch_list=path), match=match)
             _refused_quickly(node.prefetch, fuse_mnt, path, match=match)
         assert node.mounts()[0].mountpoint == fuse_mnt and len(node.mounts()) == 1
-        assert _rss_bytes(daemon.pid) < rss_before + (64 << 20)
+        assert memory_bytes(daemon.pid) < rss_before + (64 << 20)
         assert _read(os.path.join(fuse_mnt, "dir/sub/b.bin")) == FILES["dir/sub/b.bin"]
     finally:
         node.umount(fuse_mnt)
@@ -152,7 +147,7 @@ def test_thousands_of_idle_connections_neither_stop_nor_block_the_daemon(store_d
             sock.close()
         idle = []
         time.sleep(0.5)
-        assert node.status().pid == daemon.pid and daemon.alive
+        assert node.status().pid == daemon.pid and daemon.alive()
         assert _read(os.path.join(mnt, "dir/a.txt")) == FILES["dir/a.txt"]
         node.umount(mnt)
     finally:
@@ -234,3 +229,107 @@ def test_another_user_flooding_the_metrics_port_leaves_the_daemon_its_descriptor
             flood.stdin.close()
             flood.wait(10)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_mount_requests_naming_ever_new_stores_leave_the_daemon_bounded(store_dir, daemons, tmp_path):
+    """A mount request may name any store URL, and the daemon kept a store context (a store client, a chunk
+    index, a fetcher) for each one for good: a client naming new URLs grew it without bound. Now at most
+    MAX_STORES are held: those no layer uses are let go (their counters stay in the figures), and a new URL
+    finding every one in use is refused, clearly, until a layer of one is unmounted."""
+    from dsec_fs.errors import UnavailableError
+    from lazy_fetch.daemon_stores import MAX_STORES
+
+    node = daemons.start(store_dir).node
+    mnt, *mnts = mount_dirs(tmp_path, "own", *(f"m{i}" for i in range(MAX_STORES)))
+    node.mount("t/hostile:1", mnt, mode="fuse")  # the daemon's own store: one context, in use
+    for i in range(2 * MAX_STORES):  # stores without the ref: each answer says so, none is refused
+        empty = tmp_path / f"empty{i}"
+        empty.mkdir()
+        with pytest.raises(NotFoundError):
+            node.mount("t/hostile:1", mnts[0], mode="fuse", store=str(empty))
+    stores = {}
+    for i in range(MAX_STORES):  # distinct layers, so that each store has a layer of its own mounted
+        stores[i] = layer_store(tmp_path / f"s{i}", {"n.txt": f"store {i}\n".encode()}, "t/other:1", 64 * 1024)
+    for i in range(MAX_STORES - 1):
+        node.mount("t/other:1", mnts[i], mode="fuse", store=stores[i])
+    last = mnts[MAX_STORES - 1]
+    with pytest.raises(UnavailableError, match="stores already") as refused:
+        node.mount("t/other:1", last, mode="fuse", store=stores[MAX_STORES - 1])
+    assert refused.value.where == stores[MAX_STORES - 1]
+    assert _read(os.path.join(mnts[0], "n.txt")) == b"store 0\n"
+    first = next(m.layer for m in node.mounts() if m.mountpoint == mnts[0])
+    misses = layer_metric(node, "dsecfs_layer_chunk_misses_total", first)
+    assert misses > 0
+    node.umount(mnts[0])
+    node.mount("t/other:1", last, mode="fuse", store=stores[MAX_STORES - 1])  # lets go of store 0
+    assert layer_metric(node, "dsecfs_layer_chunk_misses_total", first) == misses  # what it counted stays
+    for i in range(1, MAX_STORES):
+        assert _read(os.path.join(mnts[i], "n.txt")) == f"store {i}\n".encode()
+    _assert_serving_one(mnt)
+    for path in [mnt, *mnts[1:]]:
+        node.umount(path)
+
+
+def _assert_serving_one(mnt: str) -> None:
+    for name, data in FILES.items():
+        assert _read(os.path.join(mnt, name)) == data
+
+
+def _fill(directory: str) -> str:
+    """Write zeros into a file of ``directory`` until its filesystem has no room left; returns the file."""
+    path = os.path.join(directory, "filler")
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return path
+
+
+def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
+    """The sandboxes' upper dirs live in the daemon's state directory (overlay/node_service.py), so a
+    sandbox's process that fills its upper dir fills the disk the daemon traces reads on. A trace write
+    that failed (ENOSPC) failed the read it was recording (EIO, and every read after it), and the failed
+    write of the periodic flush ended the daemon, and a mount or unmount whose mount table could not be
+    written answered "internal error" and left the daemon's tables behind. The trace is given up instead
+    (logged) and reads go on; a mount is refused, clearly; an unmount is made, its record logged as failed."""
+    from dsec_fs.errors import UnavailableError
+    from dsec_fs.mounts import mount, umount
+    from lazy_fetch.daemon_traces import TRACE_FLUSH_SECONDS
+    from lazy_fetch.trace import FLUSH_RECORDS
+
+    files = {f"many/{i:04d}.txt": f"file {i}\n".encode() * 50 for i in range(2 * FLUSH_RECORDS)}
+    store_dir = layer_store(tmp_path / "many", files, "t/many:1", 64 * 1024)
+    small = tmp_path / "small"
+    small.mkdir()
+    mount("tmpfs", str(small), "tmpfs", data="size=4m")
+    daemons = Daemons(tmp_path)
+    daemons.state_dir = str(small / "state")
+    try:
+        daemon = daemons.start(store_dir, binding="raw")
+        mnt, = mount_dirs(tmp_path, "mnt")
+        daemon.node.mount("t/many:1", mnt, mode="fuse")
+        names = sorted(files)
+        assert _read(os.path.join(mnt, names[0])) == files[names[0]]
+        filler = _fill(str(small))
+        for name in names:  # more reads than a trace buffers: its writes meet the full disk
+            assert _read(os.path.join(mnt, name)) == files[name]
+        time.sleep(TRACE_FLUSH_SECONDS + 1)  # the periodic flush meets it too
+        assert daemon.alive() and daemon.node.status().pid == daemon.pid
+        assert "cannot write the trace" in daemons.log()
+        # A mount must be listed before it is made (mount_table.py): refused, clearly, while the disk is full.
+        other, = mount_dirs(tmp_path, "other")
+        with pytest.raises(UnavailableError, match="cannot write the mount table"):
+            daemon.node.mount("t/many:1", other, mode="fuse")
+        daemon.node.umount(mnt)  # the change stands, its record fails (logged)
+        assert daemon.node.mounts() == []
+        os.unlink(filler)
+        daemon.node.mount("t/many:1", other, mode="fuse")
+        assert _read(os.path.join(other, names[-1])) == files[names[-1]]
+        daemon.node.umount(other)
+    finally:
+        try:
+            daemons.stop_all()
+        finally:
+            umount(str(small), lazy=True)

@@ -25,7 +25,7 @@ from dsec_fs.errors import InputError, NotFoundError, UnavailableError, Unsuppor
 from dsec_fs.sandbox_client import Sandbox
 from tests.lazy_fetch import daemon_support
 from tests.cli.cli_support import interruptible
-from tests.lazy_fetch.daemon_support import wait_for
+from tests.lazy_fetch.daemon_support import memory_bytes, wait_for
 from tests.other_user import NOBODY
 # The layers (the Debian base) and the daemons of a test, as the other sandbox tests have them.
 from tests.overlay.test_node_sandboxes import BASE, daemons, layers, workspace_ref  # noqa: F401 (fixtures)
@@ -201,14 +201,6 @@ def test_a_client_that_leaves_mid_stream_ends_the_command_and_the_daemon_serves_
     assert sandbox.node.status().pid
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_flood_of_output_to_a_slow_reader_keeps_the_daemon_small(daemons):
     daemon = daemons.start()
     node = daemon.node
@@ -216,13 +208,13 @@ def test_a_flood_of_output_to_a_slow_reader_keeps_the_daemon_small(daemons):
     with sandbox.attach(["/bin/sh", "-c", "exec yes 0123456789abcdefghijklmnopqrstuvwxyz"]) as command:
         output = command.output()
         next(output)
-        before = rss_bytes(daemon.pid)
+        before = memory_bytes(daemon.pid)
         received = 0
         end = time.monotonic() + 3.0
         while time.monotonic() < end:  # 64 KiB per 10 ms at most: far slower than `yes` writes
             time.sleep(0.01)
             received += len(next(output)[1])
-        grown = rss_bytes(daemon.pid) - before
+        grown = memory_bytes(daemon.pid) - before
     assert received > 0 and grown < 16 << 20, (received, grown)
     wait_for(lambda: daemons.runc_containers() == [], "the container to be deleted")
     assert sandbox.exec(["true"]).exit_code == 0
@@ -361,3 +353,18 @@ def _processes(cmdline: bytes) -> int:
         except OSError:  # gone meanwhile
             pass
     return count
+
+
+def test_an_attached_namespaces_command_says_its_gathered_output_was_cut(sandbox, daemons):
+    """The namespaces runtime gathers an attached command's output as exec does, so it keeps the first
+    MAX_OUTPUT bytes of each stream too (the daemon's memory); the EXIT frame and the CLI say so."""
+    from overlay.runtime import MAX_OUTPUT
+
+    script = f"head -c {MAX_OUTPUT + 1} /dev/zero; echo err >&2"
+    with sandbox.attach(["/bin/sh", "-c", script], runtime="namespaces") as command:
+        output = list(command.output())
+    assert b"".join(data for kind, data in output if kind == "stdout") == bytes(MAX_OUTPUT)
+    assert b"".join(data for kind, data in output if kind == "stderr") == b"err\n"
+    assert command.result.exit_code == 0 and command.result.truncated
+    done = daemons.cli("exec", "--runtime", "namespaces", "att", "/bin/sh", "-c", script)
+    assert len(done.stdout) == MAX_OUTPUT and done.stderr.startswith(b"err\n") and b"output was cut" in done.stderr

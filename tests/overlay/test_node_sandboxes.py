@@ -27,6 +27,7 @@ from treecmp import write_files
 from dsec_fs import mounts
 from dsec_fs.client import DaemonProcess
 from dsec_fs.errors import ConflictError, InputError, NotFoundError, UnavailableError
+from dsec_fs.trees import remove_tree
 from dsec_fs.layer import open_layer
 from dsec_fs.sandbox_client import ExecResult, Sandbox
 from dsec_fs.store import FilesystemStore, keys
@@ -394,3 +395,43 @@ def test_bad_input_fails_clearly_and_leaves_nothing_mounted(daemons, tmp_path, l
     assert layer_dirs(daemons) == sorted(layer.digest for layer in same.layers)
     Sandbox(node, "same").down()
     assert only_the_fuse_session_is_mounted(daemons, tmp_path) and layer_dirs(daemons) == []
+
+
+def test_a_sandbox_writing_without_end_to_an_exec_leaves_the_daemon_its_memory(daemons):
+    """exec gathered a command's whole output in the daemon (then base64 in its JSON answer): a sandbox's
+    process writing GiB took the daemon to the OOM killer. It keeps the first MAX_OUTPUT bytes of each
+    stream, says it cut them (``truncated``), and the command runs to its end."""
+    from overlay.runtime import MAX_OUTPUT
+
+    daemon = daemons.start()
+    sandbox = Sandbox(daemon.node, daemon.node.sandbox_up(BASE, workspace_ref("task00"), name="chatty").id)
+    assert sandbox.exec(["true"]).exit_code == 0
+    peak = daemon_support.memory_bytes(daemon.pid, "VmHWM")
+    result = sandbox.exec(["/bin/sh", "-c", "head -c 268435456 /dev/zero; echo done >&2; exit 3"])
+    assert (result.exit_code, result.stdout, result.stderr, result.truncated) == (3, bytes(MAX_OUTPUT), b"done\n", True)
+    assert daemon_support.memory_bytes(daemon.pid, "VmHWM") - peak < 64 << 20
+    assert sandbox.exec(["echo", "ok"]) == ExecResult(0, b"ok\n", b"")
+
+
+DEEP_TREE = 3000  # directories nested in one another: more than Python's recursion limit (1000)
+
+
+def test_a_sandbox_that_nests_directories_deeper_than_pythons_stack_is_taken_down(daemons):
+    """shutil.rmtree recurses a stack frame a level, and raises RecursionError (ignore_errors or not) on a
+    tree nested 1000 deep, which any process in a sandbox can make in its upper dir: its ``down`` answered
+    "internal error" and left the sandbox ``stopping`` for good, and a restarted daemon, taking that one
+    apart at start, could not start. The tree goes now, nested any depth."""
+    daemon = daemons.start()
+    node = daemon.node
+    sandbox = Sandbox(node, node.sandbox_up(BASE, workspace_ref("task00"), name="deep").id)
+    # Perl (in minbase) steps down one level at a time: a shell's cd composes the whole path, past PATH_MAX.
+    nest = f"chdir '/root' or die; for (1..{DEEP_TREE}) {{ mkdir 'd' or die $!; chdir 'd' or die $! }}"
+    assert sandbox.exec(["perl", "-e", nest]).exit_code == 0
+    try:
+        sandbox.down()
+        assert node.sandboxes() == [] and sandbox_entries(daemons) == []
+        daemon.stop()
+        assert daemons.start().node.sandboxes() == []
+    finally:  # a tree left by a failure would stop pytest's own clean-up (shutil.rmtree) of tmp_path
+        for entry in sandbox_entries(daemons):
+            remove_tree(os.path.join(daemons.sandbox_dir, "sandboxes", entry, "upper", "root", "d"))

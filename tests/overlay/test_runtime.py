@@ -138,6 +138,21 @@ def test_a_timeout_kills_the_sandbox(rootfs, runtime):
 
 
 @BOTH
+def test_output_past_the_bound_is_cut_and_said_so_and_the_command_runs_to_its_end(rootfs, runtime):
+    """A command's output was gathered whole in the caller's memory (the daemon's, for a sandbox's exec): a
+    process writing without end took the daemon to the OOM killer. The first MAX_OUTPUT bytes of each
+    stream are kept; the rest is read and dropped, so the command is not blocked, and ``truncated`` says so."""
+    from overlay.runtime import MAX_OUTPUT
+
+    script = f"head -c {3 * MAX_OUTPUT} /dev/zero; echo done >&2; head -c {MAX_OUTPUT + 1} /dev/zero >&2; exit 7"
+    result = sh(rootfs, script, runtime)
+    assert (result.exit_code, len(result.stdout), len(result.stderr)) == (7, MAX_OUTPUT, MAX_OUTPUT)
+    assert result.truncated and result.stdout == bytes(MAX_OUTPUT) and result.stderr.startswith(b"done\n\0")
+    small = sh(rootfs, f"head -c {MAX_OUTPUT} /dev/zero", runtime)
+    assert len(small.stdout) == MAX_OUTPUT and not small.truncated
+
+
+@BOTH
 def test_a_command_that_cannot_run_is_an_input_error(rootfs, runtime):
     with pytest.raises(InputError, match="cannot execute '/no/such/program'"):
         run_in_rootfs(rootfs, ["/no/such/program"], runtime=runtime)

@@ -4,6 +4,8 @@ a reopen, and remote Prepare labels an image cannot abuse (a store not allowed, 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dsec_fs.errors import ConflictError, InputError, NotFoundError
@@ -100,3 +102,22 @@ def test_cleanup_removes_directories_no_snapshot_names(snapshots, tmp_path):
     (stray / "fs").mkdir(parents=True)
     snapshots.cleanup()
     assert not stray.exists() and snapshots.stat("a").kind == ACTIVE
+
+
+def test_a_container_nesting_directories_deeper_than_pythons_stack_is_measured_and_removed(snapshots, tmp_path):
+    """An active snapshot's tree is a container's to write, nested as deep as it likes: os.walk (usage) and
+    shutil.rmtree (remove, cleanup at start) recursed a stack frame a level and raised RecursionError on
+    a tree 1000 deep; a stray one stopped the snapshotter's start for good."""
+    from tests.dsec_fs.test_files import _nest
+
+    (mount,) = snapshots.prepare("a", "", {})
+    _nest(mount.source, 3000)
+    size, inodes = snapshots.usage("a")
+    assert inodes == 2 * 3000 and size > 0
+    snapshots.remove("a")
+    assert os.listdir(tmp_path / "root" / "snapshots") == []
+    stray = tmp_path / "root" / "snapshots" / "999" / "fs"
+    stray.mkdir(parents=True)
+    _nest(stray, 3000)
+    snapshots.cleanup()
+    assert os.listdir(tmp_path / "root" / "snapshots") == []
