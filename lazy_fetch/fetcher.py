@@ -113,11 +113,15 @@ DEFAULT_MAX_ABANDONED = 64
 # Compressed bytes per store read: large enough to merge a run of neighbours, small enough that a big
 # request is spread over several slots and its first chunks are not held up by its last.
 MAX_READ_BYTES = 4 * 1024 * 1024
-# Fill reads (store_slots.FILL) at once, and their compressed bytes per store read: what a miss may find
-# on the link ahead of it is at most their product (2 MiB: 20 ms at 100 MB/s), while two reads side by
-# side still keep a link of that speed about busy behind a 20 ms round trip.
-FILL_READS = 2
-FILL_READ_BYTES = 1024 * 1024
+# Fill reads (store_slots.FILL) at once, and their compressed bytes per store read. The link is shared by
+# the transfers on it, so a miss beside them gets a fifth of it (a 256 KiB chunk: 13 ms at 100 MB/s, on
+# top of its round trip), and a miss that needs a chunk of a fill read in the air waits for at most 2 MiB.
+# Four side by side keep a 100 MB/s link busy behind a 20 ms round trip, so the fill gets ahead of the
+# first command's misses: against two of 1 MiB, a first-ever start behind 20 ms waited half the serial
+# round trips and took 0.84-0.94x the time (docs/benchmarks.md, "fill10"); 4 MiB reads were slower (a
+# miss promoted into one waits for all of it), and six of 2 MiB no faster.
+FILL_READS = 4
+FILL_READ_BYTES = 2 * 1024 * 1024
 # Runs whose waiters have their bytes that may wait for the cache writer (their bytes in memory, at most
 # MAX_READ_BYTES compressed each); beyond that a run's readers wait for its own write, by at most
 # CACHE_WRITERS worker threads at once.

@@ -15,8 +15,8 @@ the room the disk cache has left (``room``: a prefetch never makes the cache evi
 
 Fill. ``fill_entries`` is the rest of the layer's chunks in blob order (the daemon's ``fill`` policy
 ``layer``), fetched after the list at FILL priority: a fill read starts only while no on-demand read
-waits, few at a time and small (fetcher.FILL_READS, FILL_READ_BYTES), so the bytes a miss finds ahead
-of it on the link stay a round trip's worth. The list's chunks come first, then everything else streams
+waits, few at a time and small (fetcher.FILL_READS, FILL_READ_BYTES), so a miss beside them keeps a
+fair share of the link. The list's chunks come first, then everything else streams
 in behind them and behind every on-demand read, until the cache bound: one store read at a time per
 fill turn, each planned as its turn comes, in the order fill_order.py gives (on from the readers' last
 miss, the layer missed in last first; the job's ``fill_order``, which the daemon tells of misses). Each

@@ -74,8 +74,8 @@ class StoreSlots:
     prefetch or fill, at most ``fill_limit`` of those fill; queued reads are granted on-demand first, then
     prefetch, then fill, each queue in ticket ``order`` (the order the reads were planned in, not the order
     trio happens to start their tasks in). A fill read starts only while no on-demand read is queued, and
-    fill reads are few because every byte they have in the air is link time a miss queues behind: with
-    ``fill_limit`` reads of FILL_READ_BYTES (fetcher.py) a miss waits for at most that much transfer.
+    fill reads are few because each one in the air takes a share of the link a miss beside it would
+    have (fetcher.py says how many, FILL_READS of FILL_READ_BYTES).
     A ticket is granted only while its object has fewer than ``per_object`` reads in the air (abandoned
     ones included), or fewer than ``total`` while the object is *answering*: one of its reads came back
     within the last ANSWERING_WINDOW seconds and none was abandoned. So a pack being read hard gets every

@@ -603,58 +603,63 @@ class KeyGatedStore(StoreWrapper):
 
 
 def test_fill_reads_are_few_and_start_only_while_no_ondemand_read_waits(backend, cache):
-    a, b, c, d, e = (upload(backend, [chunk(n)])[0] for n in range(5))  # a pack each: a store read each
-    gated = KeyGatedStore(backend, [keys.pack(location.pack_id) for _, location in (a, b, c, d, e)])
-    gate = {name: gated.gates[keys.pack(item[1].pack_id)] for name, item in zip("abcde", (a, b, c, d, e))}
+    # FILL_READS fill reads in the air, one more queued; slots for all of them and one reader.
+    fills = [upload(backend, [chunk(n)])[0] for n in range(FILL_READS + 1)]
+    reader, second_reader = (upload(backend, [chunk(n)])[0] for n in range(FILL_READS + 1, FILL_READS + 3))
+    items = {**{f"fill{n}": item for n, item in enumerate(fills)}, "reader": reader, "second reader": second_reader}
+    gated = KeyGatedStore(backend, [keys.pack(location.pack_id) for _, location in items.values()])
+    gate = {name: gated.gates[keys.pack(item[1].pack_id)] for name, item in items.items()}
+    slots = FILL_READS + 1
     finished = []
 
     async def main():
-        async with open_fetcher(gated, cache, max_concurrent=3, prefetch_slots=3) as fetcher:
-            async def fetch(name, item, priority):
-                await fetcher.fetch(*item, priority=priority)
+        async with open_fetcher(gated, cache, max_concurrent=slots, prefetch_slots=slots) as fetcher:
+            async def fetch(name, priority):
+                await fetcher.fetch(*items[name], priority=priority)
                 finished.append(name)
 
             async with trio.open_nursery() as nursery:
-                for name, item in (("a", a), ("b", b)):
-                    nursery.start_soon(fetch, name, item, FILL)
-                await until(lambda: fetcher.store_reads_running == 2)
-                nursery.start_soon(fetch, "c", c, FILL)
+                for n in range(FILL_READS):
+                    nursery.start_soon(fetch, f"fill{n}", FILL)
+                await until(lambda: fetcher.store_reads_running == FILL_READS)
+                nursery.start_soon(fetch, f"fill{FILL_READS}", FILL)
                 await until(lambda: fetcher.waiting(FILL) == 1)
                 # FILL_READS fill reads at once, though a slot is free.
-                assert (fetcher.store_reads_running, FILL_READS) == (2, 2)
-                nursery.start_soon(fetch, "d", d, ONDEMAND)
-                await until(lambda: fetcher.store_reads_running == 3)
-                nursery.start_soon(fetch, "e", e, ONDEMAND)
+                assert fetcher.store_reads_running == FILL_READS < slots
+                nursery.start_soon(fetch, "reader", ONDEMAND)
+                await until(lambda: fetcher.store_reads_running == slots)
+                nursery.start_soon(fetch, "second reader", ONDEMAND)
                 await until(lambda: fetcher.waiting(ONDEMAND) == 1)
-                gate["a"].set()
-                # The slot a leaves goes to the waiting reader, not to the queued fill.
+                gate["fill0"].set()
+                # The slot fill0 leaves goes to the waiting reader, not to the queued fill.
                 await until(lambda: fetcher.waiting(ONDEMAND) == 0)
-                assert (fetcher.waiting(FILL), fetcher.store_reads_running) == (1, 3)
-                gate["e"].set()
-                await until(lambda: "e" in finished)
-                # No reader waits now, but two fill reads are: b, and c once granted, up to the limit.
+                assert (fetcher.waiting(FILL), fetcher.store_reads_running) == (1, slots)
+                gate["second reader"].set()
+                await until(lambda: "second reader" in finished)
+                # No reader waits now: the queued fill read is granted, up to the limit.
                 await until(lambda: fetcher.waiting(FILL) == 0)
-                for name in "bcd":
+                for name in gate:
                     gate[name].set()
 
     trio.run(main)
-    assert finished.index("a") < finished.index("e")
+    assert finished.index("fill0") < finished.index("second reader")
 
 
 def test_a_reader_promotes_a_queued_fill_read(backend, cache):
-    a, b, c = (upload(backend, [chunk(n)])[0] for n in range(3))
-    gated = KeyGatedStore(backend, [keys.pack(location.pack_id) for _, location in (a, b, c)])
+    *fills, c = (upload(backend, [chunk(n)])[0] for n in range(FILL_READS + 1))
+    gated = KeyGatedStore(backend, [keys.pack(location.pack_id) for _, location in (*fills, c)])
+    slots = FILL_READS + 1
 
     async def main():
-        async with open_fetcher(gated, cache, max_concurrent=3, prefetch_slots=3) as fetcher:
+        async with open_fetcher(gated, cache, max_concurrent=slots, prefetch_slots=slots) as fetcher:
             async with trio.open_nursery() as nursery:
-                for item in (a, b):
+                for item in fills:
                     nursery.start_soon(lambda item=item: fetcher.fetch(*item, priority=FILL))
-                await until(lambda: fetcher.store_reads_running == 2)
+                await until(lambda: fetcher.store_reads_running == FILL_READS)
                 nursery.start_soon(lambda: fetcher.fetch(*c, priority=FILL))
                 await until(lambda: fetcher.waiting(FILL) == 1)
                 nursery.start_soon(lambda: fetcher.fetch(*c, priority=ONDEMAND))  # c was queued as fill
-                await until(lambda: fetcher.store_reads_running == 3)
+                await until(lambda: fetcher.store_reads_running == slots)
                 assert (fetcher.waiting(FILL), fetcher.waiting(ONDEMAND)) == (0, 0)
                 for event in gated.gates.values():
                     event.set()
@@ -663,7 +668,8 @@ def test_a_reader_promotes_a_queued_fill_read(backend, cache):
 
 
 def test_fill_reads_are_small(backend, cache):
-    incompressible = [chunk(n, size=512 * 1024) for n in range(8)]  # 4 MiB side by side in one pack
+    # Four times FILL_READ_BYTES side by side in one pack.
+    incompressible = [chunk(n, size=512 * 1024) for n in range(4 * FILL_READ_BYTES // (512 * 1024))]
     items = upload(backend, incompressible)
     log = GetLog(backend)
 

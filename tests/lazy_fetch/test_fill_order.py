@@ -50,10 +50,9 @@ def layer_fill(backend, first: int, count: int) -> tuple[list[PrefetchEntry], di
     return entries, dict(items), [keys.pack(location.pack_id) for _digest, location in items]
 
 
-def pairs(reads: list) -> list[set]:
-    """The reads two by two (FILL_READS side by side, which of a pair asks first is the threads')."""
-    assert FILL_READS == 2
-    return [set(reads[n:n + 2]) for n in range(0, len(reads), 2)]
+def turns(reads: list) -> list[set]:
+    """The reads FILL_READS by FILL_READS (side by side: which of them asks first is the threads')."""
+    return [set(reads[n:n + FILL_READS]) for n in range(0, len(reads), FILL_READS)]
 
 
 def run_fills(store, cache, steps) -> list:
@@ -90,8 +89,10 @@ def test_the_fill_goes_on_from_where_a_reader_missed(backend, cache):
 
     (job,) = run_fills(store, cache, steps)
     assert job.done_chunks == len(entries)
-    # Each once, from the miss on, wrapping around at the end; the fill's two reads go side by side.
-    assert pairs([packs.index(pack) for pack in store.packs]) == [{0, 1}, {8, 9}, {10, 11}, {2, 3}, {4, 5}, {6, 7}]
+    # Each once, from the miss on, wrapping around at the end; the fill's reads go FILL_READS side by side.
+    assert FILL_READS <= 8
+    expected = [*range(FILL_READS), 8, 9, 10, 11, *range(FILL_READS, 8)]
+    assert turns([packs.index(pack) for pack in store.packs]) == turns(expected)
 
 
 def test_the_fill_reads_go_to_the_layer_missed_in_last(backend, cache):
@@ -101,7 +102,7 @@ def test_the_fill_reads_go_to_the_layer_missed_in_last(backend, cache):
 
     async def steps(start):
         start("base", base, base_locations)
-        await until(lambda: len(store.packs) == FILL_READS)  # the base's fill has both turns
+        await until(lambda: len(store.packs) == FILL_READS)  # the base's fill has every turn
         start("toolkit", toolkit, toolkit_locations).fill_order.missed(3)  # the command reads the toolkit now
 
     run_fills(store, cache, steps)
@@ -109,8 +110,10 @@ def test_the_fill_reads_go_to_the_layer_missed_in_last(backend, cache):
     # then back to the base.
     reads = [f"base{base_packs.index(pack)}" if pack in base_packs else f"toolkit{toolkit_packs.index(pack)}"
              for pack in store.packs]
-    assert pairs(reads) == [{"base0", "base1"}, {"toolkit3", "toolkit4"}, {"toolkit5", "toolkit0"},
-                            {"toolkit1", "toolkit2"}, {"base2", "base3"}, {"base4", "base5"}]
+    assert FILL_READS <= 6
+    expected = [*(f"base{n}" for n in range(FILL_READS)), *(f"toolkit{n}" for n in (3, 4, 5, 0, 1, 2)),
+                *(f"base{n}" for n in range(FILL_READS, 6))]
+    assert turns(reads) == turns(expected)
 
 
 def test_a_fill_order_gives_each_read_once_however_the_misses_jump():
@@ -187,22 +190,27 @@ def test_the_fill_reads_on_while_the_cache_writes_and_waits_once_too_much_is_unw
     import lazy_fetch.prefetcher as prefetcher_module
     from tests.lazy_fetch.test_fetcher import BlockingPutCache
 
-    monkeypatch.setattr(prefetcher_module, "FILL_UNWRITTEN_BYTES", 2 * 4096)  # two chunks' worth
-    entries, locations, _packs = layer_fill(backend, 0, 8)
+    bound_chunks = FILL_READS  # the reads' worth in the air at once may wait for the writer, no more
+    monkeypatch.setattr(prefetcher_module, "FILL_UNWRITTEN_BYTES", bound_chunks * 4096)
+    entries, locations, _packs = layer_fill(backend, 0, 4 * FILL_READS)
     store = PackLog(backend)
     cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
 
     async def steps(start):
         start("layer", entries, locations)
-        await until(lambda: cache.puts == 1)  # the first write hangs
-        await trio.sleep(8 * ANSWER)
-        # Reads went on past the FILL_READS that held their slots through the write before, and stopped
-        # once more than the bound waited for the writer: at most one read beyond it per turn.
-        assert FILL_READS < len(store.packs) <= 2 + FILL_READS
-        cache.release.set()
+        try:
+            await until(lambda: cache.puts == 1)  # the first write hangs
+            await trio.sleep(8 * ANSWER)
+            reads_while_the_write_hangs.append(len(store.packs))
+        finally:  # else the fetcher's shielded write would keep trio.run from returning
+            cache.release.set()
 
+    reads_while_the_write_hangs = []
     try:
         (job,) = run_fills(store, cache, steps)
+        # Reads went on past the FILL_READS that held their slots through the write before, and stopped
+        # once more than the bound waited for the writer: at most one read beyond it per turn.
+        assert FILL_READS < reads_while_the_write_hangs[0] <= bound_chunks + FILL_READS, reads_while_the_write_hangs
         assert job.done_chunks == len(entries) and len(store.packs) == len(entries)
         assert all(cache.get(entry.digest) is not None for entry in entries)
     finally:
