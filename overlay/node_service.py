@@ -25,7 +25,7 @@ Routes (JSON in and out; ``{sandbox}`` is a sandbox id or name; errors as every 
     GET  /v1/sandboxes/{sandbox}         -> sandbox
     POST /v1/sandboxes/{sandbox}/exec    {argv, env, cwd, runtime, network, memory_bytes, cpus, pids_limit,
                                           timeout, stdin (base64)}  -> {exit_code, stdout, stderr (base64),
-                                          timed_out}
+                                          timed_out, truncated}
     POST /v1/sandboxes/{sandbox}/attach  {argv, env, ..., runtime, stdin, tty, rows, cols}, Upgrade: dsecfs-exec/1
                                          -> 101, then frames both ways (attach.py, dsec_fs/exec_frames.py)
     POST /v1/sandboxes/{sandbox}/down    {keep}  -> {}
@@ -34,7 +34,9 @@ Routes (JSON in and out; ``{sandbox}`` is a sandbox id or name; errors as every 
 A sandbox is SandboxState as JSON (overlay/sandbox.py). Sandbox layers come from the daemon's store; an
 ``up`` that names another store is refused (ConflictError) rather than quietly mixing stores. ``commit``
 builds the sandbox's upper dir (stack.upper_to_tree: whiteouts and opaque directories kept) into a layer
-in ``store`` (default: the daemon's) and points the ref ``name`` at it.
+in ``store`` (default: the daemon's) and points the ref ``name`` at it. The output exec (and an attached
+command of the namespaces runtime) keeps counts against the node's EXEC_OUTPUT_BYTES, shared by every
+command running (output_budget.py), until its answer is encoded.
 
 Start (before the API answers, after the daemon detached the mounts a dead predecessor left):
 SandboxManager.recover(). A daemon that died took the FUSE session its layer mounts read from, and the
