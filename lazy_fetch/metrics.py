@@ -46,11 +46,13 @@ turns it into metric families:
 
 The TCP page (``--metrics-address``) is another matter: anyone who reaches the port may ask for it
 without pause, from METRICS_CONNECTIONS connections at once (daemon.py), and a render holds the daemon's
-trio thread, the one that serves every mounted layer's FUSE reads, for tens of milliseconds on a busy
-node (the figures walk every chunk of every layer the node has served: 14 ms with 40 layers of 5,000
-chunks, 40 ms with 40 of 20,000, 74 ms with 200 of 5,000). So that page is rendered at most once per
-SHARED_PAGE_SECONDS and answered from that rendering meanwhile (``shared``). The daemon's socket (root
-only) renders afresh for each request.
+trio thread, the one that serves every mounted layer's FUSE reads, for milliseconds to tens of them
+(the figures walk every chunk of every layer the node has served since it started, mounted or not: a
+GET /metrics of a daemon with 42 layers of 33,000 chunks mounted took 7.7 ms, with 202 layers of 21,000
+chunks 35 ms; figures made up for 200 layers of 5,000 chunks each, 74 ms a render). A flood from 16
+connections had it rendered 422 times in 3 s. So that page is rendered at most once per
+SHARED_PAGE_SECONDS and answered from that rendering meanwhile (``shared``): one render in those 3 s. The
+daemon's socket (root only) renders afresh for each request.
 
 Threads: ``render`` and ``shared`` run in the daemon's trio thread, like everything that changes the
 counters, so a snapshot is consistent (and ``shared``'s rendering needs no lock).
