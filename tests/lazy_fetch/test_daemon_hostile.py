@@ -11,17 +11,20 @@ ended the daemon.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import resource
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
+from dsec_fs.mounts import umount
 from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_metric, layer_store, memory_bytes, mount_dirs
 from tests.s3server import free_port
 
@@ -160,7 +163,7 @@ def test_a_state_dir_on_tmpfs_refuses_kernel_mode_clearly_and_fuse_mode_works(st
     """/run is tmpfs on a systemd machine, and the kernel refuses a file-backed EROFS image there (ENOTBLK):
     a kernel-mode mount says so and what to do, a fuse-mode one works."""
     from dsec_fs.errors import UnsupportedError
-    from dsec_fs.mounts import mount, umount
+    from dsec_fs.mounts import mount
 
     memory = tmp_path / "run"
     memory.mkdir()
@@ -348,6 +351,21 @@ def _fill(directory: str) -> str:
     return path
 
 
+@contextlib.contextmanager
+def _state_dir_on(tmp_path, directory: str) -> Iterator[Daemons]:
+    """Daemons whose state directory is on the filesystem just mounted at ``directory``, which is
+    unmounted once they are stopped."""
+    daemons = Daemons(tmp_path)
+    daemons.state_dir = os.path.join(directory, "state")
+    try:
+        yield daemons
+    finally:
+        try:
+            daemons.stop_all()
+        finally:
+            umount(directory, lazy=True)
+
+
 def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
     """The sandboxes' upper dirs live in the daemon's state directory (overlay/node_service.py), so a
     sandbox's process that fills its upper dir fills the disk the daemon traces reads on. A trace write
@@ -356,7 +374,7 @@ def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
     written answered "internal error" and left the daemon's tables behind. The trace is given up instead
     (logged) and reads go on; a mount is refused, clearly; an unmount is made, its record logged as failed."""
     from dsec_fs.errors import UnavailableError
-    from dsec_fs.mounts import mount, umount
+    from dsec_fs.mounts import mount
     from lazy_fetch.daemon_traces import TRACE_FLUSH_SECONDS
     from lazy_fetch.trace import FLUSH_RECORDS
 
@@ -365,9 +383,7 @@ def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
     small = tmp_path / "small"
     small.mkdir()
     mount("tmpfs", str(small), "tmpfs", data="size=4m")
-    daemons = Daemons(tmp_path)
-    daemons.state_dir = str(small / "state")
-    try:
+    with _state_dir_on(tmp_path, str(small)) as daemons:
         daemon = daemons.start(store_dir, binding="raw")
         mnt, = mount_dirs(tmp_path, "mnt")
         daemon.node.mount("t/many:1", mnt, mode="fuse")
@@ -389,11 +405,6 @@ def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
         daemon.node.mount("t/many:1", other, mode="fuse")
         assert _read(os.path.join(other, names[-1])) == files[names[-1]]
         daemon.node.umount(other)
-    finally:
-        try:
-            daemons.stop_all()
-        finally:
-            umount(str(small), lazy=True)
 
 
 def _free_pages(directory: str, pages: int) -> str:
@@ -412,7 +423,7 @@ def test_a_state_dir_too_full_for_the_fuse_session_file_refuses_a_mount_clearly_
     layer mounts once there is room. The state directory is a small tmpfs, so fuse mode (kernel mode
     refuses tmpfs); the disk is filled to each of a few points, one of which is the right one."""
     from dsec_fs.errors import UnavailableError
-    from dsec_fs.mounts import is_mountpoint, mount, umount
+    from dsec_fs.mounts import is_mountpoint, mount
     from erofs_builder import build_layer
     from lazy_fetch.layer_mount import SESSION_FILE
     from lazy_fetch.mount_table import MOUNT_TABLE
@@ -431,10 +442,8 @@ def test_a_state_dir_too_full_for_the_fuse_session_file_refuses_a_mount_clearly_
     small = tmp_path / "small"
     small.mkdir()
     mount("tmpfs", str(small), "tmpfs", data="size=4m")
-    daemons = Daemons(tmp_path)
-    daemons.state_dir = str(small / "state")
-    session_file = os.path.join(daemons.state_dir, SESSION_FILE)
-    try:
+    with _state_dir_on(tmp_path, str(small)) as daemons:
+        session_file = os.path.join(daemons.state_dir, SESSION_FILE)
         node = daemons.start(store_dir, binding="raw").node
         mnt, = mount_dirs(tmp_path, "mnt")
         i = 0
@@ -462,11 +471,6 @@ def test_a_state_dir_too_full_for_the_fuse_session_file_refuses_a_mount_clearly_
         node.mount(ref, mnt, mode="fuse")  # with room again
         assert _read(os.path.join(mnt, "n.txt")) == f"layer {i}\n".encode()
         node.umount(mnt)
-    finally:
-        try:
-            daemons.stop_all()
-        finally:
-            umount(str(small), lazy=True)
 
 
 def _allocate_all(directory: str) -> str:
@@ -493,7 +497,7 @@ def test_a_state_dir_too_full_for_a_meta_image_refuses_a_kernel_mount_clearly_an
     an UnavailableError naming the file, with nothing listed, mounted or left in meta/. Kernel mode refuses
     tmpfs, so the state directory is a small ext4 (a loop device), filled but for a few KiB."""
     from dsec_fs.errors import UnavailableError
-    from dsec_fs.mounts import is_mountpoint, umount
+    from dsec_fs.mounts import is_mountpoint
 
     files = {f"dir/{i:04d}-{'n' * 80}.txt": b"x" for i in range(1500)}  # a meta image of some 200 KiB
     store_dir = layer_store(tmp_path / "wide", files, "t/wide:1", 64 * 1024)
@@ -503,10 +507,8 @@ def test_a_state_dir_too_full_for_a_meta_image_refuses_a_kernel_mount_clearly_an
         f.truncate(32 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "1024", image], check=True)
     subprocess.run(["mount", "-o", "loop", image, str(disk)], check=True)
-    daemons = Daemons(tmp_path)
-    daemons.state_dir = str(disk / "state")
-    meta_dir = os.path.join(daemons.state_dir, "meta")
-    try:
+    with _state_dir_on(tmp_path, str(disk)) as daemons:
+        meta_dir = os.path.join(daemons.state_dir, "meta")
         node = daemons.start(store_dir, binding="raw").node
         mnt, = mount_dirs(tmp_path, "mnt")
         node.mount("t/wide:1", mnt, mode="kernel")  # the image's size, and that kernel mode works here
@@ -526,8 +528,3 @@ def test_a_state_dir_too_full_for_a_meta_image_refuses_a_kernel_mount_clearly_an
         name = sorted(files)[-1]
         assert _read(os.path.join(mnt, name)) == files[name]
         node.umount(mnt)
-    finally:
-        try:
-            daemons.stop_all()
-        finally:
-            umount(str(disk), lazy=True)
