@@ -2,9 +2,10 @@
 
 ``write_atomic`` writes a file whole under a temporary name beside it and renames it into place, so a
 reader (or a daemon started after a crash) sees the old file or the new one, never a torn one; the
-temporary name is removed if writing fails. ``lock_directory`` takes the flock of ``DIR/lock`` that
-says one process owns a directory (a state directory, a chunk cache); the kernel lets go of it when the
-process dies, so a crashed owner never leaves a stale lock.
+temporary name is removed if writing fails; ``write_state_file`` is write_atomic for a daemon's state
+files, a failure (a full disk) an UnavailableError naming the file. ``lock_directory`` takes the flock of
+``DIR/lock`` that says one process owns a directory (a state directory, a chunk cache); the kernel lets go
+of it when the process dies, so a crashed owner never leaves a stale lock.
 
 Files are created 0600 unless told otherwise: what dsecfs keeps on a node (mount tables, session files,
 sandbox states) is the node's, not its users'. ``private_dir`` makes a directory of such things (a state
@@ -29,7 +30,7 @@ import secrets
 import stat
 from collections.abc import Callable
 
-from .errors import ConflictError, InputError
+from .errors import ConflictError, InputError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,17 @@ def write_atomic(path: str | os.PathLike, data: bytes | Callable[[int], None], *
         except FileNotFoundError:
             pass
         raise
+
+
+def write_state_file(path: str | os.PathLike, data: bytes, *, what: str) -> None:
+    """``write_atomic`` (not synced) of a daemon's state file, ``what`` it is ("the mount table"): a failure
+    to write it (a full disk, ENOSPC or EDQUOT: the sandboxes' upper dirs share the state directory's;
+    EIO) is UnavailableError (transient) naming the file, and nothing of the new file is left."""
+    try:
+        write_atomic(path, data, sync=False)
+    except OSError as exc:
+        raise UnavailableError(f"cannot write {what}: {exc.strerror or exc}", where=os.fspath(path),
+                               transient=True) from None
 
 
 def write_and_close(fd: int, data: bytes | memoryview, *, sync: bool) -> None:

@@ -226,7 +226,7 @@ class NodeDaemon(DaemonStores, DaemonMounts, DaemonTraces):
                 await nursery.start(self.api.serve, options.socket_path)
                 if options.metrics_address:  # the metrics page alone, on TCP, for Prometheus
                     metrics_only = HttpApi(max_connections=METRICS_CONNECTIONS)
-                    routes.register_metrics(metrics_only, self)
+                    routes.register_metrics(metrics_only, self, shared=True)
                     await nursery.start(metrics_only.serve_tcp, options.metrics_address)
                     log.info("metrics on http://%s/metrics", options.metrics_address)
                 nursery.start_soon(self._flush_traces_now_and_then)

@@ -67,7 +67,7 @@ import trio
 
 from dsec_fs import mounts
 from dsec_fs.api import BINDINGS, MODES
-from dsec_fs.files import lock_directory, private_dir, write_atomic
+from dsec_fs.files import lock_directory, private_dir, write_state_file
 from dsec_fs.errors import (ConflictError, DsecError, InputError, IntegrityError, NotFoundError, UnavailableError,
                             UnsupportedError)
 from dsec_fs.layer import LayerFiles
@@ -186,6 +186,8 @@ class LayerMounter:
         mount = LayerMount(mountpoint, mode, layer.digest, layer.manifest.blob_id)
         async with contextlib.AsyncExitStack() as undo:
             if mode == "kernel":
+                if not adopt:  # before the meta image is written where it could not be used
+                    await trio.to_thread.run_sync(_check_image_filesystem, self.meta_path(layer.digest))
                 await self._retain(("blob", mount.blob_id), undo, self.session.blobs.add, mount.blob_id, blob)
                 await self._retain(("meta", layer.digest), undo, self._write_meta, layer)
                 if not adopt:
@@ -233,15 +235,17 @@ class LayerMounter:
     async def _retain(self, key: tuple[str, str], undo: contextlib.AsyncExitStack, create, *args) -> None:
         """Count one more user of ``key`` ("blob", "meta" or "tree", and its id); ``create(*args)`` makes
         it for the first one (in a worker thread for meta files, which touch the disk). ``undo`` releases
-        it again if the mount fails."""
-        if not self._users[key]:
-            if key[0] == "meta":
-                await trio.to_thread.run_sync(create, *args)
-            else:
-                create(*args)
-                self.save_session_state()  # its inode numbers, before the kernel learns them
+        it again if the mount fails, so does a session file that cannot be written (a full disk): a blob or
+        tree left served with no user counted refused every later mount of its layer ("already served")."""
+        first = not self._users[key]
+        if first and key[0] == "meta":
+            await trio.to_thread.run_sync(create, *args)
+        elif first:
+            create(*args)
         self._users[key] += 1
         undo.push_async_callback(self._release, key)
+        if first and key[0] != "meta":
+            self.save_session_state()  # its inode numbers, before the kernel learns them
 
     async def _release(self, key: tuple[str, str]) -> None:
         """Count one user of ``key`` less; the last one removes it."""
@@ -258,20 +262,22 @@ class LayerMounter:
             await trio.to_thread.run_sync(os.unlink, self.meta_path(name))
 
     def _write_meta(self, layer: LayerFiles) -> None:
-        """meta.erofs as a file for mount(2), written whole under a temporary name, then renamed."""
-        write_atomic(self.meta_path(layer.digest), layer.meta, sync=False)
+        """meta.erofs as a file for mount(2), written whole under a temporary name, then renamed; a full
+        disk is UnavailableError naming the file, and nothing of it is left."""
+        write_state_file(self.meta_path(layer.digest), layer.meta, what="the layer's meta image")
 
     def save_session_state(self, **changes) -> None:
         """raw binding: update ``session_state`` with ``changes`` and the session's inode numbers, and
         write it to SESSION_FILE (atomically: a daemon that dies right after must leave it whole). Not
         synced: only a daemon taking the session over from its holder process reads it, on the same boot
         (a machine crash ends the holder and the session with it), and the page cache outlives the daemon.
-        Small, and written once per new blob or layer, so it is written in the trio thread."""
+        Small, and written once per new blob or layer, so it is written in the trio thread. UnavailableError
+        if it cannot be written (a full disk)."""
         if self.session_state is None:
             return
         self.session_state.update(changes, numbers=self.session.numbers())
-        write_atomic(os.path.join(self.state_dir, SESSION_FILE),
-                     json.dumps(self.session_state, indent=1).encode(), sync=False)
+        write_state_file(os.path.join(self.state_dir, SESSION_FILE),
+                         json.dumps(self.session_state, indent=1).encode(), what="the FUSE session file")
 
     async def close(self) -> None:
         """Unmount every layer (lazily where busy), newest first; the FUSE session is the caller's to end.
@@ -467,7 +473,6 @@ def _mount_erofs_direct(meta_path: str, mountpoint: str, blob_path: str, read_ah
     two cannot be set apart from here: the kernel copies read_ahead_kb into each file's readahead state
     when it is opened, and read(2)'s readahead and a fault's read-around both use that one number
     (docs/benchmarks.md, issue 13, "A walk's window stays in its directory")."""
-    _check_image_filesystem(meta_path)
     options = mounts.erofs_options([blob_path])
     try:
         mounts.mount(meta_path, mountpoint, "erofs", mounts.LAYER_FLAGS, f"{options},directio")

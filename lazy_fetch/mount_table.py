@@ -23,7 +23,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from dsec_fs.errors import UnavailableError
-from dsec_fs.files import write_atomic
+from dsec_fs.files import write_state_file
 from dsec_fs.mounts import MountEntry
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,8 @@ class MountTable:
         entries = [m.to_json() for m in self.mounts.values()]
         if mounting is not None:
             entries.append(dict(zip(("mountpoint", "mode", "layer"), mounting), mounting=True))
-        try:
-            write_atomic(self.path, json.dumps({"pid": os.getpid(), "mounts": entries}, indent=1).encode(),
-                         sync=False)
-        except OSError as exc:
-            raise UnavailableError(f"cannot write the mount table: {exc.strerror or exc}", where=self.path,
-                                   transient=True) from None
+        write_state_file(self.path, json.dumps({"pid": os.getpid(), "mounts": entries}, indent=1).encode(),
+                         what="the mount table")
 
     def save_after_change(self) -> None:
         """``save`` once a mount or unmount is made: a failure is logged, not raised, as the change stands.

@@ -59,10 +59,12 @@ def register(http: HttpApi, daemon: NodeDaemon) -> None:
     register_metrics(http, daemon)
 
 
-def register_metrics(http: HttpApi, daemon: NodeDaemon) -> None:
-    """GET /metrics: the Prometheus text (also served alone on TCP with ``--metrics-address``)."""
+def register_metrics(http: HttpApi, daemon: NodeDaemon, *, shared: bool = False) -> None:
+    """GET /metrics: the Prometheus text (also served alone on TCP with ``--metrics-address``); ``shared``:
+    the page rendered at most once per metrics.SHARED_PAGE_SECONDS, for a port anyone may reach."""
+    render = daemon.metrics.shared if shared else daemon.metrics.render
 
     async def get_metrics(request: Request) -> Response:
-        return Response(200, daemon.metrics.render(), MetricsPage.content_type)
+        return Response(200, render(), MetricsPage.content_type)
 
     http.route("GET", "/metrics", get_metrics)

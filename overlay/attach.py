@@ -3,7 +3,7 @@ the frames of dsec_fs/exec_frames.py (node_service.py's ``POST /v1/sandboxes/{sa
 
     command = AttachCommand(rootfs, argv, run_options, stdin=True, tty=True, rows=24, cols=80)
     command.check()                       # before the connection switches protocols
-    await relay(client_stream, early_bytes, command, threads=limiter)
+    await relay(client_stream, early_bytes, command, threads=limiter, output=budget)
 
 runc runs the command in the foreground (runtime.RuncContainer), as exec does, with its stdin, stdout and
 stderr on pipes, or, with ``tty``, all three on the slave of a pty the daemon opens: runc then gives the
@@ -26,8 +26,8 @@ is the backpressure), but it is watched (poll's RDHUP) for the client's leaving.
 
 The namespaces runtime cannot give a terminal (UnsupportedError); without one, its command runs as exec
 runs it (stdin gathered first, up to the API's request bound; output sent when it ends, the first
-runtime.MAX_OUTPUT bytes of each stream, ExecExit.truncated saying it was cut), so that a client can attach
-whatever the runtime.
+runtime.MAX_OUTPUT bytes of each stream as far as the node's output budget grants them (``output``,
+output_budget.py), ExecExit.truncated saying it was cut), so that a client can attach whatever the runtime.
 
 Threads: ``relay`` runs in the daemon's trio loop, a task per stream; no thread waits on the command
 (trio reads the pipes and waits for runc's exit with a pidfd). The bundle is written in a worker thread.
@@ -53,6 +53,7 @@ from dsec_fs import api, exec_frames
 from dsec_fs.errors import DsecError, InputError, UnavailableError, UnsupportedError
 from dsec_fs.exec_frames import CHUNK, FrameParser
 
+from .output_budget import OutputBudget
 from .runtime import SIGNAL_EXIT_BASE, RunOptions, RuncContainer, checked_command, exit_code, run_in_rootfs
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,12 @@ class AttachCommand:
 
 
 async def relay(client: trio.SocketStream, early: bytes, command: AttachCommand, *,
-                threads: trio.CapacityLimiter) -> None:
+                threads: trio.CapacityLimiter, output: OutputBudget) -> None:
     """Run ``command``, relaying its stdio with ``client`` until it ends (EXIT or ERROR sent) or the client
     leaves (the command killed). ``threads``: the limiter of the worker thread a runtime other than runc
-    runs its command in (never trio's default one, which the daemon's own calls need)."""
-    session = _Session(client, early, threads)
+    runs its command in (never trio's default one, which the daemon's own calls need); ``output``: the
+    node's budget of output kept, which such a command's gathered output counts against."""
+    session = _Session(client, early, threads, output)
     try:
         if command.options.get("runtime") == "runc":
             await session.run_runc(command)
@@ -107,6 +109,7 @@ class _Session:
     client: trio.SocketStream
     early: bytes
     threads: trio.CapacityLimiter  # run_gathered's worker thread
+    output: OutputBudget  # what run_gathered keeps of output counts against it (the node's)
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     gone: trio.CancelScope = field(default_factory=trio.CancelScope)  # cancelled when the client leaves
     timed_out: bool = False
@@ -272,12 +275,14 @@ class _Session:
                         if len(data) > MAX_GATHERED_STDIN:
                             raise InputError(f"stdin over {MAX_GATHERED_STDIN} bytes; the {command.options['runtime']} "
                                              "runtime takes it whole before the command starts", where="attach")
-            options = dict(command.options, stdin=bytes(data) if command.stdin else None)
-            result = await trio.to_thread.run_sync(lambda: run_in_rootfs(command.rootfs, command.argv, **options),
-                                                   abandon_on_cancel=True, limiter=self.threads)
-            for kind, output in ((exec_frames.STDOUT, result.stdout), (exec_frames.STDERR, result.stderr)):
-                for start in range(0, len(output), CHUNK):
-                    await self.send(kind, output[start:start + CHUNK])
+            with self.output.share() as keep:
+                options = dict(command.options, stdin=bytes(data) if command.stdin else None, output_share=keep)
+                result = await trio.to_thread.run_sync(
+                    lambda: run_in_rootfs(command.rootfs, command.argv, **options), abandon_on_cancel=True,
+                    limiter=self.threads)
+                for kind, output in ((exec_frames.STDOUT, result.stdout), (exec_frames.STDERR, result.stderr)):
+                    for start in range(0, len(output), CHUNK):
+                        await self.send(kind, output[start:start + CHUNK])
             await self.send(exec_frames.EXIT, api.encode(api.ExecExit(result.exit_code, result.timed_out,
                                                                      result.truncated)))
 

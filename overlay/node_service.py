@@ -25,7 +25,7 @@ Routes (JSON in and out; ``{sandbox}`` is a sandbox id or name; errors as every 
     GET  /v1/sandboxes/{sandbox}         -> sandbox
     POST /v1/sandboxes/{sandbox}/exec    {argv, env, cwd, runtime, network, memory_bytes, cpus, pids_limit,
                                           timeout, stdin (base64)}  -> {exit_code, stdout, stderr (base64),
-                                          timed_out}
+                                          timed_out, truncated}
     POST /v1/sandboxes/{sandbox}/attach  {argv, env, ..., runtime, stdin, tty, rows, cols}, Upgrade: dsecfs-exec/1
                                          -> 101, then frames both ways (attach.py, dsec_fs/exec_frames.py)
     POST /v1/sandboxes/{sandbox}/down    {keep}  -> {}
@@ -34,7 +34,9 @@ Routes (JSON in and out; ``{sandbox}`` is a sandbox id or name; errors as every 
 A sandbox is SandboxState as JSON (overlay/sandbox.py). Sandbox layers come from the daemon's store; an
 ``up`` that names another store is refused (ConflictError) rather than quietly mixing stores. ``commit``
 builds the sandbox's upper dir (stack.upper_to_tree: whiteouts and opaque directories kept) into a layer
-in ``store`` (default: the daemon's) and points the ref ``name`` at it.
+in ``store`` (default: the daemon's) and points the ref ``name`` at it. The output exec (and an attached
+command of the namespaces runtime) keeps counts against the node's EXEC_OUTPUT_BYTES, shared by every
+command running (output_budget.py), until its answer is encoded.
 
 Start (before the API answers, after the daemon detached the mounts a dead predecessor left):
 SandboxManager.recover(). A daemon that died took the FUSE session its layer mounts read from, and the
@@ -79,10 +81,11 @@ from dsec_fs.layer import parse_ref, resolve
 from dsec_fs.store import default_store_url, open_store
 from erofs_builder.build import build_tree
 from lazy_fetch.daemon import NodeDaemon
-from lazy_fetch.http_api import Request, Upgrade
+from lazy_fetch.http_api import Request, Response, Upgrade, json_response
 from lazy_fetch.trace_holders import Holder, combination_id
 
 from .attach import AttachCommand, relay
+from .output_budget import OutputBudget
 from .runtime import RUNTIMES, reap_containers
 from .sandbox import LayerHandle, SandboxManager, SandboxSpec, SandboxState
 from .stack import StackOptions
@@ -93,6 +96,11 @@ SANDBOX_DIR = "sandbox"  # under the daemon's state directory
 LAYER_DIR = "layers"  # under SANDBOX_DIR: one mountpoint per layer in use
 LIFECYCLE_THREADS = 8  # up, down and commit calls at once (each mounts, or builds a layer)
 EXEC_THREADS = 256  # commands running at once
+# Bytes of output all the commands running at once keep (output_budget.py); each stream keeps at most
+# runtime.MAX_OUTPUT (4 MiB) of its own, so 256 commands kept up to 2 GiB (2.7 GiB with their answers
+# encoded) in the daemon that serves every sandbox's reads. 256 MiB still lets 32 commands at once answer
+# their whole 4 MiB of stdout and stderr; past it, output is dropped and the answer says truncated.
+EXEC_OUTPUT_BYTES = 256 << 20
 STOP_POLL_SECONDS = 0.05
 
 
@@ -308,6 +316,7 @@ class SandboxService:
         self._lifecycle: trio.CapacityLimiter | None = None
         self._execs: trio.CapacityLimiter | None = None
         self._gathered: trio.CapacityLimiter | None = None
+        self.output = OutputBudget(EXEC_OUTPUT_BYTES)  # what exec and gathered attach keep of output, at once
         self._busy = 0  # up, down and commit calls under way
         self._stopping = False
 
@@ -414,15 +423,17 @@ class SandboxService:
         self._check_serving()
         return _state_json(self.manager.get(request.params["sandbox"]))
 
-    async def _post_exec(self, request: Request) -> api.ExecResult:
+    async def _post_exec(self, request: Request) -> Response:
         self._check_serving()
         body = request.decode(api.ExecRequest)
-        run = functools.partial(self.manager.exec, request.params["sandbox"], body.argv, **_run_options(body),
-                                stdin=body.stdin)
-        # Abandoned if the daemon stops meanwhile: a namespaces command cannot be killed from here.
-        result = await trio.to_thread.run_sync(run, limiter=self._execs, abandon_on_cancel=True)
-        return api.ExecResult(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr,
-                              timed_out=result.timed_out, truncated=result.truncated)
+        with self.output.share() as keep:
+            run = functools.partial(self.manager.exec, request.params["sandbox"], body.argv, **_run_options(body),
+                                    stdin=body.stdin, output_share=keep)
+            # Abandoned if the daemon stops meanwhile: a namespaces command cannot be killed from here.
+            result = await trio.to_thread.run_sync(run, limiter=self._execs, abandon_on_cancel=True)
+            return json_response(api.ExecResult(exit_code=result.exit_code, stdout=result.stdout,
+                                                stderr=result.stderr, timed_out=result.timed_out,
+                                                truncated=result.truncated))  # encoded while its share holds
 
     async def _post_attach(self, request: Request) -> Upgrade:
         self._check_serving()
@@ -434,7 +445,7 @@ class SandboxService:
 
         async def run(stream, early: bytes) -> None:
             async with self._execs:
-                await relay(stream, early, command, threads=self._gathered)
+                await relay(stream, early, command, threads=self._gathered, output=self.output)
 
         return Upgrade(exec_frames.PROTOCOL, run)
 

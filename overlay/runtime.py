@@ -73,7 +73,7 @@ SIGNAL_EXIT_BASE = 128  # a command killed by signal N exits 128 + N, as shells 
 # the caller's memory, which is the daemon's for a sandbox's exec (then 4/3 of it again as base64 in the
 # answer): a sandbox's process writing without end took the daemon to the OOM killer. Output meant to be
 # big goes through attach (overlay/attach.py), which streams it; 4 MiB is far more than a command's answer
-# needs, and 256 execs at once (node_service.EXEC_THREADS) keep at most 2 GiB of it.
+# needs. What all of a node's execs keep at once is bounded too (``output_share``, overlay/output_budget.py).
 MAX_OUTPUT = 4 << 20
 OUTPUT_READ = 64 << 10  # bytes read from (or written to) a command's pipe at once
 
@@ -109,7 +109,9 @@ class RunResult:
     stdout: bytes
     stderr: bytes
     timed_out: bool = False  # ``timeout`` passed and the sandbox's processes were killed
-    truncated: bool = False  # stdout or stderr passed MAX_OUTPUT bytes: each holds its first MAX_OUTPUT
+    # stdout or stderr passed MAX_OUTPUT bytes, or what the options' output_share granted: each holds its first
+    # bytes, the rest was dropped
+    truncated: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,9 @@ class RunOptions:
     extra_binds: Sequence[Bind | tuple[str, str, bool]] = ()
     stdin: bytes | None = None  # None: /dev/null
     timeout: float | None = None  # seconds
+    # keep(n) -> bytes of n output bytes that may be kept (OutputBudget.share: a node's bound over all its
+    # commands); None: MAX_OUTPUT per stream alone
+    output_share: Callable[[int], int] | None = None
 
     def checked(self) -> "RunOptions":
         """These options with binds as Bind tuples and sources absolute; InputError/NotFoundError if unusable."""
@@ -164,12 +169,12 @@ def run_in_rootfs(rootfs: str | os.PathLike, argv: Sequence[str], *, runtime: st
                   hostname: str = DEFAULT_HOSTNAME, network: bool = False, memory_bytes: int | None = None,
                   cpus: float | None = None, pids_limit: int | None = None, readonly_paths: Sequence[str] = (),
                   extra_binds: Sequence[Bind | tuple[str, str, bool]] = (), stdin: bytes | None = None,
-                  timeout: float | None = None) -> RunResult:
+                  timeout: float | None = None, output_share: Callable[[int], int] | None = None) -> RunResult:
     """Run ``argv`` (argv[0] looked up in the sandbox's PATH) in ``rootfs``; see the module docstring."""
     rootfs, argv = checked_command(rootfs, argv)
     options = RunOptions(env=env, cwd=cwd, hostname=hostname, network=network, memory_bytes=memory_bytes,
                          cpus=cpus, pids_limit=pids_limit, readonly_paths=readonly_paths,
-                         extra_binds=extra_binds, stdin=stdin, timeout=timeout).checked()
+                         extra_binds=extra_binds, stdin=stdin, timeout=timeout, output_share=output_share).checked()
     if runtime == "runc":
         return _run_runc(rootfs, argv, options, runc_root)
     if runtime == "namespaces":
@@ -209,9 +214,9 @@ def _require(program: str, runtime: str) -> str:
 
 
 def _communicate(process: subprocess.Popen, options: RunOptions, stop: Callable[[], None]) -> RunResult:
-    """Feed stdin and collect output, the first MAX_OUTPUT bytes of each stream (the rest is read and
-    dropped, so the command is not blocked on a full pipe); after ``timeout``, ``stop()`` kills the
-    sandbox, and what it wrote is kept."""
+    """Feed stdin and collect output, the first MAX_OUTPUT bytes of each stream, as far as the options'
+    ``output_share`` grants them (the rest is read and dropped, so the command is not blocked on a full
+    pipe); after ``timeout``, ``stop()`` kills the sandbox, and what it wrote is kept."""
     deadline = None if options.timeout is None else time.monotonic() + options.timeout
     stdout, stderr = bytearray(), bytearray()
     kept = {process.stdout.fileno(): stdout, process.stderr.fileno(): stderr}
@@ -243,7 +248,9 @@ def _communicate(process: subprocess.Popen, options: RunOptions, stop: Callable[
                         selector.unregister(key.fd)
                         continue
                     buffer = kept[key.fd]
-                    room = MAX_OUTPUT - len(buffer)
+                    room = min(len(data), MAX_OUTPUT - len(buffer))
+                    if room and options.output_share is not None:
+                        room = options.output_share(room)
                     buffer += data[:room]
                     truncated = truncated or len(data) > room
                     continue

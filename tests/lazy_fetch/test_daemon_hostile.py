@@ -11,17 +11,20 @@ ended the daemon.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import resource
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
+from dsec_fs.mounts import umount
 from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_metric, layer_store, memory_bytes, mount_dirs
 from tests.s3server import free_port
 
@@ -160,7 +163,7 @@ def test_a_state_dir_on_tmpfs_refuses_kernel_mode_clearly_and_fuse_mode_works(st
     """/run is tmpfs on a systemd machine, and the kernel refuses a file-backed EROFS image there (ENOTBLK):
     a kernel-mode mount says so and what to do, a fuse-mode one works."""
     from dsec_fs.errors import UnsupportedError
-    from dsec_fs.mounts import mount, umount
+    from dsec_fs.mounts import mount
 
     memory = tmp_path / "run"
     memory.mkdir()
@@ -231,6 +234,67 @@ def test_another_user_flooding_the_metrics_port_leaves_the_daemon_its_descriptor
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+_ASK_WITHOUT_PAUSE = r"""
+import hashlib, http.client, json, sys, threading, time
+port, connections, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+pages, answers, lock = set(), [0], threading.Lock()
+def ask():
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        body = response.read()
+        with lock:
+            answers[0] += response.status == 200
+            pages.add(hashlib.sha256(body).hexdigest())
+threads = [threading.Thread(target=ask) for _ in range(connections)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(json.dumps({"answers": answers[0], "pages": len(pages)}), flush=True)
+"""
+
+
+def test_another_user_asking_for_the_metrics_page_without_pause_gets_it_rendered_at_most_once_per_interval(
+        store_dir, daemons, tmp_path):
+    """uid 65534 asks for the TCP metrics page from METRICS_CONNECTIONS connections without pause. Each
+    request rendered the page afresh in the trio thread that serves every mount's FUSE reads (tens of ms a
+    render on a busy node: lazy_fetch/metrics.py), so the flood kept that thread busy and slowed every
+    sandbox's reads. The page is rendered at most once per SHARED_PAGE_SECONDS now; a page rendered again
+    differs (the process's CPU seconds, at least), so the distinct pages the flood gets count the renders.
+    A reader of a mounted layer gets its bytes meanwhile."""
+    import json
+
+    from lazy_fetch.daemon import METRICS_CONNECTIONS
+    from lazy_fetch.metrics import SHARED_PAGE_SECONDS
+
+    flood_seconds = 3.0
+    port = free_port()
+    node = daemons.start(store_dir, extra_args=["--metrics-address", f"127.0.0.1:{port}"]).node
+    mnt, = mount_dirs(tmp_path, "mnt")
+    node.mount("t/hostile:1", mnt, mode="fuse")
+    flood = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                              "-I", "-S", "-c", _ASK_WITHOUT_PAUSE, str(port), str(METRICS_CONNECTIONS),
+                              str(flood_seconds)], stdout=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + flood_seconds
+        while time.monotonic() < end:
+            node.cache_evict(0)  # each round reads from the store again
+            _assert_serving_one(mnt)
+        out, _ = flood.communicate(timeout=60)
+        got = json.loads(out)
+        assert got["answers"] > 10 * METRICS_CONNECTIONS  # the flood was answered, and often
+        assert got["pages"] <= flood_seconds / SHARED_PAGE_SECONDS + 2
+        assert node.status().pid > 0
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait()
+        node.umount(mnt)
+
+
 def test_mount_requests_naming_ever_new_stores_leave_the_daemon_bounded(store_dir, daemons, tmp_path):
     """A mount request may name any store URL, and the daemon kept a store context (a store client, a chunk
     index, a fetcher) for each one for good: a client naming new URLs grew it without bound. Now at most
@@ -287,6 +351,21 @@ def _fill(directory: str) -> str:
     return path
 
 
+@contextlib.contextmanager
+def _state_dir_on(tmp_path, directory: str) -> Iterator[Daemons]:
+    """Daemons whose state directory is on the filesystem just mounted at ``directory``, which is
+    unmounted once they are stopped."""
+    daemons = Daemons(tmp_path)
+    daemons.state_dir = os.path.join(directory, "state")
+    try:
+        yield daemons
+    finally:
+        try:
+            daemons.stop_all()
+        finally:
+            umount(directory, lazy=True)
+
+
 def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
     """The sandboxes' upper dirs live in the daemon's state directory (overlay/node_service.py), so a
     sandbox's process that fills its upper dir fills the disk the daemon traces reads on. A trace write
@@ -295,7 +374,7 @@ def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
     written answered "internal error" and left the daemon's tables behind. The trace is given up instead
     (logged) and reads go on; a mount is refused, clearly; an unmount is made, its record logged as failed."""
     from dsec_fs.errors import UnavailableError
-    from dsec_fs.mounts import mount, umount
+    from dsec_fs.mounts import mount
     from lazy_fetch.daemon_traces import TRACE_FLUSH_SECONDS
     from lazy_fetch.trace import FLUSH_RECORDS
 
@@ -304,9 +383,7 @@ def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
     small = tmp_path / "small"
     small.mkdir()
     mount("tmpfs", str(small), "tmpfs", data="size=4m")
-    daemons = Daemons(tmp_path)
-    daemons.state_dir = str(small / "state")
-    try:
+    with _state_dir_on(tmp_path, str(small)) as daemons:
         daemon = daemons.start(store_dir, binding="raw")
         mnt, = mount_dirs(tmp_path, "mnt")
         daemon.node.mount("t/many:1", mnt, mode="fuse")
@@ -328,8 +405,126 @@ def test_a_full_state_dir_neither_fails_reads_nor_stops_the_daemon(tmp_path):
         daemon.node.mount("t/many:1", other, mode="fuse")
         assert _read(os.path.join(other, names[-1])) == files[names[-1]]
         daemon.node.umount(other)
+
+
+def _free_pages(directory: str, pages: int) -> str:
+    """Fill ``directory``'s filesystem (tmpfs), then free ``pages`` pages of it; returns the filler."""
+    filler = _fill(directory)
+    os.truncate(filler, os.path.getsize(filler) - pages * os.sysconf("SC_PAGE_SIZE"))
+    return filler
+
+
+def test_a_state_dir_too_full_for_the_fuse_session_file_refuses_a_mount_clearly_and_leaves_nothing(tmp_path):
+    """A nearly full state disk where a new mount's record in the mount table fits but its FUSE session
+    file (raw binding: the session's inode numbers, rewritten for each new layer) does not. The mount
+    answered 500 "internal error: OSError(28)", and the layer's tree stayed served with no mount counted,
+    so every later mount of that layer was refused ("this layer is already served") until a restart. Now
+    it is an UnavailableError naming the file, nothing is listed, mounted or left half-written, and the
+    layer mounts once there is room. The state directory is a small tmpfs, so fuse mode (kernel mode
+    refuses tmpfs); the disk is filled to each of a few points, one of which is the right one."""
+    from dsec_fs.errors import UnavailableError
+    from dsec_fs.mounts import is_mountpoint, mount
+    from erofs_builder import build_layer
+    from lazy_fetch.layer_mount import SESSION_FILE
+    from lazy_fetch.mount_table import MOUNT_TABLE
+    from dsec_fs.store import FilesystemStore
+    from treecmp import write_files
+
+    store_dir = str(tmp_path / "store")
+    store = FilesystemStore(store_dir, fsync=False)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def new_layer(i: int) -> str:
+        build_layer(write_files(tmp_path / f"src{i}", {"n.txt": f"layer {i}\n".encode()}), store,
+                    name=f"t/n{i}:1", chunk_size=64 * 1024)
+        return f"t/n{i}:1"
+
+    small = tmp_path / "small"
+    small.mkdir()
+    mount("tmpfs", str(small), "tmpfs", data="size=4m")
+    with _state_dir_on(tmp_path, str(small)) as daemons:
+        session_file = os.path.join(daemons.state_dir, SESSION_FILE)
+        node = daemons.start(store_dir, binding="raw").node
+        mnt, = mount_dirs(tmp_path, "mnt")
+        i = 0
+        while os.path.getsize(session_file) <= page:  # every layer served once is in it: make it two pages
+            node.mount(new_layer(i), mnt, mode="fuse")
+            node.umount(mnt)
+            i += 1
+        ref = new_layer(i)
+        refused = {}
+        for pages in range(1, 6):
+            filler = _free_pages(str(small), pages)
+            try:
+                node.mount(ref, mnt, mode="fuse")
+            except UnavailableError as exc:
+                refused[pages] = exc.where
+                assert node.mounts() == [] and not is_mountpoint(mnt)
+                assert not [name for name in os.listdir(daemons.state_dir) if ".tmp-" in name]
+            else:
+                assert _read(os.path.join(mnt, "n.txt")) == f"layer {i}\n".encode()
+                node.umount(mnt)
+            finally:
+                os.unlink(filler)
+        assert session_file in refused.values(), refused
+        assert set(refused.values()) <= {session_file, os.path.join(daemons.state_dir, MOUNT_TABLE)}
+        node.mount(ref, mnt, mode="fuse")  # with room again
+        assert _read(os.path.join(mnt, "n.txt")) == f"layer {i}\n".encode()
+        node.umount(mnt)
+
+
+def _allocate_all(directory: str) -> str:
+    """Allocate a file of ``directory`` until its filesystem has no block left (fallocate: a disk
+    filesystem's delayed allocation makes writes fail while blocks are still free); returns the file."""
+    path, size, piece = os.path.join(directory, "filler"), 0, 1 << 20
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while piece >= 512:
+            try:
+                os.posix_fallocate(fd, size, piece)
+                size += piece
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                piece //= 2
     finally:
+        os.close(fd)
+    return path
+
+
+def test_a_state_dir_too_full_for_a_meta_image_refuses_a_kernel_mount_clearly_and_leaves_nothing(tmp_path):
+    """Kernel mode writes the layer's meta.erofs into the state directory: on a disk where the mount
+    table's record fits and the image does not, the mount answered 500 "internal error: OSError(28)". Now
+    an UnavailableError naming the file, with nothing listed, mounted or left in meta/. Kernel mode refuses
+    tmpfs, so the state directory is a small ext4 (a loop device), filled but for a few KiB."""
+    from dsec_fs.errors import UnavailableError
+    from dsec_fs.mounts import is_mountpoint
+
+    files = {f"dir/{i:04d}-{'n' * 80}.txt": b"x" for i in range(1500)}  # a meta image of some 200 KiB
+    store_dir = layer_store(tmp_path / "wide", files, "t/wide:1", 64 * 1024)
+    image, disk = str(tmp_path / "disk.img"), tmp_path / "disk"
+    disk.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(32 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "1024", image], check=True)
+    subprocess.run(["mount", "-o", "loop", image, str(disk)], check=True)
+    with _state_dir_on(tmp_path, str(disk)) as daemons:
+        meta_dir = os.path.join(daemons.state_dir, "meta")
+        node = daemons.start(store_dir, binding="raw").node
+        mnt, = mount_dirs(tmp_path, "mnt")
+        node.mount("t/wide:1", mnt, mode="kernel")  # the image's size, and that kernel mode works here
+        meta_size = os.path.getsize(os.path.join(meta_dir, os.listdir(meta_dir)[0]))
+        assert meta_size > 64 << 10
+        node.umount(mnt)
+        filler = _allocate_all(str(disk))
+        os.truncate(filler, os.path.getsize(filler) - (16 << 10))  # room for the table and a trace
         try:
-            daemons.stop_all()
+            with pytest.raises(UnavailableError, match="cannot write the layer's meta image") as refused:
+                node.mount("t/wide:1", mnt, mode="kernel")
+            assert refused.value.where.startswith(meta_dir + "/") and refused.value.where.endswith(".erofs")
+            assert node.mounts() == [] and not is_mountpoint(mnt) and os.listdir(meta_dir) == []
         finally:
-            umount(str(small), lazy=True)
+            os.unlink(filler)
+        node.mount("t/wide:1", mnt, mode="kernel")
+        name = sorted(files)[-1]
+        assert _read(os.path.join(mnt, name)) == files[name]
+        node.umount(mnt)

@@ -413,6 +413,32 @@ def test_a_sandbox_writing_without_end_to_an_exec_leaves_the_daemon_its_memory(d
     assert sandbox.exec(["echo", "ok"]) == ExecResult(0, b"ok\n", b"")
 
 
+def test_execs_at_once_keep_no_more_output_than_the_nodes_budget(daemons):
+    """Each stream of an exec keeps at most MAX_OUTPUT (4 MiB), but 256 execs at once kept up to 2 GiB
+    (2.7 GiB with their answers encoded) in the daemon. Together they keep at most EXEC_OUTPUT_BYTES now:
+    more execs than fit write their whole MAX_OUTPUT on both streams and wait until all have written (so
+    they hold it at once); what their answers carry stays within the budget, those cut say ``truncated``,
+    and once they are done the budget is whole again."""
+    from overlay.node_service import EXEC_OUTPUT_BYTES
+    from overlay.runtime import MAX_OUTPUT
+
+    execs = EXEC_OUTPUT_BYTES // (2 * MAX_OUTPUT) + 8
+    daemon = daemons.start()
+    sandbox = Sandbox(daemon.node, daemon.node.sandbox_up(BASE, workspace_ref("task00"), name="loud").id)
+    script = (f"head -c {MAX_OUTPUT} /dev/zero; head -c {MAX_OUTPUT} /dev/zero >&2; touch /tmp/held.$0; "
+              f"for n in $(seq 1200); do [ $(ls /tmp | grep -c held) -ge {execs} ] && exit 0; sleep 0.1; done; exit 9")
+    with ThreadPoolExecutor(execs) as pool:
+        results = list(pool.map(lambda i: sandbox.exec(["/bin/sh", "-c", script, str(i)]), range(execs)))
+    assert [r.exit_code for r in results] == [0] * execs
+    assert sum(len(r.stdout) + len(r.stderr) for r in results) <= EXEC_OUTPUT_BYTES
+    assert any(r.truncated for r in results)
+    for r in results:
+        assert r.stdout == bytes(len(r.stdout)) and r.stderr == bytes(len(r.stderr))
+        assert r.truncated == (len(r.stdout) + len(r.stderr) < 2 * MAX_OUTPUT)
+    whole = sandbox.exec(["/bin/sh", "-c", f"head -c {MAX_OUTPUT} /dev/zero; head -c {MAX_OUTPUT} /dev/zero >&2"])
+    assert (len(whole.stdout), len(whole.stderr), whole.truncated) == (MAX_OUTPUT, MAX_OUTPUT, False)
+
+
 DEEP_TREE = 3000  # directories nested in one another: more than Python's recursion limit (1000)
 
 
