@@ -399,7 +399,8 @@ class SandboxService:
 
     async def _read_refs(self, spec: SandboxSpec) -> None:
         """Read the refs of the sandbox's layers side by side, into the daemon's ref cache, before ``up``
-        resolves them (SandboxManager, from the cache then) and acquires the layers side by side. Errors are left for ``up`` to meet and report."""
+        resolves them (SandboxManager, from the cache then) and acquires the layers side by side. Errors
+        are left for ``up`` to meet and report."""
         if not self.daemon.options.ref_ttl:
             return
         store = await self.daemon.store()
