@@ -127,10 +127,7 @@ class MetaCache:
     def forget_manifest(self, store: Store, digest: str) -> None:
         """An open of layer ``digest`` from ``store`` failed: its next open reads the manifest from the
         store, not from a copy (the module docstring says why)."""
-        path = self._path("manifest", _manifest_name(store, digest))
-        with self._lock:
-            self._bytes -= self._entries.pop(path, 0)
-            remove_stray(path)
+        self._remove(self._path("manifest", _manifest_name(store, digest)))
 
     def pack_indexes(self, store: Store) -> Store:
         """``store``, with the pack index objects it is asked for answered from here (for
@@ -207,6 +204,11 @@ class MetaCache:
         log.warning("dropping the metadata copy %s: %s; reading it from the store again", path, why)
         with self._lock:
             self.dropped += 1
+        self._remove(path)
+
+    def _remove(self, path: str) -> None:
+        """The copy at ``path`` goes, from the disk and from the count of what is kept."""
+        with self._lock:
             self._bytes -= self._entries.pop(path, 0)
             remove_stray(path)
 
