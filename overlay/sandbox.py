@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dsec_fs import mounts
-from dsec_fs.files import lock_directory, write_atomic
+from dsec_fs.files import lock_directory, unlink_if_present, write_atomic
 from dsec_fs.trees import remove_tree_or_log
 from dsec_fs.errors import ConflictError, CorruptError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import resolve, utc_now
@@ -431,7 +431,7 @@ class SandboxManager:
             raise UnavailableError("the sandbox's root is still mounted", where=state.rootfs, transient=False)
         # Its upper dir is a tree the sandbox's processes made, nested any depth (remove_tree).
         remove_tree_or_log(os.path.dirname(state.rootfs), "the sandbox directory")
-        _remove(self._state_path(state.id))
+        unlink_if_present(self._state_path(state.id))
 
     def _remove_strays(self) -> None:
         """Whatever in sandboxes/ belongs to no known sandbox: a directory whose state file was never
@@ -441,7 +441,7 @@ class SandboxManager:
         for entry in os.listdir(self.sandboxes_dir):
             path = os.path.join(self.sandboxes_dir, entry)
             if ".json.tmp-" in entry:
-                _remove(path)
+                unlink_if_present(path)
                 continue
             if entry.split(".", 1)[0] in known:
                 continue
@@ -451,7 +451,7 @@ class SandboxManager:
                     unmount_stack(rootfs)
                 remove_tree_or_log(path, "the stray sandbox directory")
             else:
-                _remove(path)
+                unlink_if_present(path)
 
 
 def holder_of(state: SandboxState, layer: SandboxLayer) -> Holder:
@@ -464,13 +464,6 @@ def _take_root_attributes(upper: str, top_layer: str) -> None:
     st = os.stat(top_layer)
     os.chown(upper, st.st_uid, st.st_gid)
     os.chmod(upper, stat.S_IMODE(st.st_mode))
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class ExportedLayers:
