@@ -190,12 +190,9 @@ class RegistryClient:
         """(bytes, media type, digest) of a manifest or index, by tag or digest."""
         where = f"{self.host}/{repository}:{reference}" if not reference.startswith("sha256:") else \
             f"{self.host}/{repository}@{reference}"
-        response = self._request("GET", f"/v2/{repository}/manifests/{reference}", scope=_pull(repository),
-                                 headers={"Accept": ", ".join(accept)}, where=where, what="manifest")
-        with response:
-            data = response.read(MAX_MANIFEST_SIZE + 1)
-        if len(data) > MAX_MANIFEST_SIZE:
-            raise InputError(f"manifest of more than {MAX_MANIFEST_SIZE} bytes", where=where)
+        response, data = self._exchange("GET", f"/v2/{repository}/manifests/{reference}", scope=_pull(repository),
+                                        headers={"Accept": ", ".join(accept)}, where=where, what="manifest",
+                                        read_limit=MAX_MANIFEST_SIZE)
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         if reference.startswith("sha256:") and digest != reference:
             raise IntegrityError(f"the registry sent a manifest whose sha256 is {digest}", where=where)
@@ -257,6 +254,17 @@ class RegistryClient:
                  ok: tuple[int, ...] = (200,)) -> http.client.HTTPResponse:
         """The response to one API call, once auth, redirects and retries are dealt with; its status is
         in ``ok`` (else a DsecError). ``target`` is a path on the registry or an absolute URL."""
+        return self._exchange(method, target, scope=scope, where=where, what=what, headers=headers, body=body,
+                              ok=ok)[0]
+
+    def _exchange(self, method: str, target: str, *, scope: str, where: str, what: str,
+                  headers: dict[str, str] | None = None, body: bytes | None = None, ok: tuple[int, ...] = (200,),
+                  read_limit: int | None = None) -> tuple[http.client.HTTPResponse, bytes]:
+        """``_request``, and with ``read_limit`` its answer's body too (b"" without), read whole within the
+        same retries: an answer that breaks off (fewer bytes than its Content-Length, a chunk cut short, a
+        timeout) is a failed attempt like a connection that fails, not a shorter document (a manifest by
+        tag would be taken for what the registry sent; by digest it would read as corrupt). More than
+        ``read_limit`` bytes is an InputError."""
         attempt = 1
         authenticated = False
         while True:
@@ -269,21 +277,32 @@ class RegistryClient:
                 response, problem = None, f"{type(exc).__name__}: {exc}"
             else:
                 if response.status in ok:
-                    return response
-                problem = f"HTTP {response.status} {_error_summary(response)}"
-                response.close()
-                if response.status == 401 and not authenticated:
-                    self._authenticate(response, scope, where)
-                    authenticated = True
-                    continue
-                if response.status in (401, 403):
-                    whose = "the credentials for " + self.host if self._credentials else "anonymous access"
-                    raise UnavailableError(f"{what} refused ({problem}): {whose} not accepted", where=where,
-                                           transient=False)
-                if response.status == 404:
-                    raise NotFoundError(f"no such {what} ({problem})", where=where)
-                if response.status not in RETRIED_STATUS:
-                    raise UnavailableError(f"{what}: {problem}", where=where, transient=False)
+                    if read_limit is None:
+                        return response, b""
+                    try:
+                        with response:
+                            data = _read_whole(response, read_limit)
+                    except (OSError, http.client.HTTPException) as exc:
+                        problem = f"the answer broke off ({type(exc).__name__}: {exc})"
+                    else:
+                        if len(data) > read_limit:
+                            raise InputError(f"{what} of more than {read_limit} bytes", where=where)
+                        return response, data
+                else:
+                    problem = f"HTTP {response.status} {_error_summary(response)}"
+                    response.close()
+                    if response.status == 401 and not authenticated:
+                        self._authenticate(response, scope, where)
+                        authenticated = True
+                        continue
+                    if response.status in (401, 403):
+                        whose = "the credentials for " + self.host if self._credentials else "anonymous access"
+                        raise UnavailableError(f"{what} refused ({problem}): {whose} not accepted", where=where,
+                                               transient=False)
+                    if response.status == 404:
+                        raise NotFoundError(f"no such {what} ({problem})", where=where)
+                    if response.status not in RETRIED_STATUS:
+                        raise UnavailableError(f"{what}: {problem}", where=where, transient=False)
             if attempt >= self.options.attempts:
                 raise UnavailableError(f"{what}: {problem} (gave up after {attempt} attempts)", where=where)
             delay = backoff_delay(attempt, self.options.base_delay, self.options.max_delay)
@@ -366,7 +385,7 @@ class RegistryClient:
             try:
                 response = self._send("GET", urllib.parse.urlsplit(url), headers, None)
                 with response:
-                    data = response.read(MAX_MANIFEST_SIZE)
+                    data = _read_whole(response, MAX_MANIFEST_SIZE)
                 status = response.status
             except (OSError, http.client.HTTPException) as exc:
                 status, data = None, f"{type(exc).__name__}: {exc}".encode()
@@ -383,7 +402,7 @@ class RegistryClient:
         try:
             answer = json.loads(data)
             token = answer.get("token") or answer.get("access_token")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             token = None
         if not isinstance(token, str) or not token:
             raise UnavailableError(f"the token server {realm.netloc} answered no token", where=where,
@@ -464,11 +483,21 @@ def _basic(user: str, password: str) -> str:
     return base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
+def _read_whole(response: http.client.HTTPResponse, limit: int) -> bytes:
+    """The answer's body up to ``limit`` + 1 bytes (more than ``limit``: too big, the caller says so);
+    http.client.IncompleteRead if the connection ended before the Content-Length it promised (http.client
+    hands over the bytes it got as if they were all: a chunked body cut short raises it itself)."""
+    data = response.read(limit + 1)
+    if response.length:  # promised bytes that never came
+        raise http.client.IncompleteRead(data, response.length)
+    return data
+
+
 def _error_summary(response: http.client.HTTPResponse) -> str:
     """The registry's error codes from a failed response's body (the spec's {"errors": [{"code": ...}]})."""
     try:
         body = json.loads(response.read(MAX_ERROR_BODY))
         codes = [str(error.get("code"))[:64] for error in body.get("errors", []) if isinstance(error, dict)]
-    except (ValueError, AttributeError, OSError, http.client.HTTPException):
+    except (ValueError, AttributeError, TypeError, RecursionError, OSError, http.client.HTTPException):
         codes = []
     return (response.reason or "") + (f" ({', '.join(codes)})" if codes else "")
