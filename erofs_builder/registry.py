@@ -14,10 +14,12 @@ realm over plain HTTP is refused unless the registry itself is plain HTTP (``pla
 
 Errors: a missing manifest or blob is NotFoundError; a refused login, or any other 4xx, is
 UnavailableError(transient=False) naming the registry's error code; connection failures, 429 and 5xx are
-retried with jittered exponential backoff (dsec_fs.backoff) and then raise UnavailableError(transient=True).
-A blob stream that breaks mid-way is resumed with a Range request from where it stopped. What the
-registry sends is not trusted: manifests fetched by digest are checked against it, JSON is size-limited,
-and blob content is verified by the caller (walk_oci.VerifiedBlob) while it streams.
+retried with jittered exponential backoff (dsec_fs.backoff) and then raise UnavailableError(transient=True);
+so is a manifest or token answer that breaks off before its Content-Length. A blob stream that breaks
+mid-way is resumed with a Range request from where it stopped. What the registry sends is not trusted:
+manifests fetched by digest are checked against it, JSON is size-limited (and its nesting: one deeper
+than Python's recursion limit is refused), and blob content is verified by the caller
+(walk_oci.VerifiedBlob) while it streams.
 
 Threads: a RegistryClient is used by one thread at a time (its token cache has no lock); each request
 opens its own connection, so streams from one client may be read one after the other.
