@@ -261,6 +261,58 @@ def test_a_token_server_answering_json_nested_past_the_recursion_limit_is_an_una
         server.server_close()
 
 
+def test_a_registry_that_sends_its_answer_a_byte_at_a_time_is_given_up_on():
+    """A registry that answers every request a byte every 0.2 s: each read gets a byte long before its
+    timeout (1 s here), so before, fetching a manifest took as long as the registry liked (the answer's
+    head alone, a few hundred bytes, a minute; a build waited for ever on a registry that never ends its
+    headers). Now each attempt ends after ``timeout`` seconds: UnavailableError naming the manifest, the
+    registry and the deadline, after ``attempts`` attempts."""
+    import http.server
+    import threading
+
+    stop = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n" \
+                     + b"X-Padding: " + b"x" * 1000 + b"\r\n\r\n{}"
+            for byte in answer:
+                if stop.wait(0.2):
+                    return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    outcome = []
+
+    def fetch() -> None:
+        client = RegistryClient(f"127.0.0.1:{server.server_address[1]}",
+                                RegistryOptions(plain_http=True, auth_files=(), attempts=2, base_delay=0.01,
+                                                timeout=1.0))
+        try:
+            outcome.append(client.get_manifest("team/app", "v1", [OCI_MANIFEST]))
+        except Exception as exc:
+            outcome.append(exc)
+
+    fetching = threading.Thread(target=fetch, daemon=True)
+    try:
+        fetching.start()
+        fetching.join(30)
+        assert not fetching.is_alive(), "still waiting for the answer after 30 s"
+        assert isinstance(outcome[0], UnavailableError), outcome
+        assert "no whole answer within 1 s (gave up after 2 attempts)" in str(outcome[0])
+        assert outcome[0].where.startswith(f"127.0.0.1:{server.server_address[1]}/team/app")
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_bearer_token_flow(tmp_path):
     """The registry's 401 names a token realm; the login goes there (only), the token to the registry."""
     from tokenserver import TokenServer
