@@ -20,11 +20,10 @@ every path. Links to the same inode from outside the source do not matter; a lin
 seen here is normal.
 
 Memory: a Tree of a large source holds every entry (a walk given a LayerBudget stops at its bound, see
-limits.py), so a node keeps its on-disk path once (``source``),
-a regular file's node (``WalkedFile``) only its name (its directory's path is one ``SourceDir`` for all
-its files) and makes its path, identity tuple and reader only when asked for, nodes without xattrs share
-one read-only empty mapping, and the values most entries share (mode, uid, gid, device) are one object
-each rather than one per entry.
+limits.py), so a node keeps its on-disk path once (``source``), a regular file's node (``WalkedFile``)
+only its name (its directory's path is one ``SourceDir`` for all its files) and makes its path, identity
+tuple and reader only when asked for, nodes without xattrs share one read-only empty mapping, and the
+values most entries share (mode, uid, gid, device) are one object each rather than one per entry.
 
 A file must not change between the walk and the end of its read: the reader compares fstat (device,
 inode, size, mtime, ctime) with the walk's lstat after its last read, and, for a file of several pieces,
