@@ -24,7 +24,7 @@ import pytest
 
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
-from dsec_fs.mounts import umount
+from dsec_fs.mounts import mount_table, umount
 from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_metric, layer_store, memory_bytes, mount_dirs
 from tests.s3server import free_port
 
@@ -581,3 +581,33 @@ def test_another_user_sending_requests_the_server_did_not_expect_gets_an_answer_
     finally:
         with contextlib.suppress(Exception):
             umount(mnt)
+
+
+def test_a_mountpoint_another_user_could_redirect_is_refused(store_dir, daemons, tmp_path):
+    """mount(2) looks its target up by name and follows symlinks. Before: a mountpoint in a directory uid
+    65534 owns was mounted on, and 65534, swapping it for a symlink to a root directory in a loop
+    (RENAME_EXCHANGE), had the layer mounted over that directory in 6 of 40 mounts; a symlink 65534 left
+    in /var/tmp (sticky) was followed (os.path.realpath reads it with readlink, which fs.protected_symlinks
+    does not guard): the layer went over its target. Now both are refused, naming the directory; a path
+    through a symlink root made in /var/tmp still mounts."""
+    daemons.start(store_dir)
+    node = Node(daemons.socket, timeout=20)
+    base = f"/var/tmp/hostile-{os.getpid()}-{time.monotonic_ns()}"
+    theirs, victim, squat, ours = (f"{base}-{name}" for name in ("theirs", "victim", "squat", "ours"))
+    os.mkdir(victim)
+    os.symlink(victim, ours)
+    try:
+        subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c",
+                        f"mkdir -p {theirs}/mnt && ln -s {victim} {squat}"], check=True)
+        _refused_quickly(node.mount, "t/hostile:1", f"{theirs}/mnt", match="another user may change .*: its entry .*-theirs")
+        _refused_quickly(node.mount, "t/hostile:1", squat, match="another user may change .*: its entry .*-squat")
+        assert not any(entry.mountpoint in (victim, f"{theirs}/mnt") for entry in mount_table())
+        node.mount("t/hostile:1", ours, mode="kernel")  # root's own symlink in /var/tmp: followed
+        assert _read(os.path.join(victim, "top.txt")) == FILES["top.txt"]
+        node.umount(ours)
+        assert node.status().pid > 0
+    finally:
+        for entry in mount_table():
+            if entry.mountpoint.startswith(base):
+                umount(entry.mountpoint, lazy=True)
+        subprocess.run(["rm", "-rf", theirs, victim, squat, ours], check=True)
