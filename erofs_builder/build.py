@@ -179,7 +179,7 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
         if patched:
             return patched
     scanned_at_ns = time.time_ns()
-    tree = walk_directory(os.fspath(source))
+    tree = walk_directory(os.fspath(source), LayerBudget(limits, chunk_size))
     return _build_tree(tree, store, name, chunk_size, progress, workers, described, base, scanned_at_ns, limits,
                        own_packs)
 
