@@ -450,7 +450,6 @@ def _build_patched(rescan: Rescan, leased: Future[tuple[Lease, ChunkIndex]], sto
                     chunker.add_file(node)
                 chunker.send()
                 # While the workers hash and compress the pieces: what needs no chunk digest.
-                parent.blob_map  # noqa: B018 (decoded now, see ParentLayer.blob_map)
                 info = encode_rescanned(parent.info, rescan.identities, rescan.suspects, None,
                                         rescan.scanned_at_ns)
                 read = chunker.finish()
@@ -466,7 +465,7 @@ def _build_patched(rescan: Rescan, leased: Future[tuple[Lease, ChunkIndex]], sto
         packs = sorted(set(parent.manifest.packs).union(new_packs))
         stats = _patched_stats(parent, rescan, read, patched)
         # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
-        result = _publish_layer(store, lease, patched.meta, parent.blob_map.blocks, patched.blob_map_bytes, packs,
+        result = _publish_layer(store, lease, patched.meta, parent.encoded_blob_map.blocks, patched.blob_map_bytes, packs,
                                 stats, name, chunk_size, source, functools.partial(name_layer, info),
                                 frames=frames.result())
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
@@ -487,7 +486,7 @@ def _patched_stats(parent: ParentLayer, rescan: Rescan, read: ChunkStats, patche
         bytes=int(was.get("bytes", 0)) + grew,
         chunks=int(was.get("chunks", 0)),
         hole_chunks=int(was.get("hole_chunks", 0)),
-        distinct_chunks=len(parent.blob_map),
+        distinct_chunks=len(parent.encoded_blob_map),
         dedup_bytes=data_bytes - read.new_bytes,
     )
     stats.reused_files = stats.files - read.files
