@@ -18,7 +18,7 @@ Steps, each finished before the next starts:
 6. publish: the build info of a directory build (incremental.py; encoded before meta.erofs is written,
    named for the layer after), meta.erofs, blob map, then
    manifest.json (dsec_fs.layer.publish_layer); restore any pack index a concurrent gc soft-deleted
-   meanwhile (dsec_fs.gc.ensure_pack_indexes); then the ref.
+   meanwhile (dsec_fs.pack_indexes.ensure_pack_indexes); then the ref.
 
 Memory: for a tree of many small files each step needs tens of MB besides the Tree, so they run one
 after another (the flush of step 3 could run beside step 5, but their peaks would add up), the C heap's
@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING
 from dsec_fs.chunks import ChunkIndex, ChunkUploader, missing_packs
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
-from dsec_fs.gc import ensure_pack_indexes
+from dsec_fs.pack_indexes import ensure_pack_indexes
 from dsec_fs.heap import release_free_memory
 from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
 from dsec_fs.layer import Manifest, parse_ref, publish_layer, publish_stored, set_ref, store_metadata
