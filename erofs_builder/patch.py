@@ -17,8 +17,9 @@ Steps (build.py calls them in this order; any ``None`` sends the build down the 
    is as the parent has it and the layout (nids, inode forms, blocks) stays the same provided each
    changed file keeps its chunk count and inode form (compact or extended), and the most common mtime
    (the superblock's build_time, layout.py) stays the most common one. The lstat calls are the cost of
-   a rebuild that changed little: they run at C speed (a map over the recorded paths joined to the
-   root), and nothing is kept for a name but a byte saying whether it is a suspect (``_differing``).
+   a rebuild that changed little: they run at C speed (a map over the recorded paths, relative to the
+   root's descriptor), and nothing is kept for a name but a byte saying whether it is a suspect
+   (``_differing``).
    Each suspect is looked up again through directories alone (``_lstat_below``): the build info is not
    covered by the manifest, so its paths must not lead the patch path to read anything outside the
    source (a ".." component, a symlink where a directory was).
@@ -54,6 +55,7 @@ Threads: everything here runs in the build's calling thread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import operator
@@ -214,17 +216,19 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
 
 def _differing(root: bytes, info: BuildInfo) -> bytes:
     """A byte per name of the parent's build info ``info`` (the root first): 1 where the identity the
-    source holds now differs from the recorded one or that one is not trusted, else 0. One lstat per name
-    (the root's stat follows a symlink, as walk_dir.scan_directory's does), no directory listed (see the
-    module docstring), at C speed: each identity is compared as it is made and not kept (keeping 8,742
-    tuples costs ~1 ms more, docs/benchmarks.md, issue 17, session 11), and the names are joined to the
-    root rather than looked up relative to its descriptor (``os.lstat(dir_fd=)`` through a partial costs
-    ~0.15 us a call more than the kernel's walk of the root's few components). OSError if a name is gone.
-    A name that changes after its lstat is either a suspect already or as any change after the scan (the
-    racy rule, incremental.py); each suspect's identity is taken again before it is compared."""
-    prefix = root + b"/"
-    stats = itertools.chain([os.stat(root)], map(os.lstat, map(prefix.__add__, itertools.islice(info.paths, 1, None))))
-    return bytes(map(operator.or_, map(operator.ne, map(stat_identity, stats), info.identities), info.racy))
+    source holds now differs from the recorded one or that one is not trusted, else 0. One lstat per name,
+    relative to the root's descriptor (the root is opened through a symlink, as walk_dir.scan_directory
+    stats it), no directory listed (see the module docstring), at C speed; each identity is compared as
+    it is made and not kept (docs/benchmarks.md, issue 17, session 11). OSError if a name is gone. A name
+    that changes after its lstat is either a suspect already or as any change after the scan (the racy
+    rule, incremental.py); each suspect's identity is taken again before it is compared."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        lstat = functools.partial(os.lstat, dir_fd=fd)
+        stats = itertools.chain([os.fstat(fd)], map(lstat, itertools.islice(info.paths, 1, None)))
+        return bytes(map(operator.or_, map(operator.ne, map(stat_identity, stats), info.identities), info.racy))
+    finally:
+        os.close(fd)
 
 
 def _lstat_below(root: bytes, path: bytes) -> os.stat_result | None:
