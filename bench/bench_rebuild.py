@@ -183,6 +183,10 @@ def main() -> None:
         "cli_cached_incremental_s": statistics.median(cached_incremental),
         "cli_cached_ratio": statistics.median(cached_incremental) / statistics.median(cached_fresh),
         "load_average": os.getloadavg(),
+        # __pycache__ directories in the checkout's packages (a test run may leave them): the CLI runs then
+        # read bytecode instead of compiling
+        "bytecode_in_tree": any(os.path.isdir(os.path.join(PROJECT, package, "__pycache__"))
+                                for package in ("cli", "dsec_fs", "erofs_builder")),
         "reused_files": child.stats.reused_files,
         "new_chunk_bytes": child.stats.new_bytes,
         "uploaded_chunk_objects_bytes": chunk_objects,
@@ -198,8 +202,10 @@ def main() -> None:
           f"{child.stats.reused_files:,} of {child.stats.files:,} files not read")
     print(f"ratio           {result['ratio']:.3f} of the fresh full build (goal: at most 0.05), "
           f"{result['ratio_same_store']:.3f} of the same-store one")
+    compiled = "" if os.environ.get("PYTHONDONTWRITEBYTECODE") and not result["bytecode_in_tree"] else (
+        " (not so: bytecode in the tree or written)")
     print(f"through the CLI {result['cli_incremental_s']:.3f} s against {result['cli_fresh_full_build_s']:.3f} s "
-          f"(medians of {args.rounds}, a process each, each compiling its modules): {result['cli_ratio']:.3f}")
+          f"(medians of {args.rounds}, a process each, each compiling its modules{compiled}): {result['cli_ratio']:.3f}")
     print(f"  bytecode kept {result['cli_cached_incremental_s']:.3f} s against {result['cli_cached_fresh_full_build_s']:.3f} s "
           f"(as an installed dsecfs): {result['cli_cached_ratio']:.3f}")
     print("load average    " + " ".join(f"{load:.2f}" for load in result["load_average"]))
