@@ -205,9 +205,10 @@ def main() -> None:
     compiled = "" if os.environ.get("PYTHONDONTWRITEBYTECODE") and not result["bytecode_in_tree"] else (
         " (not so: bytecode in the tree or written)")
     print(f"through the CLI {result['cli_incremental_s']:.3f} s against {result['cli_fresh_full_build_s']:.3f} s "
-          f"(medians of {args.rounds}, a process each, each compiling its modules{compiled}): {result['cli_ratio']:.3f}")
-    print(f"  bytecode kept {result['cli_cached_incremental_s']:.3f} s against {result['cli_cached_fresh_full_build_s']:.3f} s "
-          f"(as an installed dsecfs): {result['cli_cached_ratio']:.3f}")
+          f"(medians of {args.rounds}, a process each, each compiling its modules{compiled}): "
+          f"{result['cli_ratio']:.3f}")
+    print(f"  bytecode kept {result['cli_cached_incremental_s']:.3f} s against "
+          f"{result['cli_cached_fresh_full_build_s']:.3f} s (as an installed dsecfs): {result['cli_cached_ratio']:.3f}")
     print("load average    " + " ".join(f"{load:.2f}" for load in result["load_average"]))
     print(f"uploaded        {child.stats.new_bytes:,} bytes of new chunks ({child.stats.new_chunks} chunk), "
           f"{chunk_objects:,} bytes of pack + index objects, "
