@@ -21,8 +21,9 @@ the caller's ``on_manifest`` does work that needs only the manifest (the daemon 
 indexes there), so that work's round trips overlap too.
 
 Functions here are plain blocking calls on a Store and may be called from any thread; ``open_layer``
-reads meta.erofs and the blob map in two threads of its own, ``publish_layer`` writes them through
-``Store.put_all`` (threads of the store's), and both wait for them before returning.
+reads meta.erofs and the blob map in two threads of its own, ``publish_layer`` (and ``store_metadata``,
+the first of its two steps for a caller that writes the manifest later with ``publish_stored``) writes
+them through ``Store.put_all`` (threads of the store's), and both wait for them before returning.
 """
 
 from __future__ import annotations

@@ -328,7 +328,8 @@ class ParentLayer:
         """Open the parent (NotFoundError if it is not published). A parent built with another chunk size,
         or whose build info is missing or fails validation, is usable but gives nothing: a warning is
         logged and the build reads every file. The blob map's bytes are verified against the manifest
-        here and decoded on first use (``blob_map``)."""
+        here, and read in place (``encoded_blob_map``: the patch path) or decoded (``blob_map``: the full
+        path) on first use."""
         found: list[BuildInfo | None] = [None]
 
         def read_buildinfo(manifest: Manifest) -> None:  # while open_layer reads meta.erofs and the blob map
