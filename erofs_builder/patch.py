@@ -122,10 +122,14 @@ class Rescan:
         """The new meta.erofs and blob map once every file of ``files`` is chunked; None if the blob map
         cannot be kept in place (see the module docstring)."""
         parent = self.parent
+        superblock = parent.image.superblock
+        slot_at = superblock.devt_slotoff * SLOT_SIZE
+        slot = DeviceSlot.unpack(parent.meta, slot_at, source=parent.image.source)
+        if slot.tag != parent.manifest.blobmap_sha256.encode("ascii"):  # the map read in place is the image's own
+            return _full("the parent's meta.erofs names another blob map than its manifest")
         blob_map = parent.encoded_blob_map
         shared = set(parent.info.shared)
         chunk_lists = parent.few_chunk_lists()
-        superblock = parent.image.superblock
         replaced: dict[bytes, tuple[bytes, int]] = {}  # old chunk -> (new chunk, its length)
         added: set[bytes] = set()  # the new chunks
         data_grew = 0
@@ -164,10 +168,6 @@ class Rescan:
                 new.mtime = seconds & _U64
             offset = superblock.meta_blkaddr * superblock.block_size + change.nid * INODE_SLOT_SIZE
             image[offset:offset + new.header_size] = new.pack()
-        slot_at = superblock.devt_slotoff * SLOT_SIZE
-        slot = DeviceSlot.unpack(image, slot_at, source=parent.image.source)
-        if slot.tag != parent.manifest.blobmap_sha256.encode("ascii"):  # the map read in place is the image's own
-            return _full("the parent's meta.erofs names another blob map")
         slot.tag = to_hex(sha256(new_map_bytes)).encode("ascii")  # the blob id
         image[slot_at:slot_at + SLOT_SIZE] = slot.pack()
         seal_image(image)
