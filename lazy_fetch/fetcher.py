@@ -90,13 +90,13 @@ from typing import TypeVar
 
 import trio
 
-from dsec_fs.chunks import ChunkLocation, ChunkRun, plan_runs, read_chunk, read_run
+from dsec_fs.chunks import ChunkLocation, ChunkRun, decode_chunk, plan_runs, read_chunk, read_run, read_run_frames
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from .cache import ChunkCache
+from .cache import ChunkCache, Frame
 from .store_slots import FILL, ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, ThreadWatch, Ticket
 
 log = logging.getLogger(__name__)
@@ -174,13 +174,14 @@ class FetchStats:
 class _Flight:
     """One chunk's fetch in the air: the result every waiter gets, once ``done`` is set."""
 
-    __slots__ = ("done", "data", "error", "priority", "ticket")
+    __slots__ = ("done", "data", "error", "priority", "plain", "ticket")
 
-    def __init__(self, priority: Priority):
+    def __init__(self, priority: Priority, plain: bool):
         self.done = trio.Event()
-        self.data: bytes | None = None
+        self.data: bytes | Frame | None = None  # a Frame: a fill's chunk as fetched (module docstring)
         self.error: BaseException | None = None
         self.priority = priority
+        self.plain = plain  # someone waits for its bytes: it does not end with a fill's Frame
         self.ticket: Ticket | None = None  # the store-slot claim of its run, once it has one
 
 
@@ -220,9 +221,9 @@ class ChunkFetcher:
         self._flights: dict[bytes, _Flight] = {}
         self._cache_writers = trio.CapacityLimiter(CACHE_WRITERS)
         self._uncached_runs = 0  # runs whose readers have their bytes, not in the cache yet
-        self._unwritten: list[tuple[str, list[tuple[bytes, bytes]]]] = []  # those queued for the cache writer
+        self._unwritten: list[tuple[str, list[tuple[bytes, bytes | Frame]]]] = []  # those queued for the cache writer
         self._cache_writer_running = False
-        self.unwritten_bytes = 0  # uncompressed bytes of the runs in _unwritten and being written
+        self.unwritten_bytes = 0  # stored bytes (a Frame's, for a frame) of the runs in _unwritten and being written
         self._written = trio.lowlevel.ParkingLot()  # woken after each write of the cache writer
         # Appended to by worker threads, read in the trio thread: _round_trips_lock guards it (iterating a
         # deque that another thread appends to raises).
@@ -287,7 +288,7 @@ class ChunkFetcher:
         ``readahead``: chunks to fetch along, if a GET for a missed item is made anyway (module docstring);
         they are not waited for nor returned."""
         chunks: dict[bytes, bytes] = {}
-        for digest, flight in self._join(items, priority, label, readahead).items():
+        for digest, flight in self._join(items, priority, label, readahead, plain=True).items():
             await flight.done.wait()
             if flight.error is not None:
                 raise flight.error
@@ -300,63 +301,82 @@ class ChunkFetcher:
         a long list plans it in one go (so neighbours in a pack share GETs however far apart the list
         names them) and holds in memory only what landed ahead of the first chunk still in the air.
         ``landed(digest, data, error)`` is called for each item in the order given once its flight has
-        ended: its bytes and None once it is cached, else None and the error."""
-        waits = self._join(items, priority, label, ())
+        ended: its bytes (None for a fill's chunk, kept as fetched) and None once it is cached, else None
+        and the error."""
+        waits = self._join(items, priority, label, (), plain=priority < FILL)
         while waits:
             digest = next(iter(waits))
             flight = waits.pop(digest)
             await flight.done.wait()
-            landed(digest, flight.data, flight.error)
+            landed(digest, None if isinstance(flight.data, Frame) else flight.data, flight.error)
 
     def _join(self, items: Iterable[tuple[bytes, ChunkLocation]], priority: Priority, label: str,
-              readahead: Iterable[tuple[bytes, ChunkLocation]]) -> dict[bytes, _Flight]:
-        """The flight of each item: one in the air, or a new one (started with ``readahead``)."""
+              readahead: Iterable[tuple[bytes, ChunkLocation]], *, plain: bool) -> dict[bytes, _Flight]:
+        """The flight of each item: one in the air, or a new one (started with ``readahead``). ``plain``:
+        the caller wants the chunks' bytes (a read, a prefetch; not a fill), so it takes no fill's chunk as
+        fetched: the flight is marked so (``_Flight.plain``), and one that ended with a Frame (its write to
+        the cache still to come) is followed by one that checks that frame (``_fly``)."""
         stats = self.stats(label)
         waits: dict[bytes, _Flight] = {}
         started: list[tuple[bytes, ChunkLocation, _Flight]] = []
+        frames: dict[bytes, Frame] = {}  # the fill's frames of done flights that such a request follows
         for digest, location in items:
             if digest in waits:
                 continue
             flight = self._flights.get(digest)
+            if flight is not None and plain and flight.done.is_set() and isinstance(flight.data, Frame):
+                frames[digest], flight = flight.data, None
             if flight is None:
-                flight = self._flights[digest] = _Flight(priority)
+                flight = self._flights[digest] = _Flight(priority, plain)
                 started.append((digest, location, flight))
             else:
                 stats.coalesced += 1
+                flight.plain = flight.plain or plain
                 if priority < flight.priority:
                     flight.priority = priority
                     if flight.ticket is not None:
                         self._slots.promote(flight.ticket, priority)
             waits[digest] = flight
         if started:
-            self._nursery.start_soon(self._fly, started, stats, list(readahead))
+            self._nursery.start_soon(self._fly, started, stats, list(readahead), frames)
         return waits
 
     async def _fly(self, started: list[tuple[bytes, ChunkLocation, _Flight]], stats: FetchStats,
-                   readahead: list[tuple[bytes, ChunkLocation]]) -> None:
-        """Serve new flights: cache lookups, then the store for the misses, in runs read side by side."""
+                   readahead: list[tuple[bytes, ChunkLocation]], frames: dict[bytes, Frame]) -> None:
+        """Serve new flights: cache lookups (``frames``: those of them whose Frame is known, not looked
+        up), then the store for the misses, in runs read side by side. A flight above FILL priority that
+        finds a Frame checks it (``_cache_lookup``) and hands the plain chunk to the cache writer, its
+        flight listed until written, so readers meanwhile take it from there and it is checked once."""
         try:
             readahead = [(digest, location) for digest, location in readahead if digest not in self._flights]
             # What the cache surely lacks is not looked up: a miss goes to the store without a worker-thread
             # hop first. Readahead the cache may hold is looked up only in a hop made anyway; without one
             # it is left out (it is most likely cached).
-            maybe_cached = [digest for digest, _, _ in started if not self.cache.lacks(digest)]
+            maybe_cached = [(digest, location) for digest, location, _ in started
+                            if digest in frames or not self.cache.lacks(digest)]
             ahead_unknown = [digest for digest, _ in readahead if not self.cache.lacks(digest)]
             known_misses = len(started) - len(maybe_cached)
+            checked: dict[str, list[tuple[bytes, bytes]]] = {}
             if maybe_cached:
-                cached, ahead_cached = await trio.to_thread.run_sync(self._cache_lookup, maybe_cached, ahead_unknown,
-                                                                     known_misses > 0)
+                plain = {digest for digest, _, flight in started if flight.plain}
+                write_now = self._uncached_runs >= UNCACHED_RUNS  # else the cache writer writes the checked
+                cached, checked, ahead_cached = await trio.to_thread.run_sync(
+                    self._cache_lookup, maybe_cached, frames, plain, write_now, ahead_unknown, known_misses > 0)
             else:
                 cached, ahead_cached = {}, set(ahead_unknown)
             self.cache.note_misses(known_misses)
             missed: dict[bytes, tuple[ChunkLocation, _Flight]] = {}
+            handed_over = {digest for chunks in checked.values() for digest, _data in chunks}
             for digest, location, flight in started:
                 if digest in cached:
                     stats.hits += 1
-                    self._land(digest, flight, data=cached[digest])
+                    self._land(digest, flight, data=cached[digest], cached=digest not in handed_over)
                 else:
                     stats.misses += 1
                     missed[digest] = (location, flight)
+            for pack_id, chunks in checked.items():
+                if self._hand_over(pack_id, chunks):
+                    self._nursery.start_soon(self._write_handed_over)
             ahead = {digest: location for digest, location in readahead
                      if digest not in ahead_cached and digest not in self._flights}
             filling = all(flight.priority == FILL for _location, flight in missed.values())
@@ -376,7 +396,7 @@ class ChunkFetcher:
                         if digest in missed:
                             flights.append(missed[digest][1])
                         else:
-                            flight = self._flights[digest] = _Flight(PREFETCH)
+                            flight = self._flights[digest] = _Flight(PREFETCH, True)
                             started.append((digest, location, flight))  # so the finally below lands it
                             flights.append(flight)
                             stats.readahead += 1
@@ -418,6 +438,10 @@ class ChunkFetcher:
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
+        promoted = [(digest, location) for (digest, location), flight in zip(items, flights)
+                    if isinstance(results[digest], Frame) and flight.plain]
+        if promoted:  # a fill's read that a reader (or a prefetch) joined: its chunks are checked for it
+            results.update(await trio.to_thread.run_sync(self._decode_fetched, promoted, results))
         verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
         # A prefetch run was cached by its read's thread (ticket.cached), so a job that is done has its
         # chunks in the cache and its bound on the cache's room holds. Any other run (asked for, promoted,
@@ -445,27 +469,32 @@ class ChunkFetcher:
                 self._land(digest, flight, error=result)
             else:
                 stats.chunks_fetched += 1
-                stats.bytes_fetched += len(result)
+                stats.bytes_fetched += result.plain_size if isinstance(result, Frame) else len(result)
                 self._land(digest, flight, data=result, cached=not readers_first)
-        if verified and readers_first:
-            self._uncached_runs += 1
-            self.unwritten_bytes += sum(len(data) for _digest, data in verified)
-            self._unwritten.append((run.pack_id, verified))
-            if not self._cache_writer_running:  # this task is the cache writer until the queue is empty
-                await self._write_handed_over()
+        if verified and readers_first and self._hand_over(run.pack_id, verified):
+            await self._write_handed_over()  # this task is the cache writer until the queue is empty
+
+    def _hand_over(self, pack_id: str, chunks: list[tuple[bytes, bytes | Frame]]) -> bool:
+        """Queue chunks (of ``pack_id``) whose flights have landed, still listed, for the cache writer;
+        True when none is running: the caller is to run ``_write_handed_over`` then."""
+        self._uncached_runs += 1
+        self.unwritten_bytes += sum(_stored_size(data) for _digest, data in chunks)
+        self._unwritten.append((pack_id, chunks))
+        starts, self._cache_writer_running = not self._cache_writer_running, True
+        return starts
 
     async def _write_handed_over(self) -> None:
         """The cache writer: put the runs handed over (``_unwritten``) into the cache, those queued up to
         WRITE_BATCH_BYTES in one worker-thread call (one index commit), until none is left; then unlist
-        their flights. The first run handed over while none is writing writes, in its own task: its thread
-        starts before its readers run. Shielded: runs handed over are written even when the fetcher shuts
-        down, as a write under way always was (a worker thread is not stopped)."""
-        self._cache_writer_running = True
+        their flights (those still holding what was written). The first run handed over while none is
+        writing writes, in its own task: its thread starts before its readers run. Shielded: runs handed
+        over are written even when the fetcher shuts down, as a write under way always was (a worker
+        thread is not stopped)."""
         try:
             while self._unwritten:
                 taken, size = 0, 0
                 while taken < len(self._unwritten) and (not taken or size < WRITE_BATCH_BYTES):
-                    size += sum(len(data) for _digest, data in self._unwritten[taken][1])
+                    size += sum(_stored_size(data) for _digest, data in self._unwritten[taken][1])
                     taken += 1
                 batch, self._unwritten = self._unwritten[:taken], self._unwritten[taken:]
                 try:
@@ -476,9 +505,9 @@ class ChunkFetcher:
                     self.unwritten_bytes -= size
                     self._written.unpark_all()
                     for _pack_id, verified in batch:
-                        for digest, _data in verified:
+                        for digest, data in verified:
                             flight = self._flights.get(digest)
-                            if flight is not None and flight.done.is_set():
+                            if flight is not None and flight.done.is_set() and flight.data is data:
                                 del self._flights[digest]
         finally:
             self._cache_writer_running = False
@@ -553,39 +582,92 @@ class ChunkFetcher:
 
     # -- worker threads
 
-    def _cache_lookup(self, digests: list[bytes], ahead: list[bytes],
-                      missed: bool) -> tuple[dict[bytes, bytes], set[bytes]]:
-        """The cached chunks among ``digests``; and, if any of them missed (or ``missed``: other wanted
-        chunks did), which of ``ahead`` (readahead candidates) the cache holds already: asked of its index
-        only (nothing read, no miss counted: the cache's misses are chunks a read wanted). A cache that
-        fails is logged and bypassed: the store has every chunk."""
-        found = self.cached(digests)
-        if not missed and len(found) == len(set(digests)):
-            return found, set()
+    def _cache_lookup(self, items: list[tuple[bytes, ChunkLocation]], frames: dict[bytes, Frame], plain: set[bytes],
+                      write_now: bool, ahead: list[bytes],
+                      missed: bool) -> tuple[dict[bytes, bytes | Frame], dict[str, list[tuple[bytes, bytes]]], set[bytes]]:
+        """The cached chunks among ``items`` (those in ``frames`` not looked up: that is their Frame), those
+        of ``plain`` checked if the cache kept them as Frames (``_check_frame``); the chunks so checked, by
+        pack, unless ``write_now`` (then they are put here and now); and, if any of ``items`` missed (or
+        ``missed``: other wanted chunks did), which of ``ahead`` (readahead candidates) the cache holds
+        already: asked of its index only (nothing read, no miss counted: the cache's misses are chunks a
+        read wanted). A cache that fails is logged and bypassed: the store has every chunk."""
+        found: dict[bytes, bytes | Frame] = {}
+        checked: dict[str, list[tuple[bytes, bytes]]] = {}
+        for digest, location in items:
+            stored = frames.get(digest) or self._cache_get(digest)
+            if isinstance(stored, Frame) and digest in plain:
+                pack_id = stored.pack_id
+                stored = self._check_frame(digest, location, stored)
+                if stored is not None:
+                    checked.setdefault(pack_id, []).append((digest, stored))
+            if stored is not None:
+                found[digest] = stored
+        if checked and write_now:
+            self._cache_put_runs(list(checked.items()))
+            checked = {}
+        if not missed and len(found) == len({digest for digest, _location in items}):
+            return found, checked, set()
         try:
-            return found, self.cache.holds(ahead)
+            return found, checked, self.cache.holds(ahead)
         except (DsecError, OSError) as exc:
             log.warning("chunk cache lookup of readahead failed, reading the store: %s", exc)
-            return found, set()
+            return found, checked, set()
+
+    def _check_frame(self, digest: bytes, location: ChunkLocation, frame: Frame) -> bytes | None:
+        """The chunk a fill kept as ``frame``: decompressed within the size the blob map gives it
+        (``location.ulen``) and checked against its digest; None when it is not that chunk (a store writer
+        that lied, or bytes damaged before they were kept), after its entry is dropped and a warning logged:
+        the caller reads it from the store as a miss. Worker threads."""
+        key = keys.pack(frame.pack_id)
+        try:
+            if frame.plain_size != location.ulen:
+                raise CorruptError(f"kept as a frame of {frame.plain_size} bytes, the blob map says {location.ulen}",
+                                   where=f"chunk {to_hex(digest)} in {key}")
+            return decode_chunk(frame.frame, digest, location.ulen, key)
+        except Exception as exc:  # whatever the frame makes zstd or the check raise: that frame is not the chunk
+            log.warning("chunk cache: the frame a fill kept of chunk %s from %s is not that chunk (%s); dropped, "
+                        "reading the store", to_hex(digest), key, exc)
+        try:
+            self.cache.drop_frame(digest)
+        except (DsecError, OSError) as exc:
+            log.warning("chunk cache: dropping the frame of chunk %s failed: %s", to_hex(digest), exc)
+        return None
+
+    def _decode_fetched(self, wanted: list[tuple[bytes, ChunkLocation]],
+                        results: dict[bytes, bytes | Frame | Exception]) -> dict[bytes, bytes | Exception]:
+        """The chunks of ``wanted`` that a fill's read brought as Frames (in ``results``), decompressed and
+        checked now that someone waits for them: each its bytes, or the error that makes it not the chunk.
+        Worker threads."""
+        decoded: dict[bytes, bytes | Exception] = {}
+        for digest, location in wanted:
+            try:
+                decoded[digest] = decode_chunk(results[digest].frame, digest, location.ulen, keys.pack(location.pack_id))
+            except CorruptError as exc:
+                decoded[digest] = exc
+        return decoded
 
     def cached(self, digests: Iterable[bytes]) -> dict[bytes, bytes]:
-        """The chunks among ``digests`` that the cache holds, read and checked; the store is not asked.
-        Blocks: for worker threads."""
+        """The chunks among ``digests`` that the cache holds, read and checked, a fill's kept as Frames
+        left out (a read checks those, in its flight); the store is not asked. Blocks: for worker threads."""
         found = {}
         for digest in digests:
-            try:
-                data = self.cache.get(digest)
-            except (DsecError, OSError) as exc:
-                log.warning("chunk cache lookup of %s failed, reading the store: %s", to_hex(digest), exc)
-                continue
-            if data is not None:
+            data = self._cache_get(digest)
+            if data is not None and not isinstance(data, Frame):
                 found[digest] = data
         return found
 
-    def _cache_put(self, pack_id: str, verified: list[tuple[bytes, bytes]]) -> None:
+    def _cache_get(self, digest: bytes) -> bytes | Frame | None:
+        """``cache.get``; a cache that fails is logged and answers None (the store has every chunk)."""
+        try:
+            return self.cache.get(digest)
+        except (DsecError, OSError) as exc:
+            log.warning("chunk cache lookup of %s failed, reading the store: %s", to_hex(digest), exc)
+            return None
+
+    def _cache_put(self, pack_id: str, verified: list[tuple[bytes, bytes | Frame]]) -> None:
         self._cache_put_runs([(pack_id, verified)])
 
-    def _cache_put_runs(self, runs: list[tuple[str, list[tuple[bytes, bytes]]]]) -> None:
+    def _cache_put_runs(self, runs: list[tuple[str, list[tuple[bytes, bytes | Frame]]]]) -> None:
         """Put the verified chunks of ``runs`` (pack id, chunks) into the cache in one ``put_many``; a
         failure is logged (the store still has them)."""
         try:
@@ -595,20 +677,34 @@ class ChunkFetcher:
             log.warning("caching %d chunks of pack %s failed: %s", sum(len(verified) for _pack_id, verified in runs),
                         ", ".join(packs[:3]) + (f" and {len(packs) - 3} more" if len(packs) > 3 else ""), exc)
 
-    def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Exception]:
-        """``_read``, and the cache put (``ticket.cached``) of a prefetch read (so a job that is done has
-        its chunks in the cache) or of one abandoned at its deadline (nobody is left to take its result;
-        one abandoned just as it returned may be cached by neither side, and is read again when next asked
-        for). A fill's read is written by the cache writer, after its slot is free (``_read_run``)."""
+    def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Frame | Exception]:
+        """``_read`` (a fill's read, nobody else waiting for it yet: ``_read_frames``), and the cache put
+        (``ticket.cached``) of a prefetch read (so a job that is done has its chunks in the cache) or of
+        one abandoned at its deadline (nobody is left to take its result; one abandoned just as it returned
+        may be cached by neither side, and is read again when next asked for). A fill's read is written by
+        the cache writer, after its slot is free (``_read_run``)."""
         started = time.monotonic()
-        results = self._read(run)
+        as_frames = ticket.priority == FILL
+        results = self._read_frames(run) if as_frames else self._read(run)
         if run.end - run.start <= ROUND_TRIP_READ_BYTES:
             self.note_round_trip(time.monotonic() - started)
-        if ticket.abandoned or ticket.priority == PREFETCH:
+        # A fill's read promoted to PREFETCH while in the store is written by the cache writer, after the
+        # chunks its new waiters need are checked (``_read_run``), so those go in plain.
+        if ticket.abandoned or ticket.priority == PREFETCH and not as_frames:
             self._cache_put(run.pack_id, [(digest, data) for digest, data in results.items()
-                                          if isinstance(data, bytes)])
+                                          if isinstance(data, (bytes, Frame))])
             ticket.cached = True
         return results
+
+    def _read_frames(self, run: ChunkRun) -> dict[bytes, Frame | Exception]:
+        """A fill's read: its chunks as their pack holds them (Frames), neither decompressed nor checked
+        (the cache keeps them so until read: module docstring). A pack shorter than its index says fails
+        the whole GET: then each chunk is read (and checked) alone, as ``_read`` does."""
+        try:
+            frames = read_run_frames(self.store, run)
+        except CorruptError:
+            return self._read(run)
+        return {digest: Frame(frames[digest], location.ulen, run.pack_id) for digest, location in run.chunks}
 
     def _read(self, run: ChunkRun) -> dict[bytes, bytes | Exception]:
         try:
@@ -624,6 +720,11 @@ class ChunkFetcher:
             except CorruptError as exc:
                 results[digest] = exc
         return results
+
+
+def _stored_size(data: bytes | Frame) -> int:
+    """The bytes a chunk takes in the cache: its own, or its frame's."""
+    return len(data.frame) if isinstance(data, Frame) else len(data)
 
 
 def _chunks_name(items: list[tuple[bytes, ChunkLocation]]) -> str:

@@ -13,7 +13,7 @@ from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import IntegrityError, UnavailableError
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import CountingStore, FaultStore, LatencyStore, StoreWrapper
-from lazy_fetch.cache import ChunkCache
+from lazy_fetch.cache import ChunkCache, Frame
 from lazy_fetch.fetcher import FILL, FILL_READ_BYTES, FILL_READS, ONDEMAND, PREFETCH, open_fetcher
 from tests.lazy_fetch.hung_store import HungPack
 
@@ -839,14 +839,17 @@ def test_a_fill_reads_slot_is_free_while_the_cache_writes_its_chunks(backend, tm
                                                         landed=lambda digest, data, error: landed.append(data)))
                 # every read made, though the first write still hangs
                 await until(lambda: len(log.gets) == len(items) and len(landed) == len(items))
-                assert cache.puts == 1 and fetcher.unwritten_bytes == sum(len(chunk(n)) for n in range(6))
+                # what waits is what the cache will store: the frames as fetched
+                assert cache.puts == 1 and fetcher.unwritten_bytes == sum(location.clen for _, location in items)
                 cache.release.set()
                 await fetcher.written_down_to(0)
                 assert fetcher.unwritten_bytes == 0
 
     try:
         trio.run(main)
-        assert landed == [chunk(n) for n in range(6)]
-        assert all(cache.get(digest) == chunk(n) for n, (digest, _) in enumerate(items))
+        assert landed == [None] * 6  # a fill's chunks are kept as fetched: no bytes to hand out
+        assert all(cache.get(digest) == Frame(backend.get(keys.pack(location.pack_id), location.offset, location.clen), len(chunk(n)),
+                                                location.pack_id)
+                   for n, (digest, location) in enumerate(items))
     finally:
         cache.close()
