@@ -301,9 +301,11 @@ class ChunkFetcher:
         a long list plans it in one go (so neighbours in a pack share GETs however far apart the list
         names them) and holds in memory only what landed ahead of the first chunk still in the air.
         ``landed(digest, data, error)`` is called for each item in the order given once its flight has
-        ended: its bytes (None for a fill's chunk, kept as fetched) and None once it is cached, else None
-        and the error."""
-        waits = self._join(items, priority, label, (), plain=priority < FILL)
+        ended: its bytes (None for a chunk the cache keeps as a fill fetched it) and None once it is cached,
+        else None and the error. A chunk the cache keeps so is not checked for a warm: it is local, and
+        only a read pays for checking it (so a prefetch or readahead costs no CPU for a chunk that may
+        never be read); one the warm reads from the store is, at any priority but FILL."""
+        waits = self._join(items, priority, label, (), plain=False)
         while waits:
             digest = next(iter(waits))
             flight = waits.pop(digest)
