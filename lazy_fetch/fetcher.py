@@ -17,8 +17,8 @@ How a request is served:
   that are neighbours in a pack, fetched with one ranged GET of at most MAX_READ_BYTES; each run is one
   *store read*, in a worker thread of its own, and the runs of a call go to the store side by side, queued
   for store slots in the order of their first chunk in the call (a prefetch list names the first-needed
-  chunks first). A store read decompresses and sha256-verifies each chunk before anything else sees it, and
-  the chunks go into the cache in a worker thread: for a prefetch, by the read's own thread before the
+  chunks first). A store read decompresses and sha256-verifies each chunk before anything else sees it
+  (a fill's excepted: below), and the chunks go into the cache in a worker thread: for a prefetch, by the read's own thread before the
   read is done (one ``put_many``, one index commit, per read); for a fill's read or one a reader waits
   for, after its slot is free and its waiters have the bytes, by the fetcher's *cache writer*: one task
   that puts the runs handed over since its last write (up to WRITE_BATCH_BYTES) in one ``put_many``
@@ -28,6 +28,18 @@ How a request is served:
   the flight rather than reading the store again. The caching is the fetcher's task, not the caller's, so a
   fetch whose caller gave up still fills the cache. When a run fails on one corrupt chunk, each chunk of it
   is read alone, so the good ones are still served and only the bad one fails, with an error naming it.
+- **A fill's chunks as fetched.** A store read at FILL priority (``_read_frames``) keeps its chunks as
+  their packs' frames (cache.Frame), neither decompressed nor checked: they land so, and the cache writer
+  writes them so (cache.py: frames), for the cost of a copy to disk instead of the CPU of the whole layer
+  beside the command. A flight whose waiters want bytes (``_Flight.plain``: fetch_many's, and a
+  readahead's; not a warm's: a prefetch or fill leaves a kept frame as it is) checks a Frame it meets, in
+  the cache or in a fill's flight that ended (``_cache_lookup``, ``_check_kept``) or in a fill read it
+  joined in the air (``_read_run``), kept_frames.py: decompressed within the size the blob map gives, its
+  sha256 checked, right before it lands (a reader may join while a flight is in a worker thread, so a
+  flight checks again after each hop); and hands the plain chunk to the cache writer, which replaces the frame's entry, its flight
+  listed until then, so readers of one chunk at once or meanwhile check it once. A frame that is not its
+  chunk (a store writer that lied to the fill) is dropped, logged with the chunk and the pack, and the
+  chunk read from the store as a miss (LayerBlob tries its other locations after that).
 - **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
   the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
@@ -90,13 +102,14 @@ from typing import TypeVar
 
 import trio
 
-from dsec_fs.chunks import ChunkLocation, ChunkRun, decode_chunk, plan_runs, read_chunk, read_run, read_run_frames
+from dsec_fs.chunks import ChunkLocation, ChunkRun, plan_runs, read_chunk, read_run, read_run_frames
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .cache import ChunkCache, Frame
+from .kept_frames import check_fetched, check_kept
 from .store_slots import FILL, ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, ThreadWatch, Ticket
 
 log = logging.getLogger(__name__)
@@ -364,6 +377,10 @@ class ChunkFetcher:
                 write_now = self._uncached_runs >= UNCACHED_RUNS  # else the cache writer writes the checked
                 cached, checked, ahead_cached = await trio.to_thread.run_sync(
                     self._cache_lookup, maybe_cached, frames, plain, write_now, ahead_unknown, known_misses > 0)
+                # Readers that joined a flight during the hop want its bytes too: its Frame is checked now.
+                while joined := [(digest, location) for digest, location, flight in started
+                                 if flight.plain and isinstance(cached.get(digest), Frame)]:
+                    await trio.to_thread.run_sync(self._check_kept, joined, cached, checked)
             else:
                 cached, ahead_cached = {}, set(ahead_unknown)
             self.cache.note_misses(known_misses)
@@ -440,10 +457,6 @@ class ChunkFetcher:
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
-        promoted = [(digest, location) for (digest, location), flight in zip(items, flights)
-                    if isinstance(results[digest], Frame) and flight.plain]
-        if promoted:  # a fill's read that a reader (or a prefetch) joined: its chunks are checked for it
-            results.update(await trio.to_thread.run_sync(self._decode_fetched, promoted, results))
         verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
         # A prefetch run was cached by its read's thread (ticket.cached), so a job that is done has its
         # chunks in the cache and its bound on the cache's room holds. Any other run (asked for, promoted,
@@ -459,6 +472,13 @@ class ChunkFetcher:
         readers_first = not ticket.cached and self._uncached_runs < UNCACHED_RUNS
         if verified and not ticket.cached and not readers_first:
             await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
+        # A fill's read that readers joined (before it landed): their chunks are checked for them, until
+        # none that a reader wants is left a Frame (one may join during each hop). If the run was put in
+        # the cache above, such a chunk stays a frame there, checked again when next read.
+        while joined := [(digest, location) for (digest, location), flight in zip(items, flights)
+                         if flight.plain and isinstance(results[digest], Frame)]:
+            results.update(await trio.to_thread.run_sync(check_fetched, joined, results))
+        verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
         self._on_fetched([digest for digest, _data in verified])
         for (digest, _location), flight in zip(items, flights):
             result = results[digest]
@@ -588,7 +608,7 @@ class ChunkFetcher:
                       write_now: bool, ahead: list[bytes],
                       missed: bool) -> tuple[dict[bytes, bytes | Frame], dict[str, list[tuple[bytes, bytes]]], set[bytes]]:
         """The cached chunks among ``items`` (those in ``frames`` not looked up: that is their Frame), those
-        of ``plain`` checked if the cache kept them as Frames (``_check_frame``); the chunks so checked, by
+        of ``plain`` checked if the cache kept them as Frames (``_check_kept``); the chunks so checked, by
         pack, unless ``write_now`` (then they are put here and now); and, if any of ``items`` missed (or
         ``missed``: other wanted chunks did), which of ``ahead`` (readahead candidates) the cache holds
         already: asked of its index only (nothing read, no miss counted: the cache's misses are chunks a
@@ -597,13 +617,10 @@ class ChunkFetcher:
         checked: dict[str, list[tuple[bytes, bytes]]] = {}
         for digest, location in items:
             stored = frames.get(digest) or self._cache_get(digest)
-            if isinstance(stored, Frame) and digest in plain:
-                pack_id = stored.pack_id
-                stored = self._check_frame(digest, location, stored)
-                if stored is not None:
-                    checked.setdefault(pack_id, []).append((digest, stored))
             if stored is not None:
                 found[digest] = stored
+        self._check_kept([(digest, location) for digest, location in items
+                          if digest in plain and isinstance(found.get(digest), Frame)], found, checked)
         if checked and write_now:
             self._cache_put_runs(list(checked.items()))
             checked = {}
@@ -615,38 +632,19 @@ class ChunkFetcher:
             log.warning("chunk cache lookup of readahead failed, reading the store: %s", exc)
             return found, checked, set()
 
-    def _check_frame(self, digest: bytes, location: ChunkLocation, frame: Frame) -> bytes | None:
-        """The chunk a fill kept as ``frame``: decompressed within the size the blob map gives it
-        (``location.ulen``) and checked against its digest; None when it is not that chunk (a store writer
-        that lied, or bytes damaged before they were kept), after its entry is dropped and a warning logged:
-        the caller reads it from the store as a miss. Worker threads."""
-        key = keys.pack(frame.pack_id)
-        try:
-            if frame.plain_size != location.ulen:
-                raise CorruptError(f"kept as a frame of {frame.plain_size} bytes, the blob map says {location.ulen}",
-                                   where=f"chunk {to_hex(digest)} in {key}")
-            return decode_chunk(frame.frame, digest, location.ulen, key)
-        except Exception as exc:  # whatever the frame makes zstd or the check raise: that frame is not the chunk
-            log.warning("chunk cache: the frame a fill kept of chunk %s from %s is not that chunk (%s); dropped, "
-                        "reading the store", to_hex(digest), key, exc)
-        try:
-            self.cache.drop_frame(digest)
-        except (DsecError, OSError) as exc:
-            log.warning("chunk cache: dropping the frame of chunk %s failed: %s", to_hex(digest), exc)
-        return None
-
-    def _decode_fetched(self, wanted: list[tuple[bytes, ChunkLocation]],
-                        results: dict[bytes, bytes | Frame | Exception]) -> dict[bytes, bytes | Exception]:
-        """The chunks of ``wanted`` that a fill's read brought as Frames (in ``results``), decompressed and
-        checked now that someone waits for them: each its bytes, or the error that makes it not the chunk.
-        Worker threads."""
-        decoded: dict[bytes, bytes | Exception] = {}
-        for digest, location in wanted:
-            try:
-                decoded[digest] = decode_chunk(results[digest].frame, digest, location.ulen, keys.pack(location.pack_id))
-            except CorruptError as exc:
-                decoded[digest] = exc
-        return decoded
+    def _check_kept(self, items: list[tuple[bytes, ChunkLocation]], found: dict[bytes, bytes | Frame],
+                    checked: dict[str, list[tuple[bytes, bytes]]]) -> None:
+        """Check the Frame ``found`` holds for each of ``items`` (kept_frames.check_kept): its chunk
+        replaces it there and is added to ``checked`` (by pack); one that is not its chunk (dropped from
+        the cache) leaves ``found``, a miss. Worker threads, while the flight that owns both dicts waits."""
+        for digest, location in items:
+            frame = found[digest]
+            data = check_kept(self.cache, digest, location, frame)
+            if data is None:
+                del found[digest]
+            else:
+                found[digest] = data
+                checked.setdefault(frame.pack_id, []).append((digest, data))
 
     def cached(self, digests: Iterable[bytes]) -> dict[bytes, bytes]:
         """The chunks among ``digests`` that the cache holds, read and checked, a fill's kept as Frames

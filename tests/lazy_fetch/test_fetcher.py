@@ -868,18 +868,18 @@ async def fill(fetcher, items):
 
 
 class DecodeCount:
-    """Counts the chunks the fetcher decompresses and checks (the real decode_chunk, counted)."""
+    """Counts the kept frames the fetcher decompresses and checks (the real decode_chunk, counted)."""
 
     def __init__(self, monkeypatch):
-        import lazy_fetch.fetcher as fetcher_module
-        real = fetcher_module.decode_chunk
+        import lazy_fetch.kept_frames as kept_frames
+        real = kept_frames.decode_chunk
         self.digests = []
 
         def counted(frame, digest, ulen, key):
             self.digests.append(digest)
             return real(frame, digest, ulen, key)
 
-        monkeypatch.setattr(fetcher_module, "decode_chunk", counted)
+        monkeypatch.setattr(kept_frames, "decode_chunk", counted)
 
 
 def test_a_fill_keeps_frames_that_count_as_stored_and_a_first_read_checks_one_and_makes_it_plain(backend, cache):
@@ -1061,5 +1061,50 @@ def test_plain_chunks_a_read_makes_of_frames_are_evicted_as_the_bound_says(backe
                 assert stats.bytes <= bound and stats.evictions >= 1
                 assert stats.bytes == sum(len(cache.get(d) if not isinstance(cache.get(d), Frame) else
                                               cache.get(d).frame) for d, _ in items if cache.holds([d]))
+
+    trio.run(main)
+
+
+class GatedGetCache(ChunkCache):
+    """A chunk cache whose get waits, once ``gated`` is set, until ``release`` is set."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gated, self.release, self.waiting = False, threading.Event(), threading.Event()
+
+    def get(self, digest):
+        if self.gated:
+            self.waiting.set()
+            self.release.wait()
+        return super().get(digest)
+
+
+def test_a_reader_that_joins_a_prefetch_while_it_finds_a_kept_frame_gets_the_chunk(backend, tmp_path):
+    # A prefetch leaves a kept frame as it is; a reader that joins its flight while the lookup is in its
+    # worker thread must not be handed that frame (it was, as bytes: a read error of the layer).
+    chunks = [compressible(n) for n in range(2)]
+    items = upload(backend, chunks)
+    got = []
+
+    async def main():
+        with GatedGetCache(str(tmp_path / "gated-cache"), 64 << 20) as cache:
+            async with open_fetcher(backend, cache) as fetcher:
+                await fill(fetcher, items)
+                cache.gated = True
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(lambda: fetcher.warm(items[:1], priority=PREFETCH,
+                                                            landed=lambda digest, data, error: None))
+                    await trio.to_thread.run_sync(cache.waiting.wait)
+
+                    async def read():
+                        got.append(await fetcher.fetch(*items[0]))
+
+                    nursery.start_soon(read)
+                    await until(lambda: fetcher.stats().coalesced == 1)
+                    cache.release.set()
+                assert got == [chunks[0]]
+                await fetcher.written_down_to(0)
+                cache.gated = False
+                assert cache.get(items[0][0]) == chunks[0] and isinstance(cache.get(items[1][0]), Frame)
 
     trio.run(main)
