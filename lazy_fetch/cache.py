@@ -60,11 +60,11 @@ files 0600 (lmdb_index.FILE_MODE); a segment or directory found wider is narrowe
 only ever opened O_NOFOLLOW | O_NONBLOCK and read (or holes punched) if regular, so nothing put in their
 place can send a read elsewhere or make it block.
 
-``max_bytes`` bounds the sum of the stored sizes (a frame's, for a frame; not the disk blocks they occupy, nor the index; see above
-for a filesystem without holes). Hits move a chunk to the recent end of the LRU order; those moves are
-collected in memory and written in one transaction per TOUCH_BATCH hits, and always before eviction, so
-a hit does not cost an index commit. A crash loses at most the last batch of moves, which only makes the
-LRU order slightly stale.
+``max_bytes`` bounds the sum of the stored sizes (a frame's, for a frame; not the disk blocks they occupy,
+nor the index; see above for a filesystem without holes). Hits move a chunk to the recent end of the LRU
+order; those moves are collected in memory and written in one transaction per TOUCH_BATCH hits, and always
+before eviction, so a hit does not cost an index commit. A crash loses at most the last batch of moves,
+which only makes the LRU order slightly stale.
 
 The cache trusts the plain bytes it is given: callers put as plain only chunks they verified against
 their digest (the fetcher's read_chunks does), and anything else as a Frame.
@@ -81,14 +81,15 @@ of the bound (a slot per 4 KiB: a full cache of chunks of 40 KiB or more takes a
 at most PRESENCE_SLOTS_MAX (4 Mi slots, 4 MiB of memory, which the default 10 GiB bound gets).
 
 Threads: every method blocks (disk I/O and index transactions); in the daemon they run in trio worker
-threads and any number may run at once. ``_lock`` serialises the changes that must agree between
-segments and index: rename + record (put, put_many), eviction, dropping a rotten entry, and guards the
-per-segment counts (``_segments``, ``_dead_bytes``, ``_next_segment``, ``_can_punch``). A batch's segment
-is written before ``_lock`` is taken. Reads take no lock: a read that races an eviction sees a missing
-segment or a hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock``
-guards the statistics counters and the pending LRU moves (``_frames``, the frames indexed, is ``_lock``'s). The presence counters are changed under
-``_lock`` only, with the index, and read by ``lacks`` from any thread without a lock (a byte read is
-atomic); ``note_misses`` is called by one thread (the fetcher's). ``read_index`` is for a closed cache.
+threads and any number may run at once. ``_lock`` serialises the changes that must agree between segments
+and index: rename + record (put, put_many), eviction, dropping a rotten entry, and guards the per-segment
+counts (``_segments``, ``_dead_bytes``, ``_next_segment``, ``_can_punch``). A batch's segment is written
+before ``_lock`` is taken. Reads take no lock: a read that races an eviction sees a missing segment or a
+hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock`` guards the
+statistics counters and the pending LRU moves (``_frames``, the frames indexed, is ``_lock``'s). The
+presence counters are changed under ``_lock`` only, with the index, and read by ``lacks`` from any thread
+without a lock (a byte read is atomic); ``note_misses`` is called by one thread (the fetcher's).
+``read_index`` is for a closed cache.
 """
 
 from __future__ import annotations

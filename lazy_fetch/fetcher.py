@@ -11,35 +11,37 @@ How a request is served:
   arrive while it is in the air wait for it and get its result. A failure is delivered to every waiter and
   forgotten: the next request starts a new flight.
 - **Cache, then store.** A flight looks the chunk up in the ChunkCache (in a worker thread), unless the
-  cache says from memory that it surely lacks it (``ChunkCache.lacks``): then the miss goes to the store at
-  once, one worker-thread hop fewer (that hop cost a cold miss 0.1-1 ms on a busy two-core node, as much as
-  the store read behind a 1 ms store). One call's misses are planned into *runs* (``plan_runs``): chunks
-  that are neighbours in a pack, fetched with one ranged GET of at most MAX_READ_BYTES; each run is one
-  *store read*, in a worker thread of its own, and the runs of a call go to the store side by side, queued
-  for store slots in the order of their first chunk in the call (a prefetch list names the first-needed
-  chunks first). A store read decompresses and sha256-verifies each chunk before anything else sees it
-  (a fill's excepted: below), and the chunks go into the cache in a worker thread: for a prefetch, by the read's own thread before the
-  read is done (one ``put_many``, one index commit, per read); for a fill's read or one a reader waits
-  for, after its slot is free and its waiters have the bytes, by the fetcher's *cache writer*: one task
-  that puts the runs handed over since its last write (up to WRITE_BATCH_BYTES) in one ``put_many``
-  (one index commit for all of them: a reader that misses file after file
-  hands over a run every millisecond or two, and a commit per run took the disk and the GIL from the misses
-  behind it), their flights still listed (done) until they are in, so a request meanwhile takes them from
-  the flight rather than reading the store again. The caching is the fetcher's task, not the caller's, so a
-  fetch whose caller gave up still fills the cache. When a run fails on one corrupt chunk, each chunk of it
-  is read alone, so the good ones are still served and only the bad one fails, with an error naming it.
+  cache says from memory that it surely lacks it (``ChunkCache.lacks``): then the miss goes to the store
+  at once, one worker-thread hop fewer (that hop cost a cold miss 0.1-1 ms on a busy two-core node, as
+  much as the store read behind a 1 ms store). One call's misses are planned into *runs* (``plan_runs``):
+  chunks that are neighbours in a pack, fetched with one ranged GET of at most MAX_READ_BYTES; each run is
+  one *store read*, in a worker thread of its own, and the runs of a call go to the store side by side,
+  queued for store slots in the order of their first chunk in the call (a prefetch list names the
+  first-needed chunks first). A store read decompresses and sha256-verifies each chunk before anything
+  else sees it (a fill's excepted: below), and the chunks go into the cache in a worker thread: for a
+  prefetch, by the read's own thread before the read is done (one ``put_many``, one index commit, per
+  read); for a fill's read or one a reader waits for, after its slot is free and its waiters have the
+  bytes, by the fetcher's *cache writer*: one task that puts the runs handed over since its last write (up
+  to WRITE_BATCH_BYTES) in one ``put_many`` (one index commit for all of them: a reader that misses file
+  after file hands over a run every millisecond or two, and a commit per run took the disk and the GIL
+  from the misses behind it), their flights still listed (done) until they are in, so a request meanwhile
+  takes them from the flight rather than reading the store again. The caching is the fetcher's task, not
+  the caller's, so a fetch whose caller gave up still fills the cache. When a run fails on one corrupt
+  chunk, each chunk of it is read alone, so the good ones are still served and only the bad one fails,
+  with an error naming it.
 - **A fill's chunks as fetched.** A store read at FILL priority (``_read_frames``) keeps its chunks as
   their packs' frames (cache.Frame), neither decompressed nor checked: they land so, and the cache writer
   writes them so (cache.py: frames), for the cost of a copy to disk instead of the CPU of the whole layer
-  beside the command. A flight whose waiters want bytes (``_Flight.plain``: fetch_many's, and a
-  readahead's; not a warm's: a prefetch or fill leaves a kept frame as it is) checks a Frame it meets, in
-  the cache or in a fill's flight that ended (``_cache_lookup``, ``_check_kept``) or in a fill read it
-  joined in the air (``_read_run``), kept_frames.py: decompressed within the size the blob map gives, its
-  sha256 checked, right before it lands (a reader may join while a flight is in a worker thread, so a
-  flight checks again after each hop); and hands the plain chunk to the cache writer, which replaces the frame's entry, its flight
-  listed until then, so readers of one chunk at once or meanwhile check it once. A frame that is not its
-  chunk (a store writer that lied to the fill) is dropped, logged with the chunk and the pack, and the
-  chunk read from the store as a miss (LayerBlob tries its other locations after that).
+  beside the command. A flight whose waiters want bytes (``_Flight.plain``: fetch_many's, a readahead's,
+  and a warm's above FILL priority, whose chunks a reader reads next; not the fill's) checks a Frame it
+  meets, in the cache or in a fill's flight that ended (``_cache_lookup``, ``_check_kept``) or in a fill
+  read it joined in the air (``_read_run``), kept_frames.py: decompressed within the size the blob map
+  gives, its sha256 checked, right before it lands (a reader may join while a flight is in a worker
+  thread, so a flight checks again after each hop); and hands the plain chunk to the cache writer, which
+  replaces the frame's entry, its flight listed until then, so readers of one chunk at once or meanwhile
+  check it once. A frame that is not its chunk (a store writer that lied to the fill) is dropped, logged
+  with the chunk and the pack, and the chunk read from the store as a miss (LayerBlob tries its other
+  locations after that).
 - **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
   the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
@@ -314,11 +316,12 @@ class ChunkFetcher:
         a long list plans it in one go (so neighbours in a pack share GETs however far apart the list
         names them) and holds in memory only what landed ahead of the first chunk still in the air.
         ``landed(digest, data, error)`` is called for each item in the order given once its flight has
-        ended: its bytes (None for a chunk the cache keeps as a fill fetched it) and None once it is cached,
-        else None and the error. A chunk the cache keeps so is not checked for a warm: it is local, and
-        only a read pays for checking it (so a prefetch or readahead costs no CPU for a chunk that may
-        never be read); one the warm reads from the store is, at any priority but FILL."""
-        waits = self._join(items, priority, label, (), plain=False)
+        ended: its bytes (None for a fill's, kept as fetched) and None once it is cached, else None and the
+        error. Above FILL priority (a prefetch, a miss's readahead window) a chunk the cache keeps as a
+        fill fetched it is checked and made plain as a read would: these are what a reader reads next, and
+        checked here, in the background, they cost that reader nothing (left to the read, first-ever
+        starts behind 20 ms took 0.89-1.25x main's seconds, against 0.77-0.86x: docs/benchmarks.md)."""
+        waits = self._join(items, priority, label, (), plain=priority < FILL)
         while waits:
             digest = next(iter(waits))
             flight = waits.pop(digest)
@@ -328,7 +331,7 @@ class ChunkFetcher:
     def _join(self, items: Iterable[tuple[bytes, ChunkLocation]], priority: Priority, label: str,
               readahead: Iterable[tuple[bytes, ChunkLocation]], *, plain: bool) -> dict[bytes, _Flight]:
         """The flight of each item: one in the air, or a new one (started with ``readahead``). ``plain``:
-        the caller wants the chunks' bytes (a read, a prefetch; not a fill), so it takes no fill's chunk as
+        the caller wants the chunks' bytes (fetch_many; not warm), so it takes no fill's chunk as
         fetched: the flight is marked so (``_Flight.plain``), and one that ended with a Frame (its write to
         the cache still to come) is followed by one that checks that frame (``_fly``)."""
         stats = self.stats(label)
@@ -359,9 +362,10 @@ class ChunkFetcher:
     async def _fly(self, started: list[tuple[bytes, ChunkLocation, _Flight]], stats: FetchStats,
                    readahead: list[tuple[bytes, ChunkLocation]], frames: dict[bytes, Frame]) -> None:
         """Serve new flights: cache lookups (``frames``: those of them whose Frame is known, not looked
-        up), then the store for the misses, in runs read side by side. A flight above FILL priority that
-        finds a Frame checks it (``_cache_lookup``) and hands the plain chunk to the cache writer, its
-        flight listed until written, so readers meanwhile take it from there and it is checked once."""
+        up), then the store for the misses, in runs read side by side. A flight whose waiters want bytes
+        (``_Flight.plain``) and that finds a Frame checks it (``_cache_lookup``, then again after each hop
+        for the readers that joined meanwhile) and hands the plain chunk to the cache writer, its flight
+        listed until written, so readers meanwhile take it from there and it is checked once."""
         try:
             readahead = [(digest, location) for digest, location in readahead if digest not in self._flights]
             # What the cache surely lacks is not looked up: a miss goes to the store without a worker-thread

@@ -1079,8 +1079,8 @@ class GatedGetCache(ChunkCache):
         return super().get(digest)
 
 
-def test_a_reader_that_joins_a_prefetch_while_it_finds_a_kept_frame_gets_the_chunk(backend, tmp_path):
-    # A prefetch leaves a kept frame as it is; a reader that joins its flight while the lookup is in its
+def test_a_reader_that_joins_a_fill_while_it_finds_a_kept_frame_gets_the_chunk(backend, tmp_path):
+    # A fill leaves a kept frame as it is; a reader that joins its flight while the lookup is in its
     # worker thread must not be handed that frame (it was, as bytes: a read error of the layer).
     chunks = [compressible(n) for n in range(2)]
     items = upload(backend, chunks)
@@ -1092,7 +1092,7 @@ def test_a_reader_that_joins_a_prefetch_while_it_finds_a_kept_frame_gets_the_chu
                 await fill(fetcher, items)
                 cache.gated = True
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(lambda: fetcher.warm(items[:1], priority=PREFETCH,
+                    nursery.start_soon(lambda: fetcher.warm(items[:1], priority=FILL,
                                                             landed=lambda digest, data, error: None))
                     await trio.to_thread.run_sync(cache.waiting.wait)
 
@@ -1106,5 +1106,26 @@ def test_a_reader_that_joins_a_prefetch_while_it_finds_a_kept_frame_gets_the_chu
                 await fetcher.written_down_to(0)
                 cache.gated = False
                 assert cache.get(items[0][0]) == chunks[0] and isinstance(cache.get(items[1][0]), Frame)
+
+    trio.run(main)
+
+
+def test_a_prefetch_checks_the_kept_frames_it_finds_and_a_fill_leaves_them(backend, cache, monkeypatch):
+    # A prefetch (or a miss's readahead window) names what a reader reads next: it checks a fill's frames
+    # in the background, so the reader finds them plain; a fill that meets one leaves it.
+    decodes = DecodeCount(monkeypatch)
+    chunks = [compressible(n) for n in range(3)]
+    items = upload(backend, chunks)
+    landed = []
+
+    async def main():
+        async with open_fetcher(backend, cache) as fetcher:
+            await fill(fetcher, items)
+            await fill(fetcher, items)
+            assert decodes.digests == [] and cache.stats().frames == 3
+            await fetcher.warm(items[:2], priority=PREFETCH, landed=lambda digest, data, error: landed.append(data))
+            await fetcher.written_down_to(0)
+            assert landed == chunks[:2] and decodes.digests == [digest for digest, _ in items[:2]]
+            assert [cache.get(digest) for digest, _ in items[:2]] == chunks[:2] and cache.stats().frames == 1
 
     trio.run(main)
