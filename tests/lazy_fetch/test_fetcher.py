@@ -867,6 +867,15 @@ async def fill(fetcher, items):
     await fetcher.written_down_to(0)
 
 
+async def a_reader_joins(nursery, fetcher, item, got: list) -> None:
+    """Start a reader of ``item`` (its bytes go to ``got``); return once it has joined the flight in the air."""
+    async def read():
+        got.append(await fetcher.fetch(*item))
+
+    nursery.start_soon(read)
+    await until(lambda: fetcher.stats().coalesced == 1)
+
+
 class DecodeCount:
     """Counts the kept frames the fetcher decompresses and checks (the real decode_chunk, counted)."""
 
@@ -980,12 +989,7 @@ def test_a_reader_that_joins_a_fill_read_in_the_air_gets_its_chunk_checked(backe
                 nursery.start_soon(fill, fetcher, items)
                 await until(lambda: fetcher.store_reads_running == 1)
                 got = []
-
-                async def read():
-                    got.append(await fetcher.fetch(*items[1]))
-
-                nursery.start_soon(read)
-                await until(lambda: fetcher.stats().coalesced == 1)
+                await a_reader_joins(nursery, fetcher, items[1], got)
                 gated.gate.set()
             assert got == [chunks[1]]
             assert decodes.digests == [items[1][0]]
@@ -1095,12 +1099,7 @@ def test_a_reader_that_joins_a_fill_while_it_finds_a_kept_frame_gets_the_chunk(b
                     nursery.start_soon(lambda: fetcher.warm(items[:1], priority=FILL,
                                                             landed=lambda digest, data, error: None))
                     await trio.to_thread.run_sync(cache.waiting.wait)
-
-                    async def read():
-                        got.append(await fetcher.fetch(*items[0]))
-
-                    nursery.start_soon(read)
-                    await until(lambda: fetcher.stats().coalesced == 1)
+                    await a_reader_joins(nursery, fetcher, items[0], got)
                     cache.release.set()
                 assert got == [chunks[0]]
                 await fetcher.written_down_to(0)
