@@ -82,14 +82,14 @@ at most PRESENCE_SLOTS_MAX (4 Mi slots, 4 MiB of memory, which the default 10 Gi
 
 Threads: every method blocks (disk I/O and index transactions); in the daemon they run in trio worker
 threads and any number may run at once. ``_lock`` serialises the changes that must agree between segments
-and index: rename + record (put, put_many), eviction, dropping a rotten entry, and guards the per-segment
-counts (``_segments``, ``_dead_bytes``, ``_next_segment``, ``_can_punch``). A batch's segment is written
-before ``_lock`` is taken. Reads take no lock: a read that races an eviction sees a missing segment or a
-hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock`` guards the
-statistics counters and the pending LRU moves (``_frames``, the frames indexed, is ``_lock``'s). The
-presence counters are changed under ``_lock`` only, with the index, and read by ``lacks`` from any thread
-without a lock (a byte read is atomic); ``note_misses`` is called by one thread (the fetcher's).
-``read_index`` is for a closed cache.
+and index: rename + record (put, put_many), eviction, dropping a rotten entry or a bad frame, and guards
+the per-segment counts (``_segments``, ``_dead_bytes``, ``_next_segment``, ``_can_punch``). A batch's
+segment is written before ``_lock`` is taken. Reads take no lock: a read that races an eviction sees a
+missing segment or a hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock``
+guards the statistics counters and the pending LRU moves (``_frames``, the frames indexed, is
+changed under ``_lock``, read by ``stats`` without). The presence counters are changed under ``_lock`` only, with the index, and read by
+``lacks`` from any thread without a lock (a byte read is atomic); ``note_misses`` is called by one thread
+(the fetcher's). ``read_index`` is for a closed cache.
 """
 
 from __future__ import annotations
