@@ -225,6 +225,8 @@ class CacheInfo(_Response):
     misses: int = 0
     evictions: int = 0
     rotten: int = 0
+    frames: int = 0  # entries a fill kept as fetched (zstd frames), not read nor checked yet
+    bad_frames: int = 0  # such frames dropped since the daemon started: not their chunk when first read
     reconciled: int = 0
     memory_entries: int = 0
     memory_bytes: int = 0

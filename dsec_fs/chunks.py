@@ -1,5 +1,6 @@
 """Chunks on a store: where each chunk lives (ChunkIndex), writing new ones (ChunkUploader), reading them
-back verified (read_chunk, read_chunks; or plan_runs and read_run, for callers that fetch runs in parallel).
+back verified (read_chunk, read_chunks; or plan_runs and read_run, for callers that fetch runs in parallel;
+or read_run_frames and, later, decode_chunk, for one that keeps chunks as fetched until they are read).
 
 A chunk is named by the sha256 of its plain bytes and stored as one zstd frame inside a pack (pack.py).
 The store is not trusted: every chunk read is decompressed with its promised size and re-hashed before it
@@ -19,7 +20,8 @@ Threads:
   the statistics, the list of written packs and the first upload error. Uploads run on the uploader's own
   threads; ``_slots`` (a semaphore) bounds the packs sealed but not yet uploaded, and a thread that
   seals a pack waits for a slot, so memory stays near (upload_threads + 1) x pack_target.
-- read_chunk, read_chunks, plan_runs, read_run: plain functions, safe from any thread.
+- read_chunk, read_chunks, plan_runs, read_run, read_run_frames, decode_chunk: plain functions, safe from
+  any thread.
 """
 
 from __future__ import annotations
@@ -320,7 +322,7 @@ def read_chunk(store: Store, digest: bytes, loc: ChunkLocation) -> bytes:
     """Fetch one chunk with one ranged GET, decompress it and check its sha256."""
     key = keys.pack(loc.pack_id)
     frame = _get_range(store, key, loc.offset, loc.clen, what=_chunk_name(digest, key))
-    return _decode_chunk(frame, digest, loc, key)
+    return decode_chunk(frame, digest, loc.ulen, key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,11 +363,19 @@ def plan_runs(wanted: Iterable[tuple[bytes, ChunkLocation]], *, max_bytes: int |
 def read_run(store: Store, run: ChunkRun) -> dict[bytes, bytes]:
     """Fetch one run with one ranged GET; each chunk is decompressed and its sha256 checked."""
     key = keys.pack(run.pack_id)
+    frames = read_run_frames(store, run)
+    return {digest: decode_chunk(frames[digest], digest, loc.ulen, key) for digest, loc in run.chunks}
+
+
+def read_run_frames(store: Store, run: ChunkRun) -> dict[bytes, memoryview]:
+    """Fetch one run with one ranged GET, as read_run does, but neither decompress nor check its chunks:
+    digest -> its frame as the pack holds it (a view of the GET's bytes), for a caller that keeps it
+    and checks it with ``decode_chunk`` before anyone reads it (the node daemon's fill)."""
+    key = keys.pack(run.pack_id)
     first = run.chunks[0][0]
     what = _chunk_name(first, key) + (f" and {len(run.chunks) - 1} more" if len(run.chunks) > 1 else "")
     data = memoryview(_get_range(store, key, run.start, run.end - run.start, what=what))
-    return {digest: _decode_chunk(data[loc.offset - run.start : loc.offset - run.start + loc.clen], digest, loc, key)
-            for digest, loc in run.chunks}
+    return {digest: data[loc.offset - run.start : loc.offset - run.start + loc.clen] for digest, loc in run.chunks}
 
 
 def read_chunks(store: Store, wanted: Iterable[tuple[bytes, ChunkLocation]]) -> dict[bytes, bytes]:
@@ -392,9 +402,11 @@ def _get_range(store: Store, key: str, offset: int, length: int, *, what: str) -
         raise CorruptError(exc.message, where=what) from exc
 
 
-def _decode_chunk(frame: bytes | memoryview, digest: bytes, loc: ChunkLocation, key: str) -> bytes:
+def decode_chunk(frame: bytes | memoryview, digest: bytes, ulen: int, key: str) -> bytes:
+    """The chunk ``frame`` (read from the store object ``key``) holds: decompressed to exactly ``ulen``
+    bytes and never more (CorruptError else), and checked against ``digest`` (IntegrityError)."""
     what = _chunk_name(digest, key)
-    data = compress.decompress(frame, loc.ulen, what=what)
+    data = compress.decompress(frame, ulen, what=what)
     verify(data, digest, what=what)
     return data
 

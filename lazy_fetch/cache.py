@@ -1,12 +1,13 @@
-"""The node's local chunk cache: verified chunk bytes appended to segment files, an LMDB index beside them
-saying where each chunk is, bounded in size with least-recently-used eviction.
+"""The node's local chunk cache: chunk bytes (verified plain chunks, or a fill's frames as fetched)
+appended to segment files, an LMDB index beside them saying where each chunk is, bounded in size with
+least-recently-used eviction.
 
-Layout of the cache directory (layout 2, lmdb_index.LAYOUT_VERSION)::
+Layout of the cache directory (layout 3, lmdb_index.LAYOUT_VERSION)::
 
     lock                       flock()ed while a ChunkCache is open: one owner per directory
     index/                     the LMDB index (lmdb_index.py): per chunk its segment, offset, size, atime
-                               and xxh3_64, and the total bytes
-    segments/<16 hex digits>   a segment: the plain bytes of the chunks of one put_many, end to end,
+                               and xxh3_64 (and a frame's plain size and pack), and the total bytes
+    segments/<16 hex digits>   a segment: the stored bytes of the chunks of one put_many, end to end,
                                never appended to once in place; the number is the segment's, counted up
     segments/.tmp-<random>     a segment being written
 
@@ -24,7 +25,15 @@ evicted), so the disk still holds at most ``max_bytes`` of segments; the count r
 Layout 1 (before segments) kept a file per chunk under chunks/<hh>/ and an index without a layout mark:
 such an index is refused (lmdb_index: UnsupportedError), never read as this layout, and the cache starts
 again empty; the old chunks/ directory is removed at open. A node's cache is only ever a copy of what
-the store holds, so losing it costs fetches, never data.
+the store holds, so losing it costs fetches, never data. Layout 2 (segments of plain chunks only) is kept
+as it is: its entries are plain chunks, read as layout 3 reads those; its mark becomes 3 at open (logged).
+
+Frames. A fill (prefetcher.py) brings a whole layer that nobody may read, so its chunks are put as
+fetched (``Frame``: the zstd frame its pack holds, neither decompressed nor checked against its digest)
+and cost a copy to disk, not the CPU of decompressing and hashing every one. ``get`` hands a frame back
+as a Frame; the caller (fetcher.py) decompresses it within its plain size, checks its sha256, and puts
+the plain chunk, which replaces the frame's entry; a frame that fails is dropped (``drop_frame``). The
+xxh3 check on what is stored is the same for both: it catches damage at rest, not a lie of the store.
 
 The rule that keeps it consistent after SIGKILL at any point: an index entry is only ever added for bytes
 already written and renamed into place in their segment, and removed before its bytes are punched out
@@ -51,14 +60,14 @@ files 0600 (lmdb_index.FILE_MODE); a segment or directory found wider is narrowe
 only ever opened O_NOFOLLOW | O_NONBLOCK and read (or holes punched) if regular, so nothing put in their
 place can send a read elsewhere or make it block.
 
-``max_bytes`` bounds the sum of the chunk sizes (not the disk blocks they occupy, nor the index; see above
-for a filesystem without holes). Hits move a chunk to the recent end of the LRU order; those moves are
-collected in memory and written in one transaction per TOUCH_BATCH hits, and always before eviction, so
-a hit does not cost an index commit. A crash loses at most the last batch of moves, which only makes the
-LRU order slightly stale.
+``max_bytes`` bounds the sum of the stored sizes (a frame's, for a frame; not the disk blocks they occupy,
+nor the index; see above for a filesystem without holes). Hits move a chunk to the recent end of the LRU
+order; those moves are collected in memory and written in one transaction per TOUCH_BATCH hits, and always
+before eviction, so a hit does not cost an index commit. A crash loses at most the last batch of moves,
+which only makes the LRU order slightly stale.
 
-The cache trusts the bytes it is given: callers put only chunks they verified against their digest
-(the fetcher's read_chunks does).
+The cache trusts the plain bytes it is given: callers put as plain only chunks they verified against
+their digest (the fetcher's read_chunks does), and anything else as a Frame.
 
 ``lacks(digest)`` answers from memory, without the index or a worker thread, that a chunk is surely not
 cached, so that a miss need not wait for a worker thread to learn it (the fetcher goes to the store at
@@ -72,14 +81,15 @@ of the bound (a slot per 4 KiB: a full cache of chunks of 40 KiB or more takes a
 at most PRESENCE_SLOTS_MAX (4 Mi slots, 4 MiB of memory, which the default 10 GiB bound gets).
 
 Threads: every method blocks (disk I/O and index transactions); in the daemon they run in trio worker
-threads and any number may run at once. ``_lock`` serialises the changes that must agree between
-segments and index: rename + record (put, put_many), eviction, dropping a rotten entry, and guards the
-per-segment counts (``_segments``, ``_dead_bytes``, ``_next_segment``, ``_can_punch``). A batch's segment
-is written before ``_lock`` is taken. Reads take no lock: a read that races an eviction sees a missing
-segment or a hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock``
-guards the statistics counters and the pending LRU moves. The presence counters are changed under
-``_lock`` only, with the index, and read by ``lacks`` from any thread without a lock (a byte read is
-atomic); ``note_misses`` is called by one thread (the fetcher's). ``read_index`` is for a closed cache.
+threads and any number may run at once. ``_lock`` serialises the changes that must agree between segments
+and index: rename + record (put, put_many), eviction, dropping a rotten entry or a bad frame, and guards
+the per-segment counts (``_segments``, ``_dead_bytes``, ``_next_segment``, ``_can_punch``). A batch's
+segment is written before ``_lock`` is taken. Reads take no lock: a read that races an eviction sees a
+missing segment or a hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock``
+guards the statistics counters and the pending LRU moves (``_frames``, the frames indexed, is
+changed under ``_lock``, read by ``stats`` without). The presence counters are changed under ``_lock`` only, with the index, and read by
+``lacks`` from any thread without a lock (a byte read is atomic); ``note_misses`` is called by one thread
+(the fetcher's). ``read_index`` is for a closed cache.
 """
 
 from __future__ import annotations
@@ -90,6 +100,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dsec_fs.digest import short, to_hex
 from dsec_fs.errors import CorruptError, InputError, UnavailableError, UnsupportedError
@@ -98,7 +109,7 @@ from dsec_fs.files import LOCK_NAME, lock_directory, private_dir, unlink_if_pres
 from .cache_segments import (DIR_MODE, FILE_MODE, SEGMENT_NUMBER_LIMIT, checksum, punch_holes, read_chunk, segment_name,
                              segment_number, unlink_segment, write_temporary)
 from .cache_strays import INDEX_FILES, make_room, narrow, narrow_path, remove_stray, scan
-from .lmdb_index import DEFAULT_MAP_SIZE, CacheIndex, IndexEntry
+from .lmdb_index import DEFAULT_MAP_SIZE, LAYOUT_VERSION, CacheIndex, IndexEntry
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +136,15 @@ class CacheStats:
     evictions: int  # entries removed to stay under max_bytes
     rotten: int  # entries dropped because the segment was missing, too short or failed the xxh3 check
     reconciled: int  # segments (and strays) deleted and entries dropped by the check at open
+    frames: int  # of the entries, those kept as a fill's frames, not yet read
+    bad_frames: int  # frames dropped since open because they did not decompress to their chunk
+
+
+class Frame(NamedTuple):
+    """A chunk as its pack holds it: what a fill puts and what ``get`` answers for one not read since."""
+    frame: bytes | memoryview  # the zstd frame, not checked against the chunk's digest
+    plain_size: int  # the chunk's size, which the frame must decompress to
+    pack_id: str  # the pack it was read from (a frame that fails is logged with its key)
 
 
 @dataclass
@@ -147,7 +167,8 @@ class ChunkCache:
         self._lock = threading.Lock()
         self._counters_lock = threading.Lock()
         self._pending_touches: dict[bytes, int] = {}
-        self._hits = self._misses = self._evictions = self._rotten = 0
+        self._hits = self._misses = self._evictions = self._rotten = self._bad_frames = 0
+        self._frames = 0
         self._known_misses = 0  # misses that ``lacks`` answered (note_misses)
         self._segments: dict[int, _Segment] = {}
         self._dead_bytes = 0  # the sum of their ``dead``
@@ -192,9 +213,14 @@ class ChunkCache:
             else:
                 remove_stray(entry.path)
         try:
-            return CacheIndex(index_dir, map_size)
+            index = CacheIndex(index_dir, map_size)
         except (CorruptError, UnavailableError, UnsupportedError) as exc:
             log.warning("chunk cache %s: %s; starting with an empty cache", self.directory, exc)
+        else:
+            if index.upgraded_from is not None:
+                log.info("chunk cache %s: an index of layout %d, whose chunks are all plain and verified: kept, "
+                         "and marked layout %d", self.directory, index.upgraded_from, LAYOUT_VERSION)
+            return index
         for name in os.listdir(index_dir):
             os.unlink(os.path.join(index_dir, name))
         return CacheIndex(index_dir, map_size)
@@ -231,6 +257,7 @@ class ChunkCache:
                 continue
             known = self._segments.setdefault(entry.segment, _Segment(size=size, chunks=0))
             known.chunks += 1
+            self._frames += entry.is_frame
         for segment in sizes.keys() - self._segments.keys():  # every chunk of it was unsound
             removed += remove_stray(self._segment_path(segment))
         if unsound:
@@ -250,12 +277,13 @@ class ChunkCache:
         entry = self._index.get(digest)
         return None if entry is None else (self._segment_path(entry.segment), entry.offset, entry.size)
 
-    def get(self, digest: bytes) -> bytes | None:
-        """The chunk's bytes, checked against the index; None when it is not cached (or was rotten)."""
+    def get(self, digest: bytes) -> bytes | Frame | None:
+        """The chunk's stored bytes, checked against the index: the chunk, or its Frame if a fill put it and
+        nobody read it since (the module docstring: frames); None when it is not cached (or was rotten)."""
         entry = self._index.get(digest)
         data = None if entry is None else read_chunk(self._segment_path(entry.segment), entry.offset, entry.size, entry.checksum)[0]
         if entry is not None and data is None:
-            data = self._recheck(digest)
+            entry, data = self._recheck(digest)
         with self._counters_lock:
             if data is None:
                 self._misses += 1
@@ -265,7 +293,19 @@ class ChunkCache:
             flush = len(self._pending_touches) >= TOUCH_BATCH
         if flush:
             self._flush_touches()
-        return data
+        return Frame(data, entry.plain_size, to_hex(entry.pack)) if entry.is_frame else data
+
+    def drop_frame(self, digest: bytes) -> bool:
+        """Drop ``digest``'s entry if it is (still) a frame: one that did not decompress to its chunk.
+        False when there is none (evicted, or replaced by the plain chunk meanwhile)."""
+        with self._lock:
+            entry = self._index.get(digest)
+            if entry is None or not entry.is_frame:
+                return False
+            self._drop_locked(digest)
+        with self._counters_lock:
+            self._bad_frames += 1
+        return True
 
     def lacks(self, digest: bytes) -> bool:
         """True when the cache surely does not hold the chunk (the module docstring: presence counters);
@@ -281,28 +321,32 @@ class ChunkCache:
         readahead candidates, which are skipped when cached; a rotten one is found when it is read)."""
         return {digest for digest in digests if self._index.get(digest) is not None}
 
-    def put(self, digest: bytes, data: bytes | memoryview) -> bool:
-        """Cache a verified chunk; False when it is larger than the whole cache and so not kept."""
+    def put(self, digest: bytes, data: bytes | memoryview | Frame) -> bool:
+        """Cache a verified chunk (or a Frame); False when it is larger than the whole cache and so not kept."""
         return self.put_many([(digest, data)]) == 1
 
-    def put_many(self, chunks: Iterable[tuple[bytes, bytes | memoryview]]) -> int:
-        """Cache verified chunks: write the new ones end to end to a temporary segment, then rename it into
-        place and record them in one index transaction. Returns how many are kept (a chunk larger than the
-        whole cache is not)."""
+    def put_many(self, chunks: Iterable[tuple[bytes, bytes | memoryview | Frame]]) -> int:
+        """Cache verified chunks, or Frames of chunks not verified: write the new ones end to end to a
+        temporary segment, then rename it into place and record them in one index transaction. A plain
+        chunk replaces its Frame; a chunk cached already is otherwise left as it is. Returns how many are
+        kept (a chunk larger than the whole cache is not)."""
         kept = 0
-        new: dict[bytes, tuple[memoryview, int]] = {}  # digest -> bytes, checksum; in segment order
+        new: dict[bytes, tuple[memoryview, int, Frame | None]] = {}  # digest -> bytes, checksum, frame; in order
         for digest, data in chunks:
-            view = memoryview(data).cast("B")
+            frame = data if isinstance(data, Frame) else None
+            view = memoryview(data if frame is None else frame.frame).cast("B")
             if view.nbytes > self.max_bytes:
                 continue
             kept += 1
-            if digest in new:
+            if digest in new and (frame is not None or new[digest][2] is None):
                 continue
-            if not self.lacks(digest) and self._index.get(digest) is not None:
+            present = None if self.lacks(digest) else self._index.get(digest)
+            if present is not None and (frame is not None or not present.is_frame):
                 with self._counters_lock:
                     self._pending_touches[digest] = time.time_ns()
                 continue
-            new[digest] = view, checksum(view)
+            new.pop(digest, None)  # a plain chunk after its frame in one batch: the frame is not written
+            new[digest] = view, checksum(view), frame
         if new:
             self._add_segment(new)
         return kept
@@ -316,9 +360,10 @@ class ChunkCache:
         with self._counters_lock:
             hits, misses = self._hits, self._misses + self._known_misses
             evictions, rotten = self._evictions, self._rotten
+            bad_frames = self._bad_frames
         return CacheStats(entries=len(self._index), bytes=self._index.total_bytes, max_bytes=self.max_bytes,
                           hits=hits, misses=misses, evictions=evictions, rotten=rotten,
-                          reconciled=self._reconciled)
+                          reconciled=self._reconciled, frames=self._frames, bad_frames=bad_frames)
 
     def close(self) -> None:
         """Write pending LRU moves and release the index and the directory lock. Call it after every
@@ -333,10 +378,10 @@ class ChunkCache:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _add_segment(self, new: dict[bytes, tuple[memoryview, int]]) -> None:
+    def _add_segment(self, new: dict[bytes, tuple[memoryview, int, Frame | None]]) -> None:
         """Write ``new``'s bytes to a temporary segment, then under ``_lock`` rename it into place as the
         next segment and record its chunks (the crash rule: bytes in place before their entries)."""
-        tmp = write_temporary(self._segments_dir, [view for view, _checksum in new.values()])
+        tmp = write_temporary(self._segments_dir, [view for view, _checksum, _frame in new.values()])
         recorded = False
         try:
             with self._lock:
@@ -346,11 +391,15 @@ class ChunkCache:
                 os.rename(tmp, path)
                 tmp = path  # unlinked below unless the index records it
                 now, offset, entries = time.time_ns(), 0, []
-                for digest, (view, xxh3) in new.items():
-                    entries.append((digest, IndexEntry(segment, offset, view.nbytes, now, xxh3)))
+                for digest, (view, xxh3, frame) in new.items():
+                    entry = IndexEntry(segment, offset, view.nbytes, now, xxh3)
+                    if frame is not None:
+                        entry = entry._replace(plain_size=frame.plain_size, pack=bytes.fromhex(frame.pack_id))
+                    entries.append((digest, entry))
                     offset += view.nbytes
                 added, replaced, total = self._index.put_many(entries)
                 recorded = True
+                self._frames += sum(entry.is_frame for _digest, entry in entries)
                 self._segments[segment] = _Segment(size=offset, chunks=len(entries))
                 self._count_presence(added, +1)
                 self._release(replaced)  # put meanwhile by another thread: that copy's bytes are unused now
@@ -360,8 +409,9 @@ class ChunkCache:
             if not recorded:
                 unlink_if_present(tmp)
 
-    def _recheck(self, digest: bytes) -> bytes | None:
-        """A read failed: under ``_lock`` look again, and drop the entry only if it is still bad.
+    def _recheck(self, digest: bytes) -> tuple[IndexEntry | None, bytes | None]:
+        """A read failed: under ``_lock`` look again, and drop the entry only if it is still bad; returns
+        the entry and its bytes, (None, None) when there are none.
 
         The lock keeps eviction and put out, so a chunk whose bytes vanished because it was evicted (its
         entry is gone too) or re-put meanwhile (its new bytes are good) is not mistaken for rot.
@@ -369,17 +419,21 @@ class ChunkCache:
         with self._lock:
             entry = self._index.get(digest)
             if entry is None:
-                return None
+                return None, None
             data, problem = read_chunk(self._segment_path(entry.segment), entry.offset, entry.size, entry.checksum)
             if data is not None:
-                return data
+                return entry, data
             log.warning("chunk cache: dropping rotten chunk %s (%s)", to_hex(digest), problem)
-            dropped = self._index.delete([digest])
-            self._count_presence([digest], -1)
-            self._release(dropped)
+            self._drop_locked(digest)
         with self._counters_lock:
             self._rotten += 1
-        return None
+        return None, None
+
+    def _drop_locked(self, digest: bytes) -> None:
+        """With ``_lock`` held: remove ``digest``'s entry and free its bytes."""
+        dropped = self._index.delete([digest])
+        self._count_presence([digest], -1)
+        self._release(dropped)
 
     def _evict_locked(self, max_bytes: int) -> int:
         """With ``_lock`` held: evict down to ``max_bytes``, counting bytes no hole freed (``_dead_bytes``)
@@ -405,6 +459,7 @@ class ChunkCache:
         left without an indexed chunk and punching holes in the others (one open per segment)."""
         holes: dict[int, list[IndexEntry]] = {}
         for _digest, entry in removed:
+            self._frames -= entry.is_frame
             known = self._segments.get(entry.segment)
             if known is None:
                 continue

@@ -11,23 +11,37 @@ How a request is served:
   arrive while it is in the air wait for it and get its result. A failure is delivered to every waiter and
   forgotten: the next request starts a new flight.
 - **Cache, then store.** A flight looks the chunk up in the ChunkCache (in a worker thread), unless the
-  cache says from memory that it surely lacks it (``ChunkCache.lacks``): then the miss goes to the store at
-  once, one worker-thread hop fewer (that hop cost a cold miss 0.1-1 ms on a busy two-core node, as much as
-  the store read behind a 1 ms store). One call's misses are planned into *runs* (``plan_runs``): chunks
-  that are neighbours in a pack, fetched with one ranged GET of at most MAX_READ_BYTES; each run is one
-  *store read*, in a worker thread of its own, and the runs of a call go to the store side by side, queued
-  for store slots in the order of their first chunk in the call (a prefetch list names the first-needed
-  chunks first). A store read decompresses and sha256-verifies each chunk before anything else sees it, and
-  the chunks go into the cache in a worker thread: for a prefetch, by the read's own thread before the
-  read is done (one ``put_many``, one index commit, per read); for a fill's read or one a reader waits
-  for, after its slot is free and its waiters have the bytes, by the fetcher's *cache writer*: one task
-  that puts the runs handed over since its last write (up to WRITE_BATCH_BYTES) in one ``put_many``
-  (one index commit for all of them: a reader that misses file after file
-  hands over a run every millisecond or two, and a commit per run took the disk and the GIL from the misses
-  behind it), their flights still listed (done) until they are in, so a request meanwhile takes them from
-  the flight rather than reading the store again. The caching is the fetcher's task, not the caller's, so a
-  fetch whose caller gave up still fills the cache. When a run fails on one corrupt chunk, each chunk of it
-  is read alone, so the good ones are still served and only the bad one fails, with an error naming it.
+  cache says from memory that it surely lacks it (``ChunkCache.lacks``): then the miss goes to the store
+  at once, one worker-thread hop fewer (that hop cost a cold miss 0.1-1 ms on a busy two-core node, as
+  much as the store read behind a 1 ms store). One call's misses are planned into *runs* (``plan_runs``):
+  chunks that are neighbours in a pack, fetched with one ranged GET of at most MAX_READ_BYTES; each run is
+  one *store read*, in a worker thread of its own, and the runs of a call go to the store side by side,
+  queued for store slots in the order of their first chunk in the call (a prefetch list names the
+  first-needed chunks first). A store read decompresses and sha256-verifies each chunk before anything
+  else sees it (a fill's excepted: below), and the chunks go into the cache in a worker thread: for a
+  prefetch, by the read's own thread before the read is done (one ``put_many``, one index commit, per
+  read); for a fill's read or one a reader waits for, after its slot is free and its waiters have the
+  bytes, by the fetcher's *cache writer*: one task that puts the runs handed over since its last write (up
+  to WRITE_BATCH_BYTES) in one ``put_many`` (one index commit for all of them: a reader that misses file
+  after file hands over a run every millisecond or two, and a commit per run took the disk and the GIL
+  from the misses behind it), their flights still listed (done) until they are in, so a request meanwhile
+  takes them from the flight rather than reading the store again. The caching is the fetcher's task, not
+  the caller's, so a fetch whose caller gave up still fills the cache. When a run fails on one corrupt
+  chunk, each chunk of it is read alone, so the good ones are still served and only the bad one fails,
+  with an error naming it.
+- **A fill's chunks as fetched.** A store read at FILL priority (``_read_frames``) keeps its chunks as
+  their packs' frames (cache.Frame), neither decompressed nor checked: they land so, and the cache writer
+  writes them so (cache.py: frames), for the cost of a copy to disk instead of the CPU of the whole layer
+  beside the command. A flight whose waiters want bytes (``_Flight.plain``: fetch_many's, a readahead's,
+  and a warm's above FILL priority, whose chunks a reader reads next; not the fill's) checks a Frame it
+  meets, in the cache or in a fill's flight that ended (``_cache_lookup``, ``_check_kept``) or in a fill
+  read it joined in the air (``_read_run``), kept_frames.py: decompressed within the size the blob map
+  gives, its sha256 checked, right before it lands (a reader may join while a flight is in a worker
+  thread, so a flight checks again after each hop); and hands the plain chunk to the cache writer, which
+  replaces the frame's entry, its flight listed until then, so readers of one chunk at once or meanwhile
+  check it once. A frame that is not its chunk (a store writer that lied to the fill) is dropped, logged
+  with the chunk and the pack, and the chunk read from the store as a miss (LayerBlob tries its other
+  locations after that).
 - **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
   the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
@@ -90,13 +104,14 @@ from typing import TypeVar
 
 import trio
 
-from dsec_fs.chunks import ChunkLocation, ChunkRun, plan_runs, read_chunk, read_run
+from dsec_fs.chunks import ChunkLocation, ChunkRun, plan_runs, read_chunk, read_run, read_run_frames
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from .cache import ChunkCache
+from .cache import ChunkCache, Frame
+from .kept_frames import check_fetched, check_kept
 from .store_slots import FILL, ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, ThreadWatch, Ticket
 
 log = logging.getLogger(__name__)
@@ -174,13 +189,14 @@ class FetchStats:
 class _Flight:
     """One chunk's fetch in the air: the result every waiter gets, once ``done`` is set."""
 
-    __slots__ = ("done", "data", "error", "priority", "ticket")
+    __slots__ = ("done", "data", "error", "priority", "plain", "ticket")
 
-    def __init__(self, priority: Priority):
+    def __init__(self, priority: Priority, plain: bool):
         self.done = trio.Event()
-        self.data: bytes | None = None
+        self.data: bytes | Frame | None = None  # a Frame: a fill's chunk as fetched (module docstring)
         self.error: BaseException | None = None
         self.priority = priority
+        self.plain = plain  # someone waits for its bytes: it does not end with a fill's Frame
         self.ticket: Ticket | None = None  # the store-slot claim of its run, once it has one
 
 
@@ -220,9 +236,9 @@ class ChunkFetcher:
         self._flights: dict[bytes, _Flight] = {}
         self._cache_writers = trio.CapacityLimiter(CACHE_WRITERS)
         self._uncached_runs = 0  # runs whose readers have their bytes, not in the cache yet
-        self._unwritten: list[tuple[str, list[tuple[bytes, bytes]]]] = []  # those queued for the cache writer
+        self._unwritten: list[tuple[str, list[tuple[bytes, bytes | Frame]]]] = []  # those queued for the cache writer
         self._cache_writer_running = False
-        self.unwritten_bytes = 0  # uncompressed bytes of the runs in _unwritten and being written
+        self.unwritten_bytes = 0  # stored bytes (a Frame's, for a frame) of the runs in _unwritten and being written
         self._written = trio.lowlevel.ParkingLot()  # woken after each write of the cache writer
         # Appended to by worker threads, read in the trio thread: _round_trips_lock guards it (iterating a
         # deque that another thread appends to raises).
@@ -287,7 +303,7 @@ class ChunkFetcher:
         ``readahead``: chunks to fetch along, if a GET for a missed item is made anyway (module docstring);
         they are not waited for nor returned."""
         chunks: dict[bytes, bytes] = {}
-        for digest, flight in self._join(items, priority, label, readahead).items():
+        for digest, flight in self._join(items, priority, label, readahead, plain=True).items():
             await flight.done.wait()
             if flight.error is not None:
                 raise flight.error
@@ -300,63 +316,90 @@ class ChunkFetcher:
         a long list plans it in one go (so neighbours in a pack share GETs however far apart the list
         names them) and holds in memory only what landed ahead of the first chunk still in the air.
         ``landed(digest, data, error)`` is called for each item in the order given once its flight has
-        ended: its bytes and None once it is cached, else None and the error."""
-        waits = self._join(items, priority, label, ())
+        ended: its bytes (None for a fill's, kept as fetched) and None once it is cached, else None and the
+        error. Above FILL priority (a prefetch, a miss's readahead window) a chunk the cache keeps as a
+        fill fetched it is checked and made plain as a read would: these are what a reader reads next, and
+        checked here, in the background, they cost that reader nothing (left to the read, first-ever
+        starts behind 20 ms took 0.89-1.25x main's seconds, against 0.77-0.86x: docs/benchmarks.md)."""
+        waits = self._join(items, priority, label, (), plain=priority < FILL)
         while waits:
             digest = next(iter(waits))
             flight = waits.pop(digest)
             await flight.done.wait()
-            landed(digest, flight.data, flight.error)
+            landed(digest, None if isinstance(flight.data, Frame) else flight.data, flight.error)
 
     def _join(self, items: Iterable[tuple[bytes, ChunkLocation]], priority: Priority, label: str,
-              readahead: Iterable[tuple[bytes, ChunkLocation]]) -> dict[bytes, _Flight]:
-        """The flight of each item: one in the air, or a new one (started with ``readahead``)."""
+              readahead: Iterable[tuple[bytes, ChunkLocation]], *, plain: bool) -> dict[bytes, _Flight]:
+        """The flight of each item: one in the air, or a new one (started with ``readahead``). ``plain``:
+        the caller wants the chunks' bytes (fetch_many; not warm), so it takes no fill's chunk as
+        fetched: the flight is marked so (``_Flight.plain``), and one that ended with a Frame (its write to
+        the cache still to come) is followed by one that checks that frame (``_fly``)."""
         stats = self.stats(label)
         waits: dict[bytes, _Flight] = {}
         started: list[tuple[bytes, ChunkLocation, _Flight]] = []
+        frames: dict[bytes, Frame] = {}  # the fill's frames of done flights that such a request follows
         for digest, location in items:
             if digest in waits:
                 continue
             flight = self._flights.get(digest)
+            if flight is not None and plain and flight.done.is_set() and isinstance(flight.data, Frame):
+                frames[digest], flight = flight.data, None
             if flight is None:
-                flight = self._flights[digest] = _Flight(priority)
+                flight = self._flights[digest] = _Flight(priority, plain)
                 started.append((digest, location, flight))
             else:
                 stats.coalesced += 1
+                flight.plain = flight.plain or plain
                 if priority < flight.priority:
                     flight.priority = priority
                     if flight.ticket is not None:
                         self._slots.promote(flight.ticket, priority)
             waits[digest] = flight
         if started:
-            self._nursery.start_soon(self._fly, started, stats, list(readahead))
+            self._nursery.start_soon(self._fly, started, stats, list(readahead), frames)
         return waits
 
     async def _fly(self, started: list[tuple[bytes, ChunkLocation, _Flight]], stats: FetchStats,
-                   readahead: list[tuple[bytes, ChunkLocation]]) -> None:
-        """Serve new flights: cache lookups, then the store for the misses, in runs read side by side."""
+                   readahead: list[tuple[bytes, ChunkLocation]], frames: dict[bytes, Frame]) -> None:
+        """Serve new flights: cache lookups (``frames``: those of them whose Frame is known, not looked
+        up), then the store for the misses, in runs read side by side. A flight whose waiters want bytes
+        (``_Flight.plain``) and that finds a Frame checks it (``_cache_lookup``, then again after each hop
+        for the readers that joined meanwhile) and hands the plain chunk to the cache writer, its flight
+        listed until written, so readers meanwhile take it from there and it is checked once."""
         try:
             readahead = [(digest, location) for digest, location in readahead if digest not in self._flights]
             # What the cache surely lacks is not looked up: a miss goes to the store without a worker-thread
             # hop first. Readahead the cache may hold is looked up only in a hop made anyway; without one
             # it is left out (it is most likely cached).
-            maybe_cached = [digest for digest, _, _ in started if not self.cache.lacks(digest)]
+            maybe_cached = [(digest, location) for digest, location, _ in started
+                            if digest in frames or not self.cache.lacks(digest)]
             ahead_unknown = [digest for digest, _ in readahead if not self.cache.lacks(digest)]
             known_misses = len(started) - len(maybe_cached)
+            checked: dict[str, list[tuple[bytes, bytes]]] = {}
             if maybe_cached:
-                cached, ahead_cached = await trio.to_thread.run_sync(self._cache_lookup, maybe_cached, ahead_unknown,
-                                                                     known_misses > 0)
+                plain = {digest for digest, _, flight in started if flight.plain}
+                write_now = self._uncached_runs >= UNCACHED_RUNS  # else the cache writer writes the checked
+                cached, checked, ahead_cached = await trio.to_thread.run_sync(
+                    self._cache_lookup, maybe_cached, frames, plain, write_now, ahead_unknown, known_misses > 0)
+                # Readers that joined a flight during the hop want its bytes too: its Frame is checked now.
+                while joined := [(digest, location) for digest, location, flight in started
+                                 if flight.plain and isinstance(cached.get(digest), Frame)]:
+                    await trio.to_thread.run_sync(self._check_kept, joined, cached, checked)
             else:
                 cached, ahead_cached = {}, set(ahead_unknown)
             self.cache.note_misses(known_misses)
             missed: dict[bytes, tuple[ChunkLocation, _Flight]] = {}
+            handed_over = {digest for chunks in checked.values() for digest, _data in chunks}
             for digest, location, flight in started:
                 if digest in cached:
                     stats.hits += 1
-                    self._land(digest, flight, data=cached[digest])
+                    self._land(digest, flight, data=cached[digest], cached=digest not in handed_over)
                 else:
                     stats.misses += 1
                     missed[digest] = (location, flight)
+            for pack_id, chunks in checked.items():
+                if self._hand_over(pack_id, chunks):
+                    self._nursery.start_soon(self._write_handed_over)
             ahead = {digest: location for digest, location in readahead
                      if digest not in ahead_cached and digest not in self._flights}
             filling = all(flight.priority == FILL for _location, flight in missed.values())
@@ -376,7 +419,7 @@ class ChunkFetcher:
                         if digest in missed:
                             flights.append(missed[digest][1])
                         else:
-                            flight = self._flights[digest] = _Flight(PREFETCH)
+                            flight = self._flights[digest] = _Flight(PREFETCH, True)
                             started.append((digest, location, flight))  # so the finally below lands it
                             flights.append(flight)
                             stats.readahead += 1
@@ -433,6 +476,13 @@ class ChunkFetcher:
         readers_first = not ticket.cached and self._uncached_runs < UNCACHED_RUNS
         if verified and not ticket.cached and not readers_first:
             await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
+        # A fill's read that readers joined (before it landed): their chunks are checked for them, until
+        # none that a reader wants is left a Frame (one may join during each hop). If the run was put in
+        # the cache above, such a chunk stays a frame there, checked again when next read.
+        while joined := [(digest, location) for (digest, location), flight in zip(items, flights)
+                         if flight.plain and isinstance(results[digest], Frame)]:
+            results.update(await trio.to_thread.run_sync(check_fetched, joined, results))
+        verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
         self._on_fetched([digest for digest, _data in verified])
         for (digest, _location), flight in zip(items, flights):
             result = results[digest]
@@ -445,27 +495,32 @@ class ChunkFetcher:
                 self._land(digest, flight, error=result)
             else:
                 stats.chunks_fetched += 1
-                stats.bytes_fetched += len(result)
+                stats.bytes_fetched += result.plain_size if isinstance(result, Frame) else len(result)
                 self._land(digest, flight, data=result, cached=not readers_first)
-        if verified and readers_first:
-            self._uncached_runs += 1
-            self.unwritten_bytes += sum(len(data) for _digest, data in verified)
-            self._unwritten.append((run.pack_id, verified))
-            if not self._cache_writer_running:  # this task is the cache writer until the queue is empty
-                await self._write_handed_over()
+        if verified and readers_first and self._hand_over(run.pack_id, verified):
+            await self._write_handed_over()  # this task is the cache writer until the queue is empty
+
+    def _hand_over(self, pack_id: str, chunks: list[tuple[bytes, bytes | Frame]]) -> bool:
+        """Queue chunks (of ``pack_id``) whose flights have landed, still listed, for the cache writer;
+        True when none is running: the caller is to run ``_write_handed_over`` then."""
+        self._uncached_runs += 1
+        self.unwritten_bytes += sum(_stored_size(data) for _digest, data in chunks)
+        self._unwritten.append((pack_id, chunks))
+        starts, self._cache_writer_running = not self._cache_writer_running, True
+        return starts
 
     async def _write_handed_over(self) -> None:
         """The cache writer: put the runs handed over (``_unwritten``) into the cache, those queued up to
         WRITE_BATCH_BYTES in one worker-thread call (one index commit), until none is left; then unlist
-        their flights. The first run handed over while none is writing writes, in its own task: its thread
-        starts before its readers run. Shielded: runs handed over are written even when the fetcher shuts
-        down, as a write under way always was (a worker thread is not stopped)."""
-        self._cache_writer_running = True
+        their flights (those still holding what was written). The first run handed over while none is
+        writing writes, in its own task: its thread starts before its readers run. Shielded: runs handed
+        over are written even when the fetcher shuts down, as a write under way always was (a worker
+        thread is not stopped)."""
         try:
             while self._unwritten:
                 taken, size = 0, 0
                 while taken < len(self._unwritten) and (not taken or size < WRITE_BATCH_BYTES):
-                    size += sum(len(data) for _digest, data in self._unwritten[taken][1])
+                    size += sum(_stored_size(data) for _digest, data in self._unwritten[taken][1])
                     taken += 1
                 batch, self._unwritten = self._unwritten[:taken], self._unwritten[taken:]
                 try:
@@ -476,9 +531,9 @@ class ChunkFetcher:
                     self.unwritten_bytes -= size
                     self._written.unpark_all()
                     for _pack_id, verified in batch:
-                        for digest, _data in verified:
+                        for digest, data in verified:
                             flight = self._flights.get(digest)
-                            if flight is not None and flight.done.is_set():
+                            if flight is not None and flight.done.is_set() and flight.data is data:
                                 del self._flights[digest]
         finally:
             self._cache_writer_running = False
@@ -553,39 +608,70 @@ class ChunkFetcher:
 
     # -- worker threads
 
-    def _cache_lookup(self, digests: list[bytes], ahead: list[bytes],
-                      missed: bool) -> tuple[dict[bytes, bytes], set[bytes]]:
-        """The cached chunks among ``digests``; and, if any of them missed (or ``missed``: other wanted
-        chunks did), which of ``ahead`` (readahead candidates) the cache holds already: asked of its index
-        only (nothing read, no miss counted: the cache's misses are chunks a read wanted). A cache that
-        fails is logged and bypassed: the store has every chunk."""
-        found = self.cached(digests)
-        if not missed and len(found) == len(set(digests)):
-            return found, set()
+    def _cache_lookup(self, items: list[tuple[bytes, ChunkLocation]], frames: dict[bytes, Frame], plain: set[bytes],
+                      write_now: bool, ahead: list[bytes],
+                      missed: bool) -> tuple[dict[bytes, bytes | Frame], dict[str, list[tuple[bytes, bytes]]], set[bytes]]:
+        """The cached chunks among ``items`` (those in ``frames`` not looked up: that is their Frame), those
+        of ``plain`` checked if the cache kept them as Frames (``_check_kept``); the chunks so checked, by
+        pack, unless ``write_now`` (then they are put here and now); and, if any of ``items`` missed (or
+        ``missed``: other wanted chunks did), which of ``ahead`` (readahead candidates) the cache holds
+        already: asked of its index only (nothing read, no miss counted: the cache's misses are chunks a
+        read wanted). A cache that fails is logged and bypassed: the store has every chunk."""
+        found: dict[bytes, bytes | Frame] = {}
+        checked: dict[str, list[tuple[bytes, bytes]]] = {}
+        for digest, location in items:
+            stored = frames.get(digest) or self._cache_get(digest)
+            if stored is not None:
+                found[digest] = stored
+        self._check_kept([(digest, location) for digest, location in items
+                          if digest in plain and isinstance(found.get(digest), Frame)], found, checked)
+        if checked and write_now:
+            self._cache_put_runs(list(checked.items()))
+            checked = {}
+        if not missed and len(found) == len({digest for digest, _location in items}):
+            return found, checked, set()
         try:
-            return found, self.cache.holds(ahead)
+            return found, checked, self.cache.holds(ahead)
         except (DsecError, OSError) as exc:
             log.warning("chunk cache lookup of readahead failed, reading the store: %s", exc)
-            return found, set()
+            return found, checked, set()
+
+    def _check_kept(self, items: list[tuple[bytes, ChunkLocation]], found: dict[bytes, bytes | Frame],
+                    checked: dict[str, list[tuple[bytes, bytes]]]) -> None:
+        """Check the Frame ``found`` holds for each of ``items`` (kept_frames.check_kept): its chunk
+        replaces it there and is added to ``checked`` (by pack); one that is not its chunk (dropped from
+        the cache) leaves ``found``, a miss. Worker threads, while the flight that owns both dicts waits."""
+        for digest, location in items:
+            frame = found[digest]
+            data = check_kept(self.cache, digest, location, frame)
+            if data is None:
+                del found[digest]
+            else:
+                found[digest] = data
+                checked.setdefault(frame.pack_id, []).append((digest, data))
 
     def cached(self, digests: Iterable[bytes]) -> dict[bytes, bytes]:
-        """The chunks among ``digests`` that the cache holds, read and checked; the store is not asked.
-        Blocks: for worker threads."""
+        """The chunks among ``digests`` that the cache holds, read and checked, a fill's kept as Frames
+        left out (a read checks those, in its flight); the store is not asked. Blocks: for worker threads."""
         found = {}
         for digest in digests:
-            try:
-                data = self.cache.get(digest)
-            except (DsecError, OSError) as exc:
-                log.warning("chunk cache lookup of %s failed, reading the store: %s", to_hex(digest), exc)
-                continue
-            if data is not None:
+            data = self._cache_get(digest)
+            if data is not None and not isinstance(data, Frame):
                 found[digest] = data
         return found
 
-    def _cache_put(self, pack_id: str, verified: list[tuple[bytes, bytes]]) -> None:
+    def _cache_get(self, digest: bytes) -> bytes | Frame | None:
+        """``cache.get``; a cache that fails is logged and answers None (the store has every chunk)."""
+        try:
+            return self.cache.get(digest)
+        except (DsecError, OSError) as exc:
+            log.warning("chunk cache lookup of %s failed, reading the store: %s", to_hex(digest), exc)
+            return None
+
+    def _cache_put(self, pack_id: str, verified: list[tuple[bytes, bytes | Frame]]) -> None:
         self._cache_put_runs([(pack_id, verified)])
 
-    def _cache_put_runs(self, runs: list[tuple[str, list[tuple[bytes, bytes]]]]) -> None:
+    def _cache_put_runs(self, runs: list[tuple[str, list[tuple[bytes, bytes | Frame]]]]) -> None:
         """Put the verified chunks of ``runs`` (pack id, chunks) into the cache in one ``put_many``; a
         failure is logged (the store still has them)."""
         try:
@@ -595,20 +681,34 @@ class ChunkFetcher:
             log.warning("caching %d chunks of pack %s failed: %s", sum(len(verified) for _pack_id, verified in runs),
                         ", ".join(packs[:3]) + (f" and {len(packs) - 3} more" if len(packs) > 3 else ""), exc)
 
-    def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Exception]:
-        """``_read``, and the cache put (``ticket.cached``) of a prefetch read (so a job that is done has
-        its chunks in the cache) or of one abandoned at its deadline (nobody is left to take its result;
-        one abandoned just as it returned may be cached by neither side, and is read again when next asked
-        for). A fill's read is written by the cache writer, after its slot is free (``_read_run``)."""
+    def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Frame | Exception]:
+        """``_read`` (a fill's read, nobody else waiting for it yet: ``_read_frames``), and the cache put
+        (``ticket.cached``) of a prefetch read (so a job that is done has its chunks in the cache) or of
+        one abandoned at its deadline (nobody is left to take its result; one abandoned just as it returned
+        may be cached by neither side, and is read again when next asked for). A fill's read is written by
+        the cache writer, after its slot is free (``_read_run``)."""
         started = time.monotonic()
-        results = self._read(run)
+        as_frames = ticket.priority == FILL
+        results = self._read_frames(run) if as_frames else self._read(run)
         if run.end - run.start <= ROUND_TRIP_READ_BYTES:
             self.note_round_trip(time.monotonic() - started)
-        if ticket.abandoned or ticket.priority == PREFETCH:
+        # A fill's read promoted to PREFETCH while in the store is written by the cache writer, after the
+        # chunks its new waiters need are checked (``_read_run``), so those go in plain.
+        if ticket.abandoned or ticket.priority == PREFETCH and not as_frames:
             self._cache_put(run.pack_id, [(digest, data) for digest, data in results.items()
-                                          if isinstance(data, bytes)])
+                                          if isinstance(data, (bytes, Frame))])
             ticket.cached = True
         return results
+
+    def _read_frames(self, run: ChunkRun) -> dict[bytes, Frame | Exception]:
+        """A fill's read: its chunks as their pack holds them (Frames), neither decompressed nor checked
+        (the cache keeps them so until read: module docstring). A pack shorter than its index says fails
+        the whole GET: then each chunk is read (and checked) alone, as ``_read`` does."""
+        try:
+            frames = read_run_frames(self.store, run)
+        except CorruptError:
+            return self._read(run)
+        return {digest: Frame(frames[digest], location.ulen, run.pack_id) for digest, location in run.chunks}
 
     def _read(self, run: ChunkRun) -> dict[bytes, bytes | Exception]:
         try:
@@ -624,6 +724,11 @@ class ChunkFetcher:
             except CorruptError as exc:
                 results[digest] = exc
         return results
+
+
+def _stored_size(data: bytes | Frame) -> int:
+    """The bytes a chunk takes in the cache: its own, or its frame's."""
+    return len(data.frame) if isinstance(data, Frame) else len(data)
 
 
 def _chunks_name(items: list[tuple[bytes, ChunkLocation]]) -> str:

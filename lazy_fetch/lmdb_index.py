@@ -1,17 +1,22 @@
 """The index of the node's chunk cache, in LMDB: per cached chunk its size, last access time and xxh3_64
-checksum, plus the running total of cached bytes. The only module of the project that imports lmdb.
+checksum, and whether it is kept plain or as its pack's frame, plus the running total of cached bytes.
+The only module of the project that imports lmdb.
 
 One LMDB environment (a directory holding data.mdb and lock.mdb) with four named databases:
 
     entries   chunk digest (32 raw bytes) -> ENTRY (segment, offset, size, atime, checksum): where the
-              chunk's bytes are (cache.py: the segment file, the offset in it) and how to check them
+              chunk's bytes are (cache.py: the segment file, the offset in it) and how to check them;
+              a verified plain chunk. Or -> FRAME_ENTRY, the same and (plain size, pack): the chunk kept
+              as the zstd frame its pack holds, not yet checked against its digest (cache.py: frames)
     lru       atime (8 bytes, big-endian) + chunk digest -> b""
               the access-ordered secondary key: a cursor from the first key walks the entries least
               recently used first, so eviction reads only the entries it removes
     totals    b"bytes" -> TOTAL: the sum of every entry's size
     meta      b"layout" -> LAYOUT: the cache layout the index describes (LAYOUT_VERSION). An environment
               with databases but not this version (layout 1, a file per chunk, had no meta database)
-              is refused with UnsupportedError, never read with this entry format
+              is refused with UnsupportedError, never read with this entry format; except layout 2,
+              whose entries are all ENTRY (plain chunks, which layout 3 reads as it always did): its
+              mark is moved to 3 at open, and its entries are kept
 
 Each method is one transaction, and every change keeps the three databases in agreement inside it, so the
 index is consistent after a crash at any point (LMDB commits are atomic). A commit flushes the data pages
@@ -67,8 +72,11 @@ TOTAL = struct.Struct(
 )
 TOTAL_KEY = b"bytes"
 
-# Layout 1 kept a file per chunk and had no meta database; 2 keeps chunks in segments.
-LAYOUT_VERSION = 2
+# Layout 1 kept a file per chunk and had no meta database; 2 keeps chunks in segments; 3 keeps a fill's
+# chunks as their packs' frames (FRAME_ENTRY) until first read.
+LAYOUT_VERSION = 3
+# Layouts whose index this version reads as its own, marking it LAYOUT_VERSION: 2's entries are all ENTRY.
+LAYOUT_READABLE = (2,)
 LAYOUT = struct.Struct(
     "<"
     "Q"  # version: LAYOUT_VERSION of the cache that wrote the index
@@ -80,24 +88,41 @@ _CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidErro
                    lmdb.PanicError)
 
 
+FRAME_ENTRY = struct.Struct(
+    "<"
+    "QQQQQ"  # as in ENTRY: segment, offset, size (of the frame), atime, checksum (of the frame's bytes)
+    "Q"  # plain_size: the chunk's own bytes, the most its frame may decompress to
+    f"{DIGEST_SIZE}s"  # pack: the id (raw) of the pack the frame was read from, for the log of a bad one
+)
+
+
 class IndexEntry(NamedTuple):
     segment: int
     offset: int
-    size: int
+    size: int  # the bytes stored: the chunk's, or its frame's
     atime: int
     checksum: int
+    plain_size: int = 0  # a frame's: its chunk's size; 0 for a plain chunk
+    pack: bytes = b""  # a frame's: the raw id of the pack it came from; b"" for a plain chunk
+
+    @property
+    def is_frame(self) -> bool:
+        return bool(self.pack)
 
 
 def pack_entry(entry: IndexEntry) -> bytes:
-    return ENTRY.pack(*entry)
+    return FRAME_ENTRY.pack(*entry) if entry.is_frame else ENTRY.pack(*entry[:5])
 
 
 def unpack_entry(value: bytes, digest: bytes, *, source: str) -> IndexEntry:
-    """Decode an entry value; FormatError names the chunk when the value has the wrong length."""
-    if len(value) != ENTRY.size:
-        raise FormatError(f"cache index entry of chunk {to_hex(digest)}", None,
-                          f"{len(value)} bytes, expected {ENTRY.size}", source=source)
-    return IndexEntry(*ENTRY.unpack(value))
+    """Decode an entry value (of either form, told apart by length); FormatError names the chunk when the
+    value has another length."""
+    if len(value) == ENTRY.size:
+        return IndexEntry(*ENTRY.unpack(value))
+    if len(value) == FRAME_ENTRY.size:
+        return IndexEntry(*FRAME_ENTRY.unpack(value))
+    raise FormatError(f"cache index entry of chunk {to_hex(digest)}", None,
+                      f"{len(value)} bytes, expected {ENTRY.size} or {FRAME_ENTRY.size}", source=source)
 
 
 class CacheIndex:
@@ -106,6 +131,7 @@ class CacheIndex:
 
     def __init__(self, path: str, map_size: int = DEFAULT_MAP_SIZE):
         self.path = path
+        self.upgraded_from: int | None = None  # the LAYOUT_READABLE layout found and marked LAYOUT_VERSION
         os.makedirs(path, mode=0o700, exist_ok=True)  # lmdb would make it with FILE_MODE: no x bit
         try:
             self._env = lmdb.open(path, map_size=map_size, max_dbs=4, subdir=True, readahead=False, mode=FILE_MODE,
@@ -125,15 +151,18 @@ class CacheIndex:
             raise
 
     def _check_layout(self, txn: lmdb.Transaction) -> None:
-        """Mark a new environment with LAYOUT_VERSION; refuse one of databases of another (or no) version."""
+        """Mark a new environment (or one of a LAYOUT_READABLE layout: ``upgraded_from`` says which) with
+        LAYOUT_VERSION; refuse one of databases of another (or no) version."""
         named = list(txn.cursor().iternext(keys=True, values=False))  # the main database names the others
         meta = self._env.open_db(b"meta", txn=txn)
         found = txn.get(LAYOUT_KEY, db=meta)
-        if found is None and not named:
+        version = LAYOUT.unpack(found)[0] if found is not None and len(found) == LAYOUT.size else None
+        if found is None and not named or version in LAYOUT_READABLE:
+            self.upgraded_from = version
             txn.put(LAYOUT_KEY, LAYOUT.pack(LAYOUT_VERSION), db=meta)
-        elif found is None or len(found) != LAYOUT.size or LAYOUT.unpack(found)[0] != LAYOUT_VERSION:
-            version = LAYOUT.unpack(found)[0] if found is not None and len(found) == LAYOUT.size else 1
-            raise UnsupportedError(f"a cache index of layout {version}; this version reads layout {LAYOUT_VERSION}",
+        elif version != LAYOUT_VERSION:
+            raise UnsupportedError(f"a cache index of layout {1 if version is None else version}; this version "
+                                   f"reads layouts {', '.join(map(str, (*LAYOUT_READABLE, LAYOUT_VERSION)))}",
                                    where=self.path)
 
     @contextmanager

@@ -27,8 +27,11 @@ turns it into metric families:
     dsecfs_layer_profile{layer,source,key}     1 for the profile a mounted layer prefetched by: source
                                                combination | layer | name, key its store prefix
     dsecfs_cache_hits_total, dsecfs_cache_misses_total, dsecfs_cache_evictions_total,
-    dsecfs_cache_rotten_total, dsecfs_cache_bytes, dsecfs_cache_max_bytes, dsecfs_cache_entries
-                                               the local chunk cache (disk)
+    dsecfs_cache_rotten_total, dsecfs_cache_bytes, dsecfs_cache_max_bytes, dsecfs_cache_entries,
+    dsecfs_cache_frames, dsecfs_cache_bad_frames_total
+                                               the local chunk cache (disk); frames: a fill's chunks
+                                               kept as fetched, not read yet, and those that failed
+                                               their check when first read
     dsecfs_memory_cache_hits_total, dsecfs_memory_cache_misses_total, dsecfs_memory_cache_bytes
                                                the in-memory cache of recently read chunks
     dsecfs_mounts{mode}                        layers mounted now
@@ -233,6 +236,10 @@ def _cache_families(cache: CacheStats, memory: MemoryFigures) -> Iterator[Metric
     yield GaugeMetricFamily("dsecfs_cache_bytes", "Bytes of chunks in the disk cache.", value=cache.bytes)
     yield GaugeMetricFamily("dsecfs_cache_max_bytes", "Size bound of the disk cache.", value=cache.max_bytes)
     yield GaugeMetricFamily("dsecfs_cache_entries", "Chunks in the disk cache.", value=cache.entries)
+    yield GaugeMetricFamily("dsecfs_cache_frames", "Chunks in the disk cache kept as a fill fetched them, not "
+                            "read (nor checked) yet.", value=cache.frames)
+    yield CounterMetricFamily("dsecfs_cache_bad_frames", "Chunks a fill kept that were not their chunk when "
+                              "first read (read from the store instead).", value=cache.bad_frames)
     yield CounterMetricFamily("dsecfs_memory_cache_hits", "Chunk lookups the in-memory cache answered.",
                               value=memory.hits)
     yield CounterMetricFamily("dsecfs_memory_cache_misses", "Chunk lookups the in-memory cache could not answer.",

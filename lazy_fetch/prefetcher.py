@@ -14,7 +14,8 @@ when the mount it was started with fails (its cancel scope), or before a group t
 the room the disk cache has left (``room``: a prefetch never makes the cache evict what readers use).
 
 Fill. ``fill_entries`` is the rest of the layer's chunks in blob order (the daemon's ``fill`` policy
-``layer``), fetched after the list at FILL priority: a fill read starts only while no on-demand read
+``layer``), fetched after the list at FILL priority and kept in the cache as fetched (fetcher.py, "A
+fill's chunks as fetched"): a fill read starts only while no on-demand read
 waits, few at a time and small (fetcher.FILL_READS, FILL_READ_BYTES), so a miss beside them keeps a
 fair share of the link. The list's chunks come first, then everything else streams
 in behind them and behind every on-demand read, until the cache bound: one store read at a time per
@@ -60,7 +61,8 @@ PREFETCH_GROUPS_IN_FLIGHT = 2
 # cost per miss is 2-6 ms under load (bench_miss_cost). 10 ms, not 5: a sample is only ever slowed, and
 # the samples an up takes (its layers' small objects, read side by side while the daemon parses what came
 # first) made a 1 ms store look like 5 ms and more on a busy node (fill8, docs/benchmarks.md); a 20 ms one
-# never looks faster than it is.
+# never looks faster than it is. With a fill's chunks kept as fetched (no decompression nor sha256 of the
+# layer: fetcher.py), a fill behind 1 ms still made first-ever starts slower, 1.04-1.22x (fillz, ibid.).
 AUTO_FILL_MIN_ROUND_TRIP = 0.010
 # It judges by the least of the first AUTO_FILL_SAMPLES small store calls (one may be slowed by a cold
 # disk or a busy core: with one sample a 1 ms store was once taken for a slow one), or of those there are

@@ -1,18 +1,20 @@
+import logging
 import random
 
 import pytest
 import trio
 
 from dsec_fs.chunks import ChunkIndex
+from dsec_fs.digest import to_hex
 from dsec_fs.errors import InputError
 from dsec_fs.layer import open_layer
-from dsec_fs.store import FilesystemStore
+from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import CountingStore
 from erofs_builder.build import build_layer
 from erofs_builder.export import export_layer
 from lazy_fetch.blob_reader import LayerBlob, open_layer_blob
 from lazy_fetch.cache import ChunkCache
-from lazy_fetch.fetcher import PREFETCH, open_fetcher
+from lazy_fetch.fetcher import FILL, PREFETCH, open_fetcher
 from tests.dsec_fs.forgery import chunks_of_layer, forge
 from treecmp import write_files
 
@@ -187,3 +189,38 @@ def test_a_shared_index_poisoned_by_a_forged_pack_still_reads_the_layer_right(tm
     assert any(shared.get(digest).pack_id == forged for digest, _ in chunks_of_layer(store, victim))
     assert trio.run(read, tmp_path / "cache2", no_preference) == materialised
     assert all(shared.get(digest).pack_id != forged for digest, _ in chunks_of_layer(store, victim))
+
+
+def test_a_fill_that_kept_a_forgers_frames_is_read_right_from_the_layers_own_pack(tmp_path, caplog):
+    """A fill reads from the location the shared index answers first, a forged pack's (tests/dsec_fs/
+    forgery.py), and keeps its junk frames unchecked: the first read of each finds it is not the chunk,
+    drops it, logs the chunk and the pack, and reads the chunk from the layer's own pack."""
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    rng = random.Random(9)
+    victim = build_layer(write_files(tmp_path / "victim", {f"f{i}": rng.randbytes(40000) for i in range(3)}),
+                         store, chunk_size=CHUNK_SIZE).digest
+    forger = build_layer(write_files(tmp_path / "forger", {"x": b"forger"}), store, chunk_size=CHUNK_SIZE).digest
+    chunks = chunks_of_layer(store, victim)
+    forged = forge(store, chunks, forger)
+    materialised = open(export_layer(store, victim, tmp_path / "export").blob_path, "rb").read()
+    shared = ChunkIndex()
+    shared.load_packs(store, [forged])
+
+    async def main():
+        with ChunkCache(str(tmp_path / "cache"), 64 << 20) as cache:
+            async with open_fetcher(store, cache) as fetcher:
+                blob = await open_layer_blob(open_layer(store, victim), fetcher, chunk_index=shared)
+                await fetcher.warm([(digest, shared.get(digest)) for digest, _ in chunks], priority=FILL,
+                                   landed=lambda digest, data, error: None)
+                await fetcher.written_down_to(0)
+                assert cache.stats().frames == len(chunks)
+                assert await blob.read(0, blob.size) == materialised
+                await fetcher.written_down_to(0)
+                stats = cache.stats()
+                assert (stats.bad_frames, stats.frames, stats.entries) == (len(chunks), 0, len(chunks))
+
+    with caplog.at_level(logging.WARNING):
+        trio.run(main)
+    warnings = [r.getMessage() for r in caplog.records if "is not that chunk" in r.getMessage()]
+    assert len(warnings) == len(chunks) and all(keys.pack(forged) in warning for warning in warnings)
+    assert all(any(to_hex(digest) in warning for warning in warnings) for digest, _ in chunks)

@@ -1,4 +1,5 @@
 import errno
+import logging
 import os
 import random
 import shutil
@@ -15,10 +16,11 @@ from dataclasses import replace
 import lmdb
 import pytest
 
+from dsec_fs import compress
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, UnavailableError
 from lazy_fetch import cache_segments
-from lazy_fetch.cache import ChunkCache, read_index
+from lazy_fetch.cache import ChunkCache, Frame, read_index
 from lazy_fetch.cache_segments import TMP_PREFIX, segment_name
 from lazy_fetch.lmdb_index import CacheIndex, IndexEntry
 from tests.other_user import all_paths, readable_by_nobody
@@ -711,4 +713,61 @@ def test_a_cache_of_the_older_layout_starts_again_empty(tmp_path, caplog):
         assert not os.path.exists(tmp_path / "chunks")
         assert cache.put(digest, data) and cache.get(digest) == data
     assert "layout 1" in caplog.text
+    assert_consistent(tmp_path, 1 << 20)
+
+
+def test_a_cache_of_layout_2_is_kept_and_read_as_plain_chunks(tmp_path, caplog):
+    # Layout 2, as main wrote it before frames: entries of (segment, offset, size, atime, xxh3), all plain.
+    data = chunk(2)
+    digest = sha256(data)
+    os.makedirs(tmp_path / "index", mode=0o700)
+    os.makedirs(tmp_path / "segments", mode=0o700)
+    (tmp_path / "segments" / segment_name(7)).write_bytes(data)
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=4, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(b"layout", struct.pack("<Q", 2), db=env.open_db(b"meta", txn=txn))
+        txn.put(digest, struct.pack("<QQQQQ", 7, 0, len(data), 1, cache_segments.checksum(data)),
+                db=env.open_db(b"entries", txn=txn))
+        txn.put(struct.pack(">Q", 1) + digest, b"", db=env.open_db(b"lru", txn=txn))
+        txn.put(b"bytes", struct.pack("<Q", len(data)), db=env.open_db(b"totals", txn=txn))
+    env.close()
+    caplog.set_level(logging.INFO, logger="lazy_fetch.cache")
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert (cache.stats().entries, cache.stats().bytes, cache.stats().frames) == (1, len(data), 0)
+        assert cache.get(digest) == data
+    assert "an index of layout 2" in caplog.text and "kept, and marked layout 3" in caplog.text
+    caplog.clear()
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert cache.get(digest) == data
+    assert "layout" not in caplog.text
+    assert_consistent(tmp_path, 1 << 20)
+
+
+def test_frames_are_kept_as_given_count_as_stored_and_give_way_to_their_plain_chunk(tmp_path):
+    plain = [bytes(2048) + chunk(n) for n in range(4)]
+    digests = [sha256(data) for data in plain]
+    frames = [Frame(compress.compress(data), len(data), "ab" * 32) for data in plain]
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert cache.put_many(zip(digests, frames)) == 4
+        assert cache.get(digests[0]) == frames[0]
+        stats = cache.stats()
+        assert (stats.frames, stats.bytes) == (4, sum(len(frame.frame) for frame in frames))
+        cache.put(digests[0], frames[0]._replace(frame=b"other"))  # a frame does not replace one
+        assert cache.get(digests[0]) == frames[0]
+        assert cache.put(digests[0], plain[0]) and cache.get(digests[0]) == plain[0]
+        cache.put(digests[0], frames[0])  # nor a plain chunk
+        assert cache.get(digests[0]) == plain[0]
+        cache.put_many([(digests[1], frames[1]), (digests[1], plain[1])])  # a plain chunk after its frame
+        assert cache.get(digests[1]) == plain[1]
+        assert not cache.drop_frame(digests[1])  # a plain chunk is not dropped as a frame
+        assert cache.drop_frame(digests[2]) and cache.get(digests[2]) is None
+        stats = cache.stats()
+        assert (stats.entries, stats.frames, stats.bad_frames) == (3, 1, 1)
+        assert stats.bytes == len(plain[0]) + len(plain[1]) + len(frames[3].frame)
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:  # counted again at open
+        assert cache.stats().frames == 1 and cache.get(digests[3]) == frames[3]
+        cache.evict_to(len(plain[1]) + len(frames[3].frame))  # the least recent, plain[0], goes
+        assert cache.get(digests[0]) is None and cache.stats().frames == 1
+        cache.evict_to(0)
+        assert (cache.stats().frames, cache.stats().bytes) == (0, 0)
     assert_consistent(tmp_path, 1 << 20)

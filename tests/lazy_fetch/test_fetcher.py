@@ -13,7 +13,7 @@ from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import IntegrityError, UnavailableError
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import CountingStore, FaultStore, LatencyStore, StoreWrapper
-from lazy_fetch.cache import ChunkCache
+from lazy_fetch.cache import ChunkCache, Frame
 from lazy_fetch.fetcher import FILL, FILL_READ_BYTES, FILL_READS, ONDEMAND, PREFETCH, open_fetcher
 from tests.lazy_fetch.hung_store import HungPack
 
@@ -839,14 +839,292 @@ def test_a_fill_reads_slot_is_free_while_the_cache_writes_its_chunks(backend, tm
                                                         landed=lambda digest, data, error: landed.append(data)))
                 # every read made, though the first write still hangs
                 await until(lambda: len(log.gets) == len(items) and len(landed) == len(items))
-                assert cache.puts == 1 and fetcher.unwritten_bytes == sum(len(chunk(n)) for n in range(6))
+                # what waits is what the cache will store: the frames as fetched
+                assert cache.puts == 1 and fetcher.unwritten_bytes == sum(location.clen for _, location in items)
                 cache.release.set()
                 await fetcher.written_down_to(0)
                 assert fetcher.unwritten_bytes == 0
 
     try:
         trio.run(main)
-        assert landed == [chunk(n) for n in range(6)]
-        assert all(cache.get(digest) == chunk(n) for n, (digest, _) in enumerate(items))
+        assert landed == [None] * 6  # a fill's chunks are kept as fetched: no bytes to hand out
+        assert all(cache.get(digest) == Frame(backend.get(keys.pack(location.pack_id), location.offset, location.clen), len(chunk(n)),
+                                                location.pack_id)
+                   for n, (digest, location) in enumerate(items))
     finally:
         cache.close()
+
+
+# -- a fill's chunks kept as fetched (their frames), checked when first read
+
+
+def compressible(n: int) -> bytes:
+    return bytes(4096) + chunk(n)  # half zeros: its frame is smaller than the chunk
+
+
+async def fill(fetcher, items):
+    await fetcher.warm(items, priority=FILL, landed=lambda digest, data, error: None)
+    await fetcher.written_down_to(0)
+
+
+async def a_reader_joins(nursery, fetcher, item, got: list) -> None:
+    """Start a reader of ``item`` (its bytes go to ``got``); return once it has joined the flight in the air."""
+    async def read():
+        got.append(await fetcher.fetch(*item))
+
+    nursery.start_soon(read)
+    await until(lambda: fetcher.stats().coalesced == 1)
+
+
+class DecodeCount:
+    """Counts the kept frames the fetcher decompresses and checks (the real decode_chunk, counted)."""
+
+    def __init__(self, monkeypatch):
+        import lazy_fetch.kept_frames as kept_frames
+        real = kept_frames.decode_chunk
+        self.digests = []
+
+        def counted(frame, digest, ulen, key):
+            self.digests.append(digest)
+            return real(frame, digest, ulen, key)
+
+        monkeypatch.setattr(kept_frames, "decode_chunk", counted)
+
+
+def test_a_fill_keeps_frames_that_count_as_stored_and_a_first_read_checks_one_and_makes_it_plain(backend, cache):
+    chunks = [compressible(n) for n in range(4)]
+    items = upload(backend, chunks)
+    stored = sum(location.clen for _, location in items)
+
+    async def main():
+        async with open_fetcher(backend, cache) as fetcher:
+            await fill(fetcher, items)
+            stats = cache.stats()
+            assert (stats.entries, stats.frames, stats.bytes) == (4, 4, stored) and stored < sum(map(len, chunks))
+            assert all(isinstance(cache.get(digest), Frame) for digest, _ in items)
+            assert await fetcher.fetch(*items[1]) == chunks[1]
+            await fetcher.written_down_to(0)
+            assert cache.get(items[1][0]) == chunks[1]  # plain now: later reads cost what they always did
+            stats = cache.stats()
+            assert (stats.frames, stats.bytes) == (3, stored - items[1][1].clen + len(chunks[1]))
+            assert await fetcher.fetch(*items[1]) == chunks[1]
+
+    trio.run(main)
+
+
+def run_on_a_blocking_cache(backend, tmp_path, chunks, body) -> None:
+    """``body(fetcher, cache, log, items)`` in trio: ``chunks`` uploaded (``items``), a fetcher on a
+    BlockingPutCache (its puts hang until ``cache.release`` is set) reading through a GetLog."""
+    items = upload(backend, chunks)
+    log = GetLog(backend)
+    cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
+
+    async def main():
+        async with releasing_fetcher(log, cache) as fetcher:
+            await body(fetcher, cache, log, items)
+
+    try:
+        trio.run(main)
+    finally:
+        cache.close()
+
+
+def test_concurrent_first_reads_of_a_kept_frame_check_it_once(backend, tmp_path, monkeypatch):
+    decodes = DecodeCount(monkeypatch)
+    chunks = [compressible(n) for n in range(2)]
+    got = []
+
+    async def body(fetcher, cache, log, items):
+        cache.release.set()
+        await fill(fetcher, items)
+        gets = len(log.gets)
+        cache.release.clear()  # the plain chunk's write hangs: readers meanwhile take it from its flight
+
+        async def read():
+            got.append(await fetcher.fetch(*items[0]))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):  # side by side: one flight
+                nursery.start_soon(read)
+            await until(lambda: len(got) == 8)
+            for _ in range(8):  # after it landed, before its plain chunk is written
+                nursery.start_soon(read)
+        assert got == [chunks[0]] * 16 and decodes.digests == [items[0][0]]
+        assert cache.puts == 2 and isinstance(cache.get(items[0][0]), Frame)  # its write still hangs
+        cache.release.set()
+        await fetcher.written_down_to(0)
+        assert cache.get(items[0][0]) == chunks[0]
+        assert await fetcher.fetch(*items[0]) == chunks[0] and decodes.digests == [items[0][0]]
+        assert len(log.gets) == gets  # nothing read from the store again
+
+    run_on_a_blocking_cache(backend, tmp_path, chunks, body)
+
+
+def test_a_reader_of_a_fill_read_still_to_be_written_checks_its_frame_once(backend, tmp_path, monkeypatch):
+    decodes = DecodeCount(monkeypatch)
+    chunks = [compressible(n) for n in range(3)]
+
+    async def body(fetcher, cache, log, items):
+        await fetcher.warm(items, priority=FILL, landed=lambda digest, data, error: None)
+        await until(lambda: cache.puts == 1)  # the fill's frames wait for their write
+        assert len(log.gets) == 1
+        assert [await fetcher.fetch(*items[2]) for _ in range(3)] == [chunks[2]] * 3
+        assert decodes.digests == [items[2][0]] and len(log.gets) == 1  # from the fill's flight
+        cache.release.set()
+        await fetcher.written_down_to(0)
+        assert cache.get(items[2][0]) == chunks[2] and isinstance(cache.get(items[0][0]), Frame)
+
+    run_on_a_blocking_cache(backend, tmp_path, chunks, body)
+
+
+def test_a_reader_that_joins_a_fill_read_in_the_air_gets_its_chunk_checked(backend, cache, monkeypatch):
+    decodes = DecodeCount(monkeypatch)
+    chunks = [compressible(n) for n in range(3)]
+    items = upload(backend, chunks)
+    gated = GatedStore(backend)
+
+    async def main():
+        async with open_fetcher(gated, cache) as fetcher:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fill, fetcher, items)
+                await until(lambda: fetcher.store_reads_running == 1)
+                got = []
+                await a_reader_joins(nursery, fetcher, items[1], got)
+                gated.gate.set()
+            assert got == [chunks[1]]
+            assert decodes.digests == [items[1][0]]
+            assert cache.get(items[1][0]) == chunks[1]  # put plain, the others as frames
+            assert [isinstance(cache.get(digest), Frame) for digest, _ in items] == [True, False, True]
+
+    trio.run(main)
+
+
+def test_a_kept_frame_that_is_not_its_chunk_is_dropped_and_read_from_the_store(backend, cache, caplog):
+    chunks = [chunk(n) for n in range(3)]
+    items = upload(backend, chunks)
+    (lied, location), (still_lies, location2) = items[1], items[2]
+
+    async def main():
+        async with open_fetcher(backend, cache) as fetcher:
+            flip_a_bit(backend, location)
+            flip_a_bit(backend, location2)
+            await fill(fetcher, items)  # the store lies while the fill reads: nothing checks it then
+            assert cache.stats().frames == 3
+            flip_a_bit(backend, location)  # and tells the truth again
+            assert await fetcher.fetch(*items[1]) == chunks[1]
+            assert cache.stats().bad_frames == 1
+            await fetcher.written_down_to(0)
+            assert cache.get(lied) == chunks[1]
+            with pytest.raises(IntegrityError, match=to_hex(still_lies)):
+                await fetcher.fetch(*items[2])
+            assert cache.get(still_lies) is None and cache.stats().bad_frames == 2
+            assert await fetcher.fetch(*items[0]) == chunks[0]  # the fetcher goes on
+
+    with caplog.at_level(logging.WARNING):
+        trio.run(main)
+    warnings = [r.getMessage() for r in caplog.records if "is not that chunk" in r.getMessage()]
+    assert len(warnings) == 2 and to_hex(lied) in warnings[0] and keys.pack(location.pack_id) in warnings[0]
+
+
+def test_a_kept_frame_damaged_at_rest_is_caught_and_read_from_the_store(backend, cache):
+    chunks = [compressible(n) for n in range(2)]
+    items = upload(backend, chunks)
+
+    async def main():
+        async with open_fetcher(backend, cache) as fetcher:
+            await fill(fetcher, items)
+            path, offset, size = cache.locate(items[0][0])
+            with open(path, "r+b") as f:  # the disk under the cache rots
+                f.seek(offset + size // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0x40]))
+            assert await fetcher.fetch(*items[0]) == chunks[0]
+            stats = cache.stats()
+            assert (stats.rotten, stats.bad_frames) == (1, 0)  # its xxh3 caught it, before any decompression
+            await fetcher.written_down_to(0)
+            assert cache.get(items[0][0]) == chunks[0]
+
+    trio.run(main)
+
+
+def test_plain_chunks_a_read_makes_of_frames_are_evicted_as_the_bound_says(backend, tmp_path):
+    chunks = [compressible(n) for n in range(6)]
+    items = upload(backend, chunks)
+    bound = sum(location.clen for _, location in items) + len(chunks[0])  # all frames, and a chunk
+
+    async def main():
+        with ChunkCache(str(tmp_path / "small-cache"), bound) as cache:
+            async with open_fetcher(backend, cache) as fetcher:
+                await fill(fetcher, items)
+                assert cache.stats().evictions == 0 and cache.stats().frames == 6
+                for item in items[:4]:
+                    await fetcher.fetch(*item)
+                await fetcher.written_down_to(0)
+                stats = cache.stats()
+                assert stats.bytes <= bound and stats.evictions >= 1
+                assert stats.bytes == sum(len(cache.get(d) if not isinstance(cache.get(d), Frame) else
+                                              cache.get(d).frame) for d, _ in items if cache.holds([d]))
+
+    trio.run(main)
+
+
+class GatedGetCache(ChunkCache):
+    """A chunk cache whose get waits, once ``gated`` is set, until ``release`` is set."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gated, self.release, self.waiting = False, threading.Event(), threading.Event()
+
+    def get(self, digest):
+        if self.gated:
+            self.waiting.set()
+            self.release.wait()
+        return super().get(digest)
+
+
+def test_a_reader_that_joins_a_fill_while_it_finds_a_kept_frame_gets_the_chunk(backend, tmp_path):
+    # A fill leaves a kept frame as it is; a reader that joins its flight while the lookup is in its
+    # worker thread must not be handed that frame (it was, as bytes: a read error of the layer).
+    chunks = [compressible(n) for n in range(2)]
+    items = upload(backend, chunks)
+    got = []
+
+    async def main():
+        with GatedGetCache(str(tmp_path / "gated-cache"), 64 << 20) as cache:
+            async with open_fetcher(backend, cache) as fetcher:
+                await fill(fetcher, items)
+                cache.gated = True
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(lambda: fetcher.warm(items[:1], priority=FILL,
+                                                            landed=lambda digest, data, error: None))
+                    await trio.to_thread.run_sync(cache.waiting.wait)
+                    await a_reader_joins(nursery, fetcher, items[0], got)
+                    cache.release.set()
+                assert got == [chunks[0]]
+                await fetcher.written_down_to(0)
+                cache.gated = False
+                assert cache.get(items[0][0]) == chunks[0] and isinstance(cache.get(items[1][0]), Frame)
+
+    trio.run(main)
+
+
+def test_a_prefetch_checks_the_kept_frames_it_finds_and_a_fill_leaves_them(backend, cache, monkeypatch):
+    # A prefetch (or a miss's readahead window) names what a reader reads next: it checks a fill's frames
+    # in the background, so the reader finds them plain; a fill that meets one leaves it.
+    decodes = DecodeCount(monkeypatch)
+    chunks = [compressible(n) for n in range(3)]
+    items = upload(backend, chunks)
+    landed = []
+
+    async def main():
+        async with open_fetcher(backend, cache) as fetcher:
+            await fill(fetcher, items)
+            await fill(fetcher, items)
+            assert decodes.digests == [] and cache.stats().frames == 3
+            await fetcher.warm(items[:2], priority=PREFETCH, landed=lambda digest, data, error: landed.append(data))
+            await fetcher.written_down_to(0)
+            assert landed == chunks[:2] and decodes.digests == [digest for digest, _ in items[:2]]
+            assert [cache.get(digest) for digest, _ in items[:2]] == chunks[:2] and cache.stats().frames == 1
+
+    trio.run(main)

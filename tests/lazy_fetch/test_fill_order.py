@@ -191,8 +191,10 @@ def test_the_fill_reads_on_while_the_cache_writes_and_waits_once_too_much_is_unw
     from tests.lazy_fetch.test_fetcher import BlockingPutCache
 
     bound_chunks = FILL_READS  # the reads' worth in the air at once may wait for the writer, no more
-    monkeypatch.setattr(prefetcher_module, "FILL_UNWRITTEN_BYTES", bound_chunks * 4096)
     entries, locations, _packs = layer_fill(backend, 0, 4 * FILL_READS)
+    stored = {location.clen for location in locations.values()}  # a frame each: what waits, as the cache stores it
+    assert len(stored) == 1
+    monkeypatch.setattr(prefetcher_module, "FILL_UNWRITTEN_BYTES", bound_chunks * stored.pop())
     store = PackLog(backend)
     cache = BlockingPutCache(str(tmp_path / "slow-cache"), 64 << 20)
 
