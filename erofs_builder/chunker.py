@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -122,8 +123,8 @@ class Chunker:
         self._pool = ThreadPoolExecutor(max_workers=min(workers, self._max_batches), thread_name_prefix="chunker")
         self._batch: list[_Slot] = []  # pieces read, not yet handed to a worker
         self._batch_size = 0  # their bytes
-        self._claimed: list[_Claimed] = []  # small files' new chunks, not yet handed to a worker
-        self._claimed_size = 0  # their bytes
+        self._named: list[_Claimed] = []  # small files' chunks named, not yet claimed nor handed to a worker
+        self._named_size = 0  # their bytes
         # Batches handed to workers, in order: the Future of each one's result, and what settles it.
         self._pending: collections.deque[tuple[Callable[[list], None], Future[list]]] = collections.deque()
 
@@ -196,14 +197,13 @@ class Chunker:
             if close is not None:
                 close()
         node.chunks = (digest,)  # a tuple: 24 bytes less than a list (most files of a large tree are these)
-        if digest is not None and self._uploader.claim(digest):
-            self._claimed.append((digest, size, piece))
-            self._claimed_size += size
-            if self._claimed_size >= CLAIMED_BATCH_BYTES:
-                self._submit_claimed()
-            self._settle(size, digest, 0)  # its compressed size is counted when its batch is settled
-        else:
-            self._settle(size, digest, None)
+        if digest is None:
+            self._settle(size, None, None)
+            return
+        self._named.append((digest, size, piece))
+        self._named_size += size
+        if self._named_size >= CLAIMED_BATCH_BYTES:
+            self._submit_named()
 
     def _read(self, node: Node, pieces: Iterator[bytes | None]) -> None:
         """Take a file's pieces from its reader, checking that they add up to exactly ``node.size`` bytes,
@@ -237,8 +237,8 @@ class Chunker:
         """Hand the pieces read so far to the workers now, without waiting for them (``finish`` waits)."""
         if self._batch:
             self._submit()
-        if self._claimed:
-            self._submit_claimed()
+        if self._named:
+            self._submit_named()
 
     def finish(self) -> ChunkStats:
         """Wait for every queued piece; the caller then flushes the uploader."""
@@ -268,10 +268,24 @@ class Chunker:
         batch, self._batch, self._batch_size = self._batch, [], 0
         self._queue(functools.partial(self._settle_named, batch), self._name_batch, batch)
 
-    def _submit_claimed(self) -> None:
-        claimed, self._claimed, self._claimed_size = self._claimed, [], 0
-        self._queue(functools.partial(self._settle_compressed, claimed), compress.compress_many,
-                    [piece for _digest, _length, piece in claimed])
+    def _submit_named(self) -> None:
+        """Claim the small files' chunks named since the last call, under one lock, count them, and hand the
+        new ones to a worker to compress (their compressed sizes are counted when the batch is settled)."""
+        named, self._named, self._named_size = self._named, [], 0
+        claimed = list(itertools.compress(named, self._uploader.claim_many([digest for digest, _, _ in named])))
+        stats = self.stats
+        named_bytes = sum(length for _digest, length, _piece in named)
+        new_bytes = sum(length for _digest, length, _piece in claimed)
+        stats.chunks += len(named)
+        stats.new_chunks += len(claimed)
+        stats.new_bytes += new_bytes
+        stats.dedup_bytes += named_bytes - new_bytes
+        if self._progress is not None:
+            self._done += named_bytes
+            self._progress(self._done, self._total)
+        if claimed:
+            self._queue(functools.partial(self._settle_compressed, claimed), compress.compress_many,
+                        [piece for _digest, _length, piece in claimed])
 
     def _queue(self, settle: Callable[[list], None], work: Callable[[list], list], batch: list) -> None:
         """Hand ``work(batch)`` to a worker, to be settled in order by ``settle(its result)``."""

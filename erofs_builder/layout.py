@@ -248,15 +248,42 @@ def _xattr_body(node: Node, layout: Layout, position: int) -> bytes:
     return body
 
 
+# i_format of a regular file of one chunk without xattrs, and its record's slots: the header, then one
+# chunk index (8 bytes; the header keeps it 8-byte aligned), rounded up to whole 32-byte inode slots.
+_ONE_CHUNK_FILE = {
+    extended: ((inode.VERSION_EXTENDED if extended else inode.VERSION_COMPACT) | inode.LAYOUT_CHUNK_BASED << 1,
+               -(-((inode.EXTENDED.size if extended else inode.COMPACT.size) + chunk_index.CHUNK_INDEX.size)
+                 // INODE_SLOT_SIZE))
+    for extended in (False, True)
+}
+
+
 def _place_inodes(layout: Layout) -> int:
-    """Decide every inode's form and give it its nid, in order; returns the end of the inode area (bytes)."""
+    """Decide every inode's form and give it its nid, in order; returns the end of the inode area (bytes).
+
+    A regular file of one chunk without xattrs (most inodes of a large tree) is decided here, inline:
+    what ``_inode_form`` decides for it, without its calls and its checks of other kinds of inode."""
     pos = INODE_AREA_START
+    nids, formats = layout.nids, layout.formats
+    one_chunk_file = _ONE_CHUNK_FILE
+    chunk_size = layout.chunk_size
+    build_time_ns = layout.build_time * NS_PER_S + layout.build_time_nsec
     for position, node in enumerate(layout.nodes):
+        if (node.children is None and not node.xattrs and 0 < node.size <= chunk_size and stat.S_ISREG(node.mode)
+                and 0 <= node.uid <= 0xFFFF and 0 <= node.gid <= 0xFFFF and node.nlink <= 0xFFFF
+                and node.chunks is not None and len(node.chunks) == 1):
+            # needs_extended of a size under 4 GiB and 16-bit ids: the mtime (its divmod is one-to-one)
+            i_format, slots = one_chunk_file[node.mtime_ns != build_time_ns]
+            layout.chunked = True
+            nids.append(pos // INODE_SLOT_SIZE)
+            formats.append(i_format)
+            pos += slots * INODE_SLOT_SIZE
+            continue
         extended, data_layout, record_size = _inode_form(layout, position, node)
         if data_layout == inode.LAYOUT_FLAT_INLINE:
             data_layout, record_size, pos = _place_inline(layout.flat[position], record_size, pos)
-        layout.nids.append(pos // INODE_SLOT_SIZE)
-        layout.formats.append((inode.VERSION_EXTENDED if extended else inode.VERSION_COMPACT) | data_layout << 1)
+        nids.append(pos // INODE_SLOT_SIZE)
+        formats.append((inode.VERSION_EXTENDED if extended else inode.VERSION_COMPACT) | data_layout << 1)
         pos += -(-record_size // INODE_SLOT_SIZE) * INODE_SLOT_SIZE
     return pos
 
