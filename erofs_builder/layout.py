@@ -248,6 +248,8 @@ def _xattr_body(node: Node, layout: Layout, position: int) -> bytes:
     return body
 
 
+# The largest uid, gid and nlink a compact inode holds (16 bits).
+_COMPACT_FIELD_MAX = 0xFFFF
 # i_format of a regular file of one chunk without xattrs, and its record's slots: the header, then one
 # chunk index (8 bytes; the header keeps it 8-byte aligned), rounded up to whole 32-byte inode slots.
 _ONE_CHUNK_FILE = {
@@ -268,9 +270,10 @@ def _place_inodes(layout: Layout) -> int:
     one_chunk_file = _ONE_CHUNK_FILE
     chunk_size = layout.chunk_size
     build_time_ns = layout.build_time * NS_PER_S + layout.build_time_nsec
+    field_max = _COMPACT_FIELD_MAX
     for position, node in enumerate(layout.nodes):
         if (node.children is None and not node.xattrs and 0 < node.size <= chunk_size and stat.S_ISREG(node.mode)
-                and 0 <= node.uid <= 0xFFFF and 0 <= node.gid <= 0xFFFF and node.nlink <= 0xFFFF
+                and 0 <= node.uid <= field_max and 0 <= node.gid <= field_max and node.nlink <= field_max
                 and node.chunks is not None and len(node.chunks) == 1):
             # needs_extended of a size under 4 GiB and 16-bit ids: the mtime (its divmod is one-to-one)
             i_format, slots = one_chunk_file[node.mtime_ns != build_time_ns]
