@@ -157,7 +157,7 @@ class Chunker:
                     self._settle(_piece_length(size, number, self.chunk_size), digest, None)
                 return
         if 0 < size < self._inline_below:
-            self._add_small(node)
+            self._add_small(node, size)
             return
         node.chunks = [None] * -(-size // self.chunk_size) if size else ()
         if size:
@@ -171,14 +171,14 @@ class Chunker:
                 if close is not None:
                     close()
 
-    def _add_small(self, node: Node) -> None:
+    def _add_small(self, node: Node, size: int) -> None:
         """add_file for a file of one piece under INLINE_BYTES: read, hashed and named here, at once (most
         files of a tree are such files, so this is ``_read`` without its loop and batches); its chunk waits
         in ``_small`` to be claimed and, if new, compressed by a worker with the rest of its batch."""
-        if node.reader is None:
+        reader = node.reader
+        if reader is None:
             raise InputError("regular file has no content reader", where=node.source)
-        size = node.size
-        pieces = node.reader(self.chunk_size)
+        pieces = reader(self.chunk_size)
         if type(pieces) is tuple and len(pieces) == 1 and pieces[0] is not None:  # read whole (ChunkReader)
             piece = pieces[0]
         else:
