@@ -129,8 +129,7 @@ def make_tar(tree: str, work: str) -> str:
 
 # Phase functions of a build, wrapped by --phases: (label, module, owner attribute or None, function name).
 PHASES = [
-    ("walk (lstat, xattrs, nodes)", "erofs_builder.build", None, "walk_directory"),
-    ("limits check", "erofs_builder.build", None, "check_tree"),
+    ("walk (lstat, xattrs, nodes, limits)", "erofs_builder.build", None, "walk_directory"),
     ("list regular files", "erofs_builder.build", None, "regular_files"),
     ("index mirror sync", "erofs_builder.build", None, "load_chunk_index"),
     ("read, sha256, zstd, pack, upload", "erofs_builder.chunker", "Chunker", "add_file"),

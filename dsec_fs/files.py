@@ -2,7 +2,7 @@
 
 ``write_atomic`` writes a file whole under a temporary name beside it and renames it into place, so a
 reader (or a daemon started after a crash) sees the old file or the new one, never a torn one; the
-temporary name is removed if writing fails; ``write_state_file`` is write_atomic for a daemon's state
+temporary name is removed if writing fails (``unlink_if_present``); ``write_state_file`` is write_atomic for a daemon's state
 files, a failure (a full disk) an UnavailableError naming the file. ``lock_directory`` takes the flock of
 ``DIR/lock`` that says one process owns a directory (a state directory, a chunk cache); the kernel lets go
 of it when the process dies, so a crashed owner never leaves a stale lock.
@@ -70,11 +70,16 @@ def write_atomic(path: str | os.PathLike, data: bytes | Callable[[int], None], *
             write_and_close(fd, data, sync=sync)
         os.rename(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        unlink_if_present(tmp)
         raise
+
+
+def unlink_if_present(path: str | os.PathLike) -> None:
+    """Unlink ``path``; one that is gone already is not an error (another cleanup, or a crash, was first)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def write_state_file(path: str | os.PathLike, data: bytes, *, what: str) -> None:

@@ -179,9 +179,8 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
         if patched:
             return patched
     scanned_at_ns = time.time_ns()
-    tree = walk_directory(os.fspath(source))
-    return _build_tree(tree, store, name, chunk_size, progress, workers, described, base, scanned_at_ns, limits,
-                       own_packs)
+    tree = walk_directory(os.fspath(source), LayerBudget(limits, chunk_size))
+    return _build_tree(tree, store, name, chunk_size, progress, workers, described, base, scanned_at_ns, own_packs)
 
 
 def build_image_layers(
@@ -272,17 +271,17 @@ def build_tree(
     its build info, so that it can be a parent later; ``parent`` lends its chunk lists to unchanged files.
     ``limits``: the tree is refused (InputError) before any file is read if it exceeds them.
     """
+    check_tree(tree, limits, chunk_size)
     with _cycle_collector_paused(), _own_packs_mirrored(store) as own_packs:
-        return _build_tree(tree, store, name, chunk_size, progress, workers, source, parent, scanned_at_ns, limits,
-                           own_packs)
+        return _build_tree(tree, store, name, chunk_size, progress, workers, source, parent, scanned_at_ns, own_packs)
 
 
 def _build_tree(tree: Tree, store: Store, name: str | None, chunk_size: int, progress: Progress | None,
                 workers: int | None, source: str, parent: ParentLayer | None, scanned_at_ns: int | None,
-                limits: LayerLimits, own_packs: OwnPacks) -> BuildResult:
-    """build_tree, with the packs it uploads left in ``own_packs``."""
+                own_packs: OwnPacks) -> BuildResult:
+    """build_tree, with the packs it uploads left in ``own_packs``, of a tree within the layer's limits
+    (checked by the caller: ``check_tree``, or the budget of the walk that made it)."""
     _check_options(name, chunk_size)
-    check_tree(tree, limits, chunk_size)
     known = parent.reusable_chunks(tree).get if parent is not None else None
     files = regular_files(tree)
 

@@ -3,7 +3,9 @@
 ``export_layer`` writes out_dir/meta.erofs and out_dir/blob, the virtual blob materialised (every chunk
 at blkaddr * 4096, zero-padded, the file exactly blob_blocks * 4096 bytes, sparse where it can be), so
 that ``mount -t erofs -o device=out_dir/blob out_dir/meta.erofs`` and ``fsck.erofs --device=...`` work
-without dsecfs. Each file is written under a temporary name and renamed into place.
+without dsecfs. Each file is written under a temporary name and renamed into place, 0600 whatever the
+umask: the blob holds every byte of every file of the layer, a 0600 root file's too, and meta.erofs the
+names in every directory (a node's blob files are 0400 for the same reason, lazy_fetch/fs_core.py).
 
 ``extract_layer`` / ``extract_image`` recreate the tree on disk: every inode kind, owners, modes with
 setuid/setgid/sticky, xattrs, symlinks as stored, hard links, sparse holes and nanosecond mtimes. As root,
@@ -159,9 +161,9 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 
 def _write_atomically(path: str, fill: Callable[[int], None]) -> None:
-    """``fill(fd)`` a new file that then replaces ``path`` in one rename (dsec_fs.files.write_atomic)."""
+    """``fill(fd)`` a new file (0600) that then replaces ``path`` in one rename (dsec_fs.files.write_atomic)."""
     with _os_errors(path):
-        write_atomic(path, fill, mode=0o644)
+        write_atomic(path, fill)
 
 
 class _Extractor:

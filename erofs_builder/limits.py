@@ -7,7 +7,10 @@ once) and an estimate of its metadata (inodes, names, xattrs, symlink targets an
 per chunk: the bulk of meta.erofs and of the Tree in memory). ``LayerBudget`` adds entries up as a walk
 places them and raises InputError, naming the entry and the limit, as soon as one is exceeded: before
 that entry's content is read, so a bomb costs the time of its headers. Stream builds (tar, OCI) check
-each member as it arrives; a directory's tree is checked after its walk, before any file is read.
+each member as it arrives; a directory's walk (walk_dir.py) each name as it is placed, and a directory's
+listing as it is read (``check_listing``): a source of millions of names, a sandbox's upper dir at its
+commit, is refused once past the bound, not held whole in memory first (the Tree of a walk keeps a few
+hundred bytes a name). ``check_tree`` checks a finished tree, before any file is read.
 
 ``TarLimits`` bounds the parsing of one tar stream (walk_tar.py). Its decompression-bomb ratio counts
 only the data a build stores: a piece of a file that is all zeros (a chunk the build stores as a hole)
@@ -95,9 +98,20 @@ class LayerBudget:
             raise InputError(f"the layer's files add up to more than {human_size(self.limits.max_size)} "
                              f"({self.size} bytes so far; raise it with --max-size)", where=node.source or repr(name))
         if self.meta > self.limits.max_meta_size:
-            raise InputError(f"the layer's metadata would exceed {human_size(self.limits.max_meta_size)} "
-                             f"(about {self.meta} bytes so far; raise it with --max-meta-size)",
-                             where=node.source or repr(name))
+            self._too_much_metadata(self.meta, node.source or repr(name))
+
+    def check_listing(self, names: int, name_bytes: int, where: str) -> None:
+        """InputError if ``names`` names not added yet (``name_bytes`` bytes of them together: a directory
+        being listed, ``where``) would take the metadata past its bound, each counted as an inode of its
+        own (a listing holds each name's lstat, several times what its inode costs in the layer: only a
+        directory of millions of hard links is counted more than it costs)."""
+        pending = self.meta + names * (DIRENT_BYTES + INODE_BYTES) + name_bytes
+        if pending > self.limits.max_meta_size:
+            self._too_much_metadata(pending, where)
+
+    def _too_much_metadata(self, meta: int, where: str) -> None:
+        raise InputError(f"the layer's metadata would exceed {human_size(self.limits.max_meta_size)} "
+                         f"(about {meta} bytes so far; raise it with --max-meta-size)", where=where)
 
 
 def check_tree(tree: Tree, limits: LayerLimits, chunk_size: int) -> None:

@@ -14,13 +14,19 @@ realm over plain HTTP is refused unless the registry itself is plain HTTP (``pla
 
 Errors: a missing manifest or blob is NotFoundError; a refused login, or any other 4xx, is
 UnavailableError(transient=False) naming the registry's error code; connection failures, 429 and 5xx are
-retried with jittered exponential backoff (dsec_fs.backoff) and then raise UnavailableError(transient=True).
-A blob stream that breaks mid-way is resumed with a Range request from where it stopped. What the
-registry sends is not trusted: manifests fetched by digest are checked against it, JSON is size-limited,
-and blob content is verified by the caller (walk_oci.VerifiedBlob) while it streams.
+retried with jittered exponential backoff (dsec_fs.backoff) and then raise UnavailableError(transient=True);
+so is a manifest or token answer that breaks off before its Content-Length, and an answer not whole
+within ``RegistryOptions.timeout`` (``_Deadline``: each read's own timeout never fires on a registry that
+sends a byte at a time; a blob's body, which may take minutes, is bounded by its reads' timeout alone).
+Uploads (PUT) have no deadline: their bodies may take long to send. A blob stream that breaks
+mid-way is resumed with a Range request from where it stopped. What the registry sends is not trusted:
+manifests fetched by digest are checked against it, JSON is size-limited (and its nesting: one deeper
+than Python's recursion limit is refused), and blob content is verified by the caller
+(walk_oci.VerifiedBlob) while it streams.
 
 Threads: a RegistryClient is used by one thread at a time (its token cache has no lock); each request
-opens its own connection, so streams from one client may be read one after the other.
+opens its own connection, so streams from one client may be read one after the other. A ``_Deadline``'s
+timer runs in a thread of its own (threading.Timer) and only shuts sockets down.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import json
 import logging
 import os
 import re
+import socket
 import ssl
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterable
@@ -190,12 +198,9 @@ class RegistryClient:
         """(bytes, media type, digest) of a manifest or index, by tag or digest."""
         where = f"{self.host}/{repository}:{reference}" if not reference.startswith("sha256:") else \
             f"{self.host}/{repository}@{reference}"
-        response = self._request("GET", f"/v2/{repository}/manifests/{reference}", scope=_pull(repository),
-                                 headers={"Accept": ", ".join(accept)}, where=where, what="manifest")
-        with response:
-            data = response.read(MAX_MANIFEST_SIZE + 1)
-        if len(data) > MAX_MANIFEST_SIZE:
-            raise InputError(f"manifest of more than {MAX_MANIFEST_SIZE} bytes", where=where)
+        response, data = self._exchange("GET", f"/v2/{repository}/manifests/{reference}", scope=_pull(repository),
+                                        headers={"Accept": ", ".join(accept)}, where=where, what="manifest",
+                                        read_limit=MAX_MANIFEST_SIZE)
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         if reference.startswith("sha256:") and digest != reference:
             raise IntegrityError(f"the registry sent a manifest whose sha256 is {digest}", where=where)
@@ -257,33 +262,60 @@ class RegistryClient:
                  ok: tuple[int, ...] = (200,)) -> http.client.HTTPResponse:
         """The response to one API call, once auth, redirects and retries are dealt with; its status is
         in ``ok`` (else a DsecError). ``target`` is a path on the registry or an absolute URL."""
+        return self._exchange(method, target, scope=scope, where=where, what=what, headers=headers, body=body,
+                              ok=ok)[0]
+
+    def _exchange(self, method: str, target: str, *, scope: str, where: str, what: str,
+                  headers: dict[str, str] | None = None, body: bytes | None = None, ok: tuple[int, ...] = (200,),
+                  read_limit: int | None = None) -> tuple[http.client.HTTPResponse, bytes]:
+        """``_request``, and with ``read_limit`` its answer's body too (b"" without), read whole within the
+        same retries: an answer that breaks off (fewer bytes than its Content-Length, a chunk cut short, a
+        timeout) is a failed attempt like a connection that fails, not a shorter document (a manifest by
+        tag would be taken for what the registry sent; by digest it would read as corrupt). More than
+        ``read_limit`` bytes is an InputError."""
         attempt = 1
         authenticated = False
         while True:
+            deadline = _Deadline(self.options.timeout) if method != "PUT" else None
             try:
-                response = self._send_following(method, target, scope, headers or {}, body, where)
-            except ssl.SSLError as exc:  # retrying a failed handshake or a bad certificate does not help
-                raise UnavailableError(f"{what}: TLS failed ({exc.reason or exc}); a registry without TLS needs "
-                                       "--plain-http", where=where, transient=False) from None
-            except (OSError, http.client.HTTPException) as exc:
-                response, problem = None, f"{type(exc).__name__}: {exc}"
-            else:
-                if response.status in ok:
-                    return response
-                problem = f"HTTP {response.status} {_error_summary(response)}"
-                response.close()
-                if response.status == 401 and not authenticated:
-                    self._authenticate(response, scope, where)
-                    authenticated = True
-                    continue
-                if response.status in (401, 403):
-                    whose = "the credentials for " + self.host if self._credentials else "anonymous access"
-                    raise UnavailableError(f"{what} refused ({problem}): {whose} not accepted", where=where,
-                                           transient=False)
-                if response.status == 404:
-                    raise NotFoundError(f"no such {what} ({problem})", where=where)
-                if response.status not in RETRIED_STATUS:
-                    raise UnavailableError(f"{what}: {problem}", where=where, transient=False)
+                try:
+                    response = self._send_following(method, target, scope, headers or {}, body, where, deadline)
+                except ssl.SSLError as exc:  # retrying a failed handshake or a bad certificate does not help
+                    raise UnavailableError(f"{what}: TLS failed ({exc.reason or exc}); a registry without TLS "
+                                           "needs --plain-http", where=where, transient=False) from None
+                except (OSError, http.client.HTTPException) as exc:
+                    response, problem = None, _failure(exc, deadline)
+                else:
+                    if response.status in ok:
+                        if read_limit is None:
+                            return response, b""
+                        try:
+                            with response:
+                                data = _read_whole(response, read_limit)
+                        except (OSError, http.client.HTTPException) as exc:
+                            problem = f"the answer broke off ({_failure(exc, deadline)})"
+                        else:
+                            if len(data) > read_limit:
+                                raise InputError(f"{what} of more than {read_limit} bytes", where=where)
+                            return response, data
+                    else:
+                        problem = f"HTTP {response.status} {_error_summary(response)}"
+                        response.close()
+                        if response.status == 401 and not authenticated:
+                            self._authenticate(response, scope, where)
+                            authenticated = True
+                            continue
+                        if response.status in (401, 403):
+                            whose = "the credentials for " + self.host if self._credentials else "anonymous access"
+                            raise UnavailableError(f"{what} refused ({problem}): {whose} not accepted",
+                                                   where=where, transient=False)
+                        if response.status == 404:
+                            raise NotFoundError(f"no such {what} ({problem})", where=where)
+                        if response.status not in RETRIED_STATUS:
+                            raise UnavailableError(f"{what}: {problem}", where=where, transient=False)
+            finally:
+                if deadline is not None:
+                    deadline.cancel()
             if attempt >= self.options.attempts:
                 raise UnavailableError(f"{what}: {problem} (gave up after {attempt} attempts)", where=where)
             delay = backoff_delay(attempt, self.options.base_delay, self.options.max_delay)
@@ -292,7 +324,7 @@ class RegistryClient:
             attempt += 1
 
     def _send_following(self, method: str, target: str, scope: str, headers: dict[str, str], body: bytes | None,
-                        where: str) -> http.client.HTTPResponse:
+                        where: str, deadline: _Deadline | None) -> http.client.HTTPResponse:
         """Send one request, following redirects; the Authorization header stays with the registry host."""
         url = target if "://" in target else f"{self._scheme}://{self._api_host}{target}"
         for _ in range(MAX_REDIRECTS + 1):
@@ -301,7 +333,7 @@ class RegistryClient:
             sent = {"User-Agent": USER_AGENT, "Connection": "close", **headers}
             if parts.netloc == self._api_host and scope in self._auth:
                 sent["Authorization"] = self._auth[scope]
-            response = self._send(method, parts, sent, body)
+            response = self._send(method, parts, sent, body, deadline)
             location = response.getheader("Location")
             if response.status not in (301, 302, 303, 307, 308) or not location or method not in ("GET", "HEAD"):
                 return response
@@ -312,7 +344,8 @@ class RegistryClient:
         raise UnavailableError(f"more than {MAX_REDIRECTS} redirects", where=where, transient=False)
 
     def _send(self, method: str, parts: urllib.parse.SplitResult, headers: dict[str, str],
-              body: bytes | None) -> http.client.HTTPResponse:
+              body: bytes | None, deadline: _Deadline | None) -> http.client.HTTPResponse:
+        """One request and its answer's head; ``deadline`` shuts the connection down when it passes."""
         if parts.scheme == "https":
             connection = http.client.HTTPSConnection(parts.netloc, timeout=self.options.timeout,
                                                      context=self._ssl or ssl.create_default_context())
@@ -320,6 +353,9 @@ class RegistryClient:
             connection = http.client.HTTPConnection(parts.netloc, timeout=self.options.timeout)
         path = parts.path + (f"?{parts.query}" if parts.query else "")
         try:
+            if deadline is not None:
+                connection.connect()
+                deadline.watch(connection.sock)
             connection.request(method, path or "/", body=body, headers=headers)
             response = connection.getresponse()
         except BaseException:
@@ -363,13 +399,16 @@ class RegistryClient:
             headers["Authorization"] = "Basic " + _basic(*self._credentials)
         attempt = 1
         while True:
+            deadline = _Deadline(self.options.timeout)
             try:
-                response = self._send("GET", urllib.parse.urlsplit(url), headers, None)
+                response = self._send("GET", urllib.parse.urlsplit(url), headers, None, deadline)
                 with response:
-                    data = response.read(MAX_MANIFEST_SIZE)
+                    data = _read_whole(response, MAX_MANIFEST_SIZE)
                 status = response.status
             except (OSError, http.client.HTTPException) as exc:
-                status, data = None, f"{type(exc).__name__}: {exc}".encode()
+                status, data = None, _failure(exc, deadline).encode()
+            finally:
+                deadline.cancel()
             if status == 200:
                 break
             if status is not None and status not in RETRIED_STATUS:
@@ -383,7 +422,7 @@ class RegistryClient:
         try:
             answer = json.loads(data)
             token = answer.get("token") or answer.get("access_token")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             token = None
         if not isinstance(token, str) or not token:
             raise UnavailableError(f"the token server {realm.netloc} answered no token", where=where,
@@ -464,11 +503,68 @@ def _basic(user: str, password: str) -> str:
     return base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
+class _Deadline:
+    """An exchange's time, from its start to the end of what the caller reads of its answer under it: when
+    ``seconds`` pass first, the sockets it watches are shut down, so the read waiting on one returns (an
+    error, or the answer cut short). Each read's own timeout never fires on a registry that sends a byte
+    at a time, which would make a build wait for ever. ``_lock`` guards ``_sockets`` and ``expired``."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self.expired
+        if expired:
+            _shut_down(sock)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut_down(sock)
+
+
+def _shut_down(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already, or never connected
+        pass
+
+
+def _failure(exc: BaseException, deadline: _Deadline | None) -> str:
+    """What went wrong with an attempt, for the error or the log: the deadline, when it ended it."""
+    if deadline is not None and deadline.expired:
+        return f"no whole answer within {deadline.seconds:g} s"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _read_whole(response: http.client.HTTPResponse, limit: int) -> bytes:
+    """The answer's body up to ``limit`` + 1 bytes (more than ``limit``: too big, the caller says so);
+    http.client.IncompleteRead if the connection ended before the Content-Length it promised (http.client
+    hands over the bytes it got as if they were all: a chunked body cut short raises it itself)."""
+    data = response.read(limit + 1)
+    if response.length:  # promised bytes that never came
+        raise http.client.IncompleteRead(data, response.length)
+    return data
+
+
 def _error_summary(response: http.client.HTTPResponse) -> str:
     """The registry's error codes from a failed response's body (the spec's {"errors": [{"code": ...}]})."""
     try:
         body = json.loads(response.read(MAX_ERROR_BODY))
         codes = [str(error.get("code"))[:64] for error in body.get("errors", []) if isinstance(error, dict)]
-    except (ValueError, AttributeError, OSError, http.client.HTTPException):
+    except (ValueError, AttributeError, TypeError, RecursionError, OSError, http.client.HTTPException):
         codes = []
     return (response.reason or "") + (f" ({', '.join(codes)})" if codes else "")

@@ -19,11 +19,11 @@ Hard links: non-directories with st_nlink > 1 that share (st_dev, st_ino) become
 every path. Links to the same inode from outside the source do not matter; a link count above the names
 seen here is normal.
 
-Memory: a Tree of a large source holds every entry, so a node keeps its on-disk path once (``source``),
-a regular file's node (``WalkedFile``) only its name (its directory's path is one ``SourceDir`` for all
-its files) and makes its path, identity tuple and reader only when asked for, nodes without xattrs share
-one read-only empty mapping, and the values most entries share (mode, uid, gid, device) are one object
-each rather than one per entry.
+Memory: a Tree of a large source holds every entry (a walk given a LayerBudget stops at its bound, see
+limits.py), so a node keeps its on-disk path once (``source``), a regular file's node (``WalkedFile``)
+only its name (its directory's path is one ``SourceDir`` for all its files) and makes its path, identity
+tuple and reader only when asked for, nodes without xattrs share one read-only empty mapping, and the
+values most entries share (mode, uid, gid, device) are one object each rather than one per entry.
 
 A file must not change between the walk and the end of its read: the reader compares fstat (device,
 inode, size, mtime, ctime) with the walk's lstat after its last read, and, for a file of several pieces,
@@ -44,6 +44,7 @@ time (the chunker reads in its main thread); they share no state.
 from __future__ import annotations
 
 import errno
+import itertools
 import operator
 import os
 import stat
@@ -56,6 +57,7 @@ from types import MappingProxyType
 from dsec_fs.beneath import get_xattr_at, list_xattrs_at, open_beneath
 from dsec_fs.errors import InputError
 
+from .limits import LayerBudget
 from .tree import Node, Tree
 
 # O_NONBLOCK: a file replaced by a FIFO since the walk must not block the open; the fstat check then
@@ -64,30 +66,39 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _SECTOR = 512  # unit of st_blocks
 _NO_XATTRS: Mapping[bytes, bytes] = MappingProxyType({})
 _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+LISTING_BATCH = 4096  # names of a directory listed between two checks of the walk's budget
+_first = operator.itemgetter(0)
 
 
-def walk_directory(root: str | bytes | os.PathLike) -> Tree:
-    """Return the Tree of everything under ``root`` (a directory); Tree.finish() has been called."""
+def walk_directory(root: str | bytes | os.PathLike, budget: LayerBudget | None = None) -> Tree:
+    """Return the Tree of everything under ``root`` (a directory); Tree.finish() has been called.
+    ``budget`` counts each name as it is placed, and each directory's listing as it is read: InputError
+    once past its limits (see Memory in the module docstring)."""
     shared: dict[int, int] = {}  # one int object for each value of mode, uid, gid and device seen
     links: dict[tuple[int, int], Node] = {}  # (st_dev, st_ino) -> Node, for inodes with several names
     directories: dict[bytes, Node] = {}  # tree path -> node of every directory listed so far
     tree: Tree | None = None
     source_root = SourceRoot(root)
-    for directory, dir_fd, names in scan_directory(root):
+    for directory, dir_fd, names in scan_directory(root, budget):
         files_dir = None  # the SourceDir of this directory's regular files, made for the first of them
         for path, source, st in names:
             name = path.rpartition(b"/")[2]  # one object: the node's name and its key in the directory
             at = None if dir_fd is None else (dir_fd, name)
             if stat.S_ISREG(st.st_mode) and files_dir is None:
                 files_dir = SourceDir(source[:len(source) - len(name)], source_root)
+            new_inode = True
             if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
                 node = links.get((st.st_dev, st.st_ino))
                 if node is None:
                     node = links[st.st_dev, st.st_ino] = node_of(source, st, shared, at=at, directory=files_dir)
+                else:
+                    new_inode = False
             else:
                 node = node_of(source, st, shared, at=at, directory=files_dir)
                 if node.children is not None:
                     directories[path] = node
+            if budget is not None:
+                budget.add(name, node, new_inode=new_inode)
             if directory is None:
                 tree = Tree(node)
             else:
@@ -99,13 +110,15 @@ def walk_directory(root: str | bytes | os.PathLike) -> Tree:
 Listing = Iterator[tuple["bytes | None", "int | None", list[tuple[bytes, bytes, os.stat_result]]]]
 
 
-def scan_directory(root: str | bytes | os.PathLike) -> Listing:
+def scan_directory(root: str | bytes | os.PathLike, budget: LayerBudget | None = None) -> Listing:
     """Every name under the directory ``root`` with its lstat, a directory at a time: metadata only, one
     lstat per name. Yields (tree path of the directory listed, its fd, [(tree path, path on disk, lstat)
     of each of its names, in byte order]): first (None, None, [the root itself: b"", ``root``, its stat
     (following a symlink)]), then the root's names, then those of each directory in turn, depth first (a
     directory's subdirectories right after it, in byte order). That order of names is ``listing_order``'s.
-    The directory fd (see the module docstring) is valid until the generator resumes."""
+    The directory fd (see the module docstring) is valid until the generator resumes. ``budget``: a
+    listing is checked every LISTING_BATCH names (LayerBudget.check_listing), so a directory of millions
+    of names is refused before it is held whole."""
     root = os.fsencode(root)
     try:
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -125,8 +138,14 @@ def scan_directory(root: str | bytes | os.PathLike) -> Listing:
                 on_disk = directory if directory.endswith(b"/") else directory + b"/"
                 try:
                     with os.scandir(fd) as entries:  # names are str for an fd: fsencode undoes it exactly
-                        names = [(prefix + name, on_disk + name, entry.stat(follow_symlinks=False))
-                                 for entry in entries for name in (os.fsencode(entry.name),)]
+                        names, name_bytes = [], 0
+                        while batch := [(prefix + name, on_disk + name, entry.stat(follow_symlinks=False))
+                                        for entry in itertools.islice(entries, LISTING_BATCH)
+                                        for name in (os.fsencode(entry.name),)]:
+                            names += batch
+                            if budget is not None:
+                                name_bytes += sum(map(len, map(_first, batch))) - len(prefix) * len(batch)
+                                budget.check_listing(len(names), name_bytes, os.fsdecode(directory))
                 except OSError as exc:
                     raise _input_error(exc, exc.filename or directory) from None
                 names.sort()  # tree paths are unique: the stat results are never compared

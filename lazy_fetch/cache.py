@@ -93,10 +93,10 @@ from dataclasses import dataclass
 
 from dsec_fs.digest import short, to_hex
 from dsec_fs.errors import CorruptError, InputError, UnavailableError, UnsupportedError
-from dsec_fs.files import LOCK_NAME, lock_directory, private_dir
+from dsec_fs.files import LOCK_NAME, lock_directory, private_dir, unlink_if_present
 
 from .cache_segments import (DIR_MODE, FILE_MODE, SEGMENT_NUMBER_LIMIT, checksum, punch_holes, read_chunk, segment_name,
-                             segment_number, unlink_if_present, unlink_segment, write_temporary)
+                             segment_number, unlink_segment, write_temporary)
 from .cache_strays import INDEX_FILES, make_room, narrow, narrow_path, remove_stray, scan
 from .lmdb_index import DEFAULT_MAP_SIZE, CacheIndex, IndexEntry
 

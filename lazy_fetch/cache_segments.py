@@ -16,7 +16,7 @@ import stat
 
 import xxhash
 
-from dsec_fs.files import punch_hole
+from dsec_fs.files import punch_hole, unlink_if_present
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,6 @@ def unlink_segment(path: str) -> None:
         unlink_if_present(path)
     except OSError as exc:
         log.warning("chunk cache: cannot remove the segment %s: %s", path, exc.strerror)
-
-
-def unlink_if_present(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:

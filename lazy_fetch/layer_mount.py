@@ -67,7 +67,7 @@ import trio
 
 from dsec_fs import mounts
 from dsec_fs.api import BINDINGS, MODES
-from dsec_fs.files import lock_directory, private_dir, write_state_file
+from dsec_fs.files import lock_directory, private_dir, unlink_if_present, write_state_file
 from dsec_fs.errors import (ConflictError, DsecError, InputError, IntegrityError, NotFoundError, UnavailableError,
                             UnsupportedError)
 from dsec_fs.layer import LayerFiles
@@ -435,8 +435,7 @@ def _end_raw_session(mounter: LayerMounter, holder) -> None:
                         mounter.holder_path)
             holder.terminate()
         holder.wait()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(mounter.state_dir, SESSION_FILE))
+    unlink_if_present(os.path.join(mounter.state_dir, SESSION_FILE))
     if mounts.mount_device(mounter.fuse_dir) is not None:
         try:
             mounts.umount(mounter.fuse_dir, lazy=True)
@@ -500,10 +499,8 @@ def _reset_state(mounter: LayerMounter) -> None:
     the state directory's lock."""
     if fuse_holder.stop(mounter.holder_path):
         log.warning("stopped the FUSE fd holder a daemon that died left: its mounts are dead now")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(mounter.holder_path)  # a holder that was killed leaves its socket
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(mounter.state_dir, SESSION_FILE))
+    unlink_if_present(mounter.holder_path)  # a holder that was killed leaves its socket
+    unlink_if_present(os.path.join(mounter.state_dir, SESSION_FILE))
     if mounts.mount_device(mounter.fuse_dir) is not None:
         mounts.umount(mounter.fuse_dir, lazy=True)
     os.makedirs(mounter.fuse_dir, mode=0o700, exist_ok=True)

@@ -9,6 +9,15 @@ deadline, and refused (InputError) if it lies on one of the daemon's own mounts:
 on it), checked twice: by name against /proc/self/mountinfo before anything is looked up, and by the
 device number of the directory opened (O_PATH) once resolved, which no symlink can hide.
 
+A mountpoint is also refused if another user could change where its path leads (``trusted_realpath``):
+mount(2) and umount2(2) look their target up by name, following symlinks, so a directory on the path
+that another user may write to (theirs, or one open to all without the sticky bit protecting root's
+entries in it), or a symlink on the way that another user made in such a directory, would let them put
+the daemon's mount where they like (a layer over /etc, by a rename between the checks here and mount(2),
+or a symlink squatting a name in /tmp) or turn its unmount on another mount. Python's
+``os.path.realpath`` reads symlinks with readlink(2), which the kernel's fs.protected_symlinks does not
+guard, so the daemon resolves the path itself.
+
 Threads: ``resolve_directory`` and ``open_regular_file`` block and run in worker threads (the daemon
 calls them through ``run_in_worker``); ``own_mounts`` reads /proc alone and may run anywhere.
 """
@@ -28,6 +37,8 @@ from dsec_fs.errors import InputError, UnavailableError
 from dsec_fs.mounts import is_below, mount_table
 
 RESOLVE_SECONDS = 10.0  # a lookup that takes longer is on a filesystem that hangs: the request fails
+MAX_SYMLINKS = 40  # symlinks followed resolving one path, as the kernel's limit (ELOOP past it)
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 T = TypeVar("T")
 
@@ -83,7 +94,7 @@ def resolve_directory(path: str, fuse_dir: str, what: str = "mountpoint") -> str
     own = own_mounts(fuse_dir)
     if (held := own.holding(path)) is not None:
         raise _refuse(path, held, what)
-    real = os.path.realpath(path)
+    real = trusted_realpath(path, what)
     if (held := own.holding(real)) is not None:
         raise _refuse(path, held, what)
     try:
@@ -98,6 +109,47 @@ def resolve_directory(path: str, fuse_dir: str, what: str = "mountpoint") -> str
     finally:
         os.close(fd)
     return real
+
+
+def trusted_realpath(path: str, what: str) -> str:
+    """``path`` (absolute, normalised) with every symlink on it resolved, as os.path.realpath gives it, each
+    name looked up with lstat in the directory resolved so far. InputError naming the directory if one on
+    the way is another user's to change: not owned by us (root), or writable by its group or others unless
+    it is sticky and the entry taken from it is ours (so /tmp and /var/tmp pass, a name another user
+    squats in them does not); and for a path that does not lead to a directory, or loops."""
+    me = os.geteuid()
+    resolved, todo, links = "/", [part for part in reversed(path.split("/")) if part], 0
+    while todo:
+        name = todo.pop()
+        if name == ".":
+            continue
+        if name == "..":
+            resolved = os.path.dirname(resolved)
+            continue
+        entry = os.path.join(resolved, name)
+        try:
+            parent, st = os.lstat(resolved), os.lstat(entry)
+        except OSError as exc:
+            raise InputError(f"the {what} is not an existing directory ({exc.strerror})", where=entry) from None
+        if parent.st_uid != me or (parent.st_mode & _OTHERS_WRITE
+                                   and not (parent.st_mode & stat.S_ISVTX and st.st_uid == me)):
+            raise InputError(f"the {what} is reached through a directory another user may change (owner uid "
+                             f"{parent.st_uid}, mode {stat.S_IMODE(parent.st_mode):o}): its entry {name!r} "
+                             "could be renamed or made a symlink to put the mount elsewhere", where=resolved)
+        if not stat.S_ISLNK(st.st_mode):
+            resolved = entry
+            continue
+        links += 1
+        if links > MAX_SYMLINKS:
+            raise InputError(f"the {what} leads through more than {MAX_SYMLINKS} symlinks", where=path)
+        try:
+            target = os.readlink(entry)
+        except OSError as exc:  # no symlink any more: our own files, changed meanwhile
+            raise InputError(f"the {what} changed while it was looked up ({exc.strerror})", where=entry) from None
+        if target.startswith("/"):
+            resolved = "/"
+        todo += [part for part in reversed(target.split("/")) if part]
+    return resolved
 
 
 def open_regular_file(path: str, fuse_dir: str, max_bytes: int, what: str) -> bytes:

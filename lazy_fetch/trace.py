@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import BinaryIO
 
 from dsec_fs.errors import FormatError, UnsupportedError
+from dsec_fs.files import unlink_if_present
 
 log = logging.getLogger(__name__)
 
@@ -277,10 +278,7 @@ def prune_traces(directory: str, *, max_bytes: int | None, max_age: float | None
         if path in keep or not (too_old or too_big):
             continue
         if not dry_run:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            unlink_if_present(path)
         removed.append(path)
         removed_bytes += size
         total -= size

@@ -17,7 +17,6 @@ Threads: the daemon's trio thread (it owns the Served records); opening a file i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -26,6 +25,7 @@ from collections.abc import Callable
 
 import trio
 
+from dsec_fs.files import unlink_if_present
 from dsec_fs.layer import LayerFiles
 
 from .blob_reader import LayerBlob
@@ -64,8 +64,7 @@ class TraceSegments:
             return path, TraceWriter(path, header, start_ns=label.since_ns)
         except OSError as exc:  # a full disk (the sandboxes' upper dirs share it): the mount goes untraced
             log.error("cannot start the trace %s: %s; the mount's reads go untraced", path, exc.strerror or exc)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            unlink_if_present(path)
             return "", None
 
     def relabel(self, served: Served) -> None:

@@ -391,28 +391,10 @@ class SandboxService:
             raise ConflictError(f"this daemon's sandboxes read layers from {ours}; start a daemon with --store "
                                 "to use another store", where=f"store {store}")
         started = time.monotonic()
-        await self._read_refs(spec)
         state = await self._lifecycle_call(self.manager.up, spec)
         log.info("sandbox %s (%s) up in %.3f s: %s", state.id, state.name, time.monotonic() - started,
                  ", ".join(f"{layer.role} {layer.ref}" for layer in state.layers))
         return _state_json(state)
-
-    async def _read_refs(self, spec: SandboxSpec) -> None:
-        """Read the refs of the sandbox's layers side by side, into the daemon's ref cache, before ``up``
-        resolves them (SandboxManager, from the cache then) and acquires the layers side by side. Errors
-        are left for ``up`` to meet and report."""
-        if not self.daemon.options.ref_ttl:
-            return
-        store = await self.daemon.store()
-
-        async def read(ref: str) -> None:
-            with contextlib.suppress(DsecError):
-                await trio.to_thread.run_sync(resolve, store, ref)
-
-        async with trio.open_nursery() as nursery:
-            for _role, ref in spec.layers():
-                if not is_hex_digest(ref.lower()):
-                    nursery.start_soon(read, ref)
 
     async def _get_list(self, request: Request) -> api.SandboxList:
         self._check_serving()

@@ -56,12 +56,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dsec_fs import mounts
-from dsec_fs.files import lock_directory, write_atomic
+from dsec_fs.files import lock_directory, unlink_if_present, write_atomic
 from dsec_fs.trees import remove_tree_or_log
 from dsec_fs.errors import ConflictError, CorruptError, DsecError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import resolve, utc_now
 from dsec_fs.store.base import Store
+from erofs_builder.chunker import DEFAULT_CHUNK_SIZE
 from erofs_builder.export import export_layer
+from erofs_builder.limits import DEFAULT_LAYER_LIMITS, LayerBudget, LayerLimits
 from erofs_builder.privileged import Dropped, drop_privileged
 from erofs_builder.tree import Tree
 from lazy_fetch.trace_holders import Holder, combination_id
@@ -301,11 +303,14 @@ class SandboxManager:
         return state.rootfs, options
 
     def commit(self, key: str, publish: Callable[[Tree], object] | None = None, *,
-               keep_privileged: bool = False) -> Commit:
+               keep_privileged: bool = False, limits: LayerLimits = DEFAULT_LAYER_LIMITS) -> Commit:
         """The sandbox's changes as a Tree (stack.upper_to_tree): a layer to stack over the ones it ran on,
         without setuid/setgid bits, device nodes and file capabilities unless ``keep_privileged``
         (erofs_builder.privileged; whiteouts stay). ``publish(tree)`` (a build_tree call, which reads the
-        files) runs before the sandbox goes on; its result is ``Commit.published``.
+        files) runs before the sandbox goes on; its result is ``Commit.published``. An upper dir past
+        ``limits`` (as a build's chunks would count it) is refused (InputError) once the walk gets past
+        them: a sandbox's process may have made millions of names, which the walk, in the caller's memory
+        (the daemon's), would otherwise hold whole before the build's own check.
 
         The walk and the reads see the upper dir only, whatever runs in the sandbox meanwhile (walk_dir):
         a command that changes the upper dir then can make the commit fail with InputError, never reach
@@ -317,7 +322,7 @@ class SandboxManager:
         if state.status not in ("running", "stopped"):
             raise UnavailableError(f"sandbox is {state.status}", where=f"sandbox {state.name}")
         with containers_frozen(self.runc_root, state.rootfs):
-            tree = upper_to_tree(state.upper)
+            tree = upper_to_tree(state.upper, LayerBudget(limits, DEFAULT_CHUNK_SIZE))
             dropped = Dropped()
             if not keep_privileged:
                 dropped = drop_privileged(tree)
@@ -431,7 +436,7 @@ class SandboxManager:
             raise UnavailableError("the sandbox's root is still mounted", where=state.rootfs, transient=False)
         # Its upper dir is a tree the sandbox's processes made, nested any depth (remove_tree).
         remove_tree_or_log(os.path.dirname(state.rootfs), "the sandbox directory")
-        _remove(self._state_path(state.id))
+        unlink_if_present(self._state_path(state.id))
 
     def _remove_strays(self) -> None:
         """Whatever in sandboxes/ belongs to no known sandbox: a directory whose state file was never
@@ -441,7 +446,7 @@ class SandboxManager:
         for entry in os.listdir(self.sandboxes_dir):
             path = os.path.join(self.sandboxes_dir, entry)
             if ".json.tmp-" in entry:
-                _remove(path)
+                unlink_if_present(path)
                 continue
             if entry.split(".", 1)[0] in known:
                 continue
@@ -451,7 +456,7 @@ class SandboxManager:
                     unmount_stack(rootfs)
                 remove_tree_or_log(path, "the stray sandbox directory")
             else:
-                _remove(path)
+                unlink_if_present(path)
 
 
 def holder_of(state: SandboxState, layer: SandboxLayer) -> Holder:
@@ -464,13 +469,6 @@ def _take_root_attributes(upper: str, top_layer: str) -> None:
     st = os.stat(top_layer)
     os.chown(upper, st.st_uid, st.st_gid)
     os.chmod(upper, stat.S_IMODE(st.st_mode))
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class ExportedLayers:

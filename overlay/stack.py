@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 from dsec_fs import mounts
 from dsec_fs.errors import InputError, NotFoundError, UnsupportedError
+from erofs_builder.limits import LayerBudget
 from erofs_builder.tree import Tree
 from erofs_builder.walk_dir import walk_directory
 
@@ -147,7 +148,7 @@ def unmount_stack(target: str | os.PathLike) -> None:
     mounts.umount_or_detach(target)
 
 
-def upper_to_tree(upper_dir: str | os.PathLike) -> Tree:
+def upper_to_tree(upper_dir: str | os.PathLike, budget: LayerBudget | None = None) -> Tree:
     """The upper dir as a Tree to build a layer from, with OverlayFS's markers kept and its bookkeeping gone.
 
     Kept as they are: whiteouts (character devices 0:0) and opaque directories (trusted.overlay.opaque).
@@ -159,9 +160,10 @@ def upper_to_tree(upper_dir: str | os.PathLike) -> Tree:
     self-contained.
 
     Read the upper of a stack no process is writing to (walk_directory raises InputError for a file that
-    changes while the layer is built).
+    changes while the layer is built). ``budget`` bounds the walk (walk_directory): a sandbox may have
+    made millions of names, which the Tree would hold before any later check.
     """
-    tree = walk_directory(upper_dir)
+    tree = walk_directory(upper_dir, budget)
     for path, node in tree.walk():
         for name in LOWER_DEPENDENT_XATTRS:
             if name in node.xattrs:

@@ -1,6 +1,9 @@
 """Faults the real registry does not make on demand, in front of it: a proxy that answers a manifest's
 first request with 503 and redirects every blob GET to a separate "blob storage" server (another port,
-so another host to the client), which breaks its first answer for each blob half-way.
+so another host to the client), which breaks its first answer for each blob half-way. ``manifest_fault``
+says what a manifest's first request gets instead of the empty 503: "nested-503", a 503 whose body nests
+JSON arrays 4,096 deep (deeper than Python's recursion limit); "cut", the registry's answer with its
+Content-Length and half its body, then the connection closed.
 
     with FaultyFront(registry) as front:   # front.address instead of registry.address
         ...
@@ -27,8 +30,9 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 class FaultyFront:
-    def __init__(self, registry: DockerRegistry):
+    def __init__(self, registry: DockerRegistry, manifest_fault: str = "503"):
         self.registry = registry
+        self.manifest_fault = manifest_fault
         self.manifest_failures: set[str] = set()  # paths already answered 503 once
         self.truncated: set[str] = set()  # blobs whose first storage answer was cut
         self.front_requests: list[tuple[str, dict]] = []
@@ -58,10 +62,15 @@ class FaultyFront:
                     front.front_requests.append((self.path, dict(self.headers)))
                     first_try = "/manifests/" in self.path and self.path not in front.manifest_failures
                     front.manifest_failures.add(self.path)
+                if first_try and front.manifest_fault == "cut":
+                    self._forward(cut=True)
+                    return
                 if first_try:
+                    body = b"[" * 4096 if front.manifest_fault == "nested-503" else b""
                     self.send_response(503)
-                    self.send_header("Content-Length", "0")
+                    self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
+                    self.wfile.write(body)
                     return
                 blob = _BLOB_PATH.fullmatch(self.path)
                 if blob and self.command == "GET" and "Authorization" in self.headers:
@@ -73,7 +82,7 @@ class FaultyFront:
                     return
                 self._forward()
 
-            def _forward(self) -> None:
+            def _forward(self, cut: bool = False) -> None:
                 upstream = http.client.HTTPConnection(front.registry.address, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
                 upstream.request(self.command, self.path, headers=headers)
@@ -86,7 +95,10 @@ class FaultyFront:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 if self.command != "HEAD":
-                    self.wfile.write(body)
+                    self.wfile.write(body[:len(body) // 2] if cut else body)
+                if cut:
+                    self.wfile.flush()
+                    self.close_connection = True
                 upstream.close()
 
         return Handler

@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 
 import pytest
 
@@ -39,6 +40,44 @@ def test_export_writes_the_image_and_a_block_aligned_blob(rich, tmp_path):
     # Exporting again replaces both files with the same bytes.
     again = export_layer(rich.store, rich.digest, tmp_path / "out")
     assert open(again.blob_path, "rb").read() == open(rich.blob_path, "rb").read()
+
+
+@pytest.mark.root
+def test_another_user_reads_nothing_of_an_export(tmp_path):
+    """The exported blob holds every byte of the layer, a 0600 root file's too, and meta.erofs every name:
+    both are 0600, as the node's blob files are 0400 (before: 0644, so uid 65534 read the secret's bytes
+    from the blob of an export into a directory others may enter, as ExportedLayers' cache is)."""
+    secret = b"ROOT-ONLY-" + os.urandom(16).hex().encode()
+    src = tmp_path / "src"
+    (src / "private").mkdir(parents=True, mode=0o700)
+    write(src / "private" / "key", secret)
+    os.chmod(src / "private" / "key", 0o600)
+    store = FilesystemStore(str(tmp_path / "store"))
+    digest = build_layer(str(src), store).digest
+    public = tempfile.mkdtemp(dir="/var/tmp")
+    try:
+        os.chmod(public, 0o755)
+        result = export_layer(store, digest, os.path.join(public, "out"))
+        assert {stat.S_IMODE(os.stat(path).st_mode) for path in (result.meta_path, result.blob_path)} == {0o600}
+        assert secret in open(result.blob_path, "rb").read()  # what there is to keep from others
+        pid = os.fork()
+        if pid == 0:  # the other user
+            code = 0
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                for path in (result.meta_path, result.blob_path):
+                    try:
+                        with open(path, "rb") as f:
+                            code |= 1 if secret in f.read() else 2
+                    except PermissionError:
+                        pass
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0, "uid 65534 read the export"
+    finally:
+        shutil.rmtree(public)
 
 
 @pytest.mark.skipif(shutil.which("fsck.erofs") is None, reason="needs erofs-utils")

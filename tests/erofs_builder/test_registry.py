@@ -19,6 +19,7 @@ from dsec_fs.layer import list_refs
 from dsec_fs.store import FilesystemStore
 from erofs_builder.build import build_image_layers, build_layer
 from erofs_builder.registry import RegistryClient, RegistryOptions
+from erofs_builder.walk_oci import OCI_MANIFEST
 
 from ociimage import OCI_INDEX, TAR, TAR_GZIP, TAR_ZSTD, Layout, directory, layer_tar, member, single_image
 from registryserver import DockerRegistry, have_registry_tools
@@ -204,6 +205,112 @@ def test_retries_redirects_and_a_broken_blob_stream_resumed(auth_registry, tmp_p
     assert front.storage_requests and not any("Authorization" in headers for _path, headers in front.storage_requests)
     resumed = [headers["Range"] for _path, headers in front.storage_requests if "Range" in headers]
     assert len(resumed) >= len(LAYERS)  # every layer (and the config) resumed after its cut
+
+
+@pytest.mark.parametrize("fault", ["cut", "nested-503"])
+def test_a_manifest_answer_cut_short_or_a_hostile_error_body_is_retried(registry, pushed, tmp_path, fault):
+    """A manifest's first answer cut half-way (its Content-Length promised more), or a 503 whose body nests
+    JSON arrays deeper than Python's recursion limit: both are failed attempts, retried, by tag and by
+    digest. Before: the half manifest was taken for the whole one (by tag "not valid JSON", an InputError;
+    by digest an IntegrityError, as if the registry held a corrupt manifest), and the error body raised
+    RecursionError out of the client (a traceback from the CLI)."""
+    from registryproxy import FaultyFront
+
+    ref, layout = pushed
+    expected = build_layer(layout.root, store_at(tmp_path / "t")).digest
+    digest = RegistryClient(registry.address, PLAIN).get_manifest("test/three", "v1", [OCI_MANIFEST])[2]
+    with FaultyFront(registry, manifest_fault=fault) as front:
+        options = RegistryOptions(plain_http=True, auth_files=(), base_delay=0.01)
+        for reference in (f"docker://{front.address}/test/three:v1", f"docker://{front.address}/test/three@{digest}"):
+            assert build_layer(reference, store_at(tmp_path / "s"), registry=options).digest == expected
+    assert {path.rpartition("/")[2] for path in front.manifest_failures} >= {"v1", digest}
+
+
+def test_a_token_server_answering_json_nested_past_the_recursion_limit_is_an_unavailable_registry():
+    """A token realm whose answer nests JSON arrays deeper than Python's recursion limit: UnavailableError
+    naming the token server (before: RecursionError out of the client, a traceback from the CLI)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path.startswith("/token"):
+                self.send_response(200)
+                self.send_header("Content-Length", "4096")
+                self.end_headers()
+                self.wfile.write(b"[" * 4096)
+                return
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", f'Bearer realm="http://127.0.0.1:{port}/token",service="x"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = RegistryClient(f"127.0.0.1:{port}", RegistryOptions(plain_http=True, auth_files=(), attempts=2,
+                                                                    base_delay=0.01))
+        with pytest.raises(UnavailableError, match=f"token server 127.0.0.1:{port} answered no token"):
+            client.get_manifest("team/app", "v1", [OCI_MANIFEST])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_registry_that_sends_its_answer_a_byte_at_a_time_is_given_up_on():
+    """A registry that answers every request a byte every 0.2 s: each read gets a byte long before its
+    timeout (1 s here), so before, fetching a manifest took as long as the registry liked (the answer's
+    head alone, a few hundred bytes, a minute; a build waited for ever on a registry that never ends its
+    headers). Now each attempt ends after ``timeout`` seconds: UnavailableError naming the manifest, the
+    registry and the deadline, after ``attempts`` attempts."""
+    import http.server
+    import threading
+
+    stop = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n" \
+                     + b"X-Padding: " + b"x" * 1000 + b"\r\n\r\n{}"
+            for byte in answer:
+                if stop.wait(0.2):
+                    return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    outcome = []
+
+    def fetch() -> None:
+        client = RegistryClient(f"127.0.0.1:{server.server_address[1]}",
+                                RegistryOptions(plain_http=True, auth_files=(), attempts=2, base_delay=0.01,
+                                                timeout=1.0))
+        try:
+            outcome.append(client.get_manifest("team/app", "v1", [OCI_MANIFEST]))
+        except Exception as exc:
+            outcome.append(exc)
+
+    fetching = threading.Thread(target=fetch, daemon=True)
+    try:
+        fetching.start()
+        fetching.join(30)
+        assert not fetching.is_alive(), "still waiting for the answer after 30 s"
+        assert isinstance(outcome[0], UnavailableError), outcome
+        assert "no whole answer within 1 s (gave up after 2 attempts)" in str(outcome[0])
+        assert outcome[0].where.startswith(f"127.0.0.1:{server.server_address[1]}/team/app")
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
 
 
 def test_the_bearer_token_flow(tmp_path):

@@ -24,7 +24,7 @@ import pytest
 
 from dsec_fs.client import Node
 from dsec_fs.errors import InputError, NotFoundError
-from dsec_fs.mounts import umount
+from dsec_fs.mounts import mount_table, umount
 from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_metric, layer_store, memory_bytes, mount_dirs
 from tests.s3server import free_port
 
@@ -528,3 +528,86 @@ def test_a_state_dir_too_full_for_a_meta_image_refuses_a_kernel_mount_clearly_an
         name = sorted(files)[-1]
         assert _read(os.path.join(mnt, name)) == files[name]
         node.umount(mnt)
+
+
+# Sends each request of argv[2:] (a Python literal of bytes) on a connection of its own to port argv[1],
+# and prints what the daemon answered each (its status line), or how the connection ended.
+_ONE_REQUEST_EACH = r"""
+import ast, socket, sys
+port = int(sys.argv[1])
+for request in sys.argv[2:]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(ast.literal_eval(request))
+        try:
+            answer = conn.recv(4096)
+        except OSError as exc:
+            answer = repr(exc).encode()
+        print(answer.split(b"\r\n", 1)[0].decode(errors="replace") or "closed", flush=True)
+"""
+# Requests h11 takes that the server did not expect: a target urlsplit refuses (ValueError: Invalid
+# IPv6 URL), and a HEAD, whose answer h11 refuses to give a body (LocalProtocolError).
+_ODD_REQUESTS = [b"GET //[x/metrics HTTP/1.1\r\nhost: x\r\n\r\n", b"GET http://[::1/metrics HTTP/1.1\r\nhost: x\r\n\r\n",
+                 b"HEAD /metrics HTTP/1.1\r\nhost: x\r\n\r\n", b"HEAD /v1/nothing HTTP/1.1\r\nhost: x\r\n\r\n"]
+
+
+def test_another_user_sending_requests_the_server_did_not_expect_gets_an_answer_and_the_daemon_lives(
+        store_dir, daemons, tmp_path):
+    """uid 65534 sends the TCP metrics page a request whose target urlsplit refuses (``//[x``) and a HEAD.
+    Before: the ValueError, and h11's LocalProtocolError at the body of the answer to HEAD, left the
+    connection's task, ended the server's nursery and with it the daemon: every mount on the node dead
+    (ENOTCONN). Now: 400 for the target, the answer's head without its body for HEAD; the daemon reads on,
+    and its API socket answers the same requests alike."""
+    port = free_port()
+    daemons.start(store_dir, extra_args=["--metrics-address", f"127.0.0.1:{port}"])
+    node = Node(daemons.socket, timeout=20)
+    mnt, = mount_dirs(tmp_path, "mnt")
+    node.mount("t/hostile:1", mnt, mode="fuse")
+    try:
+        sent = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                               "-I", "-S", "-c", _ONE_REQUEST_EACH, str(port), *map(repr, _ODD_REQUESTS)],
+                              capture_output=True, text=True, timeout=60)
+        assert sent.returncode == 0, sent.stderr
+        assert sent.stdout.splitlines() == ["HTTP/1.1 400 ", "HTTP/1.1 400 ", "HTTP/1.1 405 ", "HTTP/1.1 404 "]
+        node.cache_evict(0)
+        for name, data in FILES.items():
+            assert _read(os.path.join(mnt, name)) == data
+        assert node.status().pid > 0
+        with socket.socket(socket.AF_UNIX) as conn:  # the API socket, the same requests
+            conn.connect(daemons.socket)
+            conn.sendall(b"HEAD /v1/status HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert conn.recv(4096).startswith(b"HTTP/1.1 405 ")
+        assert node.status().pid > 0
+        node.umount(mnt)
+    finally:
+        with contextlib.suppress(Exception):
+            umount(mnt)
+
+
+def test_a_mountpoint_another_user_could_redirect_is_refused(store_dir, daemons, tmp_path):
+    """mount(2) looks its target up by name and follows symlinks. Before: a mountpoint in a directory uid
+    65534 owns was mounted on, and 65534, swapping it for a symlink to a root directory in a loop
+    (RENAME_EXCHANGE), had the layer mounted over that directory in 6 of 40 mounts; a symlink 65534 left
+    in /var/tmp (sticky) was followed (os.path.realpath reads it with readlink, which fs.protected_symlinks
+    does not guard): the layer went over its target. Now both are refused, naming the directory; a path
+    through a symlink root made in /var/tmp still mounts."""
+    daemons.start(store_dir)
+    node = Node(daemons.socket, timeout=20)
+    base = f"/var/tmp/hostile-{os.getpid()}-{time.monotonic_ns()}"
+    theirs, victim, squat, ours = (f"{base}-{name}" for name in ("theirs", "victim", "squat", "ours"))
+    os.mkdir(victim)
+    os.symlink(victim, ours)
+    try:
+        subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c",
+                        f"mkdir -p {theirs}/mnt && ln -s {victim} {squat}"], check=True)
+        _refused_quickly(node.mount, "t/hostile:1", f"{theirs}/mnt", match="another user may change .*: its entry .*-theirs")
+        _refused_quickly(node.mount, "t/hostile:1", squat, match="another user may change .*: its entry .*-squat")
+        assert not any(entry.mountpoint in (victim, f"{theirs}/mnt") for entry in mount_table())
+        node.mount("t/hostile:1", ours, mode="kernel")  # root's own symlink in /var/tmp: followed
+        assert _read(os.path.join(victim, "top.txt")) == FILES["top.txt"]
+        node.umount(ours)
+        assert node.status().pid > 0
+    finally:
+        for entry in mount_table():
+            if entry.mountpoint.startswith(base):
+                umount(entry.mountpoint, lazy=True)
+        subprocess.run(["rm", "-rf", theirs, victim, squat, ours], check=True)

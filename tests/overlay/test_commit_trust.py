@@ -9,6 +9,7 @@ import os
 import secrets
 import stat
 import time
+import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,6 +19,7 @@ from dsec_fs.errors import InputError
 from erofs_builder.build import build_tree
 from cli.main import main as dsecfs
 from erofs_builder.export import extract_layer
+from erofs_builder.limits import LayerLimits
 from overlay.sandbox import SandboxSpec
 from tests.overlay.support import build_programs
 
@@ -151,3 +153,49 @@ def test_commit_and_extract_leave_out_setuid_files_and_devices_made_in_a_sandbox
     assert st.st_uid == 0 and st.st_mode & stat.S_ISUID
     mem = os.lstat(tmp_path / "all" / "mem")
     assert stat.S_ISCHR(mem.st_mode) and mem.st_rdev == os.makedev(1, 1)
+
+
+# Makes $ARGV[0] directories /many/d<k> of $ARGV[1] empty files each, and /flat of $ARGV[2].
+MANY_NAMES = """
+mkdir "/many" or die; mkdir "/flat" or die;
+for my $k (1 .. $ARGV[0]) { mkdir "/many/d$k" or die;
+    for my $i (1 .. $ARGV[1]) { open(my $f, ">", "/many/d$k/$i") or die; close $f } }
+for my $i (1 .. $ARGV[2]) { open(my $f, ">", "/flat/$i") or die; close $f }
+"""
+
+# Removes the trees named in @ARGV (the perl of the image has no modules).
+REMOVE_TREES = """
+sub rm { my $p = shift; if (-d $p) { opendir(my $h, $p) or die; my @e = grep { $_ ne "." && $_ ne ".." } readdir $h;
+    closedir $h; rm("$p/$_") for @e; rmdir $p or die } else { unlink $p or die } }
+rm($_) for @ARGV;
+"""
+
+
+def test_a_sandbox_making_millions_of_names_is_refused_at_commit_before_its_walk_holds_them(manager, store,
+                                                                                           perl_base):
+    """A sandbox's process makes names without end in its upper dir (here 200,000 empty files, in many
+    small directories and one big one); the commit, whose walk runs in the daemon's memory, must stop at the
+    layer's bound, not hold every name first (before: about 1 KB each, the whole upper, then refused)."""
+    manager.up(SandboxSpec(base=perl_base, name="names"))
+    result = manager.exec("names", ["/bin/perl", "-e", MANY_NAMES, "20", "5000", "100000"])
+    assert result.exit_code == 0, result.stderr
+    bound = LayerLimits(max_meta_size=1 << 20)  # about 12,000 names
+    upper = manager.get("names").upper
+    for made in ("many", "flat"):  # names spread over directories; one directory listed past the bound
+        os.rename(os.path.join(upper, made), os.path.join(upper, "a" + made))  # the walk meets it first
+        tracemalloc.start()
+        try:
+            with pytest.raises(InputError, match="--max-meta-size") as refused:
+                manager.commit("names", lambda tree: build_tree(tree, store, name="ws/names:1", limits=bound),
+                               limits=bound)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 24 << 20, f"{made}: the walk held {peak >> 20} MiB"
+        assert refused.value.where.startswith(os.path.join(upper, "a" + made))
+        os.rename(os.path.join(upper, "a" + made), os.path.join(upper, made))
+    removed = manager.exec("names", ["/bin/perl", "-e", REMOVE_TREES, "/many", "/flat"])
+    assert removed.exit_code == 0, removed.stderr
+    committed = manager.commit("names", lambda tree: build_tree(tree, store, name="ws/names:1", limits=bound),
+                               limits=bound)
+    assert committed.published.digest
