@@ -21,8 +21,9 @@ rounds. With --phases, each tree is first built ROUNDS times more, each in a chi
 that times each phase of the build (wall, CPU of the process and of its main thread, RSS after it (of a
 phase of many calls, after one of its last 4,096) and the process's peak so far; the phase functions of
 erofs_builder.build wrapped), alternating with the baseline's code when --baseline is given; the
-medians are printed as a table per checkout. Before the trees, the start of the command itself is timed: `dsecfs --help` and `dsecfs build --help` (the interpreter and the imports every
-build pays), median of 5 runs, for this checkout and the baseline.
+medians are printed as a table per checkout. Before the trees, the start of the command itself is
+timed: `dsecfs --help` and `dsecfs build --help` (the interpreter and the imports every build pays),
+median of 5 runs, for this checkout and the baseline.
 """
 
 from __future__ import annotations

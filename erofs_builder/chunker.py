@@ -25,8 +25,9 @@ Pipeline and threads:
 - The main thread alone settles results (fills a node's chunk list at the piece's position, adds up the
   statistics), so those need no lock; the BlobMap is laid out from the final tree afterwards.
 - The threads share no state of the chunker: a thread that meets a new chunk claims it from the uploader
-  (``ChunkUploader.claim`` or ``claim_many``, under the uploader's lock) before compressing it, so two threads that meet
-  the same new chunk do not both compress it, and nothing per chunk outlives the chunk's upload.
+  (``ChunkUploader.claim`` or ``claim_many``, under the uploader's lock) before compressing it, so two
+  threads that meet the same new chunk do not both compress it, and nothing per chunk outlives the
+  chunk's upload.
 - At most ``_max_batches`` batches of either kind (about 2 per worker, capped by INFLIGHT_BYTES) are read
   and not yet settled, so memory does not grow with the amount of data (only the Tree grows, with the entries).
 """
