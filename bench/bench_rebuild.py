@@ -12,7 +12,9 @@ it reads and hashes every file). Each round checks that the three give one layer
 build (before the rounds) counts too. Prints the medians, the ratios, the incremental build's phases
 (from a profiled extra run), what the first incremental build uploaded against the size of the change,
 the load average (the machine may be shared), and the same two builds through the CLI (a new process
-each, start-up and imports included: what the user waits for).
+each, start-up and imports included: what the user waits for), once compiling every module in each
+process (PYTHONDONTWRITEBYTECODE, as set on the sessions' machine) and once with the bytecode kept in the
+work directory (as an installed dsecfs has it).
 
     .venv/bin/python bench/bench_rebuild.py [--rounds 5] [--tree DIR] [--file REL_PATH]
 
@@ -42,7 +44,9 @@ from erofs_builder.incremental import RACY_NS  # noqa: E402
 
 CHANGE_BYTES = 4096
 DEFAULT_FILE = "usr/lib/x86_64-linux-gnu/libc.so.6"
-# Phases of a build, by the function that does each (for the profile breakdown). The full path's phases
+# Phases of a build, by the function (or functions) that does each (for the profile breakdown); a
+# patched rebuild's publish is store_metadata in a thread beside the pack's flush, then publish_stored
+# (cProfile sees only the calling thread: the thread's part shows as 0). The full path's phases
 # (walk_directory, reusable_chunks, write_image, ...) show 0 when the patch path was taken.
 PHASES = {
     "load the parent": "load",
@@ -50,7 +54,7 @@ PHASES = {
     "read, hash, upload": "add_file",
     "patch meta.erofs, blob map": "patch",
     "encode build info": "encode_rescanned",
-    "publish": "publish_layer",
+    "publish": ("publish_layer", "store_metadata", "publish_stored"),
     "full path: walk": "walk_directory",
     "full path: write meta.erofs": "write_image",
 }
@@ -72,10 +76,17 @@ def change(path: str, size: int) -> None:
         f.write(os.urandom(CHANGE_BYTES))
 
 
-def cli(*args: str) -> None:
-    """Run ``dsecfs ARGS`` of this checkout in a new process, as a user does."""
+def cli(*args: str, pycache: str | None = None) -> None:
+    """Run ``dsecfs ARGS`` of this checkout in a new process, as a user does. With ``pycache``, bytecode is
+    written and read there (PYTHONPYCACHEPREFIX), as an installed dsecfs has its modules compiled: without
+    it, and with PYTHONDONTWRITEBYTECODE set (as on the sessions' machine), each process compiles every
+    module of the project it imports (~40 ms of a rebuild's start)."""
+    env = dict(os.environ)
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = pycache
     subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {PROJECT!r}); from cli.main import main; "
-                    "main()", *args], check=True, stdout=subprocess.DEVNULL)
+                    "main()", *args], check=True, stdout=subprocess.DEVNULL, env=env)
 
 
 def timed(fn) -> tuple[float, object]:
@@ -92,8 +103,9 @@ def phases(fn) -> dict[str, float]:
     total = max(entry[3] for entry in stats.values())
     found = {"total (profiled)": total}
     for phase, function in PHASES.items():
+        names = (function,) if isinstance(function, str) else function
         found[phase] = sum(entry[3] for (filename, _line, name), entry in stats.items()
-                           if name == function and filename.startswith(PROJECT))
+                           if name in names and filename.startswith(PROJECT))
     return found
 
 
@@ -138,13 +150,18 @@ def main() -> None:
         change(changed, size)
         breakdown = phases(lambda: build_layer(tree, store, parent=parent.digest))
         cli_fresh, cli_incremental = [], []
+        pycache = os.path.join(work, "pycache")
+        cached_fresh, cached_incremental = [], []
+        rebuild = ("build", "-q", tree, "--store", store_root, "--parent", parent.digest)
+        cli(*rebuild, pycache=pycache)  # compiles what a rebuild imports, the standard library's included
         for number in range(args.rounds):
-            change(changed, size)
-            rebuild = ("build", "-q", tree, "--store", store_root, "--parent", parent.digest)
-            cli_incremental.append(timed(lambda: cli(*rebuild))[0])
-            fresh_root = os.path.join(work, f"cli-fresh-{number}")
-            cli_fresh.append(timed(lambda: cli("build", "-q", tree, "--store", fresh_root))[0])
-            shutil.rmtree(fresh_root)
+            for bytecode, fresh_s, incremental_s in ((None, cli_fresh, cli_incremental),
+                                                     (pycache, cached_fresh, cached_incremental)):
+                change(changed, size)
+                incremental_s.append(timed(lambda: cli(*rebuild, pycache=bytecode))[0])
+                fresh_root = os.path.join(work, f"cli-fresh-{number}")
+                fresh_s.append(timed(lambda: cli("build", "-q", tree, "--store", fresh_root, pycache=bytecode))[0])
+                shutil.rmtree(fresh_root)
 
     chunk_objects = sum(n for key, n in uploaded.items() if key.startswith(("packs", "index")))
     result = {
@@ -162,7 +179,14 @@ def main() -> None:
         "cli_fresh_full_build_s": statistics.median(cli_fresh),
         "cli_incremental_s": statistics.median(cli_incremental),
         "cli_ratio": statistics.median(cli_incremental) / statistics.median(cli_fresh),
+        "cli_cached_fresh_full_build_s": statistics.median(cached_fresh),
+        "cli_cached_incremental_s": statistics.median(cached_incremental),
+        "cli_cached_ratio": statistics.median(cached_incremental) / statistics.median(cached_fresh),
         "load_average": os.getloadavg(),
+        # __pycache__ directories in the checkout's packages (a test run may leave them): the CLI runs then
+        # read bytecode instead of compiling
+        "bytecode_in_tree": any(os.path.isdir(os.path.join(PROJECT, package, "__pycache__"))
+                                for package in ("cli", "dsec_fs", "erofs_builder")),
         "reused_files": child.stats.reused_files,
         "new_chunk_bytes": child.stats.new_bytes,
         "uploaded_chunk_objects_bytes": chunk_objects,
@@ -178,8 +202,13 @@ def main() -> None:
           f"{child.stats.reused_files:,} of {child.stats.files:,} files not read")
     print(f"ratio           {result['ratio']:.3f} of the fresh full build (goal: at most 0.05), "
           f"{result['ratio_same_store']:.3f} of the same-store one")
+    compiled = "" if os.environ.get("PYTHONDONTWRITEBYTECODE") and not result["bytecode_in_tree"] else (
+        " (not so: bytecode in the tree or written)")
     print(f"through the CLI {result['cli_incremental_s']:.3f} s against {result['cli_fresh_full_build_s']:.3f} s "
-          f"(medians of {args.rounds}, a process each): {result['cli_ratio']:.3f}")
+          f"(medians of {args.rounds}, a process each, each compiling its modules{compiled}): "
+          f"{result['cli_ratio']:.3f}")
+    print(f"  bytecode kept {result['cli_cached_incremental_s']:.3f} s against "
+          f"{result['cli_cached_fresh_full_build_s']:.3f} s (as an installed dsecfs): {result['cli_cached_ratio']:.3f}")
     print("load average    " + " ".join(f"{load:.2f}" for load in result["load_average"]))
     print(f"uploaded        {child.stats.new_bytes:,} bytes of new chunks ({child.stats.new_chunks} chunk), "
           f"{chunk_objects:,} bytes of pack + index objects, "

@@ -19,7 +19,6 @@ be ignored silently. The file becomes click's ``default_map``.
 from __future__ import annotations
 
 import os
-import tomllib
 
 import click
 
@@ -38,6 +37,8 @@ def config_path(explicit: str | None) -> str | None:
 
 
 def load_default_map(root: click.Group, path: str) -> dict:
+    import tomllib  # only with a configuration file: every command would pay for the import otherwise
+
     try:
         with open(path, "rb") as f:
             table = tomllib.load(f)

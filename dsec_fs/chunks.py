@@ -40,7 +40,7 @@ from .store import keys
 from .store.base import Store, get_small, side_by_side
 
 DEFAULT_PACK_TARGET = 16 * 1024 * 1024
-# A pack is read whole only to restore its index (gc.restore_pack_index), at most this many bytes: far
+# A pack is read whole only to restore its index (pack_indexes.restore_pack_index), at most this many bytes: far
 # more than a pack sealed at DEFAULT_PACK_TARGET (its last frame of at most a 16 MiB chunk past it, and
 # its index), so only a store writer's object is refused.
 MAX_PACK_BYTES = 256 << 20

@@ -40,7 +40,7 @@ from collections.abc import Collection, Iterable, Iterator
 from .chunks import INDEX_LOAD_THREADS, ChunkIndex, ChunkLocation, verify_pack
 from .digest import DIGEST_SIZE, to_hex
 from .errors import CorruptError, NotFoundError
-from .gc import restore_pack_index
+from .pack_indexes import restore_pack_index
 from .index_mirror import FORGED, TRUSTED, IndexMirror
 
 from .pack import INDEX_ENTRY, MAX_INDEX_BYTES, PackEntry, decode_index, index_of_records

@@ -26,7 +26,6 @@ import ctypes
 import fcntl
 import logging
 import os
-import secrets
 import stat
 from collections.abc import Callable
 
@@ -56,7 +55,7 @@ def write_atomic(path: str | os.PathLike, data: bytes | Callable[[int], None], *
     one rename. ``sync`` fsyncs the file before the rename (for what must survive a power loss)."""
     path = os.fspath(path)
     directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f"{tmp_prefix}{name}.tmp-{secrets.token_hex(6)}")
+    tmp = os.path.join(directory, f"{tmp_prefix}{name}.tmp-{os.urandom(6).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     try:
         if callable(data):

@@ -34,7 +34,7 @@ Why a build running meanwhile loses nothing:
 2. Such a layer may name a pack whose index gc has just deleted. Two checks in opposite orders settle it:
    gc, after deleting indexes, reads every manifest again and restores the index of any trashed pack one
    names; the build, after publishing its manifest, restores any missing index of its packs
-   (``ensure_pack_indexes``). Whichever runs second sees the other's write. Before publishing, the build
+   (pack_indexes.ensure_pack_indexes). Whichever runs second sees the other's write. Before publishing, the build
    also confirms against the index objects themselves that its packs hold its chunks (dedup_index.py).
 3. One gc at a time: a run holds an exclusive lease under ``gc-locks/``.
 Times of leases and markers come from different hosts' clocks; "started before" always allows
@@ -54,8 +54,7 @@ not a build) at a dangling layer older than the grace period while gc deletes it
 
 Threads: ``gc`` runs in the calling thread and reads objects through a private pool it joins before
 returning; the pool's workers only read the store, fill in the ``_Layer`` each was handed, and append to
-``report.problems`` (list.append is atomic). ``restore_pack_index`` and ``ensure_pack_indexes`` may be
-called from any thread.
+``report.problems`` (list.append is atomic).
 """
 
 from __future__ import annotations
@@ -71,15 +70,15 @@ from dataclasses import dataclass, field
 
 from . import compress
 from .blobmap import BlobMap
-from .chunks import (DEFAULT_PACK_TARGET, MAX_PACK_BYTES, ChunkIndex, ChunkLocation, ChunkUploader, read_chunks,
-                     read_index_object)
-from .digest import is_hex_digest, sha256, to_hex
-from .errors import CorruptError, DsecError, FormatError, InputError, IntegrityError, NotFoundError, UnsupportedError
+from .chunks import DEFAULT_PACK_TARGET, ChunkIndex, ChunkLocation, ChunkUploader, read_chunks, read_index_object
+from .digest import is_hex_digest
+from .errors import CorruptError, DsecError, FormatError, InputError, NotFoundError, UnsupportedError
 from .layer import Manifest, list_refs, manifest_at, read_blobmap
 from .leases import CLOCK_SKEW, DEFAULT_MAX_AGE, LeaseInfo, exclusive_lease, list_leases
-from .pack import PACK_TRAILER, PackEntry, encode_index, index_from_pack, index_size
+from .pack import PACK_TRAILER, PackEntry, index_size
+from .pack_indexes import restore_pack_index
 from .store import keys
-from .store.base import Store, get_small, side_by_side
+from .store.base import Store, get_small
 from .store.filesystem import FilesystemStore
 from .store.wrappers import find_wrapper
 
@@ -187,35 +186,6 @@ def pack_size(entries: Iterable[PackEntry]) -> int:
     entries = list(entries)
     frames_end = max((e.offset + e.clen for e in entries), default=0)
     return frames_end + index_size(len(entries)) + PACK_TRAILER.size
-
-
-def restore_pack_index(store: Store, pack_id: str) -> list[PackEntry]:
-    """Put the index object of pack ``pack_id`` again, from the copy embedded in the pack; return its
-    entries. The pack is checked against its id first: a damaged pack is never indexed again."""
-    key = keys.pack(pack_id)
-    data = get_small(store, key, MAX_PACK_BYTES, "pack")
-    if to_hex(sha256(data)) != pack_id:
-        raise IntegrityError("pack bytes do not hash to the pack id; not restoring its index", where=key)
-    entries = index_from_pack(data, source=key)
-    store.put(keys.index(pack_id), encode_index(entries))
-    log.info("restored index of pack %s", pack_id)
-    return entries
-
-
-def ensure_pack_indexes(store: Store, pack_ids: Iterable[str]) -> list[str]:
-    """Restore the index of every listed pack whose index object is missing; return their ids.
-
-    A build calls this after publishing its manifest: a gc that soft-deleted one of the layer's packs
-    while the build ran either saw the manifest (and restores the index itself) or is seen here.
-    """
-    def check(pack_id: str) -> str | None:
-        if store.exists(keys.index(pack_id)):
-            return None
-        restore_pack_index(store, pack_id)
-        return pack_id
-
-    restored = side_by_side(store, check, pack_ids, threads=READ_THREADS, name="index-check")
-    return [pack_id for pack_id in restored if pack_id is not None]
 
 
 @dataclass

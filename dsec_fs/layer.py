@@ -21,8 +21,9 @@ the caller's ``on_manifest`` does work that needs only the manifest (the daemon 
 indexes there), so that work's round trips overlap too.
 
 Functions here are plain blocking calls on a Store and may be called from any thread; ``open_layer``
-reads meta.erofs and the blob map in two threads of its own, ``publish_layer`` writes them through
-``Store.put_all`` (threads of the store's), and both wait for them before returning.
+reads meta.erofs and the blob map in two threads of its own, ``publish_layer`` (and ``store_metadata``,
+the first of its two steps for a caller that writes the manifest later with ``publish_stored``) writes
+them through ``Store.put_all`` (threads of the store's), and both wait for them before returning.
 """
 
 from __future__ import annotations
@@ -218,19 +219,17 @@ class LayerFiles:
 
 
 def compress_metadata(meta: bytes | SpillFile, blobmap: bytes) -> tuple[bytes, bytes]:
-    """The zstd frames of meta.erofs and the blob map as ``publish_layer`` stores them (any thread: a
-    rebuild makes them while its new pack is written)."""
+    """The zstd frames of meta.erofs and the blob map as ``publish_layer`` and ``store_metadata`` store
+    them (any thread)."""
     return tuple(data.compress(METADATA_LEVEL) if isinstance(data, SpillFile)
                  else compress.compress(data, level=METADATA_LEVEL) for data in (meta, blobmap))
 
 
 def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifest: Manifest, *,
-                  also: Callable[[], tuple[str, bytes]] | None = None,
-                  frames: tuple[bytes, bytes] | None = None) -> str:
+                  also: Callable[[], tuple[str, bytes]] | None = None) -> str:
     """Write meta.erofs and the blob map, each zstd-compressed, then manifest.json; returns the layer digest.
     ``meta`` may be a SpillFile (dsec_fs.spill: a fresh build's image, never whole in memory): it is
-    hashed and compressed a piece at a time. ``frames``: ``compress_metadata(meta, blobmap)`` of these
-    same bytes, when the caller made them already.
+    hashed and compressed a piece at a time.
 
     The manifest must describe these bytes exactly (IntegrityError otherwise, before anything is written);
     its ``stored`` is filled in here, with what is written. The packs holding the layer's chunks must
@@ -238,8 +237,8 @@ def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifes
     here. ``also()`` makes (key, data) of another object of the layer that must be in place before the
     manifest (a directory build's build info): it runs in the calling thread while meta.erofs and the
     blob map are written (``Store.put_all``, which writes the manifest once the three are stored, and
-    nothing if anything fails). (Both are compressed in the calling thread unless ``frames`` is given,
-    which keeps its zstd context: a new thread's first compression pays for a new context's memory.)
+    nothing if anything fails). Both are compressed in the calling thread, which keeps its zstd context:
+    a new thread's first compression pays for a new context's memory.
     """
     digest = manifest.layer
     manifest_key = keys.layer_manifest(digest)
@@ -247,12 +246,7 @@ def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifes
     _check_bytes(meta, digest, manifest.meta_size, what=keys.layer_meta(digest))
     _check_bytes(blobmap, manifest.blobmap_sha256, manifest.blobmap_size, what=keys.layer_blobmap(digest))
     manifest.version = MANIFEST_VERSION
-    manifest.stored = {}
-    written = []
-    for (name, key), frame in zip(((META, keys.layer_meta(digest)), (BLOBMAP, keys.layer_blobmap(digest))),
-                                  frames or compress_metadata(meta, blobmap)):
-        manifest.stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
-        written.append((key, frame))
+    written, manifest.stored = _stored(digest, compress_metadata(meta, blobmap))
 
     def objects() -> Iterator[tuple[str, bytes]]:
         yield from written
@@ -261,6 +255,58 @@ def publish_layer(store: Store, meta: bytes | SpillFile, blobmap: bytes, manifes
 
     store.put_all(objects(), (manifest_key, manifest.to_json()))
     return digest
+
+
+class StoredMetadata:
+    """What ``store_metadata`` stored of a layer: its digest, the sizes of meta.erofs and the blob map,
+    the blob map's sha256 (the blob id) and, for the manifest, how both are stored."""
+
+    __slots__ = ("layer", "meta_size", "blob_id", "blobmap_size", "stored")
+
+    def __init__(self, layer: str, meta_size: int, blob_id: str, blobmap_size: int, stored: dict[str, dict[str, Any]]):
+        self.layer, self.meta_size, self.blob_id, self.blobmap_size, self.stored = (
+            layer, meta_size, blob_id, blobmap_size, stored)
+
+
+def store_metadata(store: Store, meta: bytes, blobmap: bytes, *,
+                   also: Callable[[str], tuple[str, bytes]] | None = None) -> StoredMetadata:
+    """``publish_layer`` in two steps, for a caller with work left before it can write the manifest (a
+    rebuild flushes its new pack meanwhile, so that the two writes' flushes overlap): this one stores
+    meta.erofs and the blob map, compressed, and the object ``also(layer digest)`` makes (the build
+    info), each durable (``Store.put_all``); ``publish_stored`` then writes the manifest. Until it does
+    nothing names these objects: if it never comes they are garbage for gc, as after a crash in
+    ``publish_layer``. Any thread (a rebuild calls it in a worker)."""
+    digest = to_hex(sha256(meta))
+    written, stored = _stored(digest, compress_metadata(meta, blobmap))
+    if also is not None:
+        written.append(also(digest))
+    store.put_all(written[:-1], written[-1])
+    return StoredMetadata(digest, len(meta), to_hex(sha256(blobmap)), len(blobmap), stored)
+
+
+def publish_stored(store: Store, manifest: Manifest, metadata: StoredMetadata) -> str:
+    """Write the manifest of the layer whose objects ``store_metadata`` stored (``metadata``); returns the
+    layer digest. The manifest must describe them (IntegrityError otherwise, nothing written); its
+    ``stored`` is filled in here. As for ``publish_layer``, the layer's packs must be in the store."""
+    digest = metadata.layer
+    manifest_key = keys.layer_manifest(digest)
+    if (manifest.layer, manifest.meta_size, manifest.blobmap_sha256, manifest.blobmap_size) != (
+            digest, metadata.meta_size, metadata.blob_id, metadata.blobmap_size):
+        raise IntegrityError("the manifest does not describe the objects stored", where=manifest_key)
+    manifest.validate(source=manifest_key)
+    manifest.version = MANIFEST_VERSION
+    manifest.stored = metadata.stored
+    store.put(manifest_key, manifest.to_json())
+    return digest
+
+
+def _stored(digest: str, frames: tuple[bytes, bytes]) -> tuple[list[tuple[str, bytes]], dict[str, dict[str, Any]]]:
+    """(key, frame) of meta.erofs and the blob map of layer ``digest``, and the manifest's ``stored`` of them."""
+    written, stored = [], {}
+    for (name, key), frame in zip(((META, keys.layer_meta(digest)), (BLOBMAP, keys.layer_blobmap(digest))), frames):
+        stored[name] = {"encoding": STORED_ENCODING, "size": len(frame), "sha256": to_hex(sha256(frame))}
+        written.append((key, frame))
+    return written, stored
 
 
 class LayerReads(Protocol):

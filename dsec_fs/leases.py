@@ -42,8 +42,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -94,7 +92,7 @@ class Lease:
     ):
         self.store = store
         self.purpose = purpose
-        self.key = f"{prefix}{secrets.token_hex(16)}"
+        self.key = f"{prefix}{os.urandom(16).hex()}"
         self.max_age = max_age
         self.refresh_seconds = refresh_seconds or max_age / REFRESHES_PER_MAX_AGE
         self.started: float | None = None
@@ -141,7 +139,7 @@ class Lease:
 
     def _write(self) -> None:
         now = time.time()
-        body = {"started": self.started, "refreshed": now, "host": socket.gethostname(), "pid": os.getpid(),
+        body = {"started": self.started, "refreshed": now, "host": os.uname().nodename, "pid": os.getpid(),
                 "purpose": self.purpose}
         self.store.put_ephemeral(self.key, json.dumps(body, sort_keys=True).encode())
         with self._lock:

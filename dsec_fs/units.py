@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal
 
 from .errors import InputError
 
@@ -34,6 +33,10 @@ def parse_size(text: str) -> int:
         power = _SIZE_POWERS.index(letter.lower()) + 1
         decimal = match.group(0).lower().endswith("b") and not binary
         scale = 1000 ** power if decimal else 1024 ** power
+    if number.isdigit():  # the usual case, without importing decimal (each command start pays for it)
+        return int(number) * scale
+    from decimal import Decimal
+
     return round(Decimal(number) * scale)
 
 

@@ -18,7 +18,7 @@ Steps, each finished before the next starts:
 6. publish: the build info of a directory build (incremental.py; encoded before meta.erofs is written,
    named for the layer after), meta.erofs, blob map, then
    manifest.json (dsec_fs.layer.publish_layer); restore any pack index a concurrent gc soft-deleted
-   meanwhile (dsec_fs.gc.ensure_pack_indexes); then the ref.
+   meanwhile (dsec_fs.pack_indexes.ensure_pack_indexes); then the ref.
 
 Memory: for a tree of many small files each step needs tens of MB besides the Tree, so they run one
 after another (the flush of step 3 could run beside step 5, but their peaks would add up), the C heap's
@@ -43,8 +43,9 @@ unreferenced and gc removes them. A ref name is checked before any work, so a ba
 Threads: build_layer and build_tree run in the calling thread; the chunker and the uploader run their own
 worker threads for the duration of the call and stop them before returning (or raising). A rebuild with
 a parent also takes its lease and syncs the chunk index in a thread of its own while the parent is
-loaded and the source scanned (``_lease_and_index``), and on the patch path compresses meta.erofs and the
-blob map in another while its new pack is written; both are joined before the call returns. Python's cycle
+loaded and the source scanned (``_lease_and_index``), and on the patch path compresses and stores meta.erofs,
+the blob map and the build info in another while its new pack is flushed (dsec_fs.layer.store_metadata; the
+manifest follows once both are durable); both are joined before the call returns. Python's cycle
 collector is paused for the whole process while a build runs (see ``_cycle_collector_paused``).
 """
 
@@ -66,10 +67,10 @@ from typing import TYPE_CHECKING
 from dsec_fs.chunks import ChunkIndex, ChunkUploader, missing_packs
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import InputError, NotFoundError
-from dsec_fs.gc import ensure_pack_indexes
+from dsec_fs.pack_indexes import ensure_pack_indexes
 from dsec_fs.heap import release_free_memory
 from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
-from dsec_fs.layer import Manifest, compress_metadata, parse_ref, publish_layer, set_ref
+from dsec_fs.layer import Manifest, parse_ref, publish_layer, publish_stored, set_ref, store_metadata
 from dsec_fs.leases import Lease
 from dsec_fs.spill import SpillFile
 from dsec_fs.store import keys
@@ -368,34 +369,33 @@ def _publish(store: Store, lease: Lease, tree: Tree, files: list[Node], packs: l
 
 def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blocks: int, blob_map_bytes: bytes,
                    packs: list[str], stats: ChunkStats, name: str | None, chunk_size: int, source: str,
-                   buildinfo: Callable[[str], bytes] | None, *,
-                   frames: tuple[bytes, bytes] | None = None) -> BuildResult:
+                   buildinfo: Callable[[str], bytes] | None) -> BuildResult:
     """Step 6 for a finished meta.erofs and blob map: build info (made by ``buildinfo`` for the layer
-    digest, directory builds only), manifest, ref. ``frames``: the two compressed already
-    (dsec_fs.layer.compress_metadata)."""
+    digest, directory builds only), manifest, ref."""
     blob_id = to_hex(sha256(blob_map_bytes))
-    manifest = Manifest(
-        layer=to_hex(meta.sha256() if isinstance(meta, SpillFile) else sha256(meta)),
-        blob_id=blob_id,
-        meta_size=len(meta),
-        blobmap_size=len(blob_map_bytes),
-        blobmap_sha256=blob_id,
-        chunk_size=chunk_size,
-        block_size=BLOCK_SIZE,
-        blob_blocks=blob_blocks,
-        packs=packs,
-        stats=dataclasses.asdict(stats),
-        source=source,
-    )
+    manifest = _manifest(to_hex(meta.sha256() if isinstance(meta, SpillFile) else sha256(meta)), len(meta), blob_id,
+                         len(blob_map_bytes), blob_blocks, packs, stats, chunk_size, source)
     lease.check()
 
     def encoded_buildinfo() -> tuple[str, bytes]:  # while meta.erofs and the blob map are written
         return keys.layer_buildinfo(manifest.layer), buildinfo(manifest.layer)
 
-    digest = publish_layer(store, meta, blob_map_bytes, manifest, also=encoded_buildinfo if buildinfo else None,
-                           frames=frames)
+    digest = publish_layer(store, meta, blob_map_bytes, manifest, also=encoded_buildinfo if buildinfo else None)
+    return _published(store, manifest, digest, name, stats)
+
+
+def _manifest(layer: str, meta_size: int, blob_id: str, blobmap_size: int, blob_blocks: int, packs: list[str],
+              stats: ChunkStats, chunk_size: int, source: str) -> Manifest:
+    return Manifest(layer=layer, blob_id=blob_id, meta_size=meta_size, blobmap_size=blobmap_size,
+                    blobmap_sha256=blob_id, chunk_size=chunk_size, block_size=BLOCK_SIZE, blob_blocks=blob_blocks,
+                    packs=packs, stats=dataclasses.asdict(stats), source=source)
+
+
+def _published(store: Store, manifest: Manifest, digest: str, name: str | None, stats: ChunkStats) -> BuildResult:
+    """What follows a layer's manifest: its packs' indexes restored if a gc soft-deleted one meanwhile, then
+    the ref (under the lease too: gc keeps an unnamed layer while a build may name it)."""
     ensure_pack_indexes(store, manifest.packs)
-    if name is not None:  # under the lease too: gc keeps an unnamed layer while a build may name it
+    if name is not None:
         set_ref(store, name, digest)
     return BuildResult(digest=digest, manifest=manifest, stats=stats)
 
@@ -433,7 +433,8 @@ def _build_patched(rescan: Rescan, leased: Future[tuple[Lease, ChunkIndex]], sto
     """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
     publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
     change needs the full path after all. ``leased``: the build's lease and chunk index (taken while the
-    scan ran, ``_lease_and_index``)."""
+    scan ran, ``_lease_and_index``). The layer's objects are written beside the new pack's, the manifest
+    after both (the publish order of dsec_fs.layer: nothing names an object before it is durable)."""
     parent = rescan.parent
     missing = missing_packs(store, parent.manifest.packs)
     if missing:
@@ -441,36 +442,44 @@ def _build_patched(rescan: Rescan, leased: Future[tuple[Lease, ChunkIndex]], sto
         return None
     files = rescan.files
     lease, index = leased.result()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compress-meta") as compressor:
+    # Before the chunker's workers start: beside them it would take turns with them at the GIL (2-4 times
+    # as long), and they would wait for it.
+    info = encode_rescanned(parent.info, rescan.identities, rescan.suspects, None, rescan.scanned_at_ns)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-meta") as writer:
         with ChunkUploader(store, index) as uploader:
             with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
                          total_bytes=sum(node.size for node in files)) as chunker:
                 for node in files:
                     chunker.add_file(node)
-                chunker.send()
-                # While the workers hash and compress the pieces: what needs no chunk digest.
-                parent.blob_map  # noqa: B018 (decoded now, see ParentLayer.blob_map)
-                info = encode_rescanned(parent.info, rescan.identities, rescan.suspects, None,
-                                        rescan.scanned_at_ns)
                 read = chunker.finish()
             uploader.send()
             patched = rescan.patch(chunk_size)  # while the new pack is written
             if patched is None:
                 return None
-            frames = compressor.submit(compress_metadata, patched.meta, patched.blob_map_bytes)
+            # meta.erofs, the blob map and the build info, compressed and stored while the new pack is
+            # flushed: nothing names them until the manifest, written once both are durable.
+            stored = writer.submit(store_metadata, store, patched.meta, patched.blob_map_bytes,
+                                   also=functools.partial(_named_buildinfo, info))
             uploader.flush()
         # Every other chunk of the layer is the parent's, in the parent's packs (see patch.py).
         new_packs = _packs_of(patched.new_chunks, index)
         index.confirm(store, patched.new_chunks, new_packs)
         packs = sorted(set(parent.manifest.packs).union(new_packs))
         stats = _patched_stats(parent, rescan, read, patched)
+        metadata = stored.result()
         # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
-        result = _publish_layer(store, lease, patched.meta, parent.blob_map.blocks, patched.blob_map_bytes, packs,
-                                stats, name, chunk_size, source, functools.partial(name_layer, info),
-                                frames=frames.result())
+        manifest = _manifest(metadata.layer, metadata.meta_size, metadata.blob_id, metadata.blobmap_size,
+                             parent.encoded_blob_map.blocks, packs, stats, chunk_size, source)
+        lease.check()
+        result = _published(store, manifest, publish_stored(store, manifest, metadata), name, stats)
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
              stats.new_chunks)
     return result
+
+
+def _named_buildinfo(info: bytearray, layer: str) -> tuple[str, bytes]:
+    """(key, data) of the build info ``info`` (encoded with no layer) of ``layer``."""
+    return keys.layer_buildinfo(layer), name_layer(info, layer)
 
 
 def _patched_stats(parent: ParentLayer, rescan: Rescan, read: ChunkStats, patched: Patched) -> ChunkStats:
@@ -486,7 +495,7 @@ def _patched_stats(parent: ParentLayer, rescan: Rescan, read: ChunkStats, patche
         bytes=int(was.get("bytes", 0)) + grew,
         chunks=int(was.get("chunks", 0)),
         hole_chunks=int(was.get("hole_chunks", 0)),
-        distinct_chunks=len(parent.blob_map),
+        distinct_chunks=len(parent.encoded_blob_map),
         dedup_bytes=data_bytes - read.new_bytes,
     )
     stats.reused_files = stats.files - read.files

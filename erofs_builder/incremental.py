@@ -65,7 +65,7 @@ import operator
 import stat
 import struct
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from dsec_fs import compress
@@ -75,7 +75,7 @@ from dsec_fs.layer import Manifest, open_layer
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store, get_small
 
-from dsec_fs.blobmap import BlobMap, blob_map_chunk_size
+from dsec_fs.blobmap import BlobMap, EncodedBlobMap, blob_map_chunk_size
 from .ondisk import INODE_SLOT_SIZE, chunk_index, dirent, inode, xattr
 from .ondisk.superblock import Superblock
 from .reader import ErofsImage
@@ -314,16 +314,22 @@ class ParentLayer:
 
     @functools.cached_property
     def blob_map(self) -> BlobMap:
-        """The blob map, decoded (FormatError if it does not) when first asked for: a rebuild asks once
-        the changed files are being read (build.py), so that the decode runs beside their reading."""
+        """The blob map, decoded (FormatError if it does not) when first asked for: the full path's."""
         return BlobMap.decode(self.blob_map_bytes, source=keys.layer_blobmap(self.digest))
+
+    @functools.cached_property
+    def encoded_blob_map(self) -> EncodedBlobMap:
+        """The blob map read in place (FormatError for a bad header): the patch path looks up only the
+        chunks of the files it changed, and decoding all of it would cost more than the rest of the patch."""
+        return EncodedBlobMap(self.blob_map_bytes, source=keys.layer_blobmap(self.digest))
 
     @classmethod
     def load(cls, store: Store, ref_or_digest: str, *, chunk_size: int) -> "ParentLayer":
         """Open the parent (NotFoundError if it is not published). A parent built with another chunk size,
         or whose build info is missing or fails validation, is usable but gives nothing: a warning is
         logged and the build reads every file. The blob map's bytes are verified against the manifest
-        here and decoded on first use (``blob_map``)."""
+        here, and read in place (``encoded_blob_map``: the patch path) or decoded (``blob_map``: the full
+        path) on first use."""
         found: list[BuildInfo | None] = [None]
 
         def read_buildinfo(manifest: Manifest) -> None:  # while open_layer reads meta.erofs and the blob map
@@ -342,8 +348,17 @@ class ParentLayer:
         return cls(files.digest, files.manifest, files.meta, files.blobmap, info)
 
     def chunk_lists(self) -> "_ChunkLists":
-        """The chunk digests of the parent's regular files, read from its image on demand."""
-        return _ChunkLists(self.meta, self.image.superblock, self.blob_map)
+        """The chunk digests of the parent's regular files, read from its image on demand (for many files:
+        the blob map decoded, its entries by blkaddr in a dict)."""
+        blob_map = self.blob_map
+        chunk_at = dict(zip(map(operator.itemgetter(0), blob_map.entries), blob_map.entries))  # at C speed
+        return _ChunkLists(self.meta, self.image.superblock, blob_map.chunk_size, blob_map.chunk_bits, chunk_at.get)
+
+    def few_chunk_lists(self) -> "_ChunkLists":
+        """``chunk_lists`` for a few files (the patch path's): looked up in the blob map in place."""
+        blob_map = self.encoded_blob_map
+        return _ChunkLists(self.meta, self.image.superblock, blob_map.chunk_size, blob_map.chunk_bits,
+                           blob_map.starting_at)
 
     def reusable_chunks(self, tree: Tree) -> dict[Node, list[bytes | None]]:
         """Chunk digests for each regular file of ``tree`` (a walk_directory tree) that the reuse rule lets
@@ -392,14 +407,14 @@ class _ChunkLists:
     is read, so this skips the reader's general validation (and its caches) without trusting more.
     """
 
-    def __init__(self, meta: bytes, superblock: Superblock, blob_map: BlobMap):
+    def __init__(self, meta: bytes, superblock: Superblock, chunk_size: int, chunk_bits: int,
+                 chunk_at: Callable[[int], tuple[int, bytes, int] | None]):
         self._meta = meta
         self._meta_offset = superblock.meta_blkaddr * superblock.block_size
         self._build_time_ns = superblock.build_time * NS_PER_S + superblock.build_time_nsec
-        self._chunk_size = blob_map.chunk_size
-        self._chunk_format = chunk_index.chunk_format(blob_map.chunk_bits, superblock.blkszbits)
-        # blkaddr -> the blob-map entry (blkaddr, digest, length) starting there; built at C speed
-        self._chunk_at = dict(zip(map(operator.itemgetter(0), blob_map.entries), blob_map.entries))
+        self._chunk_size = chunk_size
+        self._chunk_format = chunk_index.chunk_format(chunk_bits, superblock.blkszbits)
+        self._chunk_at = chunk_at  # blkaddr -> the blob-map entry (blkaddr, digest, length) starting there
 
     def of(self, nid: int, size: int, mtime_ns: int) -> list[bytes | None] | None:
         """The digests of regular file ``nid``, if it has ``size`` bytes, mtime ``mtime_ns`` and sound
@@ -434,7 +449,7 @@ class _ChunkLists:
             if blkaddr == chunk_index.HOLE:
                 digests.append(None)
                 continue
-            chunk = self._chunk_at.get(blkaddr)
+            chunk = self._chunk_at(blkaddr)
             if (device != chunk_index.BLOB_DEVICE_ID or chunk is None
                     or chunk[2] != min(self._chunk_size, size - number * self._chunk_size)):
                 return None

@@ -18,12 +18,14 @@ Steps (build.py calls them in this order; any ``None`` sends the build down the 
    changed file keeps its chunk count and inode form (compact or extended), and the most common mtime
    (the superblock's build_time, layout.py) stays the most common one. The lstat calls are the cost of
    a rebuild that changed little: they run at C speed (a map over the recorded paths, relative to the
-   root's descriptor), and no object is made for a name beyond its lstat result and identity tuple.
+   root's descriptor), and nothing is kept for a name but a byte saying whether it is a suspect
+   (``_differing``).
    Each suspect is looked up again through directories alone (``_lstat_below``): the build info is not
    covered by the manifest, so its paths must not lead the patch path to read anything outside the
    source (a ".." component, a symlink where a directory was).
 2. the build reads the regular files ``Rescan.files`` lists with the chunker (uploading new chunks);
-3. ``Rescan.patch``: checks the blob map and, if it can be kept in place, patches copies of the parent's
+3. ``Rescan.patch``: checks the blob map (read in place: only the changed files' entries are looked up,
+   dsec_fs.blobmap.EncodedBlobMap) and, if it can be kept in place, patches copies of the parent's
    meta.erofs and blob map.
 
 The blob map: a full build lists each distinct chunk once, in tree order, then file order. A chunk
@@ -67,7 +69,7 @@ from dsec_fs.blobmap import BLOCK_SIZE
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import CorruptError, NotFoundError, UnsupportedError
 
-from .incremental import Identity, ParentLayer
+from .incremental import BuildInfo, Identity, ParentLayer
 from .layout import NS_PER_S
 from .ondisk import INODE_SLOT_SIZE, inode
 from .ondisk.device_slot import SLOT_SIZE, DeviceSlot
@@ -120,10 +122,14 @@ class Rescan:
         """The new meta.erofs and blob map once every file of ``files`` is chunked; None if the blob map
         cannot be kept in place (see the module docstring)."""
         parent = self.parent
-        blob_map = parent.blob_map
-        shared = set(parent.info.shared)
-        chunk_lists = parent.chunk_lists()
         superblock = parent.image.superblock
+        slot_at = superblock.devt_slotoff * SLOT_SIZE
+        slot = DeviceSlot.unpack(parent.meta, slot_at, source=parent.image.source)
+        if slot.tag != parent.manifest.blobmap_sha256.encode("ascii"):  # the map read in place is the image's own
+            return _full("the parent's meta.erofs names another blob map than its manifest")
+        blob_map = parent.encoded_blob_map
+        shared = set(parent.info.shared)
+        chunk_lists = parent.few_chunk_lists()
         replaced: dict[bytes, tuple[bytes, int]] = {}  # old chunk -> (new chunk, its length)
         added: set[bytes] = set()  # the new chunks
         data_grew = 0
@@ -141,8 +147,8 @@ class Rescan:
                     return _full(f"{_named(change)} has a hole where it had data, or data in a hole")
                 if n in blob_map or n in added or o in replaced:
                     return _full(f"{_named(change)} now holds a chunk the layer holds elsewhere too")
-                index = blob_map.locate(blob_map.blkaddr_of(o))
-                old_length = blob_map.entries[index][2]
+                index = blob_map.index_of(o)  # found by its blkaddr (chunk_lists), so there
+                old_length = blob_map.entry(index)[2]
                 length = min(chunk_size, size - number * chunk_size)
                 if index in shared:
                     return _full(f"{_named(change)} had a chunk the layer holds elsewhere too")
@@ -151,7 +157,7 @@ class Rescan:
                 replaced[o] = (n, length)
                 added.add(n)
                 data_grew += length - old_length
-        new_map_bytes = blob_map.replaced_encoding(parent.blob_map_bytes, replaced)
+        new_map_bytes = blob_map.replaced(replaced)
 
         image = bytearray(parent.meta)
         for change in self.changes:
@@ -162,8 +168,6 @@ class Rescan:
                 new.mtime = seconds & _U64
             offset = superblock.meta_blkaddr * superblock.block_size + change.nid * INODE_SLOT_SIZE
             image[offset:offset + new.header_size] = new.pack()
-        slot_at = superblock.devt_slotoff * SLOT_SIZE
-        slot = DeviceSlot.unpack(image, slot_at, source=parent.image.source)
         slot.tag = to_hex(sha256(new_map_bytes)).encode("ascii")  # the blob id
         image[slot_at:slot_at + SLOT_SIZE] = slot.pack()
         seal_image(image)
@@ -180,23 +184,20 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
     root = os.fsencode(root)
     paths = info.paths
     try:
-        identities = _identities(root, paths)
+        differs = _differing(root, info)
     except OSError as exc:  # a name is gone (or unreadable): the full path lists the tree and says which
         return _full(f"cannot stat {os.fsdecode(exc.filename or root)}: {os.strerror(exc.errno or 0)}")
-    # Names whose identity differs from the recorded one or was not trusted, found at C speed.
-    differs = bytes(map(operator.or_, map(operator.ne, identities, info.identities), info.racy))
+    identities = list(info.identities)  # the parent's, but where they differ: equal tuples
     numbers, suspects = [], []
     number = differs.find(1)
     while number >= 0:
-        identity = identities[number]
-        if identity[:2] != info.identities[number][:2]:  # another inode under this name: links may differ
-            return _full(f"/{_printable(paths[number])} is another inode now")
         source = root + b"/" + paths[number] if number else root
         st = _lstat_below(root, paths[number]) if number else os.stat(root)  # the root may be a symlink
         if st is None:
             return _full(f"/{_printable(paths[number])} is no name of the source's own")
-        if stat_identity(st) != identity:  # changed since the scan: the full path reports or takes it
-            return _full(f"/{_printable(paths[number])} changed during the scan")
+        identity = identities[number] = stat_identity(st)
+        if identity[:2] != info.identities[number][:2]:  # another inode under this name: links may differ
+            return _full(f"/{_printable(paths[number])} is another inode now")
         numbers.append(number)
         suspects.append((paths[number], source, st))
         number = differs.find(1, number + 1)
@@ -213,15 +214,19 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
                   changes=changes)
 
 
-def _identities(root: bytes, paths: list[bytes]) -> list[Identity]:
-    """The identity of every name of the parent's build info (``paths``, the root first) as the source
-    holds it now: one lstat per name, relative to the root's descriptor, no directory listed (see the
-    module docstring), at C speed. The root is opened through a symlink, as walk_dir.scan_directory
-    stats it. OSError if a name is gone."""
+def _differing(root: bytes, info: BuildInfo) -> bytes:
+    """A byte per name of the parent's build info ``info`` (the root first): 1 where the identity the
+    source holds now differs from the recorded one or that one is not trusted, else 0. One lstat per name,
+    relative to the root's descriptor (the root is opened through a symlink, as walk_dir.scan_directory
+    stats it), no directory listed (see the module docstring), at C speed; each identity is compared as
+    it is made and not kept (docs/benchmarks.md, issue 17, session 11). OSError if a name is gone. A name
+    that changes after its lstat is either a suspect already or as any change after the scan (the racy
+    rule, incremental.py); each suspect's identity is taken again before it is compared."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         lstat = functools.partial(os.lstat, dir_fd=fd)
-        return list(map(stat_identity, itertools.chain([os.fstat(fd)], map(lstat, itertools.islice(paths, 1, None)))))
+        stats = itertools.chain([os.fstat(fd)], map(lstat, itertools.islice(info.paths, 1, None)))
+        return bytes(map(operator.or_, map(operator.ne, map(stat_identity, stats), info.identities), info.racy))
     finally:
         os.close(fd)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -266,7 +265,7 @@ class FilesystemStore(Store):
         """A new temporary file in the directory ``dir_fd`` holding ``data``, fsynced if ``sync``; its name.
         Nothing is left behind on failure (UnavailableError naming ``key``). Every object is written here,
         whichever put wrote it: a test's fault or count goes here."""
-        tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}"
+        tmp = f"{TMP_PREFIX}{os.urandom(8).hex()}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
             write_and_close(fd, data, sync=sync)

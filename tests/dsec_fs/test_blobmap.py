@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsec_fs.errors import FormatError, InputError, NotFoundError
-from dsec_fs.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
+from dsec_fs.blobmap import BLOCK_SIZE, HEADER, BlobMap, EncodedBlobMap, check_chunk_size
 
 SOURCE = "layers/test/blobmap"
 
@@ -147,7 +147,8 @@ def test_any_layout_round_trips(lengths):
 def test_a_replaced_encoding_is_the_map_built_with_the_new_chunks():
     blob_map = sample_map()
     encoded = blob_map.encode()
-    patched = blob_map.replaced_encoding(encoded, {digest(1): (digest(10), 7), digest(3): (digest(11), 8000)})
+    patched = EncodedBlobMap(encoded, source=SOURCE).replaced({digest(1): (digest(10), 7),
+                                                              digest(3): (digest(11), 8000)})
     expected = BlobMap(1 << 16)
     for n, length in [(0, 1 << 16), (10, 7), (2, 4096), (11, 8000), (4, 12345)]:
         expected.add(digest(n), length)
@@ -166,10 +167,27 @@ def test_a_replaced_encoding_is_the_map_built_with_the_new_chunks():
 def test_a_replacement_that_would_move_a_chunk_is_refused(replacements):
     blob_map = sample_map()
     with pytest.raises(InputError):
-        blob_map.replaced_encoding(blob_map.encode(), replacements)
+        EncodedBlobMap(blob_map.encode(), source=SOURCE).replaced(replacements)
 
 
-def test_a_replaced_encoding_needs_the_maps_own_encoding():
+def test_an_encoded_map_is_checked_as_decode_checks_its_header():
+    encoded = sample_map().encode()
+    with pytest.raises(FormatError, match="entries need"):
+        EncodedBlobMap(encoded[:-1], source=SOURCE)
+    with pytest.raises(FormatError, match="bad magic"):
+        EncodedBlobMap(b"X" + encoded[1:], source=SOURCE)
+
+
+def test_an_encoded_map_answers_as_the_decoded_one():
     blob_map = sample_map()
-    with pytest.raises(InputError):
-        blob_map.replaced_encoding(blob_map.encode()[:-1], {})
+    encoded = EncodedBlobMap(blob_map.encode(), source=SOURCE)
+    assert (len(encoded), encoded.blocks, encoded.chunk_size) == (len(blob_map), blob_map.blocks, blob_map.chunk_size)
+    for index, entry in enumerate(blob_map.entries):
+        assert encoded.entry(index) == entry
+        assert encoded.starting_at(entry[0]) == entry
+        assert encoded.index_of(entry[1]) == index and entry[1] in encoded
+    assert encoded.starting_at(1) is None and encoded.starting_at(blob_map.blocks) is None
+    assert digest(9) not in encoded
+    # a digest's bytes found across two entries' fields are no entry's digest
+    straddling = blob_map.encode()[HEADER.size + 20:HEADER.size + 20 + 32]
+    assert encoded.index_of(straddling) is None

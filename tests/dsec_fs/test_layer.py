@@ -15,11 +15,13 @@ from dsec_fs.layer import (
     delete_ref,
     list_refs,
     open_layer,
+    layers_with_prefix,
     parse_ref,
-    compress_metadata,
     publish_layer,
+    publish_stored,
     resolve,
     set_ref,
+    store_metadata,
 )
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import StoreWrapper
@@ -150,18 +152,32 @@ def test_publish_then_open(store):
     assert layer.manifest == manifest
 
 
-def test_publish_with_frames_made_beforehand_stores_what_publish_makes(tmp_path):
-    """A rebuild compresses meta.erofs and the blob map while its pack is written
-    (``compress_metadata``), then publishes those frames: the layer stored is the same."""
+def test_metadata_stored_first_then_published_is_what_publish_layer_stores(tmp_path):
+    """A rebuild stores meta.erofs, the blob map and its build info while its pack is flushed
+    (``store_metadata``), then writes the manifest (``publish_stored``): the layer is the same, and
+    nothing is published before the manifest."""
     made, given = FilesystemStore(str(tmp_path / "made")), FilesystemStore(str(tmp_path / "given"))
     first, second = make_manifest(), make_manifest()
-    publish_layer(made, META, BLOBMAP, first)
-    publish_layer(given, META, BLOBMAP, second, frames=compress_metadata(META, BLOBMAP))
+    extra = keys.layer_buildinfo(LAYER)
+    publish_layer(made, META, BLOBMAP, first, also=lambda: (extra, LAYER.encode()))
+    metadata = store_metadata(given, META, BLOBMAP, also=lambda digest: (keys.layer_buildinfo(digest), digest.encode()))
+    assert metadata.layer == LAYER and given.get(extra) == LAYER.encode()
+    assert layers_with_prefix(given) == []
+    assert publish_stored(given, second, metadata) == LAYER
     assert first.stored == second.stored
     for key in (keys.layer_meta(LAYER), keys.layer_blobmap(LAYER)):
         assert made.get(key) == given.get(key)
     layer = open_layer(given, LAYER)
     assert (layer.meta, layer.blobmap) == (META, BLOBMAP)
+
+
+def test_a_manifest_that_does_not_describe_the_stored_metadata_is_not_published(store):
+    metadata = store_metadata(store, META, BLOBMAP)
+    manifest = make_manifest()
+    manifest.meta_size += 1
+    with pytest.raises(IntegrityError):
+        publish_stored(store, manifest, metadata)
+    assert layers_with_prefix(store) == []
 
 
 class MeetingStore(StoreWrapper):

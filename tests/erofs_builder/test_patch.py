@@ -16,9 +16,10 @@ import subprocess
 import time
 
 import pytest
-from treecmp import assert_same_tree, snapshot
+from treecmp import assert_same_tree, snapshot, write_files
 
 from dsec_fs.errors import FormatError, NotFoundError, UnavailableError
+from dsec_fs.layer import read_manifest
 from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
@@ -38,7 +39,7 @@ STRUCTURAL = {"chmod": ("another mode",), "xattr": ("xattrs",), "rename": ("cann
               "symlink": ("another inode", "not a regular file"), "mkdir": ("not a regular file",),
               "touch-dir": ("not a regular file",), "add-put-back": ("other names",),
               "mkdir-put-back": ("other names",)}
-TREES = ("content", "grow", "boundary", "blocks", "racy", "hole", "shared", "same-chunk", "compact",
+TREES = ("content", "other-map", "grow", "boundary", "blocks", "racy", "hole", "shared", "same-chunk", "compact",
          "tie", "hardlink", "chain", "kernel", "forged", "outage", "leases", *STRUCTURAL)
 ENTRIES = 14  # names make_source makes, the root included
 
@@ -105,6 +106,25 @@ def test_a_content_change_is_patched(aged, store, tmp_path, caplog):
     info = decode_buildinfo(store.get(keys.layer_buildinfo(child.digest)), layer=child.digest, source="x")
     assert len(info.paths) == ENTRIES and info.identities[info.paths.index(b"lib/file1")][4] == os.stat(
         f"{root}/lib/file1").st_ctime_ns
+
+
+def test_a_parent_whose_manifest_names_another_blob_map_is_not_patched(aged, store, tmp_path, caplog):
+    """The patch path reads the parent's blob map in place, not decoded and checked whole, so it checks
+    first that the parent's meta.erofs names that map: a manifest rewritten to name another layer's map
+    (its digest and size, so open_layer accepts it) sends the rebuild down the full path."""
+    root = aged["other-map"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    other = build_layer(write_files(tmp_path / "other", {"f": os.urandom(3 * CHUNK)}), store, chunk_size=CHUNK)
+    manifest, theirs = read_manifest(store, parent.digest), read_manifest(store, other.digest)
+    store.put(keys.layer_blobmap(parent.digest), store.get(keys.layer_blobmap(other.digest)))
+    manifest.blob_id, manifest.blobmap_sha256, manifest.blobmap_size = (
+        theirs.blob_id, theirs.blobmap_sha256, theirs.blobmap_size)
+    manifest.stored["blobmap"] = theirs.stored["blobmap"]
+    store.put(keys.layer_manifest(parent.digest), manifest.to_json())
+    edit(f"{root}/lib/file1", 2 * CHUNK + 3, b"edited")
+    child, patched = rebuild(root, store, parent, caplog)
+    assert not patched and "names another blob map" in caplog.text, caplog.text
+    check_layer(store, child.digest, root, tmp_path)
 
 
 class OutageStore(FilesystemStore):
