@@ -1,8 +1,9 @@
 """Build benchmark: `dsecfs build` against `mkfs.erofs --chunksize --blobdev`, side by side in one run.
 
 For each source tree, runs each builder ROUNDS times, alternating (dsecfs, then each mkfs.erofs in the
-order given, then dsecfs again), each in its own process, so that peak RSS is that process's own (read
-with wait4) and a load change on the machine hits every builder alike. Prints, per tree and builder,
+order given, then dsecfs again; each round starts one builder further on), each in its own process, so
+that peak RSS is that process's own (read with wait4) and a load change on the machine hits every
+builder alike. Prints, per tree and builder,
 the median wall time, CPU time (user + sys), peak RSS and bytes stored, and the wall-time and peak-RSS
 ratios of dsecfs against each mkfs.erofs. Each dsecfs build goes into a fresh store, so nothing is
 deduplicated against an earlier round; its stored bytes are the whole store directory (packs, indexes,
@@ -251,16 +252,19 @@ def bench_tree(name: str, tree: str, rounds: int, mkfs_list: list[str], work: st
                 + (["baseline from tar"] if tar and baseline else [])
                 + [f"mkfs.erofs {mkfs_version(m)}" for m in mkfs_list])
     samples: dict[str, list[tuple[float, float, int, int]]] = {b: [] for b in builders}
+    runs_of = {
+        "dsecfs": lambda r: run_dsecfs(tree, work, f"{name}:r{r}"),
+        "dsecfs from tar": lambda r: run_dsecfs(tar, work, f"{name}:tar{r}"),
+        "dsecfs baseline": lambda r: run_dsecfs(tree, work, f"{name}:b{r}", baseline),
+        "baseline from tar": lambda r: run_dsecfs(tar, work, f"{name}:btar{r}", baseline),
+        **{builder: (lambda r, mkfs=mkfs: run_mkfs(mkfs, tree, work))
+           for builder, mkfs in zip(builders[-len(mkfs_list):], mkfs_list)},
+    }
     for r in range(rounds):
-        samples["dsecfs"].append(run_dsecfs(tree, work, f"{name}:r{r}"))
-        if tar:
-            samples["dsecfs from tar"].append(run_dsecfs(tar, work, f"{name}:tar{r}"))
-        if baseline:
-            samples["dsecfs baseline"].append(run_dsecfs(tree, work, f"{name}:b{r}", baseline))
-        if tar and baseline:
-            samples["baseline from tar"].append(run_dsecfs(tar, work, f"{name}:btar{r}", baseline))
-        for builder, mkfs in zip(builders[-len(mkfs_list):], mkfs_list):
-            samples[builder].append(run_mkfs(mkfs, tree, work))
+        # Each round starts one builder further on: none always runs right after another's writes (a
+        # mkfs.erofs writes a 400 MB blob at 100,000 files, whose writeback slows the next build's fsyncs).
+        for builder in builders[r % len(builders):] + builders[:r % len(builders)]:
+            samples[builder].append(runs_of[builder](r))
     result = {"tree": name, "source_bytes": dir_bytes(tree), "rounds": rounds, "builders": {}}
     for builder, runs in samples.items():
         result["builders"][builder] = {
