@@ -1,8 +1,9 @@
 """Build benchmark: `dsecfs build` against `mkfs.erofs --chunksize --blobdev`, side by side in one run.
 
 For each source tree, runs each builder ROUNDS times, alternating (dsecfs, then each mkfs.erofs in the
-order given, then dsecfs again), each in its own process, so that peak RSS is that process's own (read
-with wait4) and a load change on the machine hits every builder alike. Prints, per tree and builder,
+order given, then dsecfs again; each round starts one builder further on), each in its own process, so
+that peak RSS is that process's own (read with wait4) and a load change on the machine hits every
+builder alike. Prints, per tree and builder,
 the median wall time, CPU time (user + sys), peak RSS and bytes stored, and the wall-time and peak-RSS
 ratios of dsecfs against each mkfs.erofs. Each dsecfs build goes into a fresh store, so nothing is
 deduplicated against an earlier round; its stored bytes are the whole store directory (packs, indexes,
@@ -17,11 +18,13 @@ directory, made once under --work and removed at the end. Builders: dsecfs, then
 Debian's /usr/bin/mkfs.erofs). With --baseline SRC, the dsecfs of another source directory (the code
 before a change) builds too, in the same rounds, with this venv's Python. With --tar, dsecfs also builds
 from an uncompressed tar of each tree (made once with tar(1)), as a builder of its own in the same
-rounds. With --phases, each tree is first built once more in a child process of this script that times
-each phase of the build (wall, CPU of the process, RSS after it and the process's peak so far; the
-phase functions of erofs_builder.build wrapped), printed as a table. Before the trees, the start of the
-command itself is timed: `dsecfs --help` and `dsecfs build --help` (the interpreter and the imports every
-build pays), median of 5 runs, for this checkout and the baseline.
+rounds. With --phases, each tree is first built ROUNDS times more, each in a child process of this script
+that times each phase of the build (wall, CPU of the process and of its main thread, RSS after it (of a
+phase of many calls, after one of its last 4,096) and the process's peak so far; the phase functions of
+erofs_builder.build wrapped), alternating with the baseline's code when --baseline is given; the
+medians are printed as a table per checkout. Before the trees, the start of the command itself is
+timed: `dsecfs --help` and `dsecfs build --help` (the interpreter and the imports every build pays),
+median of 5 runs, for this checkout and the baseline.
 """
 
 from __future__ import annotations
@@ -143,12 +146,13 @@ PHASES = [
 ]
 
 
-def phase_child(tree: str, work: str) -> None:
-    """In a child process: build ``tree`` once with every phase function wrapped; print one JSON line."""
+def phase_child(tree: str, work: str, source: str | None) -> None:
+    """In a child process: build ``tree`` once with every phase function wrapped, with this checkout's code
+    or, with ``source``, that source directory's; print one JSON line."""
     import functools
     import importlib
     import resource
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, source or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dsec_fs.store import open_store
 
     rows: dict[str, list[float]] = {}
@@ -163,16 +167,18 @@ def phase_child(tree: str, work: str) -> None:
     def wrapped(label, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            wall, cpu = time.perf_counter(), time.process_time()
+            wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                row = rows.setdefault(label, [0.0, 0.0, 0, 0.0, 0.0])
+                row = rows.setdefault(label, [0.0, 0.0, 0.0, 0, 0.0, 0.0])
                 row[0] += time.perf_counter() - wall
                 row[1] += time.process_time() - cpu
-                row[2] += 1
-                row[3] = rss_mb()
-                row[4] = peak_mb()
+                row[2] += time.thread_time() - own
+                row[3] += 1
+                if row[3] % 4096 == 1:  # the chunker's phase is a call a file: /proc reads would weigh on it
+                    row[4] = rss_mb()
+                row[5] = peak_mb()
         return timed
 
     for label, module, owner, name in PHASES:
@@ -186,25 +192,49 @@ def phase_child(tree: str, work: str) -> None:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"digest": result.digest, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": peak,
-                      "phases": [{"phase": label, "wall_s": w, "cpu_s": c, "calls": n, "rss_after_mb": m,
-                                  "peak_after_mb": p} for label, (w, c, n, m, p) in rows.items()]}))
+                      "phases": [{"phase": label, "wall_s": w, "cpu_s": c, "main_cpu_s": t, "calls": n,
+                                  "rss_after_mb": m, "peak_after_mb": p}
+                                 for label, (w, c, t, n, m, p) in rows.items()]}))
 
 
-def run_phases(name: str, tree: str, work: str) -> dict:
+def phase_build(tree: str, work: str, source: str | None) -> dict:
+    """One in-process build of ``tree`` timed phase by phase (``phase_child``), in a child process."""
     index = os.path.join(work, "phase-index")
-    out = subprocess.run([sys.executable, __file__, "--phase-child", tree, "--work", work], check=True,
+    out = subprocess.run([sys.executable, __file__, "--phase-child", tree, "--work", work,
+                          *(["--phase-source", source] if source else [])], check=True,
                          capture_output=True, text=True, env={**os.environ, "DSECFS_INDEX_DIR": index})
     shutil.rmtree(os.path.join(work, "phase-store"), ignore_errors=True)
     shutil.rmtree(index, ignore_errors=True)
-    result = json.loads(out.stdout.splitlines()[-1])
-    print(f"phases of one dsecfs build of {name} (in-process; layer {result['digest'][:16]})")
-    print(f"{'phase':<36}{'wall s':>8}{'cpu s':>8}{'calls':>8}{'RSS after MiB':>15}{'peak so far':>13}")
-    for row in result["phases"]:
-        print(f"{row['phase']:<36}{row['wall_s']:>8.3f}{row['cpu_s']:>8.3f}{row['calls']:>8}"
-              f"{row['rss_after_mb']:>15.1f}{row['peak_after_mb']:>13.1f}")
-    print(f"{'whole build':<36}{result['wall_s']:>8.3f}{result['cpu_s']:>8.3f}{'':>8}"
-          f"{result['peak_rss_mb']:>9.1f} peak")
-    return {"tree": name, **result}
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def run_phases(name: str, tree: str, work: str, rounds: int, baseline: str | None) -> dict:
+    """The phases of ``rounds`` builds of ``tree`` by this checkout and, alternating, by ``baseline``:
+    per phase the medians of wall, CPU of the process and CPU of the main thread (the one that walks,
+    reads and writes meta.erofs), and the RSS of the last build."""
+    sources = {"dsecfs": None, **({"dsecfs baseline": baseline} if baseline else {})}
+    runs: dict[str, list[dict]] = {label: [] for label in sources}
+    for _ in range(rounds):
+        for label, source in sources.items():
+            runs[label].append(phase_build(tree, work, source))
+    result = {"tree": name, "rounds": rounds, "load": os.getloadavg()[0]}
+    for label, builds in runs.items():
+        last = builds[-1]
+        phases = [{**row, **{key: statistics.median(build["phases"][k][key] for build in builds)
+                             for key in ("wall_s", "cpu_s", "main_cpu_s")}}
+                  for k, row in enumerate(last["phases"])]
+        result[label] = {"digest": last["digest"], "peak_rss_mb": last["peak_rss_mb"], "phases": phases,
+                         **{key: statistics.median(build[key] for build in builds) for key in ("wall_s", "cpu_s")}}
+        print(f"phases of {label} building {name} (in-process, median of {rounds}; layer {last['digest'][:16]})")
+        print(f"{'phase':<42}{'wall s':>8}{'cpu s':>8}{'main s':>8}{'calls':>8}{'RSS after MiB':>15}"
+              f"{'peak so far':>13}")
+        for row in phases:
+            print(f"{row['phase']:<42}{row['wall_s']:>8.3f}{row['cpu_s']:>8.3f}{row['main_cpu_s']:>8.3f}"
+                  f"{row['calls']:>8}{row['rss_after_mb']:>15.1f}{row['peak_after_mb']:>13.1f}")
+        whole = result[label]
+        print(f"{'whole build':<42}{whole['wall_s']:>8.3f}{whole['cpu_s']:>8.3f}{'':>16}"
+              f"{whole['peak_rss_mb']:>15.1f} peak")
+    return result
 
 
 def run_mkfs(mkfs: str, tree: str, work: str) -> tuple[float, float, int, int]:
@@ -222,16 +252,19 @@ def bench_tree(name: str, tree: str, rounds: int, mkfs_list: list[str], work: st
                 + (["baseline from tar"] if tar and baseline else [])
                 + [f"mkfs.erofs {mkfs_version(m)}" for m in mkfs_list])
     samples: dict[str, list[tuple[float, float, int, int]]] = {b: [] for b in builders}
+    runs_of = {
+        "dsecfs": lambda r: run_dsecfs(tree, work, f"{name}:r{r}"),
+        "dsecfs from tar": lambda r: run_dsecfs(tar, work, f"{name}:tar{r}"),
+        "dsecfs baseline": lambda r: run_dsecfs(tree, work, f"{name}:b{r}", baseline),
+        "baseline from tar": lambda r: run_dsecfs(tar, work, f"{name}:btar{r}", baseline),
+        **{builder: (lambda r, mkfs=mkfs: run_mkfs(mkfs, tree, work))
+           for builder, mkfs in zip(builders[-len(mkfs_list):], mkfs_list)},
+    }
     for r in range(rounds):
-        samples["dsecfs"].append(run_dsecfs(tree, work, f"{name}:r{r}"))
-        if tar:
-            samples["dsecfs from tar"].append(run_dsecfs(tar, work, f"{name}:tar{r}"))
-        if baseline:
-            samples["dsecfs baseline"].append(run_dsecfs(tree, work, f"{name}:b{r}", baseline))
-        if tar and baseline:
-            samples["baseline from tar"].append(run_dsecfs(tar, work, f"{name}:btar{r}", baseline))
-        for builder, mkfs in zip(builders[-len(mkfs_list):], mkfs_list):
-            samples[builder].append(run_mkfs(mkfs, tree, work))
+        # Each round starts one builder further on: none always runs right after another's writes (a
+        # mkfs.erofs writes a 400 MB blob at 100,000 files, whose writeback slows the next build's fsyncs).
+        for builder in builders[r % len(builders):] + builders[:r % len(builders)]:
+            samples[builder].append(runs_of[builder](r))
     result = {"tree": name, "source_bytes": dir_bytes(tree), "rounds": rounds, "builders": {}}
     for builder, runs in samples.items():
         result["builders"][builder] = {
@@ -272,11 +305,13 @@ def main() -> None:
     parser.add_argument("--tar", action="store_true", help="also build each tree from a tar of it")
     parser.add_argument("--baseline", metavar="SRC", help="also build with the dsecfs of this source directory "
                         "(e.g. `git archive main | tar -x -C SRC`), side by side")
-    parser.add_argument("--phases", action="store_true", help="first time each phase of one build per tree")
+    parser.add_argument("--phases", action="store_true", help="first time each phase of ROUNDS builds per tree "
+                        "(and of the baseline's, alternated)")
     parser.add_argument("--phase-child", metavar="TREE", help=argparse.SUPPRESS)
+    parser.add_argument("--phase-source", metavar="SRC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase_child:
-        phase_child(args.phase_child, args.work)
+        phase_child(args.phase_child, args.work, args.phase_source)
         return
     trees = args.tree or [DEBIAN_ROOTFS]
     counts = [n for n in (args.synthetic_files or [100_000, 1_000_000]) if n]
@@ -287,7 +322,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dsecfs-bench-", dir=args.work) as work:
         def bench(name: str, tree: str) -> None:
             if args.phases:
-                phases.append(run_phases(name, tree, work))
+                phases.append(run_phases(name, tree, work, args.rounds, args.baseline))
             tar = make_tar(tree, work) if args.tar else None
             results.append(bench_tree(name, tree, args.rounds, mkfs_list, work, tar, args.baseline))
             print_table(results[-1:])

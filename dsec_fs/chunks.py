@@ -13,8 +13,8 @@ chunk its index claims (what a build checks before it deduplicates against a pac
 Threads:
 - ChunkIndex: any thread may call any method; ``_lock`` guards the digest -> location dicts and the set
   of packs loaded.
-- ChunkUploader: builder worker threads call ``add`` (or ``claim`` and ``add_claimed`` or
-  ``add_claimed_many``) concurrently;
+- ChunkUploader: builder worker threads call ``add`` (or ``claim`` or ``claim_many``, and ``add_claimed``
+  or ``add_claimed_many``) concurrently;
   one thread calls ``flush`` (or ``close``) after every ``add`` has returned. ``_lock`` guards the open
   pack, the set of queued (or claimed) digests,
   the statistics, the list of written packs and the first upload error. Uploads run on the uploader's own
@@ -26,9 +26,11 @@ Threads:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Container, Iterable
+from collections.abc import Collection, Container, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -133,7 +135,7 @@ class ChunkIndex:
                     if all(other.pack_id != pack_id for other in more):
                         more.append(location)
 
-    def add_pack_records(self, pack_id: str, records: bytes, digests: Iterable[bytes] | None = None) -> None:
+    def add_pack_records(self, pack_id: str, records: bytes, digests: Collection[bytes] | None = None) -> None:
         """``add_pack`` of the entries that ``records`` (pack.INDEX_ENTRY records) hold; ``digests``, if
         given, are the same chunks' digests as objects the caller holds anyway (the uploader's are the
         chunker's, which the tree holds too), so that an index keyed by them makes no copy of each."""
@@ -223,24 +225,42 @@ class ChunkUploader:
 
     def add_claimed_many(self, chunks: Iterable[tuple[bytes, int, bytes]]) -> None:
         """``add_claimed`` of each (digest, ulen, frame) in turn, each claimed by this caller: one lock taken
-        per pack filled, not one a chunk (a batch of small files' chunks); may block as ``add`` does."""
-        chunks = iter(chunks)
-        while True:
+        and one PackWriter.add_many per pack filled, not a call a chunk (a batch of small files' chunks);
+        may block as ``add`` does."""
+        chunks = list(chunks)
+        while chunks:
             with self._lock:
                 if self._error is not None:
                     raise self._error
-                writer, target, sealed = self._writer, self.pack_target, None
-                for digest, ulen, frame in chunks:
-                    writer.add(digest, frame, ulen)
-                    self.new_chunks += 1
-                    self.new_bytes += ulen
-                    self.stored_bytes += len(frame)
-                    if writer.size >= target:
-                        sealed = self._seal_if(True)
-                        break
-            if sealed is None:
-                return
-            self._submit(sealed)
+                writer = self._writer
+                # The writer is sealed after the chunk that brings it to pack_target: ``fits`` chunks go in.
+                ends = list(itertools.accumulate((len(frame) for _digest, _ulen, frame in chunks),
+                                                 initial=writer.size))
+                fits = bisect.bisect_left(ends, self.pack_target, lo=1)
+                taken, chunks = chunks[:fits], chunks[fits:]
+                digests, ulens, frames = zip(*taken)
+                writer.add_many(digests, frames, ulens)
+                self.new_chunks += len(taken)
+                self.new_bytes += sum(ulens)
+                self.stored_bytes += ends[len(taken)] - ends[0]
+                sealed = self._seal_if(writer.size >= self.pack_target)
+            if sealed is not None:
+                self._submit(sealed)
+
+    def claim_many(self, digests: Iterable[bytes]) -> list[bool]:
+        """``claim`` of each of ``digests`` in turn, under one lock (a digest that comes twice is claimed
+        the first time only)."""
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            queued, index = self._queued, self.index
+            claimed = []
+            for digest in digests:
+                fresh = digest not in queued and digest not in index
+                if fresh:
+                    queued.add(digest)
+                claimed.append(fresh)
+        return claimed
 
     def send(self) -> None:
         """Start uploading the open pack, without waiting for it (``flush`` waits). Call it after every

@@ -35,7 +35,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from .chunks import INDEX_LOAD_THREADS, ChunkIndex, ChunkLocation, verify_pack
 from .digest import DIGEST_SIZE, to_hex
@@ -210,7 +210,7 @@ class MirroredChunkIndex(ChunkIndex):
         """Record a pack this build uploaded: trusted, its chunks answered from memory (see Memory above)."""
         self.add_pack_records(pack_id, b"".join(INDEX_ENTRY.pack(*entry) for entry in entries))
 
-    def add_pack_records(self, pack_id: str, records: bytes, digests: Iterable[bytes] | None = None) -> None:
+    def add_pack_records(self, pack_id: str, records: bytes, digests: Collection[bytes] | None = None) -> None:
         """``add_pack`` of the entries that ``records`` (INDEX_ENTRY records) hold, as they are. Keyed by
         ``digests`` where given (see ChunkIndex.add_pack_records: a copy of each would cost ~80 bytes a
         chunk while the build's chunk index lives, ~80 MB at 1,000,000 small files)."""
@@ -221,8 +221,11 @@ class MirroredChunkIndex(ChunkIndex):
             self._verdicts[pack_id] = TRUSTED
             self._own_records[pack_id] = records
             own_chunks = self._own_chunks
-            for digest in digests:
-                own_chunks.setdefault(digest, pack_id)
+            if own_chunks.keys().isdisjoint(digests):  # the usual case: one C call, not a setdefault a chunk
+                own_chunks.update(dict.fromkeys(digests, pack_id))
+            else:  # a chunk of an earlier own pack keeps that pack
+                for digest in digests:
+                    own_chunks.setdefault(digest, pack_id)
 
     def confirm(self, store: Store, digests: Iterable[bytes], pack_ids: Iterable[str]) -> list[str]:
         """Check against the store that the packs ``pack_ids`` exist and that their index objects list

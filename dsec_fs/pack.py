@@ -19,7 +19,9 @@ in it. Entries are in ascending offset order; frames never overlap.
 
 from __future__ import annotations
 
+import itertools
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from .compress import frame_bound
@@ -203,6 +205,24 @@ class PackWriter:
         self._frames.append(frame)
         self._digests.add(digest)
         self._size += len(frame)
+
+    def add_many(self, digests: Sequence[bytes], frames: Sequence[bytes], ulens: Sequence[int]) -> None:
+        """``add`` of each (digest, frame, ulen) in turn, checked and recorded for the batch at once: the loop
+        is C's (a tree's many small files' chunks come in batches of a few hundred)."""
+        if self._frames is None:
+            raise RuntimeError("PackWriter.add after finish")
+        fresh = set(digests)
+        if (len(fresh) != len(digests) or not self._digests.isdisjoint(fresh)
+                or any(len(digest) != DIGEST_SIZE for digest in fresh)):
+            for digest, frame, ulen in zip(digests, frames, ulens):  # the one that breaks a rule is named
+                self.add(digest, frame, ulen)
+            return
+        clens = list(map(len, frames))
+        offsets = list(itertools.accumulate(clens, initial=self._size))
+        self._records += b"".join(map(INDEX_ENTRY.pack, digests, offsets, clens, ulens))
+        self._frames += frames
+        self._digests |= fresh
+        self._size = offsets[-1]
 
     def finish(self) -> tuple[str, bytes, bytes]:
         """(pack id, pack bytes, index bytes). Releases the frames, so the writer cannot be used again."""

@@ -15,17 +15,19 @@ Pipeline and threads:
   compresses and uploads each piece of its batch. hashlib and zstandard release the GIL, so on two cores
   both stay busy. A batch, not a piece, is the unit of work: a Future and a GIL hand-over per small file
   would cost far more than naming it.
-- Files under INLINE_BYTES are hashed and claimed in the main thread at once: for so few bytes a worker's
-  Python code per file would cost more than it saves, as the main thread's reads and that code would
-  take turns at the GIL. Their new chunks are compressed in a worker all the same, a batch of about
-  CLAIMED_BATCH_BYTES in one call that holds no GIL (compress.compress_many), so the main thread reads
+- Files under INLINE_BYTES are hashed in the main thread at once: for so few bytes a worker's Python
+  code per file would cost more than it saves, as the main thread's reads and that code would take
+  turns at the GIL. Their chunks wait in a batch of about CLAIMED_BATCH_BYTES, claimed together
+  (``ChunkUploader.claim_many``: one lock a batch, not one a file); the new ones are compressed in a
+  worker all the same, in one call that holds no GIL (compress.compress_many), so the main thread reads
   on while the other core compresses; the worker hands the frames back, and the main thread queues
   them for upload (``ChunkUploader.add_claimed_many``) when it settles the batch.
 - The main thread alone settles results (fills a node's chunk list at the piece's position, adds up the
   statistics), so those need no lock; the BlobMap is laid out from the final tree afterwards.
 - The threads share no state of the chunker: a thread that meets a new chunk claims it from the uploader
-  (``ChunkUploader.claim``, under the uploader's lock) before compressing it, so two threads that meet
-  the same new chunk do not both compress it, and nothing per chunk outlives the chunk's upload.
+  (``ChunkUploader.claim`` or ``claim_many``, under the uploader's lock) before compressing it, so two
+  threads that meet the same new chunk do not both compress it, and nothing per chunk outlives the
+  chunk's upload.
 - At most ``_max_batches`` batches of either kind (about 2 per worker, capped by INFLIGHT_BYTES) are read
   and not yet settled, so memory does not grow with the amount of data (only the Tree grows, with the entries).
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,8 +73,8 @@ KnownChunks = Callable[[Node], "list[bytes | None] | None"]
 _Slot = tuple[list, int, int, bytes]
 # What naming a piece found: (digest, or None for all zeros; compressed size if it uploaded a new chunk).
 _Named = tuple["bytes | None", "int | None"]
-# A small file's new chunk, claimed and waiting to be compressed: (digest, length, bytes).
-_Claimed = tuple[bytes, int, bytes]
+# A small file's chunk, named and waiting to be claimed, then (if new) compressed: (digest, length, bytes).
+_SmallChunk = tuple[bytes, int, bytes]
 
 
 @dataclass(slots=True)
@@ -122,8 +125,8 @@ class Chunker:
         self._pool = ThreadPoolExecutor(max_workers=min(workers, self._max_batches), thread_name_prefix="chunker")
         self._batch: list[_Slot] = []  # pieces read, not yet handed to a worker
         self._batch_size = 0  # their bytes
-        self._claimed: list[_Claimed] = []  # small files' new chunks, not yet handed to a worker
-        self._claimed_size = 0  # their bytes
+        self._small: list[_SmallChunk] = []  # small files' chunks named, not yet claimed nor handed to a worker
+        self._small_size = 0  # their bytes
         # Batches handed to workers, in order: the Future of each one's result, and what settles it.
         self._pending: collections.deque[tuple[Callable[[list], None], Future[list]]] = collections.deque()
 
@@ -155,13 +158,13 @@ class Chunker:
                     self._settle(_piece_length(size, number, self.chunk_size), digest, None)
                 return
         if 0 < size < self._inline_below:
-            self._add_small(node)
+            self._add_small(node, size)
             return
         node.chunks = [None] * -(-size // self.chunk_size) if size else ()
         if size:
             if node.reader is None:
                 raise InputError("regular file has no content reader", where=node.source)
-            pieces = node.reader(self.chunk_size)
+            pieces = iter(node.reader(self.chunk_size))
             try:
                 self._read(node, pieces)
             finally:
@@ -169,41 +172,34 @@ class Chunker:
                 if close is not None:
                     close()
 
-    def _add_small(self, node: Node) -> None:
-        """add_file for a file of one piece under INLINE_BYTES: read, hashed and claimed here, at once (most
-        files of a tree are such files, so this is ``_read`` without its loop and batches); a new chunk
-        waits in ``_claimed`` for a worker to compress it."""
-        if node.reader is None:
+    def _add_small(self, node: Node, size: int) -> None:
+        """add_file for a file of one piece under INLINE_BYTES: read, hashed and named here, at once (most
+        files of a tree are such files, so this is ``_read`` without its loop and batches); its chunk waits
+        in ``_small`` to be claimed and, if new, compressed by a worker with the rest of its batch."""
+        reader = node.reader
+        if reader is None:
             raise InputError("regular file has no content reader", where=node.source)
-        size = node.size
-        pieces = node.reader(self.chunk_size)
-        try:
-            piece = next(pieces, _END)
-            if piece is None:  # a hole the reader found without reading
-                digest = None
-            elif piece is _END:
-                raise InputError("content ends after 0 of 1 chunks", where=node.source)
-            elif len(piece) != size:
-                raise InputError(f"chunk 0 is {len(piece)} bytes, expected {size}", where=node.source)
-            elif not piece[0] and piece == bytes(size):  # all zeros (see _name)
-                digest = None
-            else:
-                digest = sha256(piece)
-            if next(pieces, _END) is not _END:
-                raise InputError(f"content runs past the file's size {size}", where=node.source)
-        finally:
-            close = getattr(pieces, "close", None)  # a generator: let it close its file now
-            if close is not None:
-                close()
-        node.chunks = (digest,)  # a tuple: 24 bytes less than a list (most files of a large tree are these)
-        if digest is not None and self._uploader.claim(digest):
-            self._claimed.append((digest, size, piece))
-            self._claimed_size += size
-            if self._claimed_size >= CLAIMED_BATCH_BYTES:
-                self._submit_claimed()
-            self._settle(size, digest, 0)  # its compressed size is counted when its batch is settled
+        pieces = reader(self.chunk_size)
+        if type(pieces) is tuple and len(pieces) == 1 and pieces[0] is not None:  # read whole (ChunkReader)
+            piece = pieces[0]
         else:
-            self._settle(size, digest, None)
+            piece = _only_piece(node, iter(pieces))
+        if piece is None:  # a hole the reader found without reading
+            digest = None
+        elif len(piece) != size:
+            raise InputError(f"chunk 0 is {len(piece)} bytes, expected {size}", where=node.source)
+        elif not piece[0] and piece == bytes(size):  # all zeros (see _name)
+            digest = None
+        else:
+            digest = sha256(piece)
+        node.chunks = (digest,)  # a tuple: 24 bytes less than a list (most files of a large tree are these)
+        if digest is None:
+            self._settle(size, None, None)
+            return
+        self._small.append((digest, size, piece))
+        self._small_size += size
+        if self._small_size >= CLAIMED_BATCH_BYTES:
+            self._submit_small()
 
     def _read(self, node: Node, pieces: Iterator[bytes | None]) -> None:
         """Take a file's pieces from its reader, checking that they add up to exactly ``node.size`` bytes,
@@ -237,8 +233,8 @@ class Chunker:
         """Hand the pieces read so far to the workers now, without waiting for them (``finish`` waits)."""
         if self._batch:
             self._submit()
-        if self._claimed:
-            self._submit_claimed()
+        if self._small:
+            self._submit_small()
 
     def finish(self) -> ChunkStats:
         """Wait for every queued piece; the caller then flushes the uploader."""
@@ -268,10 +264,24 @@ class Chunker:
         batch, self._batch, self._batch_size = self._batch, [], 0
         self._queue(functools.partial(self._settle_named, batch), self._name_batch, batch)
 
-    def _submit_claimed(self) -> None:
-        claimed, self._claimed, self._claimed_size = self._claimed, [], 0
-        self._queue(functools.partial(self._settle_compressed, claimed), compress.compress_many,
-                    [piece for _digest, _length, piece in claimed])
+    def _submit_small(self) -> None:
+        """Claim the small files' chunks named since the last call, under one lock, count them, and hand the
+        new ones to a worker to compress (their compressed sizes are counted when the batch is settled)."""
+        small, small_bytes = self._small, self._small_size
+        self._small, self._small_size = [], 0
+        claimed = list(itertools.compress(small, self._uploader.claim_many([digest for digest, _, _ in small])))
+        stats = self.stats
+        new_bytes = sum(length for _digest, length, _piece in claimed)
+        stats.chunks += len(small)
+        stats.new_chunks += len(claimed)
+        stats.new_bytes += new_bytes
+        stats.dedup_bytes += small_bytes - new_bytes
+        if self._progress is not None:
+            self._done += small_bytes
+            self._progress(self._done, self._total)
+        if claimed:
+            self._queue(functools.partial(self._settle_compressed, claimed), compress.compress_many,
+                        [piece for _digest, _length, piece in claimed])
 
     def _queue(self, settle: Callable[[list], None], work: Callable[[list], list], batch: list) -> None:
         """Hand ``work(batch)`` to a worker, to be settled in order by ``settle(its result)``."""
@@ -288,7 +298,7 @@ class Chunker:
             chunks[number] = digest
             self._settle(length, digest, stored)
 
-    def _settle_compressed(self, claimed: list[_Claimed], frames: Sequence[bytes]) -> None:
+    def _settle_compressed(self, claimed: list[_SmallChunk], frames: Sequence[bytes]) -> None:
         """Queue a batch of small files' new chunks for upload, now compressed; count what they store."""
         frames = compress.frames_of(frames)  # here: see compress_many
         self._uploader.add_claimed_many((digest, length, frame)
@@ -389,6 +399,22 @@ def regular_files(tree: Tree) -> list[Node]:
                 seen.add(id(node))
             files.append(node)
     return files
+
+
+def _only_piece(node: Node, pieces: Iterator[bytes | None]) -> bytes | None:
+    """The one piece a reader gives for a file of one piece (None: a hole), then closes it; InputError if
+    it gives none or more."""
+    try:
+        piece = next(pieces, _END)
+        if piece is _END:
+            raise InputError("content ends after 0 of 1 chunks", where=node.source)
+        if next(pieces, _END) is not _END:
+            raise InputError(f"content runs past the file's size {node.size}", where=node.source)
+        return piece
+    finally:
+        close = getattr(pieces, "close", None)  # a generator: let it close its file now
+        if close is not None:
+            close()
 
 
 def _piece_length(size: int, number: int, chunk_size: int) -> int:

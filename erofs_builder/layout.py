@@ -148,15 +148,6 @@ class Layout:
             flat, self.parents[position], self,
         )
 
-    def entry(self, directory: InodePlan, name: bytes, position: int) -> tuple[int, int]:
-        """The position of entry ``name`` of ``directory``, with entries visited in name order:
-        ``position`` starts at the directory's ``first_child`` and is returned moved past the entry when
-        the entry was placed there."""
-        child = directory.node.children[name]
-        if position < len(self.nodes) and self.nodes[position] is child:
-            return position, position + 1
-        return self.links[id(child)], position
-
     def path(self, position: int) -> bytes:
         """The first path that reached inode ``position``: through its parents, each time the lowest of
         its names in the parent (the one the breadth-first walk met first). For messages only."""
@@ -248,15 +239,46 @@ def _xattr_body(node: Node, layout: Layout, position: int) -> bytes:
     return body
 
 
+# The largest uid, gid and nlink a compact inode holds (16 bits).
+_COMPACT_FIELD_MAX = 0xFFFF
+# i_format of a regular file of one chunk without xattrs, and its record's slots: the header, then one
+# chunk index (8 bytes; the header keeps it 8-byte aligned), rounded up to whole 32-byte inode slots.
+_ONE_CHUNK_FILE = {
+    extended: ((inode.VERSION_EXTENDED if extended else inode.VERSION_COMPACT) | inode.LAYOUT_CHUNK_BASED << 1,
+               -(-((inode.EXTENDED.size if extended else inode.COMPACT.size) + chunk_index.CHUNK_INDEX.size)
+                 // INODE_SLOT_SIZE))
+    for extended in (False, True)
+}
+
+
 def _place_inodes(layout: Layout) -> int:
-    """Decide every inode's form and give it its nid, in order; returns the end of the inode area (bytes)."""
+    """Decide every inode's form and give it its nid, in order; returns the end of the inode area (bytes).
+
+    A regular file of one chunk without xattrs (most inodes of a large tree) is decided here, inline:
+    what ``_inode_form`` decides for it, without its calls and its checks of other kinds of inode."""
     pos = INODE_AREA_START
+    nids, formats = layout.nids, layout.formats
+    one_chunk_file = _ONE_CHUNK_FILE
+    chunk_size = layout.chunk_size
+    build_time_ns = layout.build_time * NS_PER_S + layout.build_time_nsec
+    field_max = _COMPACT_FIELD_MAX
     for position, node in enumerate(layout.nodes):
+        if (node.children is None and not node.xattrs and stat.S_ISREG(node.mode) and 0 < node.size <= chunk_size
+                and 0 <= node.uid <= field_max and 0 <= node.gid <= field_max and node.nlink <= field_max):
+            chunks = node.chunks
+            if chunks is not None and len(chunks) == 1:
+                # needs_extended of a size under 4 GiB and 16-bit ids: the mtime (its divmod is one-to-one)
+                i_format, slots = one_chunk_file[node.mtime_ns != build_time_ns]
+                layout.chunked = True
+                nids.append(pos // INODE_SLOT_SIZE)
+                formats.append(i_format)
+                pos += slots * INODE_SLOT_SIZE
+                continue
         extended, data_layout, record_size = _inode_form(layout, position, node)
         if data_layout == inode.LAYOUT_FLAT_INLINE:
             data_layout, record_size, pos = _place_inline(layout.flat[position], record_size, pos)
-        layout.nids.append(pos // INODE_SLOT_SIZE)
-        layout.formats.append((inode.VERSION_EXTENDED if extended else inode.VERSION_COMPACT) | data_layout << 1)
+        nids.append(pos // INODE_SLOT_SIZE)
+        formats.append((inode.VERSION_EXTENDED if extended else inode.VERSION_COMPACT) | data_layout << 1)
         pos += -(-record_size // INODE_SLOT_SIZE) * INODE_SLOT_SIZE
     return pos
 

@@ -397,8 +397,9 @@ class _Content:
     def where(self) -> str:
         return member_where(self._reader.stream.source, self._name, self._offset)
 
-    def read(self, chunk_size: int) -> Iterator[bytes | None]:
-        """Node.reader: pieces of ``chunk_size`` bytes (the last shorter), None for a piece that is all hole."""
+    def read(self, chunk_size: int) -> Iterator[bytes | None] | tuple[bytes, ...]:
+        """Node.reader: pieces of ``chunk_size`` bytes (the last shorter), None for a piece that is all hole;
+        a member of one piece is read now, its piece in a tuple (tree.ChunkReader)."""
         self._check_open()
         if self._started:
             raise RuntimeError(f"{self.where}: the content of a tar member can be read only once")
@@ -410,12 +411,12 @@ class _Content:
         size = self._node.size
         if size <= chunk_size:  # one piece (most files): read now, without a generator
             if not size:
-                return iter(())
+                return ()
             data = self._reader.stream.take(size, piece=True)
             if data is None:
-                return iter((self._take(size, piece=True),))
+                return (self._take(size, piece=True),)
             self._reader.data_left -= size
-            return iter((data,))
+            return (data,)
         return self._pieces(chunk_size)
 
     def close(self) -> None:

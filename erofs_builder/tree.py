@@ -22,7 +22,9 @@ NAME_MAX = 255
 
 # Content of a regular file, read once, in order: an iterator of chunk-size pieces (the last may be
 # shorter); None stands for a piece known to be a hole (SEEK_HOLE, a tar sparse map) without reading it.
-ChunkReader = Callable[[int], Iterator["bytes | None"]]
+# A reader that has read a file of one piece whole gives the tuple of that piece (or an empty tuple for an
+# empty file) instead, which the chunker takes without the iterator calls (most files of a tree).
+ChunkReader = Callable[[int], "Iterator[bytes | None] | tuple[bytes, ...]"]
 
 
 @dataclass(eq=False, slots=True)

@@ -385,7 +385,7 @@ class WalkedFile:
     def reader(self) -> Callable[[int], Iterator[bytes | None]]:
         return self._pieces
 
-    def _pieces(self, chunk_size: int) -> Iterator[bytes | None]:
+    def _pieces(self, chunk_size: int) -> Iterator[bytes | None] | tuple[bytes, ...]:
         return _read_file(self._dir, self._dir.names[self._row], self.identity, chunk_size)
 
 
@@ -402,9 +402,11 @@ def _where(directory: SourceDir, name: bytes) -> str:
     return (directory.prefix + name).decode(_FS_ENCODING, _FS_ERRORS)
 
 
-def _read_file(directory: SourceDir, name: bytes, identity: tuple, chunk_size: int) -> Iterator[bytes | None]:
+def _read_file(directory: SourceDir, name: bytes, identity: tuple,
+               chunk_size: int) -> Iterator[bytes | None] | tuple[bytes, ...]:
     """The file's content in ``chunk_size`` pieces, None for pieces in a hole (see the module docstring).
-    A file of one piece (most files of a tree) is read at once, without a generator."""
+    A file of one piece (most files of a tree) is read at once, without a generator: the tuple of its
+    piece (tree.ChunkReader)."""
     if identity[2] > chunk_size:
         return _read_pieces(directory, name, identity, chunk_size)
     try:
@@ -425,7 +427,7 @@ def _read_file(directory: SourceDir, name: bytes, identity: tuple, chunk_size: i
             raise _input_error(data, _where(directory, name))
     finally:
         os.close(fd)
-    return iter((data,) if size else ())
+    return (data,) if size else ()
 
 
 def _read_pieces(directory: SourceDir, name: bytes, identity: tuple, chunk_size: int) -> Iterator[bytes | None]:

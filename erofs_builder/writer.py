@@ -88,9 +88,9 @@ def spill_image(tree: Tree, blobmap, chunk_size: int, *, blob_id: str | None = N
 def _write_layout(image, layout: Layout, blobmap, blob_id: str | None, release=None) -> None:
     """Every inode, its data and the superblock into ``image`` (a bytearray or a SpillFile's mapping, whose
     pages ``release(image, offset)`` hands back up to ``offset``); not sealed."""
-    formats = layout.formats
+    formats, plain_formats = layout.formats, _PLAIN_FILE_FORMATS
     for position, node in enumerate(layout.nodes):
-        if formats[position] in _PLAIN_FILE_FORMATS and not node.xattrs:
+        if formats[position] in plain_formats and not node.xattrs:
             _write_plain_file(image, layout, position, node, blobmap)
         else:
             _write_inode(image, layout, layout.plan(position), blobmap)
@@ -196,6 +196,8 @@ def _chunk_indexes(plan: InodePlan, blobmap) -> bytes:
 def _directory_data(plan: InodePlan, layout: Layout) -> bytes:
     """The directory's blocks, each zero-padded but the last, which ends after its last name."""
     position = plan.flat.first_child
+    nodes, nids, children, links = layout.nodes, layout.nids, plan.node.children, layout.links
+    file_type = dirent.file_type
     blocks = []
     for names in plan.flat.dir_blocks:
         entries = []
@@ -204,9 +206,14 @@ def _directory_data(plan: InodePlan, layout: Layout) -> bytes:
                 target = plan.position
             elif name == b"..":
                 target = plan.parent
-            else:
-                target, position = layout.entry(plan, name, position)
-            entries.append((name, layout.nids[target], dirent.file_type(layout.nodes[target].mode)))
+            else:  # in name order: the entries this directory reached first are placed from first_child
+                child = children[name]
+                if position < len(nodes) and nodes[position] is child:
+                    target = position
+                    position += 1
+                else:
+                    target = links[id(child)]
+            entries.append((name, nids[target], file_type(nodes[target].mode)))
         blocks.append(dirent.pack_block(entries))
     return b"".join(block.ljust(BLOCK_SIZE, b"\0") for block in blocks[:-1]) + blocks[-1]
 

@@ -130,6 +130,18 @@ def test_a_chunk_is_claimed_once_then_added_by_its_claimer(store):
     assert uploader.claim(digest) is False  # stored now: the index holds it
 
 
+def test_claim_many_claims_each_chunk_neither_stored_nor_queued_once(store):
+    stored, queued, new = (sha256(b"stored"), sha256(b"queued"), sha256(b"new"))
+    index = ChunkIndex()
+    uploader = ChunkUploader(store, index)
+    uploader.add(stored, 6, compress.compress(b"stored"))
+    uploader.flush()
+    uploader = ChunkUploader(store, index)
+    assert uploader.claim(queued)
+    assert uploader.claim_many([stored, queued, new, new]) == [False, False, True, False]
+    assert uploader.claim(new) is False
+
+
 def test_chunks_added_many_at_a_time_fill_packs_as_one_at_a_time(tmp_path):
     """add_claimed_many across pack boundaries gives the packs add_claimed gives, chunk for chunk; and
     compress_many's frames are compress's."""

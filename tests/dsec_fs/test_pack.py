@@ -77,6 +77,27 @@ def test_writer_refuses_the_same_chunk_twice():
         writer.add(b"\1" * 32, b"frame", 5)
 
 
+def test_chunks_added_many_at_a_time_make_the_pack_added_one_at_a_time():
+    frames = [compress.compress(chunk) for chunk in CHUNKS]
+    writer = PackWriter()
+    writer.add(sha256(b"first"), compress.compress(b"first"), 5)
+    writer.add_many([sha256(chunk) for chunk in CHUNKS[:2]], frames[:2], [len(chunk) for chunk in CHUNKS[:2]])
+    writer.add_many([sha256(chunk) for chunk in CHUNKS[2:]], frames[2:], [len(chunk) for chunk in CHUNKS[2:]])
+    assert (writer.count, writer.size) == (6, len(compress.compress(b"first")) + sum(map(len, frames)))
+    assert writer.digests == {sha256(b"first"), *map(sha256, CHUNKS)}
+    assert writer.finish() == make_pack([b"first", *CHUNKS])[:3]
+
+
+@pytest.mark.parametrize("twice", ["in the batch", "added before"])
+def test_chunks_added_many_at_a_time_refuse_the_same_chunk_twice_naming_it(twice):
+    writer = PackWriter()
+    writer.add(b"\1" * 32, b"frame", 5)
+    again = b"\2" * 32 if twice == "in the batch" else b"\1" * 32
+    with pytest.raises(ConflictError) as info:
+        writer.add_many([b"\2" * 32, b"\3" * 32, again], [b"two", b"three", b"again"], [3, 5, 5])
+    assert info.value.where == f"chunk {again.hex()}"
+
+
 @settings(max_examples=300)
 @given(position=st.integers(min_value=0, max_value=len(INDEX) - 1), xor=st.integers(min_value=1, max_value=255))
 def test_any_flipped_index_byte_is_a_format_error(position, xor):

@@ -201,6 +201,32 @@ def test_regular_files_written_in_place_are_the_bytes_the_general_path_writes(mo
     assert make() == fast
 
 
+def test_one_chunk_files_placed_inline_get_the_inodes_the_general_rules_give(monkeypatch):
+    """layout._place_inodes decides a one-chunk regular file without xattrs itself: the same image as
+    _inode_form's for every inode, across each field that makes an inode extended or takes it off that path."""
+    import erofs_builder.layout as layout
+
+    def make() -> bytes:
+        b = Builder()
+        for i in range(48):
+            data = bytes([1 + i % 5]) * (1 + i * 90)  # 1 byte to just over CHUNK: one chunk, or two
+            b.file(b"d%d/f%d" % (i % 3, i), data, mtime_ns=MTIME if i % 3 else MTIME + i * 7,
+                   uid=0x10000 if i == 4 else 0xFFFF if i == 6 else i, gid=0x10000 if i == 8 else i % 2,
+                   xattrs={b"user.x": b"1"} if i == 10 else {})
+        b.file(b"before-1970", b"old", mtime_ns=-1_500_000_000)
+        b.file(b"sparse", bytes(CHUNK))  # one chunk, a hole
+        many = b.file(b"many-names", b"linked")
+        for k in range(3):
+            b.tree.add(b"d0/name-%d" % k, many)
+        b.file(b"empty")
+        b.symlink(b"s", b"target")
+        return bytes(b.build().data)
+
+    inline = make()
+    monkeypatch.setattr(layout, "_COMPACT_FIELD_MAX", -1)  # no inode takes the inline path
+    assert make() == inline
+
+
 def _varied_tree() -> Builder:
     """Every kind of inode record: compact and extended files, a hole, xattrs, hard links, a directory of
     several blocks (data area), short and long symlinks, an empty file."""
