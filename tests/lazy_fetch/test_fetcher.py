@@ -1128,3 +1128,40 @@ def test_a_prefetch_checks_the_kept_frames_it_finds_and_a_fill_leaves_them(backe
             assert [cache.get(digest) for digest, _ in items[:2]] == chunks[:2] and cache.stats().frames == 1
 
     trio.run(main)
+
+
+def test_kept_frames_whose_index_records_lie_are_dropped_and_read_from_the_store(backend, tmp_path):
+    # Layout 3's 80-byte frame records, changed while the cache is closed (damage, or a bug): a plain
+    # size of a GiB (the frame is decompressed to the blob map's size, never more), one of 10 bytes, and
+    # a record of another chunk's frame (it decompresses, to that chunk's bytes). Each is found, dropped,
+    # and its chunk read from the store; nothing else is served.
+    import lmdb
+
+    from lazy_fetch.lmdb_index import FRAME_ENTRY
+
+    chunks = [compressible(n) for n in range(4)]
+    items = upload(backend, chunks)
+    directory = str(tmp_path / "lying-cache")
+
+    async def fill_and_read(lie):
+        with ChunkCache(directory, 1 << 20) as cache:
+            async with open_fetcher(backend, cache) as fetcher:
+                if lie is None:
+                    await fill(fetcher, items)
+                    return
+                assert [await fetcher.fetch(*item) for item in items] == chunks
+                await fetcher.written_down_to(0)
+                assert cache.stats().bad_frames == 3 and cache.stats().frames == 0
+                assert [cache.get(digest) for digest, _ in items] == chunks
+
+    trio.run(fill_and_read, None)
+    env = lmdb.open(os.path.join(directory, "index"), max_dbs=4, subdir=True)
+    with env.begin(write=True) as txn:
+        entries = env.open_db(b"entries", txn=txn)
+        for (digest, _location), plain_size in ((items[0], 1 << 30), (items[3], 10)):
+            record = list(FRAME_ENTRY.unpack(txn.get(digest, db=entries)))
+            record[5] = plain_size
+            txn.put(digest, FRAME_ENTRY.pack(*record), db=entries)
+        txn.put(items[1][0], txn.get(items[2][0], db=entries), db=entries)
+    env.close()
+    trio.run(fill_and_read, True)
