@@ -797,9 +797,13 @@ def test_a_frame_put_that_races_its_plain_chunk_does_not_replace_it(tmp_path, mo
         stats = cache.stats()
         assert (stats.entries, stats.frames) == (3, 1)
         assert stats.bytes == len(plain[0]) + len(plain[1]) + len(frames[2].frame)
+        assert cache.frame_growth == len(plain[2]) - len(frames[2].frame)  # what reading frames[2] adds
         segments = len(os.listdir(tmp_path / "segments"))
         racing.append([3])  # every frame of a put raced: no segment is left for it
         assert cache.put(digests[3], frames[3]) and cache.get(digests[3]) == plain[3]
         assert len(os.listdir(tmp_path / "segments")) == segments + 1  # the reader's
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:  # counted again at open
+        assert cache.frame_growth == len(plain[2]) - len(frames[2].frame)
         cache.put(digests[2], plain[2])  # (assert_consistent reads plain chunks)
+        assert cache.frame_growth == 0
     assert_consistent(tmp_path, 1 << 20)
