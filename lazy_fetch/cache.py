@@ -89,8 +89,9 @@ and index: rename + record (put, put_many), eviction, dropping a rotten entry or
 the per-segment counts (``_segments``, ``_dead_bytes``, ``_next_segment``, ``_can_punch``). A batch's
 segment is written before ``_lock`` is taken. Reads take no lock: a read that races an eviction sees a
 missing segment or a hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock``
-guards the statistics counters and the pending LRU moves (``_frames``, the frames indexed, is
-changed under ``_lock``, read by ``stats`` without). The presence counters are changed under ``_lock`` only, with the index, and read by
+guards the statistics counters and the pending LRU moves (``_frames``, the frames indexed, and
+``_frame_growth`` are changed under ``_lock``, read by ``stats`` and ``frame_growth`` without). The
+presence counters are changed under ``_lock`` only, with the index, and read by
 ``lacks`` from any thread without a lock (a byte read is atomic); ``note_misses`` is called by one thread
 (the fetcher's). ``read_index`` is for a closed cache.
 """
