@@ -6,7 +6,9 @@ these from its flights (fetcher.py, "A fill's chunks as fetched").
   frame is dropped from the cache and a warning names the chunk and the pack (the caller then reads the
   chunk from the store, as a miss).
 - ``check_fetched``: the Frames a fill's store read brought that a reader joined while it was in the air:
-  each its chunk, or the error that says it is not (delivered to the waiters as a store read's is).
+  each its chunk, or the error that says it is not (delivered to the waiters as a store read's is;
+  whatever decompressing raises, MemoryError for the size a forged pack index claims included, is that
+  chunk's CorruptError: it escaped the flight and stopped the fetcher).
 
 Both decompress a frame to exactly the size the blob map gives the chunk (the reader's location), never
 more, and check its sha256 (dsec_fs.chunks.decode_chunk).
@@ -54,8 +56,12 @@ def check_fetched(wanted: list[tuple[bytes, ChunkLocation]], frames: dict[bytes,
     CorruptError (IntegrityError) saying the frame is not it."""
     checked: dict[bytes, bytes | CorruptError] = {}
     for digest, location in wanted:
+        key = keys.pack(location.pack_id)
         try:
-            checked[digest] = decode_chunk(frames[digest].frame, digest, location.ulen, keys.pack(location.pack_id))
+            checked[digest] = decode_chunk(frames[digest].frame, digest, location.ulen, key)
         except CorruptError as exc:
             checked[digest] = exc
+        except Exception as exc:  # whatever else zstd raises (MemoryError for a forged claim): not the chunk
+            checked[digest] = CorruptError(f"the frame kept of the chunk cannot be checked: {exc!r}",
+                                           where=f"chunk {to_hex(digest)} in {key}")
     return checked
