@@ -10,8 +10,10 @@ these from its flights (fetcher.py, "A fill's chunks as fetched").
   whatever decompressing raises, MemoryError for the size a forged pack index claims included, is that
   chunk's CorruptError: it escaped the flight and stopped the fetcher).
 
-Both decompress a frame to exactly the size the blob map gives the chunk (the reader's location), never
-more, and check its sha256 (dsec_fs.chunks.decode_chunk).
+Both decompress a frame to exactly a size never more than a location gives, and check its sha256
+(dsec_fs.chunks.decode_chunk): ``check_kept`` the reader's (the blob map's: a frame kept of another size
+is refused unread), ``check_fetched`` the fill's read's, which a forged pack index may have made large
+(its allocation fails, at worst, as the fill's own decompression did before it kept frames).
 
 Threads: plain functions for worker threads (they decompress and hash, and ``check_kept`` writes the
 cache's index); nothing here is shared.
@@ -52,8 +54,8 @@ def check_kept(cache: ChunkCache, digest: bytes, location: ChunkLocation, frame:
 
 
 def check_fetched(wanted: list[tuple[bytes, ChunkLocation]], frames: dict[bytes, Frame]) -> dict[bytes, bytes | CorruptError]:
-    """Each of ``wanted`` (digest, the reader's location) whose Frame is in ``frames``: its chunk, or the
-    CorruptError (IntegrityError) saying the frame is not it."""
+    """Each of ``wanted`` (digest, the location the fill read it from) whose Frame is in ``frames``: its
+    chunk, or the CorruptError (IntegrityError) saying the frame is not it."""
     checked: dict[bytes, bytes | CorruptError] = {}
     for digest, location in wanted:
         key = keys.pack(location.pack_id)
