@@ -34,6 +34,9 @@ and cost a copy to disk, not the CPU of decompressing and hashing every one. ``g
 as a Frame; the caller (fetcher.py) decompresses it within its plain size, checks its sha256, and puts
 the plain chunk, which replaces the frame's entry; a frame that fails is dropped (``drop_frame``). The
 xxh3 check on what is stored is the same for both: it catches damage at rest, not a lie of the store.
+A frame never replaces a plain chunk: ``put_many`` skips one whose chunk is cached plain, and a
+frame whose chunk another thread put plain while its segment was being written is left out of the
+index commit, under ``_lock`` (its bytes punched out), so a checked chunk is never unchecked again.
 
 The rule that keeps it consistent after SIGKILL at any point: an index entry is only ever added for bytes
 already written and renamed into place in their segment, and removed before its bytes are punched out
@@ -86,8 +89,9 @@ and index: rename + record (put, put_many), eviction, dropping a rotten entry or
 the per-segment counts (``_segments``, ``_dead_bytes``, ``_next_segment``, ``_can_punch``). A batch's
 segment is written before ``_lock`` is taken. Reads take no lock: a read that races an eviction sees a
 missing segment or a hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock``
-guards the statistics counters and the pending LRU moves (``_frames``, the frames indexed, is
-changed under ``_lock``, read by ``stats`` without). The presence counters are changed under ``_lock`` only, with the index, and read by
+guards the statistics counters and the pending LRU moves (``_frames``, the frames indexed, and
+``_frame_growth`` are changed under ``_lock``, read by ``stats`` and ``frame_growth`` without). The
+presence counters are changed under ``_lock`` only, with the index, and read by
 ``lacks`` from any thread without a lock (a byte read is atomic); ``note_misses`` is called by one thread
 (the fetcher's). ``read_index`` is for a closed cache.
 """
@@ -169,6 +173,9 @@ class ChunkCache:
         self._pending_touches: dict[bytes, int] = {}
         self._hits = self._misses = self._evictions = self._rotten = self._bad_frames = 0
         self._frames = 0
+        # The bytes the frames indexed will take beyond their own once read (made plain): the sum over them
+        # of plain size minus frame size. Under ``_lock``; read without it (``frame_growth``).
+        self._frame_growth = 0
         self._known_misses = 0  # misses that ``lacks`` answered (note_misses)
         self._segments: dict[int, _Segment] = {}
         self._dead_bytes = 0  # the sum of their ``dead``
@@ -258,6 +265,7 @@ class ChunkCache:
             known = self._segments.setdefault(entry.segment, _Segment(size=size, chunks=0))
             known.chunks += 1
             self._frames += entry.is_frame
+            self._frame_growth += _growth(entry)
         for segment in sizes.keys() - self._segments.keys():  # every chunk of it was unsound
             removed += remove_stray(self._segment_path(segment))
         if unsound:
@@ -365,6 +373,14 @@ class ChunkCache:
                           hits=hits, misses=misses, evictions=evictions, rotten=rotten,
                           reconciled=self._reconciled, frames=self._frames, bad_frames=bad_frames)
 
+    @property
+    def frame_growth(self) -> int:
+        """Bytes the cache's frames will take beyond their own once read and made plain (each at its
+        chunk's size): a fill's room is the bound less ``bytes`` and this, so that reading what it kept
+        evicts nothing (the bound counts stored bytes: a fill that counted only those kept frames of
+        two or three times the room's worth of chunks)."""
+        return max(0, self._frame_growth)
+
     def close(self) -> None:
         """Write pending LRU moves and release the index and the directory lock. Call it after every
         other call has returned (a call after close raises UnavailableError)."""
@@ -386,28 +402,51 @@ class ChunkCache:
         try:
             with self._lock:
                 segment = self._next_segment
+                now, offset, entries, unused = time.time_ns(), 0, [], []
+                for digest, (view, xxh3, frame) in new.items():
+                    entry = IndexEntry(segment, offset, view.nbytes, now, xxh3)
+                    if frame is not None:
+                        if self._plain_meanwhile(digest):  # another thread put the chunk while this wrote
+                            unused.append((offset, view.nbytes))
+                            offset += view.nbytes
+                            continue
+                        entry = entry._replace(plain_size=frame.plain_size, pack=bytes.fromhex(frame.pack_id))
+                    entries.append((digest, entry))
+                    offset += view.nbytes
+                if not entries:
+                    return  # the temporary is unlinked below
                 self._next_segment += 1
                 path = self._segment_path(segment)
                 os.rename(tmp, path)
                 tmp = path  # unlinked below unless the index records it
-                now, offset, entries = time.time_ns(), 0, []
-                for digest, (view, xxh3, frame) in new.items():
-                    entry = IndexEntry(segment, offset, view.nbytes, now, xxh3)
-                    if frame is not None:
-                        entry = entry._replace(plain_size=frame.plain_size, pack=bytes.fromhex(frame.pack_id))
-                    entries.append((digest, entry))
-                    offset += view.nbytes
                 added, replaced, total = self._index.put_many(entries)
                 recorded = True
                 self._frames += sum(entry.is_frame for _digest, entry in entries)
+                self._frame_growth += sum(_growth(entry) for _digest, entry in entries)
                 self._segments[segment] = _Segment(size=offset, chunks=len(entries))
                 self._count_presence(added, +1)
                 self._release(replaced)  # put meanwhile by another thread: that copy's bytes are unused now
+                self._free_unindexed(segment, unused)
                 if total > self.max_bytes:
                     self._evict_locked(self.max_bytes)
         finally:
             if not recorded:
                 unlink_if_present(tmp)
+
+    def _plain_meanwhile(self, digest: bytes) -> bool:
+        """With ``_lock`` held: whether ``digest`` is indexed as a plain chunk, which a frame must not
+        replace (``put_many`` checked before its segment was written, without the lock)."""
+        if self.lacks(digest):
+            return False
+        entry = self._index.get(digest)
+        return entry is not None and not entry.is_frame
+
+    def _free_unindexed(self, segment: int, ranges: list[tuple[int, int]]) -> None:
+        """With ``_lock`` held: free the bytes of ``segment`` its index commit left out (``ranges``)."""
+        if ranges and not self._punch(segment, ranges):
+            freed = sum(size for _offset, size in ranges)
+            self._segments[segment].dead += freed
+            self._dead_bytes += freed
 
     def _recheck(self, digest: bytes) -> tuple[IndexEntry | None, bytes | None]:
         """A read failed: under ``_lock`` look again, and drop the entry only if it is still bad; returns
@@ -460,6 +499,7 @@ class ChunkCache:
         holes: dict[int, list[IndexEntry]] = {}
         for _digest, entry in removed:
             self._frames -= entry.is_frame
+            self._frame_growth -= _growth(entry)
             known = self._segments.get(entry.segment)
             if known is None:
                 continue
@@ -502,6 +542,11 @@ class ChunkCache:
             touches, self._pending_touches = self._pending_touches, {}
         if touches:
             self._index.touch(touches)
+
+
+def _growth(entry: IndexEntry) -> int:
+    """What ``entry`` will take beyond its stored bytes once made plain: a frame's plain size less its own."""
+    return entry.plain_size - entry.size if entry.is_frame else 0
 
 
 def _held(message: str, where: str) -> UnavailableError:

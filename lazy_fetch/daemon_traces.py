@@ -40,8 +40,8 @@ class DaemonTraces:
     # -- prefetch
 
     def _cache_room(self) -> int:
-        stats = self.cache.stats()
-        return int(stats.max_bytes * FILL_CACHE_SHARE) - stats.bytes
+        stats = self.cache.stats()  # the frames a fill kept count at the size reading them makes them
+        return int(stats.max_bytes * FILL_CACHE_SHARE) - stats.bytes - self.cache.frame_growth
 
     def _start_prefetch(self, layer: Layer, plist: PrefetchList | None, path: str, served: Served, *,
                         fill: list[PrefetchEntry] = (),

@@ -239,6 +239,7 @@ class ChunkFetcher:
         self._unwritten: list[tuple[str, list[tuple[bytes, bytes | Frame]]]] = []  # those queued for the cache writer
         self._cache_writer_running = False
         self.unwritten_bytes = 0  # stored bytes (a Frame's, for a frame) of the runs in _unwritten and being written
+        self.unwritten_plain_bytes = 0  # the same at their chunks' size: what they take in the cache once read
         self._written = trio.lowlevel.ParkingLot()  # woken after each write of the cache writer
         # Appended to by worker threads, read in the trio thread: _round_trips_lock guards it (iterating a
         # deque that another thread appends to raises).
@@ -495,7 +496,7 @@ class ChunkFetcher:
                 self._land(digest, flight, error=result)
             else:
                 stats.chunks_fetched += 1
-                stats.bytes_fetched += result.plain_size if isinstance(result, Frame) else len(result)
+                stats.bytes_fetched += _plain_size(result)
                 self._land(digest, flight, data=result, cached=not readers_first)
         if verified and readers_first and self._hand_over(run.pack_id, verified):
             await self._write_handed_over()  # this task is the cache writer until the queue is empty
@@ -505,6 +506,7 @@ class ChunkFetcher:
         True when none is running: the caller is to run ``_write_handed_over`` then."""
         self._uncached_runs += 1
         self.unwritten_bytes += sum(_stored_size(data) for _digest, data in chunks)
+        self.unwritten_plain_bytes += sum(_plain_size(data) for _digest, data in chunks)
         self._unwritten.append((pack_id, chunks))
         starts, self._cache_writer_running = not self._cache_writer_running, True
         return starts
@@ -518,9 +520,10 @@ class ChunkFetcher:
         thread is not stopped)."""
         try:
             while self._unwritten:
-                taken, size = 0, 0
+                taken, size, plain_size = 0, 0, 0
                 while taken < len(self._unwritten) and (not taken or size < WRITE_BATCH_BYTES):
                     size += sum(_stored_size(data) for _digest, data in self._unwritten[taken][1])
+                    plain_size += sum(_plain_size(data) for _digest, data in self._unwritten[taken][1])
                     taken += 1
                 batch, self._unwritten = self._unwritten[:taken], self._unwritten[taken:]
                 try:
@@ -529,6 +532,7 @@ class ChunkFetcher:
                 finally:
                     self._uncached_runs -= len(batch)
                     self.unwritten_bytes -= size
+                    self.unwritten_plain_bytes -= plain_size
                     self._written.unpark_all()
                     for _pack_id, verified in batch:
                         for digest, data in verified:
@@ -729,6 +733,11 @@ class ChunkFetcher:
 def _stored_size(data: bytes | Frame) -> int:
     """The bytes a chunk takes in the cache: its own, or its frame's."""
     return len(data.frame) if isinstance(data, Frame) else len(data)
+
+
+def _plain_size(data: bytes | Frame) -> int:
+    """The bytes a chunk takes in the cache once read: its own (a frame's chunk's)."""
+    return data.plain_size if isinstance(data, Frame) else len(data)
 
 
 def _chunks_name(items: list[tuple[bytes, ChunkLocation]]) -> str:

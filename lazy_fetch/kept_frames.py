@@ -6,10 +6,14 @@ these from its flights (fetcher.py, "A fill's chunks as fetched").
   frame is dropped from the cache and a warning names the chunk and the pack (the caller then reads the
   chunk from the store, as a miss).
 - ``check_fetched``: the Frames a fill's store read brought that a reader joined while it was in the air:
-  each its chunk, or the error that says it is not (delivered to the waiters as a store read's is).
+  each its chunk, or the error that says it is not (delivered to the waiters as a store read's is;
+  whatever decompressing raises, MemoryError for the size a forged pack index claims included, is that
+  chunk's CorruptError: it escaped the flight and stopped the fetcher).
 
-Both decompress a frame to exactly the size the blob map gives the chunk (the reader's location), never
-more, and check its sha256 (dsec_fs.chunks.decode_chunk).
+Both decompress a frame to exactly a size never more than a location gives, and check its sha256
+(dsec_fs.chunks.decode_chunk): ``check_kept`` the reader's (the blob map's: a frame kept of another size
+is refused unread), ``check_fetched`` the fill's read's, which a forged pack index may have made large
+(its allocation fails, at worst, as the fill's own decompression did before it kept frames).
 
 Threads: plain functions for worker threads (they decompress and hash, and ``check_kept`` writes the
 cache's index); nothing here is shared.
@@ -50,12 +54,16 @@ def check_kept(cache: ChunkCache, digest: bytes, location: ChunkLocation, frame:
 
 
 def check_fetched(wanted: list[tuple[bytes, ChunkLocation]], frames: dict[bytes, Frame]) -> dict[bytes, bytes | CorruptError]:
-    """Each of ``wanted`` (digest, the reader's location) whose Frame is in ``frames``: its chunk, or the
-    CorruptError (IntegrityError) saying the frame is not it."""
+    """Each of ``wanted`` (digest, the location the fill read it from) whose Frame is in ``frames``: its
+    chunk, or the CorruptError (IntegrityError) saying the frame is not it."""
     checked: dict[bytes, bytes | CorruptError] = {}
     for digest, location in wanted:
+        key = keys.pack(location.pack_id)
         try:
-            checked[digest] = decode_chunk(frames[digest].frame, digest, location.ulen, keys.pack(location.pack_id))
+            checked[digest] = decode_chunk(frames[digest].frame, digest, location.ulen, key)
         except CorruptError as exc:
             checked[digest] = exc
+        except Exception as exc:  # whatever else zstd raises (MemoryError for a forged claim): not the chunk
+            checked[digest] = CorruptError(f"the frame kept of the chunk cannot be checked: {exc!r}",
+                                           where=f"chunk {to_hex(digest)} in {key}")
     return checked

@@ -213,10 +213,12 @@ class Prefetcher:
                     trace: Callable[[], TraceWriter | None], in_flight: list[int]) -> None:
         """Fill reads one after another, each in a turn of the node's (fill_order.FillTurns), each the
         next batch of the job's fill order, until none is left or the next would not fit in the cache's
-        room (``in_flight``: bytes fetching now; the fetcher's ``unwritten_bytes``: fetched, not in the
-        cache yet). A read's chunks land once they are read and verified; the cache writer writes them
-        afterwards, so a turn waits before its next read while more than FILL_UNWRITTEN_BYTES wait for it:
-        the fill goes as fast as the link or the cache's disk, whichever is slower, in bounded memory."""
+        room (``in_flight``: bytes fetching now; the fetcher's ``unwritten_plain_bytes``: fetched, not in
+        the cache yet; each chunk at its own size, which a kept frame takes once read, as the room counts
+        the cache's frames: ChunkCache.frame_growth). A read's chunks land once they are read; the cache
+        writer writes them afterwards, so a turn waits before its next read while more than
+        FILL_UNWRITTEN_BYTES (stored bytes: what memory holds) wait for it: the fill goes as fast as the
+        link or the cache's disk, whichever is slower, in bounded memory."""
         order = job.fill_order
         async with self.fill_turns.turn(order) as turn:
             while True:
@@ -225,7 +227,7 @@ class Prefetcher:
                 if not batch:
                     return
                 size = sum(entry.length for entry in batch)
-                if size > self.room() - in_flight[0] - fetcher.unwritten_bytes:
+                if size > self.room() - in_flight[0] - fetcher.unwritten_plain_bytes:
                     if not order.stopped:
                         log.info("fill of layer %s stops at the cache bound", job.layer[:12])
                     order.stop()

@@ -16,6 +16,7 @@ from lazy_fetch.blob_reader import LayerBlob, open_layer_blob
 from lazy_fetch.cache import ChunkCache
 from lazy_fetch.fetcher import FILL, PREFETCH, open_fetcher
 from tests.dsec_fs.forgery import chunks_of_layer, forge
+from tests.lazy_fetch.test_fetcher import GatedStore, until
 from treecmp import write_files
 
 CHUNK_SIZE = 16384
@@ -191,10 +192,9 @@ def test_a_shared_index_poisoned_by_a_forged_pack_still_reads_the_layer_right(tm
     assert all(shared.get(digest).pack_id != forged for digest, _ in chunks_of_layer(store, victim))
 
 
-def test_a_fill_that_kept_a_forgers_frames_is_read_right_from_the_layers_own_pack(tmp_path, caplog):
-    """A fill reads from the location the shared index answers first, a forged pack's (tests/dsec_fs/
-    forgery.py), and keeps its junk frames unchecked: the first read of each finds it is not the chunk,
-    drops it, logs the chunk and the pack, and reads the chunk from the layer's own pack."""
+def a_victim_and_a_forger(tmp_path):
+    """A layer, and a forger's pack (tests/dsec_fs/forgery.py) claiming its chunks, which a shared index
+    loaded first: (store, victim, its chunks, the forged pack, the victim's blob, the shared index)."""
     store = FilesystemStore(str(tmp_path / "store"), fsync=False)
     rng = random.Random(9)
     victim = build_layer(write_files(tmp_path / "victim", {f"f{i}": rng.randbytes(40000) for i in range(3)}),
@@ -205,6 +205,14 @@ def test_a_fill_that_kept_a_forgers_frames_is_read_right_from_the_layers_own_pac
     materialised = open(export_layer(store, victim, tmp_path / "export").blob_path, "rb").read()
     shared = ChunkIndex()
     shared.load_packs(store, [forged])
+    return store, victim, chunks, forged, materialised, shared
+
+
+def test_a_fill_that_kept_a_forgers_frames_is_read_right_from_the_layers_own_pack(tmp_path, caplog):
+    """A fill reads from the location the shared index answers first, a forged pack's (tests/dsec_fs/
+    forgery.py), and keeps its junk frames unchecked: the first read of each finds it is not the chunk,
+    drops it, logs the chunk and the pack, and reads the chunk from the layer's own pack."""
+    store, victim, chunks, forged, materialised, shared = a_victim_and_a_forger(tmp_path)
 
     async def main():
         with ChunkCache(str(tmp_path / "cache"), 64 << 20) as cache:
@@ -224,3 +232,36 @@ def test_a_fill_that_kept_a_forgers_frames_is_read_right_from_the_layers_own_pac
     warnings = [r.getMessage() for r in caplog.records if "is not that chunk" in r.getMessage()]
     assert len(warnings) == len(chunks) and all(keys.pack(forged) in warning for warning in warnings)
     assert all(any(to_hex(digest) in warning for warning in warnings) for digest, _ in chunks)
+
+
+def test_a_read_that_joins_a_fill_of_a_forgers_frames_in_the_air_is_read_right_from_the_layers_own_pack(tmp_path):
+    """The same fill, joined by a reader of the layer while its reads are in the store: the frames it
+    brings are checked for the reader, are not the chunks, and the reader reads them from the layer's
+    own pack; nothing of the forger's is left in the cache."""
+    store, victim, chunks, _forged, materialised, shared = a_victim_and_a_forger(tmp_path)
+    gated = GatedStore(store)
+    gated.gate.set()
+    got = []
+
+    async def main():
+        with ChunkCache(str(tmp_path / "cache"), 64 << 20) as cache:
+            async with open_fetcher(gated, cache) as fetcher:
+                blob = await open_layer_blob(open_layer(store, victim), fetcher, chunk_index=shared)
+                gated.gate.clear()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(lambda: fetcher.warm([(digest, shared.get(digest)) for digest, _ in chunks],
+                                                            priority=FILL, landed=lambda digest, data, error: None))
+                    await until(lambda: fetcher.store_reads_running >= 1)
+
+                    async def read():
+                        got.append(await blob.read(0, blob.size))
+
+                    nursery.start_soon(read)
+                    await until(lambda: fetcher.stats(blob.label).coalesced >= 1)  # it joined the fill's reads
+                    gated.gate.set()
+                assert got == [materialised]
+                await fetcher.written_down_to(0)
+                assert (cache.stats().frames, cache.stats().entries) == (0, len(chunks))
+                assert await blob.read(0, blob.size) == materialised
+
+    trio.run(main)

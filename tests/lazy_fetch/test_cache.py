@@ -771,3 +771,39 @@ def test_frames_are_kept_as_given_count_as_stored_and_give_way_to_their_plain_ch
         cache.evict_to(0)
         assert (cache.stats().frames, cache.stats().bytes) == (0, 0)
     assert_consistent(tmp_path, 1 << 20)
+
+
+def test_a_frame_put_that_races_its_plain_chunk_does_not_replace_it(tmp_path, monkeypatch):
+    # A fill's frame and the chunk a reader checked are put by different threads (the cache writer, and
+    # a read's own write when the writer is behind): a frame that found no entry when its put began must
+    # not replace the plain chunk put while its segment was written (it did: the chunk, verified, went
+    # back to unchecked bytes, decompressed and checked again, or read again if the store lied).
+    plain = [bytes(2048) + chunk(n) for n in range(4)]
+    digests = [sha256(data) for data in plain]
+    frames = [Frame(compress.compress(data), len(data), "ab" * 32) for data in plain]
+    real_write = cache_segments.write_temporary
+    racing: list[list[int]] = []  # the chunks the reader puts while the next frames' segment is written
+
+    def write_while_a_reader_puts(directory, views):
+        if racing:  # the frames' put, before it takes the lock: the reader's put goes in first
+            cache.put_many([(digests[n], plain[n]) for n in racing.pop()])
+        return real_write(directory, views)
+
+    monkeypatch.setattr("lazy_fetch.cache.write_temporary", write_while_a_reader_puts)
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        racing.append([0, 1])
+        assert cache.put_many(zip(digests[:3], frames[:3])) == 3
+        assert [cache.get(digest) for digest in digests[:3]] == [plain[0], plain[1], frames[2]]
+        stats = cache.stats()
+        assert (stats.entries, stats.frames) == (3, 1)
+        assert stats.bytes == len(plain[0]) + len(plain[1]) + len(frames[2].frame)
+        assert cache.frame_growth == len(plain[2]) - len(frames[2].frame)  # what reading frames[2] adds
+        segments = len(os.listdir(tmp_path / "segments"))
+        racing.append([3])  # every frame of a put raced: no segment is left for it
+        assert cache.put(digests[3], frames[3]) and cache.get(digests[3]) == plain[3]
+        assert len(os.listdir(tmp_path / "segments")) == segments + 1  # the reader's
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:  # counted again at open
+        assert cache.frame_growth == len(plain[2]) - len(frames[2].frame)
+        cache.put(digests[2], plain[2])  # (assert_consistent reads plain chunks)
+        assert cache.frame_growth == 0
+    assert_consistent(tmp_path, 1 << 20)

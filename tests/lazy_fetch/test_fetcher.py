@@ -1128,3 +1128,128 @@ def test_a_prefetch_checks_the_kept_frames_it_finds_and_a_fill_leaves_them(backe
             assert [cache.get(digest) for digest, _ in items[:2]] == chunks[:2] and cache.stats().frames == 1
 
     trio.run(main)
+
+
+def test_kept_frames_whose_index_records_lie_are_dropped_and_read_from_the_store(backend, tmp_path):
+    # Layout 3's 80-byte frame records, changed while the cache is closed (damage, or a bug): a plain
+    # size of a GiB (the frame is decompressed to the blob map's size, never more), one of 10 bytes, and
+    # a record of another chunk's frame (it decompresses, to that chunk's bytes). Each is found, dropped,
+    # and its chunk read from the store; nothing else is served.
+    import lmdb
+
+    from lazy_fetch.lmdb_index import FRAME_ENTRY
+
+    chunks = [compressible(n) for n in range(4)]
+    items = upload(backend, chunks)
+    directory = str(tmp_path / "lying-cache")
+
+    async def fill_and_read(lie):
+        with ChunkCache(directory, 1 << 20) as cache:
+            async with open_fetcher(backend, cache) as fetcher:
+                if lie is None:
+                    await fill(fetcher, items)
+                    return
+                assert [await fetcher.fetch(*item) for item in items] == chunks
+                await fetcher.written_down_to(0)
+                assert cache.stats().bad_frames == 3 and cache.stats().frames == 0
+                assert [cache.get(digest) for digest, _ in items] == chunks
+
+    trio.run(fill_and_read, None)
+    env = lmdb.open(os.path.join(directory, "index"), max_dbs=4, subdir=True)
+    with env.begin(write=True) as txn:
+        entries = env.open_db(b"entries", txn=txn)
+        for (digest, _location), plain_size in ((items[0], 1 << 30), (items[3], 10)):
+            record = list(FRAME_ENTRY.unpack(txn.get(digest, db=entries)))
+            record[5] = plain_size
+            txn.put(digest, FRAME_ENTRY.pack(*record), db=entries)
+        txn.put(items[1][0], txn.get(items[2][0], db=entries), db=entries)
+    env.close()
+    trio.run(fill_and_read, True)
+
+
+FORGED_HUGE_CLAIM = r"""
+import os, resource, sys, threading
+import trio, zstandard
+from dsec_fs import compress
+from dsec_fs.chunks import ChunkIndex, ChunkUploader
+from dsec_fs.digest import sha256
+from dsec_fs.errors import CorruptError
+from dsec_fs.pack import PackWriter
+from dsec_fs.store import FilesystemStore, keys
+from dsec_fs.store.wrappers import StoreWrapper
+from lazy_fetch.cache import ChunkCache
+from lazy_fetch.fetcher import FILL, open_fetcher
+
+root = sys.argv[1]
+store = FilesystemStore(root + "/store", fsync=False)
+data = os.urandom(4096)
+digest = sha256(data)
+index = ChunkIndex()
+uploader = ChunkUploader(store, index)
+uploader.add(digest, len(data), compress.compress(data))
+uploader.flush()
+honest = index.get(digest)
+claimed = 1 << 30  # the forger's index says the chunk is a GiB, and its frame (of zeros) says so too
+stream = zstandard.ZstdCompressor().compressobj(size=claimed)
+zeros = bytes(1 << 20)
+frame = b"".join(stream.compress(zeros) for _ in range(claimed >> 20)) + stream.flush()
+writer = PackWriter()
+writer.add(digest, frame, claimed)
+pack_id, pack_bytes, index_bytes = writer.finish()
+store.put(keys.pack(pack_id), pack_bytes)
+store.put(keys.index(pack_id), index_bytes)
+forged = ChunkIndex()
+forged.load_packs(store, [pack_id])
+gate = threading.Event()
+
+class Gated(StoreWrapper):
+    def _call(self, op, key, fn, sent=0):
+        if op == "get":
+            gate.wait()
+        return fn()
+
+# The node has less memory than the claim: 768 MiB more address space than it uses now.
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (768 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+async def main():
+    with ChunkCache(root + "/cache", 64 << 20, map_size=64 << 20) as cache:
+        async with open_fetcher(Gated(store), cache) as fetcher:
+            outcome = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: fetcher.warm([(digest, forged.get(digest))], priority=FILL,
+                                                        landed=lambda digest, data, error: None))
+                while fetcher.store_reads_running < 1:
+                    await trio.sleep(0.005)
+
+                async def read():
+                    try:
+                        outcome.append(await fetcher.fetch(digest, honest))
+                    except CorruptError as exc:
+                        outcome.append(exc)
+
+                nursery.start_soon(read)
+                while fetcher.stats().coalesced < 1:
+                    await trio.sleep(0.005)
+                gate.set()
+            print(type(outcome[0]).__name__, pack_id in str(outcome[0]))
+            print(await fetcher.fetch(digest, honest) == data)
+
+trio.run(main)
+"""
+
+
+def test_a_reader_joining_a_fill_of_a_frame_claiming_more_than_the_node_has_gets_an_error_and_the_daemon_lives(tmp_path):
+    # A forger's pack index claims an intact layer's 4 KiB chunk is a GiB, with a frame of zeros that
+    # says so. A fill reads it as a frame; a reader of the chunk joins that read, and the frame is
+    # checked for it, within the size the fill's location gives: zstd asks for a GiB the node does not
+    # have (MemoryError, rlimit). That escaped the flight and stopped the fetcher (the daemon with it);
+    # now it is the reader's CorruptError, and the chunk is then read from its own pack.
+    import subprocess
+    import sys
+
+    project = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", FORGED_HUGE_CLAIM, str(tmp_path)], capture_output=True, text=True,
+                          cwd=project, env={**os.environ, "PYTHONPATH": project}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["CorruptError", "True", "True"], done.stdout

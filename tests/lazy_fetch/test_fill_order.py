@@ -4,6 +4,7 @@ fetcher; the store only records which pack each read asks for, and answers after
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -218,3 +219,49 @@ def test_the_fill_reads_on_while_the_cache_writes_and_waits_once_too_much_is_unw
     finally:
         cache.release.set()
         cache.close()
+
+
+def test_a_fill_counts_its_kept_frames_at_their_chunks_size_so_reading_them_evicts_nothing(backend, tmp_path):
+    # A fill keeps frames, smaller than their chunks; its room (the daemon's: a share of the bound less
+    # what is cached) counted them as stored, so it kept about twice the room's worth of these chunks,
+    # and reading them (each made plain) evicted what readers had read.
+    from types import SimpleNamespace
+
+    from dsec_fs import compress
+    from dsec_fs.chunks import ChunkIndex, ChunkUploader
+    from dsec_fs.digest import sha256
+    from lazy_fetch.cache import ChunkCache
+    from lazy_fetch.daemon_traces import DaemonTraces
+
+    plain = [bytes(4096) + chunk(n) for n in range(24)]  # half zeros: a frame of about half the chunk
+    locations = {}
+    for data in plain:  # a pack each: a fill read each
+        index = ChunkIndex()
+        uploader = ChunkUploader(backend, index)
+        uploader.add(sha256(data), len(data), compress.compress(data))
+        uploader.flush()
+        locations[sha256(data)] = index.get(sha256(data))
+    entries = [PrefetchEntry(chunk=n, digest=sha256(data), offset=n * 8192, length=len(data), first_read_us=0,
+                             traces=0) for n, data in enumerate(plain)]
+    bound = 12 * len(plain[0])  # half the layer
+    read_before = [bytes(4096) + chunk(100)]  # what a reader read before the fill
+
+    async def main():
+        with ChunkCache(str(tmp_path / "cache"), bound) as cache:
+            cache.put(sha256(read_before[0]), read_before[0])
+            room = functools.partial(DaemonTraces._cache_room, SimpleNamespace(cache=cache))
+            async with open_fetcher(backend, cache) as fetcher, trio.open_nursery() as nursery:
+                prefetcher = Prefetcher(MemoryChunkCache(1 << 20), StoreFetchLog(), nursery, room=room)
+                job = prefetcher.start("layer", None, "fill", fetcher, lambda entry, digest: locations[digest],
+                                       lambda: None, fill=entries)
+                job.fill_ready.set()
+                await until(lambda: job.state == "done")
+                kept = [entry for entry in entries if cache.holds([entry.digest])]
+                assert 0 < len(kept) < len(entries)  # it stopped at the room
+                for entry in kept:
+                    assert await fetcher.fetch(entry.digest, locations[entry.digest]) == plain[entry.chunk]
+                await fetcher.written_down_to(0)
+                assert cache.stats().evictions == 0 and cache.get(sha256(read_before[0])) == read_before[0]
+                assert cache.stats().frames == 0 and cache.stats().bytes <= bound
+
+    trio.run(main)
