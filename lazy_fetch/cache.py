@@ -289,7 +289,8 @@ class ChunkCache:
         """The chunk's stored bytes, checked against the index: the chunk, or its Frame if a fill put it and
         nobody read it since (the module docstring: frames); None when it is not cached (or was rotten)."""
         entry = self._index.get(digest)
-        data = None if entry is None else read_chunk(self._segment_path(entry.segment), entry.offset, entry.size, entry.checksum)[0]
+        data = None if entry is None else read_chunk(self._segment_path(entry.segment), entry.offset, entry.size,
+                                                     entry.checksum, frame=entry.is_frame)[0]
         if entry is not None and data is None:
             entry, data = self._recheck(digest)
         with self._counters_lock:
@@ -354,7 +355,7 @@ class ChunkCache:
                     self._pending_touches[digest] = time.time_ns()
                 continue
             new.pop(digest, None)  # a plain chunk after its frame in one batch: the frame is not written
-            new[digest] = view, checksum(view), frame
+            new[digest] = view, checksum(view, frame=frame is not None), frame
         if new:
             self._add_segment(new)
         return kept
@@ -459,7 +460,8 @@ class ChunkCache:
             entry = self._index.get(digest)
             if entry is None:
                 return None, None
-            data, problem = read_chunk(self._segment_path(entry.segment), entry.offset, entry.size, entry.checksum)
+            data, problem = read_chunk(self._segment_path(entry.segment), entry.offset, entry.size, entry.checksum,
+                                       frame=entry.is_frame)
             if data is not None:
                 return entry, data
             log.warning("chunk cache: dropping rotten chunk %s (%s)", to_hex(digest), problem)

@@ -31,8 +31,13 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOE
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
-def checksum(data: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+# A frame's checksum is seeded apart from a plain chunk's, so that an entry that reads as the other kind
+# (a frame's 80-byte record damaged to 40 bytes) fails its check instead of serving a frame as the chunk.
+FRAME_CHECKSUM_SEED = 0x6672616d65  # b"frame"
+
+
+def checksum(data: bytes | memoryview, *, frame: bool = False) -> int:
+    return xxhash.xxh3_64_intdigest(data, FRAME_CHECKSUM_SEED if frame else 0)
 
 
 def segment_name(segment: int) -> str:
@@ -66,9 +71,9 @@ def write_temporary(directory: str, views: list[memoryview]) -> str:
     return tmp
 
 
-def read_chunk(path: str, offset: int, size: int, xxh3: int) -> tuple[bytes | None, str]:
-    """(bytes, "") when the segment at ``path`` holds ``size`` bytes at ``offset`` whose xxh3_64 is
-    ``xxh3``, else (None, why not)."""
+def read_chunk(path: str, offset: int, size: int, xxh3: int, *, frame: bool = False) -> tuple[bytes | None, str]:
+    """(bytes, "") when the segment at ``path`` holds ``size`` bytes at ``offset`` whose ``checksum`` (of
+    a ``frame``'s kind) is ``xxh3``, else (None, why not)."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except FileNotFoundError:
@@ -85,7 +90,7 @@ def read_chunk(path: str, offset: int, size: int, xxh3: int) -> tuple[bytes | No
         os.close(fd)
     if len(data) != size:
         return None, f"its segment holds {len(data)} of its {size} bytes"
-    if checksum(data) != xxh3:
+    if checksum(data, frame=frame) != xxh3:
         return None, "xxh3 mismatch"
     return data, ""
 

@@ -90,7 +90,8 @@ _CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidErro
 
 FRAME_ENTRY = struct.Struct(
     "<"
-    "QQQQQ"  # as in ENTRY: segment, offset, size (of the frame), atime, checksum (of the frame's bytes)
+    "QQQQQ"  # as in ENTRY: segment, offset, size (of the frame), atime, checksum (of the frame's bytes, seeded:
+    # cache_segments.FRAME_CHECKSUM_SEED)
     "Q"  # plain_size: the chunk's own bytes, the most its frame may decompress to
     f"{DIGEST_SIZE}s"  # pack: the id (raw) of the pack the frame was read from, for the log of a bad one
 )

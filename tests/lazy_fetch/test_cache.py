@@ -773,6 +773,27 @@ def test_frames_are_kept_as_given_count_as_stored_and_give_way_to_their_plain_ch
     assert_consistent(tmp_path, 1 << 20)
 
 
+def test_a_frames_record_damaged_to_a_plain_ones_length_is_not_read_as_the_chunk(tmp_path):
+    # The two kinds of entry are told apart by their length: a frame's 80-byte record that loses its last
+    # 40 bytes at rest reads as a plain chunk's. Its checksum is seeded apart, so the read finds it rotten
+    # (and drops it) instead of handing out the compressed frame as the chunk's bytes.
+    data = bytes(4096) + chunk(3)
+    digest = sha256(data)
+    frame = Frame(compress.compress(data), len(data), "ab" * 32)
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert cache.put_many([(digest, frame)]) == 1
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=4, subdir=True)
+    with env.begin(write=True) as txn:
+        entries = env.open_db(b"entries", txn=txn)
+        record = txn.get(digest, db=entries)
+        assert len(record) == 80
+        txn.put(digest, record[:40], db=entries)
+    env.close()
+    with ChunkCache(str(tmp_path), 1 << 20) as cache:
+        assert cache.get(digest) is None
+        assert cache.stats().rotten == 1 and cache.stats().entries == 0
+
+
 def test_a_frame_put_that_races_its_plain_chunk_does_not_replace_it(tmp_path, monkeypatch):
     # A fill's frame and the chunk a reader checked are put by different threads (the cache writer, and
     # a read's own write when the writer is behind): a frame that found no entry when its put began must
