@@ -74,7 +74,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 import trio
 
@@ -91,7 +90,6 @@ from .store_reads import StoreReads
 from .store_slots import FILL, ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, Ticket
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # Store reads at once. A store answers each GET after a round trip (tens of ms), so reads side by side are
 # what fills the link; by default a quarter of the slots are kept for on-demand reads.
@@ -169,6 +167,12 @@ class ChunkFetcher:
         self._nursery = nursery
         slots = StoreSlots(max_concurrent, prefetch_slots, min(FILL_READS, prefetch_slots), object_reads, max_abandoned)
         self._store_reads = StoreReads(store, slots, timeout=timeout, cache_put=self._cache_put)
+        # The store-read side's gauges and calls, as the fetcher's callers know them (StoreReads says what each is).
+        self.waiting = self._store_reads.waiting
+        self.stuck_objects = self._store_reads.stuck_objects
+        self.round_trip = self._store_reads.round_trip
+        self.note_round_trip = self._store_reads.note_round_trip
+        self.call_store = self._store_reads.call_store
         self._flights: dict[bytes, _Flight] = {}
         self._cache_writers = trio.CapacityLimiter(CACHE_WRITERS)
         self._uncached_runs = 0  # runs whose readers have their bytes, not in the cache yet
@@ -190,30 +194,15 @@ class ChunkFetcher:
     def all_stats(self) -> dict[str, FetchStats]:
         return dict(self._stats)
 
-    # The store-read side's gauges and calls, as the fetcher's callers know them (StoreReads says what each is).
-
-    def waiting(self, priority: Priority) -> int:
-        return self._store_reads.waiting(priority)
-
     @property
     def store_reads_running(self) -> int:
+        """StoreReads.store_reads_running (a gauge)."""
         return self._store_reads.store_reads_running
 
     @property
     def abandoned_reads(self) -> int:
+        """StoreReads.abandoned_reads (a gauge)."""
         return self._store_reads.abandoned_reads
-
-    def stuck_objects(self) -> dict[str, int]:
-        return self._store_reads.stuck_objects()
-
-    def round_trip(self, samples: int = 1) -> float | None:
-        return self._store_reads.round_trip(samples)
-
-    def note_round_trip(self, seconds: float) -> None:
-        self._store_reads.note_round_trip(seconds)
-
-    async def call_store(self, what: str, fn: Callable[..., T], *args) -> T:
-        return await self._store_reads.call_store(what, fn, *args)
 
     @property
     def in_flight(self) -> int:
