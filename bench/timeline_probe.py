@@ -70,7 +70,7 @@ def install(path: str, *, daemon: bool = True) -> None:
 
     from lazy_fetch import daemon as daemon_module
     from lazy_fetch import prefetcher
-    from lazy_fetch.fetcher import ChunkFetcher
+    from lazy_fetch.store_reads import StoreReads
     from lazy_fetch.store_slots import StoreSlots
     from lazy_fetch.traced_blob import TracedBlob
 
@@ -82,9 +82,9 @@ def install(path: str, *, daemon: bool = True) -> None:
         granted[id(ticket)] = time.monotonic()
 
     StoreSlots.acquire = acquire
-    orig_store_read = ChunkFetcher._store_read
+    orig_store_read = StoreReads.read
 
-    async def _store_read(self, run, ticket, stats):
+    async def store_read(self, run, ticket, stats):
         queued, priority = time.monotonic(), int(ticket.priority)
         try:
             return await orig_store_read(self, run, ticket, stats)
@@ -93,7 +93,7 @@ def install(path: str, *, daemon: bool = True) -> None:
                   t1=time.monotonic(), priority=priority, granted_as=int(ticket.granted_as),
                   bytes=run.end - run.start, chunks=len(run.chunks))
 
-    ChunkFetcher._store_read = _store_read
+    StoreReads.read = store_read
     orig_read = TracedBlob.read
 
     async def read(self, offset, length):

@@ -34,12 +34,13 @@ from dsec_fs.store.ref_cache import RefCacheStore
 from dsec_fs.store.wrappers import CountingStore, LatencyStore, StoreWrapper, find_wrapper, wrap_store
 
 from .blob_reader import BlobChunk, LayerBlob, open_layer_blob
-from .fetcher import ROUND_TRIP_READ_BYTES, ChunkFetcher
+from .fetcher import ChunkFetcher
 from .memory_cache import MemoryFrontedFetcher
 from .miss_readahead import FileChunks, MissReadahead
 from .prefetch_list import PrefetchList
 from .profile_keeper import FoundProfile
 from .served_layers import Layer, StoreContext
+from .store_reads import ROUND_TRIP_READ_BYTES
 from .traced_blob import LayerUsage
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ def _forget_manifest(store: StoreContext, digest: str) -> None:
 
 class _LayerObjectTimer(StoreWrapper):
     """The store as a layer open sees it, telling ``note`` how long each GET of a small layer object took
-    (its manifest, its blob map, at most fetcher.ROUND_TRIP_READ_BYTES): a sample of the store's round
+    (its manifest, its blob map, at most store_reads.ROUND_TRIP_READ_BYTES): a sample of the store's round
     trip for fill auto. An up of two layers makes four or more, so fill auto decides when the layers are
     mounted; timing the manifests alone gave two, and the fill waited for the command's small misses
     (0.2-0.5 s of idle link after up; docs/benchmarks.md, "fill8"). What the node's copies gave (or a ref

@@ -29,19 +29,19 @@ How a request is served:
   the caller's, so a fetch whose caller gave up still fills the cache. When a run fails on one corrupt
   chunk, each chunk of it is read alone, so the good ones are still served and only the bad one fails,
   with an error naming it.
-- **A fill's chunks as fetched.** A store read at FILL priority (``_read_frames``) keeps its chunks as
-  their packs' frames (cache.Frame), neither decompressed nor checked: they land so, and the cache writer
-  writes them so (cache.py: frames), for the cost of a copy to disk instead of the CPU of the whole layer
-  beside the command. A flight whose waiters want bytes (``_Flight.plain``: fetch_many's, a readahead's,
-  and a warm's above FILL priority, whose chunks a reader reads next; not the fill's) checks a Frame it
-  meets, in the cache or in a fill's flight that ended (``_cache_lookup``, ``_check_kept``) or in a fill
-  read it joined in the air (``_read_run``), kept_frames.py: decompressed within the size the blob map
-  gives, its sha256 checked, right before it lands (a reader may join while a flight is in a worker
-  thread, so a flight checks again after each hop); and hands the plain chunk to the cache writer, which
-  replaces the frame's entry, its flight listed until then, so readers of one chunk at once or meanwhile
-  check it once. A frame that is not its chunk (a store writer that lied to the fill) is dropped, logged
-  with the chunk and the pack, and the chunk read from the store as a miss (LayerBlob tries its other
-  locations after that).
+- **A fill's chunks as fetched.** A store read at FILL priority (``StoreReads._read_frames``) keeps its
+  chunks as their packs' frames (cache.Frame), neither decompressed nor checked: they land so, and the
+  cache writer writes them so (cache.py: frames), for the cost of a copy to disk instead of the CPU of the
+  whole layer beside the command. A flight whose waiters want bytes (``_Flight.plain``: fetch_many's, a
+  readahead's, and a warm's above FILL priority, whose chunks a reader reads next; not the fill's) checks
+  a Frame it meets, in the cache or in a fill's flight that ended (``_cache_lookup``, ``_check_kept``) or
+  in a fill read it joined in the air (``_read_run``), kept_frames.py: decompressed within the size the
+  blob map gives, its sha256 checked, right before it lands (a reader may join while a flight is in a
+  worker thread, so a flight checks again after each hop); and hands the plain chunk to the cache writer,
+  which replaces the frame's entry, its flight listed until then, so readers of one chunk at once or
+  meanwhile check it once. A frame that is not its chunk (a store writer that lied to the fill) is
+  dropped, logged with the chunk and the pack, and the chunk read from the store as a miss (LayerBlob
+  tries its other locations after that).
 - **Readahead on a miss.** A caller may name ``readahead`` chunks it expects to be read next (LayerBlob:
   the chunks that follow the range in the blob, i.e. the rest of the file and the files stored after
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
@@ -56,66 +56,40 @@ How a request is served:
   soon; fill reads (the rest of a layer) are at most FILL_READS of FILL_READ_BYTES and start only while
   no on-demand read waits (store_slots.py says why). Queued on-demand reads go before queued prefetch
   reads, those before fill; a queued read that a request of a higher priority joins is promoted.
-- **Per object.** At most ``object_reads`` reads of one store object (a pack) are in the air at once, its
-  abandoned ones (below) included, until it answers: while one of its reads came back within the last
-  second (store_slots.ANSWERING_WINDOW) and none was abandoned, it may have as many as there are slots.
-  Further reads of it queue without a slot, and reads of other objects go past them. So a pack read
-  hard is read as fast as before (128 reads at once of one pack behind 20 ms: 0.27 s before, 0.29 s
-  with the bound, side by side; 0.87 s with a fixed bound of 4), and one that does not answer gets
-  ``object_reads`` threads, not every slot.
-- **Timeout and abandoned threads.** Each store read (waiting for a slot or a place included) must finish within
-  ``timeout`` seconds, else its chunks fail with UnavailableError(transient=True). A thread still in the
-  store at its deadline cannot be stopped: it is *abandoned*. Its slot is given back at once (so an object
-  that never answers cannot take the slots of the healthy ones), but it keeps its place among its object's
-  ``object_reads`` until it really returns (its result, if it ever comes, is still cached). So one hung
-  object holds at most ``object_reads`` threads: once all of them are abandoned, reads of it fail at once
-  (UnavailableError naming the key) instead of starting threads that would hang too, and the first read
-  after one returns goes ahead, which is the recovery, without a restart. Once ``max_abandoned`` threads
-  are left behind over all objects, every new store read fails at once until some return (so at most
-  ``max_abandoned + max_concurrent`` store threads ever exist). Each abandonment is counted
-  (FetchStats.abandoned) and the first of an object's stall, and its end, logged with the key.
-  ``call_store`` runs a mount's other store calls (pack indexes, a layer's objects) by the same rules,
-  without a slot.
 
-Metrics: a FetchStats per label (a layer, normally), exported by the daemon's prometheus adapter.
+The store reads themselves (each in a worker thread, its object's bound, the threads a deadline leaves
+behind, the store's round trip, and ``call_store``) are store_reads.py's: the fetcher plans them, gives
+them their priority and deadline, and lands their chunks.
 
 Threads: ChunkFetcher lives in the trio thread; every method but ``cached`` and ``note_round_trip`` (any
-thread; the round-trip samples have a lock of their own), the flights, the slots and the FetchStats are
-used from there only, so they need no locks. Store reads and cache calls run in worker threads via
-trio.to_thread.run_sync: the trio thread never blocks on a store or the disk. A store read's worker thread
-may block in the store for ever; nothing waits for it but the flights of its own chunks, and those only
-until the deadline. Store-read threads are counted by the fetcher's own limiter (ThreadWatch), not trio's
-default one, so stuck ones never starve the daemon's other worker threads (cache lookups, layer opens).
-Flights run as tasks of the fetcher's own nursery (open_fetcher), not of the caller: a caller that is
-cancelled stops waiting, and the fetch goes on for the others and the cache.
+thread: store_reads.py), the flights and the FetchStats are used from there only, so they need no locks.
+Store reads (store_reads.py says in which threads) and cache calls run in worker threads via
+trio.to_thread.run_sync: the trio thread never blocks on a store or the disk. Flights run as tasks of the
+fetcher's own nursery (open_fetcher), not of the caller: a caller that is cancelled stops waiting, and the
+fetch goes on for the others and the cache.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import threading
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import TypeVar
 
 import trio
 
-from dsec_fs.chunks import ChunkLocation, ChunkRun, plan_runs, read_chunk, read_run, read_run_frames
+from dsec_fs.chunks import ChunkLocation, ChunkRun, plan_runs
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, InputError, UnavailableError
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .cache import ChunkCache, Frame
+from .fetch_stats import FetchStats
 from .kept_frames import check_fetched, check_kept
-from .store_slots import FILL, ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, ThreadWatch, Ticket
+from .store_reads import StoreReads
+from .store_slots import FILL, ONDEMAND, PREFETCH, Priority, Refused, StoreSlots, Ticket
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # Store reads at once. A store answers each GET after a round trip (tens of ms), so reads side by side are
 # what fills the link; by default a quarter of the slots are kept for on-demand reads.
@@ -145,45 +119,6 @@ CACHE_WRITERS = 4
 # Uncompressed bytes the cache writer puts in one put_many (one index commit) at most, beyond its first run:
 # so runs handed over behind a fill's are written (and their memory freed) soon.
 WRITE_BATCH_BYTES = 8 << 20
-# The store's round trip (``round_trip``): the least of the last ROUND_TRIP_SAMPLES times of small store
-# calls: chunk reads of at most ROUND_TRIP_READ_BYTES (their transfer a small part: 2.6 ms at 100 MB/s),
-# the slot's wait excluded, and what callers note (the daemon: a layer's manifest read). The least,
-# because a call can only be slowed (a cold disk, a busy core), never sped up, by what is not the store.
-ROUND_TRIP_SAMPLES = 16
-ROUND_TRIP_READ_BYTES = 256 * 1024
-# Upper bounds (seconds) of the latency histogram's buckets; the last catches everything.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, math.inf)
-RECENT_LATENCIES = 1024
-
-
-@dataclass
-class FetchStats:
-    """Counters of one label, updated in the trio thread; readers may read them at any time."""
-
-    label: str
-    hits: int = 0  # chunks found in the local cache
-    misses: int = 0  # chunks not in the local cache, so read from the store
-    coalesced: int = 0  # requests that joined a flight already in the air
-    chunks_fetched: int = 0  # chunks read from the store, verified and delivered
-    bytes_fetched: int = 0  # their uncompressed bytes
-    store_reads: int = 0  # runs read from the store (each one ranged GET, unless a corrupt chunk splits it)
-    readahead: int = 0  # chunks fetched as readahead (riding in the GET of a miss), not asked for
-    errors: int = 0  # chunks whose fetch failed, for any reason
-    corrupt: int = 0  # ... because the store returned bad bytes (CorruptError, IntegrityError)
-    timeouts: int = 0  # ... because the store did not answer within the timeout
-    refused: int = 0  # ... at once, because their store object (or the store) has too many reads stuck
-    abandoned: int = 0  # store reads whose thread was still in the store at the deadline, left behind
-    # Store read latency (queueing for a slot included): count per LATENCY_BUCKETS bucket (not
-    # cumulative), their sum, and the most recent values.
-    latency_counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
-    latency_sum: float = 0.0
-    recent_latencies: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_LATENCIES))
-
-    def observe_latency(self, seconds: float) -> None:
-        bucket = next(i for i, bound in enumerate(LATENCY_BUCKETS) if seconds <= bound)
-        self.latency_counts[bucket] += 1
-        self.latency_sum += seconds
-        self.recent_latencies.append(seconds)
 
 
 class _Flight:
@@ -230,9 +165,14 @@ class ChunkFetcher:
         self.timeout = timeout
         self._on_fetched = on_fetched
         self._nursery = nursery
-        self._slots = StoreSlots(max_concurrent, prefetch_slots, min(FILL_READS, prefetch_slots), object_reads,
-                                 max_abandoned)
-        self._stalled_since: dict[str, float] = {}  # store key -> when its first read still stuck was abandoned
+        slots = StoreSlots(max_concurrent, prefetch_slots, min(FILL_READS, prefetch_slots), object_reads, max_abandoned)
+        self._store_reads = StoreReads(store, slots, timeout=timeout, cache_put=self._cache_put)
+        # The store-read side's gauges and calls, as the fetcher's callers know them (StoreReads says what each is).
+        self.waiting = self._store_reads.waiting
+        self.stuck_objects = self._store_reads.stuck_objects
+        self.round_trip = self._store_reads.round_trip
+        self.note_round_trip = self._store_reads.note_round_trip
+        self.call_store = self._store_reads.call_store
         self._flights: dict[bytes, _Flight] = {}
         self._cache_writers = trio.CapacityLimiter(CACHE_WRITERS)
         self._uncached_runs = 0  # runs whose readers have their bytes, not in the cache yet
@@ -241,10 +181,6 @@ class ChunkFetcher:
         self.unwritten_bytes = 0  # stored bytes (a Frame's, for a frame) of the runs in _unwritten and being written
         self.unwritten_plain_bytes = 0  # the same at their chunks' size: what they take in the cache once read
         self._written = trio.lowlevel.ParkingLot()  # woken after each write of the cache writer
-        # Appended to by worker threads, read in the trio thread: _round_trips_lock guards it (iterating a
-        # deque that another thread appends to raises).
-        self._round_trips: deque[float] = deque(maxlen=ROUND_TRIP_SAMPLES)
-        self._round_trips_lock = threading.Lock()
         self._stats: dict[str, FetchStats] = {}
         self._reads_planned = 0  # numbers the store reads' tickets (see StoreSlots)
 
@@ -258,34 +194,15 @@ class ChunkFetcher:
     def all_stats(self) -> dict[str, FetchStats]:
         return dict(self._stats)
 
-    def waiting(self, priority: Priority) -> int:
-        """Store reads of ``priority`` queued for a slot (a gauge for metrics)."""
-        return self._slots.waiting(priority)
-
     @property
     def store_reads_running(self) -> int:
-        """Store reads holding a slot (a gauge; abandoned ones hold none)."""
-        return self._slots.in_use
+        """StoreReads.store_reads_running (a gauge)."""
+        return self._store_reads.store_reads_running
 
     @property
     def abandoned_reads(self) -> int:
-        """Store reads abandoned at their deadline whose thread is still in the store (a gauge)."""
-        return self._slots.abandoned_total
-
-    def stuck_objects(self) -> dict[str, int]:
-        """Store key -> its abandoned reads still in the store, for the keys that have any."""
-        return dict(self._slots.abandoned_of)
-
-    def round_trip(self, samples: int = 1) -> float | None:
-        """Seconds a small store call takes (ROUND_TRIP_SAMPLES above), or None before ``samples`` were
-        taken."""
-        with self._round_trips_lock:
-            return min(self._round_trips) if len(self._round_trips) >= samples else None
-
-    def note_round_trip(self, seconds: float) -> None:
-        """A small store call took ``seconds`` (any thread)."""
-        with self._round_trips_lock:
-            self._round_trips.append(seconds)
+        """StoreReads.abandoned_reads (a gauge)."""
+        return self._store_reads.abandoned_reads
 
     @property
     def in_flight(self) -> int:
@@ -354,7 +271,7 @@ class ChunkFetcher:
                 if priority < flight.priority:
                     flight.priority = priority
                     if flight.ticket is not None:
-                        self._slots.promote(flight.ticket, priority)
+                        self._store_reads.promote(flight.ticket, priority)
             waits[digest] = flight
         if started:
             self._nursery.start_soon(self._fly, started, stats, list(readahead), frames)
@@ -446,7 +363,7 @@ class ChunkFetcher:
         logged: set[int] = set()  # a whole-run error is logged once
         try:
             with trio.fail_after(self.timeout):
-                results = await self._store_read(run, ticket, stats)
+                results = await self._store_reads.read(run, ticket, stats)
         except trio.TooSlowError:
             stats.timeouts += len(items)
             error = UnavailableError(f"the store did not answer within {self.timeout:g} s",
@@ -547,60 +464,6 @@ class ChunkFetcher:
         while self.unwritten_bytes > limit:
             await self._written.park()
 
-    async def call_store(self, what: str, fn: Callable[..., T], *args) -> T:
-        """``fn(*args)``: blocking store calls other than chunk reads (opening a layer, loading its pack
-        indexes) in a worker thread, within the fetcher's deadline, else UnavailableError(transient)
-        naming ``what``. They take no slot, but a thread still in the store at the deadline is left
-        behind, bounded and logged as a store read's is, with ``what`` as its object: calls for a
-        ``what`` whose places are all held by stuck threads fail at once, and none starts while
-        ``max_abandoned`` are stuck. Its thread is not one of trio's default limiter, which stuck ones
-        would exhaust for every other worker thread of the daemon."""
-        ticket = Ticket(what, ONDEMAND, 0)
-        refusal = self._slots.enter_unslotted(ticket)
-        if refusal is not None:
-            raise UnavailableError(refusal, where=what, transient=True)
-        watch = ThreadWatch(ticket, self._abandoned_read_returned)
-        try:
-            with trio.fail_after(self.timeout):
-                return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True, limiter=watch)
-        except trio.TooSlowError:
-            raise UnavailableError(f"the store did not answer within {self.timeout:g} s", where=what,
-                                   transient=True) from None
-        finally:
-            abandoned = watch.started and not watch.returned
-            self._slots.leave(ticket, abandoned=abandoned, answered=watch.returned)
-            if abandoned:
-                self._note_abandoned(ticket.key)
-
-    async def _store_read(self, run: ChunkRun, ticket: Ticket, stats: FetchStats) -> dict[bytes, bytes | Exception]:
-        """Read ``run`` in a worker thread once ``ticket`` is granted; a cancelled read whose thread is
-        still in the store gives its slot back and leaves the thread behind (the module docstring)."""
-        await self._slots.acquire(ticket)
-        watch = ThreadWatch(ticket, self._abandoned_read_returned)
-        try:
-            return await trio.to_thread.run_sync(self._read_for, run, ticket, abandon_on_cancel=True, limiter=watch)
-        finally:
-            abandoned = watch.started and not watch.returned
-            self._slots.release(ticket, abandoned=abandoned, answered=watch.returned)
-            if abandoned:
-                stats.abandoned += 1
-                self._note_abandoned(ticket.key)
-
-    def _note_abandoned(self, key: str) -> None:
-        """Log the first abandoned call of a stall of ``key``, once."""
-        if key not in self._stalled_since:
-            self._stalled_since[key] = trio.current_time()
-            log.warning("store object %s did not answer within %g s: its call is abandoned (the thread stays "
-                        "in the store); once %d are, no call of it starts until one returns",
-                        key, self.timeout, self._slots.per_object)
-
-    def _abandoned_read_returned(self, ticket: Ticket) -> None:
-        self._slots.returned(ticket)
-        if ticket.key not in self._slots.abandoned_of:
-            stalled = trio.current_time() - self._stalled_since.pop(ticket.key)
-            log.warning("store object %s answered again, %.1f s after its first read was abandoned",
-                        ticket.key, stalled)
-
     def _land(self, digest: bytes, flight: _Flight, *, data: bytes | None = None,
               error: BaseException | None = None, cached: bool = True) -> None:
         """End ``flight``; unless ``cached`` is False (its bytes are still to be put in the cache: the
@@ -685,49 +548,6 @@ class ChunkFetcher:
             log.warning("caching %d chunks of pack %s failed: %s", sum(len(verified) for _pack_id, verified in runs),
                         ", ".join(packs[:3]) + (f" and {len(packs) - 3} more" if len(packs) > 3 else ""), exc)
 
-    def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Frame | Exception]:
-        """``_read`` (a fill's read, nobody else waiting for it yet: ``_read_frames``), and the cache put
-        (``ticket.cached``) of a prefetch read (so a job that is done has its chunks in the cache) or of
-        one abandoned at its deadline (nobody is left to take its result; one abandoned just as it returned
-        may be cached by neither side, and is read again when next asked for). A fill's read is written by
-        the cache writer, after its slot is free (``_read_run``)."""
-        started = time.monotonic()
-        as_frames = ticket.priority == FILL
-        results = self._read_frames(run) if as_frames else self._read(run)
-        if run.end - run.start <= ROUND_TRIP_READ_BYTES:
-            self.note_round_trip(time.monotonic() - started)
-        # A fill's read promoted to PREFETCH while in the store is written by the cache writer, after the
-        # chunks its new waiters need are checked (``_read_run``), so those go in plain.
-        if ticket.abandoned or ticket.priority == PREFETCH and not as_frames:
-            self._cache_put(run.pack_id, [(digest, data) for digest, data in results.items()
-                                          if isinstance(data, (bytes, Frame))])
-            ticket.cached = True
-        return results
-
-    def _read_frames(self, run: ChunkRun) -> dict[bytes, Frame | Exception]:
-        """A fill's read: its chunks as their pack holds them (Frames), neither decompressed nor checked
-        (the cache keeps them so until read: module docstring). A pack shorter than its index says fails
-        the whole GET: then each chunk is read (and checked) alone, as ``_read`` does."""
-        try:
-            frames = read_run_frames(self.store, run)
-        except CorruptError:
-            return self._read(run)
-        return {digest: Frame(frames[digest], location.ulen, run.pack_id) for digest, location in run.chunks}
-
-    def _read(self, run: ChunkRun) -> dict[bytes, bytes | Exception]:
-        try:
-            return dict(read_run(self.store, run))
-        except CorruptError:
-            if len(run.chunks) == 1:
-                raise
-        # One bad chunk fails a merged read as a whole: read each chunk alone so the good ones are served.
-        results: dict[bytes, bytes | Exception] = {}
-        for digest, location in run.chunks:
-            try:
-                results[digest] = read_chunk(self.store, digest, location)
-            except CorruptError as exc:
-                results[digest] = exc
-        return results
 
 
 def _stored_size(data: bytes | Frame) -> int:

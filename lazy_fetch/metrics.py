@@ -74,7 +74,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from .cache import CacheStats
-from .fetcher import LATENCY_BUCKETS, FetchStats
+from .fetch_stats import LATENCY_BUCKETS, FetchStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds a rendering of the TCP page is answered for (see the module docstring): Prometheus scrapes every 10

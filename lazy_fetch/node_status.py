@@ -17,7 +17,8 @@ from dsec_fs import api
 from dsec_fs.api import MODES
 from dsec_fs.store import default_store_url
 
-from .fetcher import FetchStats, Priority
+from .fetch_stats import FetchStats
+from .fetcher import Priority
 from .metrics import LayerFigures, NodeFigures
 
 if TYPE_CHECKING:

@@ -1,10 +1,11 @@
 """The scheduler of a ChunkFetcher's store calls: slots with priorities, places per store object, and the
-threads left behind in a store that does not answer (fetcher.py's docstring says why; this is how).
+threads left behind in a store that does not answer (fetcher.py's and store_reads.py's docstrings say
+why; this is how).
 
     slots = StoreSlots(total=16, prefetch_limit=12, fill_limit=2, per_object=4, max_abandoned=64)
     ticket = Ticket(key, priority, order)
     await slots.acquire(ticket)          # or Refused: the object (or the store) has too many calls stuck
-    watch = ThreadWatch(ticket, on_return=slots.returned)   # (the fetcher logs, then calls returned)
+    watch = ThreadWatch(ticket, on_return=slots.returned)   # (StoreReads logs, then calls returned)
     try:
         await trio.to_thread.run_sync(read, abandon_on_cancel=True, limiter=watch)
     finally:
@@ -59,7 +60,7 @@ class Ticket:
         self.queued = False
         self.granted = False
         self.granted_as = priority  # the priority it was granted at, whose limits it counts against
-        self.cached = False  # its read's worker thread put what it read into the cache (fetcher._read_for)
+        self.cached = False  # its read's worker thread put what it read into the cache (store_reads.StoreReads._read_for)
         self.event = trio.Event()
         self.refused: str | None = None  # why it may not start (too many reads stuck), once decided
         self.abandoned = False  # its thread passed the deadline in the store and still holds its place

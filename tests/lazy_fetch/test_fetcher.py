@@ -462,7 +462,7 @@ def test_an_object_that_never_answers_leaves_the_slots_to_the_others(backend, ca
             assert stats.abandoned == 2 and stats.timeouts >= 2 and stats.refused >= 1
 
     try:
-        with caplog.at_level(logging.WARNING, logger="lazy_fetch.fetcher"):
+        with caplog.at_level(logging.WARNING, logger="lazy_fetch.store_reads"):
             trio.run(main)
     finally:
         hung.answer()
