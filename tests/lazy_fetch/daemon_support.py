@@ -69,9 +69,14 @@ class Daemons:
             return f.read()
 
     def stop_all(self) -> None:
-        for daemon in self.started:
-            assert daemon.stop() in (0, -signal.SIGKILL), f"the daemon failed; its log:\n{self.log()[-3000:]}"
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        """Stop every daemon started and remove the socket directory, then fail if any daemon failed: one
+        that failed must not leave the others running, nor the directory behind."""
+        try:
+            codes = [daemon.stop() for daemon in self.started]
+        finally:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+        assert all(code in (0, -signal.SIGKILL) for code in codes), \
+            f"a daemon failed ({codes}); the log:\n{self.log()[-3000:]}"
 
 
 def metrics(node: Node) -> dict[tuple[str, frozenset], float]:
