@@ -211,13 +211,7 @@ class ChunkUploader:
         """True exactly once per chunk that is neither stored nor queued: the caller then compresses it and
         must hand it to ``add_claimed`` (until then, other threads' ``claim`` and ``add`` of it say False).
         This is how a builder compresses each new chunk once, however many threads meet it."""
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            if digest in self._queued or digest in self.index:
-                return False
-            self._queued.add(digest)
-            return True
+        return self.claim_many((digest,))[0]
 
     def add_claimed(self, digest: bytes, ulen: int, frame: bytes) -> None:
         """Queue a chunk this caller claimed (``claim`` said True); may block as ``add`` does."""
