@@ -16,11 +16,18 @@ PYTEST_ARGS ?=
 
 setup: apt venv
 
+# A fresh machine may be running apt itself when this starts (seen: `apt-get update` refused with "Could not
+# get lock /var/lib/apt/lists/lock"): wait for its locks, and try again a few times.
 apt:
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		for try in 1 2 3 4 5 6 7 8 9 10 11 12; do \
+			apt-get -o DPkg::Lock::Timeout=300 update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq $$missing >/dev/null && \
+			exit 0; \
+			echo "apt-get failed (try $$try of 12; another apt may hold its lock): trying again in 10 s"; sleep 10; \
+		done; exit 1; \
 	fi
 
 venv: $(VENV)/.installed

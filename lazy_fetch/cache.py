@@ -74,14 +74,7 @@ their digest (the fetcher's read_chunks does), and anything else as a Frame.
 
 ``lacks(digest)`` answers from memory, without the index or a worker thread, that a chunk is surely not
 cached, so that a miss need not wait for a worker thread to learn it (the fetcher goes to the store at
-once). It reads *presence counters*: a byte per slot, a digest's slot from its first bytes (digests are
-sha256: uniform), counting the indexed chunks of the slot, kept in step with every change of the index
-(built at open, counted up by put, down by eviction and drops; a count at 255 sticks). A slot at zero
-means no indexed chunk has that slot. A non-zero slot (another chunk's, or one whose count stuck) only
-means "look it up": ``lacks`` is never wrong the other way, except about a chunk being put at that
-moment, which costs one store read that the put then finds cached. PRESENCE_SLOTS_PER_BYTE slots per byte
-of the bound (a slot per 4 KiB: a full cache of chunks of 40 KiB or more takes at most one slot in ten),
-at most PRESENCE_SLOTS_MAX (4 Mi slots, 4 MiB of memory, which the default 10 GiB bound gets).
+once): cache_presence.py's counters, kept in step with every change of the index.
 
 Threads: every method blocks (disk I/O and index transactions); in the daemon they run in trio worker
 threads and any number may run at once. ``_lock`` serialises the changes that must agree between segments
@@ -91,8 +84,8 @@ segment is written before ``_lock`` is taken. Reads take no lock: a read that ra
 missing segment or a hole and re-checks under ``_lock`` before calling anything rotten. ``_counters_lock``
 guards the statistics counters and the pending LRU moves (``_frames``, the frames indexed, and
 ``_frame_growth`` are changed under ``_lock``, read by ``stats`` and ``frame_growth`` without). The
-presence counters are changed under ``_lock`` only, with the index, and read by
-``lacks`` from any thread without a lock (a byte read is atomic); ``note_misses`` is called by one thread
+presence counters are changed under ``_lock`` only, with the index, and read by ``lacks`` from any
+thread without a lock; ``note_misses`` is called by one thread
 (the fetcher's). ``read_index`` is for a closed cache.
 """
 
@@ -112,6 +105,7 @@ from dsec_fs.files import LOCK_NAME, lock_directory, private_dir, unlink_if_pres
 
 from .cache_segments import (DIR_MODE, FILE_MODE, SEGMENT_NUMBER_LIMIT, checksum, punch_holes, read_chunk, segment_name,
                              segment_number, unlink_segment, write_temporary)
+from .cache_presence import PresenceCounters
 from .cache_strays import INDEX_FILES, make_room, narrow, narrow_path, remove_stray, scan
 from .lmdb_index import DEFAULT_MAP_SIZE, LAYOUT_VERSION, CacheIndex, IndexEntry
 
@@ -122,12 +116,6 @@ INDEX = "index"
 OLD_CHUNKS = "chunks"  # layout 1's directory of chunk files
 # Hits remembered before their LRU moves are written to the index in one transaction.
 TOUCH_BATCH = 64
-# Presence counters (``lacks``): slots per byte of the cache's bound (a power of two at least this many),
-# within these bounds.
-PRESENCE_SLOTS_PER_BYTE = 1 / 4096
-PRESENCE_SLOTS_MIN = 1 << 12
-PRESENCE_SLOTS_MAX = 1 << 22
-PRESENCE_STUCK = 255
 
 
 @dataclass(frozen=True)
@@ -181,9 +169,7 @@ class ChunkCache:
         self._dead_bytes = 0  # the sum of their ``dead``
         self._next_segment = 1
         self._can_punch = True  # until the filesystem refuses
-        wanted = max(PRESENCE_SLOTS_MIN, min(PRESENCE_SLOTS_MAX, int(max_bytes * PRESENCE_SLOTS_PER_BYTE)))
-        self._presence = bytearray(1 << (wanted - 1).bit_length())
-        self._presence_mask = len(self._presence) - 1
+        self._presence = PresenceCounters(max_bytes)
         private_dir(self.directory)
         make_room(self._segments_dir, directory=True)
         os.makedirs(self._segments_dir, mode=DIR_MODE, exist_ok=True)
@@ -271,7 +257,7 @@ class ChunkCache:
         if unsound:
             self._index.delete(unsound)
         dropped = set(unsound)
-        self._count_presence((digest for digest in entries if digest not in dropped), +1)
+        self._presence.count((digest for digest in entries if digest not in dropped), +1)
         if removed or unsound:
             log.info("chunk cache %s: removed %d unindexed segments or strays, dropped %d entries without a "
                      "sound segment", self.directory, removed, len(unsound))
@@ -319,7 +305,7 @@ class ChunkCache:
     def lacks(self, digest: bytes) -> bool:
         """True when the cache surely does not hold the chunk (the module docstring: presence counters);
         False when it may. Memory only: any thread, never blocks; counts nothing (``note_misses``)."""
-        return not self._presence[self._presence_slot(digest)]
+        return self._presence.surely_absent(digest)
 
     def note_misses(self, count: int) -> None:
         """Count ``count`` chunks that ``lacks`` answered for as misses (they were not looked up)."""
@@ -425,7 +411,7 @@ class ChunkCache:
                 self._frames += sum(entry.is_frame for _digest, entry in entries)
                 self._frame_growth += sum(_growth(entry) for _digest, entry in entries)
                 self._segments[segment] = _Segment(size=offset, chunks=len(entries))
-                self._count_presence(added, +1)
+                self._presence.count(added, +1)
                 self._release(replaced)  # put meanwhile by another thread: that copy's bytes are unused now
                 self._free_unindexed(segment, unused)
                 if total > self.max_bytes:
@@ -473,7 +459,7 @@ class ChunkCache:
     def _drop_locked(self, digest: bytes) -> None:
         """With ``_lock`` held: remove ``digest``'s entry and free its bytes."""
         dropped = self._index.delete([digest])
-        self._count_presence([digest], -1)
+        self._presence.count([digest], -1)
         self._release(dropped)
 
     def _evict_locked(self, max_bytes: int) -> int:
@@ -485,7 +471,7 @@ class ChunkCache:
             batch = self._index.evict_to(max(0, max_bytes - self._dead_bytes))
             if not batch:
                 break
-            self._count_presence((digest for digest, _entry in batch), -1)
+            self._presence.count((digest for digest, _entry in batch), -1)
             self._release(batch)
             evicted += len(batch)
             log.debug("chunk cache: evicted %d chunks, first %s", len(batch), short(batch[0][0]))
@@ -525,19 +511,6 @@ class ChunkCache:
                      "segment goes, and count against the bound", self.directory)
             self._can_punch = False
         return self._can_punch
-
-    def _presence_slot(self, digest: bytes) -> int:
-        """A digest's presence counter: from its first bytes (digests are sha256: uniform)."""
-        return int.from_bytes(digest[:8], "little") & self._presence_mask
-
-    def _count_presence(self, digests: Iterable[bytes], step: int) -> None:
-        """Count ``digests`` (newly indexed: +1; no longer: -1) in the presence counters; with ``_lock``
-        held (or at open). A counter at PRESENCE_STUCK stays there: it may have lost count."""
-        presence = self._presence
-        for digest in digests:
-            slot = self._presence_slot(digest)
-            if presence[slot] != PRESENCE_STUCK:
-                presence[slot] = max(0, presence[slot] + step)
 
     def _flush_touches(self) -> None:
         with self._counters_lock:
