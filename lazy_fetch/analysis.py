@@ -133,7 +133,7 @@ def learn_prefetch_list(traces: Iterable[Trace | str | os.PathLike], store: Stor
 def _layer_report(layer: LayerIndex, accesses: list[TraceAccess], summaries: list[TraceSummary], *,
                   top: int, holdout: float) -> LayerReport:
     n = len(accesses)
-    lengths = [length for _blkaddr, _digest, length in layer.blob_map.entries]
+    lengths = layer.blob_map.lengths
     refs = Counter(a.header.ref for a in accesses if a.header.ref)
     union_ranges: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for a in accesses:

@@ -18,7 +18,7 @@ from dsec_fs.errors import NotFoundError
 from dsec_fs.layer import open_layer, publish_layer
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder.blob import FileBlob
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from erofs_builder.fsck import fsck_image, fsck_layer
 from erofs_builder.ondisk.superblock import SB_OFFSET, seal_block0
 from erofs_builder.reader import ErofsImage
@@ -70,7 +70,7 @@ def test_a_clean_layer_passes(layer):
 
 def test_a_rotted_chunk_is_named(layer):
     files = open_layer(layer.store, layer.digest)
-    blobmap = BlobMap.decode(files.blobmap, source="blobmap")
+    blobmap = EncodedBlobMap(files.blobmap, source="blobmap")
     index = ChunkIndex()
     index.load_packs(layer.store, files.manifest.packs)
     blkaddr, digest, _length = blobmap.entries[2]
@@ -148,7 +148,7 @@ def test_an_unused_chunk_is_a_warning(layer):
 
 
 def test_fsck_image_with_an_exported_blob(layer, tmp_path):
-    blobmap = BlobMap.decode(open_layer(layer.store, layer.digest).blobmap, source="blobmap")
+    blobmap = EncodedBlobMap(open_layer(layer.store, layer.digest).blobmap, source="blobmap")
     with FileBlob(layer.blob_path) as blob:
         report = fsck_image(layer.meta, blob, blobmap=blobmap)
         assert report.ok and report.chunks_verified == report.chunks
@@ -198,7 +198,7 @@ def test_fsck_never_raises_and_agrees_with_the_reader(small, data):
     offset = data.draw(st.integers(SB_OFFSET, len(meta.rstrip(b"\0")) - 1), label="offset")
     meta[offset] ^= data.draw(st.integers(1, 255), label="xor")
     seal_block0(meta, BLOCK)
-    blobmap = BlobMap.decode(open_layer(small.store, small.digest).blobmap, source="blobmap")
+    blobmap = EncodedBlobMap(open_layer(small.store, small.digest).blobmap, source="blobmap")
     with FileBlob(small.blob_path) as blob:
         report = fsck_image(bytes(meta), blob, blobmap=blobmap)
         if assert_reports_format_error(bytes(meta), blob) is None:
