@@ -25,6 +25,7 @@ index it reads are safe to share.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -100,7 +101,9 @@ class LayerBlob:
     def following(self, last: int, budget: int) -> list[tuple[bytes, ChunkLocation]]:
         """The chunks after blob-map entry ``last``, while their data fits in ``budget`` bytes."""
         ahead = []
-        for number, (_blkaddr, digest, length) in enumerate(self.blob_map.entries[last + 1:], last + 1):
+        blob_map = self.blob_map
+        for number, length, digest in zip(itertools.count(last + 1), blob_map.lengths[last + 1:],
+                                          blob_map.digests(last + 1)):
             budget -= length
             if budget < 0:
                 break
