@@ -14,7 +14,7 @@ import struct
 import tracemalloc
 
 from dsec_fs import compress
-from dsec_fs.blobmap import ENTRY, HEADER, max_entries
+from dsec_fs.blobmap import ENTRY, HEADER
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.layer import BLOBMAP, open_layer
 from dsec_fs.store import keys
@@ -47,12 +47,13 @@ def first_pack(store) -> str:
 
 def overgrow_blob_map(store, digest: str) -> int:
     """Republish layer ``digest``'s blob map with one-block chunks appended until it holds one entry more
-    than its meta.erofs can name (``blobmap.max_entries``), and its manifest's blob map fields and blob
-    size to match: a map that reads as sound and that the manifest vouches for. Its size in bytes."""
+    than its meta.erofs can name (one per 8-byte chunk index: meta_size / 8), and its manifest's blob map
+    fields and blob size to match: a map that reads as sound and that the manifest vouches for. Its size
+    in bytes."""
     files = open_layer(store, digest)
     manifest = json.loads(store.get(keys.layer_manifest(digest)))
     count, blocks = struct.unpack_from("<II", files.blobmap, 16)
-    extra = max_entries(manifest["meta_size"], 1 << 32) + 1 - count
+    extra = manifest["meta_size"] // 8 + 1 - count
     appended = b"".join(ENTRY.pack(blocks + i, 1, sha256(b"extra %d" % i)) for i in range(extra))
     data = (files.blobmap[:16] + struct.pack("<II", count + extra, blocks + extra) + files.blobmap[HEADER.size:]
             + appended)
