@@ -57,10 +57,16 @@ def overgrow_blob_map(store, digest: str) -> int:
     appended = b"".join(ENTRY.pack(blocks + i, 1, sha256(b"extra %d" % i)) for i in range(extra))
     data = (files.blobmap[:16] + struct.pack("<II", count + extra, blocks + extra) + files.blobmap[HEADER.size:]
             + appended)
+    republish_blob_map(store, digest, data)
+    return len(data)
+
+
+def republish_blob_map(store, digest: str, data: bytes) -> None:
+    """Put ``data`` as layer ``digest``'s blob map, its manifest's blob map fields and blob size set to match."""
+    manifest = json.loads(store.get(keys.layer_manifest(digest)))
     frame = compress.compress(data)
     store.put(keys.layer_blobmap(digest), frame)
     manifest.update(blobmap_size=len(data), blobmap_sha256=to_hex(sha256(data)), blob_id=to_hex(sha256(data)),
-                    blob_blocks=blocks + extra)
+                    blob_blocks=struct.unpack_from("<I", data, 20)[0])
     manifest["stored"][BLOBMAP] = {"encoding": "zstd", "size": len(frame), "sha256": to_hex(sha256(frame))}
     store.put(keys.layer_manifest(digest), json.dumps(manifest, sort_keys=True).encode())
-    return len(data)

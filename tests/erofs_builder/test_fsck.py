@@ -22,6 +22,7 @@ from dsec_fs.blobmap import EncodedBlobMap
 from erofs_builder.fsck import fsck_image, fsck_layer
 from erofs_builder.ondisk.superblock import SB_OFFSET, seal_block0
 from erofs_builder.reader import ErofsImage
+from tests.dsec_fs.oversized import republish_blob_map
 from tests.erofs_builder.reader_support import (
     BLOCK, CHUNK, assert_reports_format_error, build, make_source, mkfs, needs_mkfs, write,
 )
@@ -137,6 +138,19 @@ def test_an_image_that_disagrees_with_its_blob_map(layer):
         report = fsck_layer(layer.store, digest, check_chunks=False)
         assert [(where in p.where, message in p.message) for p in report.problems] == [(True, True)], \
             (message, report.problems)
+
+
+def test_a_blob_map_naming_a_chunk_twice_is_reported(layer):
+    """A mount reads such a map (dsec_fs/blobmap.py); fsck names the entry and the one before it."""
+    files = open_layer(layer.store, layer.digest)
+    entries = list(EncodedBlobMap(files.blobmap, source="blobmap").entries)
+    assert len(entries) > 2
+    twice = files.blobmap.replace(entries[2][1], entries[1][1])
+    republish_blob_map(layer.store, layer.digest, twice)
+    report = fsck_layer(layer.store, layer.digest, check_chunks=False)
+    assert any(p.where == f"{keys.layer_blobmap(layer.digest)} entry 2"
+               and f"chunk {to_hex(entries[1][1])} is already at entry 1" in p.message for p in report.problems), \
+        report.problems
 
 
 def test_an_unused_chunk_is_a_warning(layer):
