@@ -17,7 +17,7 @@ Nothing may follow the last entry. Two types, one per side:
 - ``EncodedBlobMap`` reads an encoded map in place: every reader (the node daemon, gc, fsck, diff, a
   rebuild). It holds the encoding itself and one column of 4 bytes per entry (the blkaddrs, as an
   array for bisect), no object per entry: about 1.1x the encoding (docs/benchmarks.md, "blobmap13"),
-  where a decode into tuples held 6x and took 13x as long. An entry is unpacked when asked for.
+  where a decode into tuples held 6x and took 6 to 17 times as long. An entry is unpacked when asked for.
 
 Making an EncodedBlobMap validates everything the layout needs, at C speed: a map that is accepted is
 contiguous, block aligned, every length in range and its header's count and blocks agree with the entries
