@@ -41,7 +41,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from dsec_fs.blobmap import BlobMap  # noqa: E402
+from dsec_fs.blobmap import EncodedBlobMap  # noqa: E402
 from dsec_fs.chunks import ChunkIndex, plan_runs, read_run  # noqa: E402
 from dsec_fs.client import Node  # noqa: E402
 from dsec_fs.layer import open_layer  # noqa: E402
@@ -75,7 +75,7 @@ def store_reads(store_dir: str) -> tuple[float, int]:
     files = open_layer(store, REF)
     index = ChunkIndex()
     index.load_packs(store, files.manifest.packs)
-    blob_map = BlobMap.decode(files.blobmap, source="blobmap")
+    blob_map = EncodedBlobMap(files.blobmap, source="blobmap")
     items = [(digest, index.get(digest)) for _blkaddr, digest, _length in blob_map.entries]
     drop_caches()
     start = time.perf_counter()

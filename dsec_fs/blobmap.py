@@ -11,24 +11,37 @@ Binary format (all integers little-endian), stored as ``layers/<layer>/blobmap``
     header   24 bytes   (``HEADER``)
     entries  40 bytes each, ``count`` of them, in blob order (``ENTRY``)
 
-Nothing may follow the last entry. ``decode`` validates everything it can without the chunks: a blob map
-that decodes is internally consistent (contiguous, block aligned, no chunk twice, lengths in range). The
-blob id of a layer is the sha256 of these bytes, so a map that decodes but was tampered with is caught
-by the manifest's ``blobmap_sha256`` and the device tag in meta.erofs. ``EncodedBlobMap`` reads a few
-entries of an encoded map in place, without decoding the rest (a rebuild's patch).
+Nothing may follow the last entry. Two types, one per side:
+
+- ``BlobMap`` builds a map (the chunker: ``add`` a chunk at the blob's end) and encodes it;
+- ``EncodedBlobMap`` reads an encoded map in place: every reader (the node daemon, gc, fsck, diff, a
+  rebuild). It holds the encoding itself and one column of 4 bytes per entry (the blkaddrs, as an
+  array for bisect), no object per entry: about 1.1x the encoding (docs/benchmarks.md, "blobmap13"),
+  where a decode into tuples held 6x and took 6 to 17 times as long. An entry is unpacked when asked for.
+
+Making an EncodedBlobMap validates everything the layout needs, at C speed: a map that is accepted is
+contiguous, block aligned, every length in range and its header's count and blocks agree with the entries
+(FormatError naming the source, the entry and its offset otherwise). It does not look for a chunk named by
+two entries: that takes a set of every digest (2.5x the map, per mount), and such a map still serves
+every byte right (entries are read by number, every chunk is verified by its digest); the builder never
+writes one and fsck reports one. The blob id of a layer is the sha256 of these bytes, so a map that is
+accepted but was tampered with is caught by the manifest's ``blobmap_sha256`` and the device tag in
+meta.erofs. ``max_entries`` bounds a layer's map by its meta.erofs before the map is read (layer.py).
 
 Threads: a BlobMap is built by one thread (the chunker's main thread); once built, it is read-only and
-any thread may read it.
+any thread may read it. An EncodedBlobMap is read-only once made; any thread may read it.
 """
 
 from __future__ import annotations
 
+import array
 import bisect
 import hashlib
 import itertools
 import operator
 import struct
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from .digest import DIGEST_SIZE, short
 from .errors import FormatError, InputError, NotFoundError, UnsupportedError
@@ -59,7 +72,10 @@ ENTRY = struct.Struct(
     "I"  # length: bytes of the chunk (uncompressed); it fills ceil(length / block size) blocks
     f"{DIGEST_SIZE}s"  # digest: sha256 of the chunk's bytes, its name in the chunk store
 )
-_BLKADDR = struct.Struct("<I")  # an entry's first field
+WORDS_PER_ENTRY = ENTRY.size // 4  # an entry as 32-bit words: blkaddr, length, then the digest's 8
+# An EROFS chunk index (struct erofs_inode_chunk_index: advise, device id, blkaddr) is 8 bytes, and every
+# entry of a layer's map is the chunk of at least one of them in its meta.erofs: what max_entries counts.
+CHUNK_INDEX_SIZE = 8
 
 
 def check_chunk_size(chunk_size: int) -> int:
@@ -102,10 +118,24 @@ def _checked_header(data: memoryview, fail: Callable[[str, int, str], FormatErro
         raise fail("blob map header", 13, f"chunk size bits {chunkbits} outside {MIN_CHUNK_BITS}..{MAX_CHUNK_BITS}")
     if reserved:
         raise fail("blob map header", 14, f"reserved field is {reserved:#x}, expected 0")
-    expected_size = HEADER.size + count * ENTRY.size
+    expected_size = encoded_size(count)
     if len(data) != expected_size:
         raise fail("blob map header", 16, f"{count} entries need {expected_size} bytes, the map has {len(data)}")
+    if count > blocks:
+        raise fail("blob map header", 16, f"{count} entries cannot fit in {blocks} blocks (each fills one or more)")
     return chunkbits, count, blocks
+
+
+def encoded_size(count: int) -> int:
+    """Bytes of the encoding of a map of ``count`` entries."""
+    return HEADER.size + count * ENTRY.size
+
+
+def max_entries(meta_size: int, blob_blocks: int) -> int:
+    """The most entries the map of a layer can need whose meta.erofs is ``meta_size`` bytes and whose blob
+    is ``blob_blocks`` blocks: each entry fills a block at least, and is named by a chunk index of the
+    image. A map beyond it is corrupt however its entries read (dsec_fs.layer refuses it unread)."""
+    return min(blob_blocks, meta_size // CHUNK_INDEX_SIZE)
 
 
 def _blocks_for(length: int) -> int:
@@ -130,7 +160,8 @@ def header(chunk_bits: int, count: int, blocks: int) -> bytes:
 
 
 class BlobMap:
-    """The chunks of one layer's virtual blob, in blob order."""
+    """The chunks of one layer's virtual blob, in blob order, as the chunker places them (``add``); what
+    reads a map reads its encoding (``EncodedBlobMap``)."""
 
     block_size = BLOCK_SIZE
 
@@ -139,9 +170,8 @@ class BlobMap:
         self.chunk_size = chunk_size
         self.entries: list[tuple[int, bytes, int]] = []  # (blkaddr, digest, length), in blob order
         self.blocks = 0  # total blocks of the blob; also where the next chunk goes
-        self._starts: list[int] = []  # blkaddr of each entry, for bisect in locate()
         # digest -> its entry: the entry itself, not its index, so that a map of many chunks holds no int
-        # object per entry besides its blkaddr (``_index_of`` finds the index again)
+        # object per entry besides its blkaddr
         self._by_digest: dict[bytes, tuple[int, bytes, int]] = {}
 
     def __len__(self) -> int:
@@ -160,13 +190,8 @@ class BlobMap:
         entry = (blkaddr, digest, length)
         self._by_digest[digest] = entry
         self.entries.append(entry)
-        self._starts.append(blkaddr)
         self.blocks = end
         return blkaddr
-
-    def _index_of(self, blkaddr: int) -> int:
-        """The index of the entry that starts at ``blkaddr``."""
-        return bisect.bisect_left(self._starts, blkaddr)
 
     def blkaddr_of(self, digest: bytes) -> int:
         entry = self._by_digest.get(digest)
@@ -180,45 +205,6 @@ class BlobMap:
         blkaddr_of = self.blkaddr_of
         return [None if digest is None else blkaddr_of(digest) for digest in digests]
 
-    def locate(self, blkaddr: int) -> int:
-        """Index of the entry whose blocks include ``blkaddr`` (a block past a chunk's end is its padding)."""
-        if not 0 <= blkaddr < self.blocks:
-            raise InputError(f"block {blkaddr} is outside the blob ({self.blocks} blocks)", where="blob map")
-        return bisect.bisect_right(self._starts, blkaddr) - 1
-
-    def entries_in(self, offset: int, end: int) -> range:
-        """The indexes of the entries whose data overlaps bytes [offset, end) of the blob, in blob order;
-        ``end`` is cut to the blob's end, and a range only in padding or past the end has none. A reader's
-        hot path: two bisects and no test per entry (docs/benchmarks.md, "tidy9": 0.1-0.3 us more per
-        read than the loops it replaced, on a walk of 1.5-2 us)."""
-        end = min(end, self.blocks << BLOCK_SIZE_BITS)
-        if offset >= end:
-            return range(0)
-        first = bisect.bisect_right(self._starts, offset >> BLOCK_SIZE_BITS) - 1
-        blkaddr, _digest, length = self.entries[first]
-        if (blkaddr << BLOCK_SIZE_BITS) + length <= offset:  # the range starts in this chunk's padding
-            first += 1
-        return range(first, bisect.bisect_left(self._starts, -(-end >> BLOCK_SIZE_BITS), first))
-
-    def _take_valid(self, entries: list[tuple[int, int, bytes]]) -> bool:
-        """Fill an empty map with decoded (blkaddr, length, digest) entries if they are all valid: checked
-        and taken at C speed, not an add() per entry (a layer's map has an entry per distinct chunk)."""
-        if not entries:
-            return True
-        blkaddrs, lengths, digests = zip(*entries)
-        # _blocks_for of each length, as map()s of C functions
-        blocks = map(operator.rshift, map(operator.add, lengths, itertools.repeat(BLOCK_SIZE - 1)),
-                     itertools.repeat(BLOCK_SIZE_BITS))
-        ends = list(itertools.accumulate(blocks))
-        if (min(lengths) < 1 or max(lengths) > self.chunk_size or ends[-1] > MAX_BLOCKS
-                or blkaddrs[0] != 0 or blkaddrs[1:] != tuple(ends[:-1]) or len(set(digests)) != len(digests)):
-            return False
-        self.entries = list(zip(blkaddrs, digests, lengths))
-        self._starts = list(blkaddrs)
-        self._by_digest = dict(zip(digests, self.entries))
-        self.blocks = ends[-1]
-        return True
-
     def encode(self) -> bytes:
         return header(self.chunk_bits, len(self.entries), self.blocks) + b"".join(
             ENTRY.pack(blkaddr, length, digest) for blkaddr, digest, length in self.entries)
@@ -228,59 +214,43 @@ class BlobMap:
         """sha256 hex of encode(): names the blob in the EROFS device table. Hashes the whole map each time."""
         return hashlib.sha256(self.encode()).hexdigest()
 
-    @classmethod
-    def decode(cls, data: bytes | memoryview, *, source: str) -> BlobMap:
-        """Parse and validate a blob map; FormatError(source=...) names the field or entry and its offset."""
 
-        def fail(structure: str, offset: int, message: str) -> FormatError:
-            return FormatError(structure, offset, message, source=source)
-
-        data = memoryview(data)
-        chunkbits, count, blocks = _checked_header(data, fail)
-
-        blob_map = cls(1 << chunkbits)
-        entries = list(ENTRY.iter_unpack(data[HEADER.size:]))
-        if blob_map._take_valid(entries):
-            entries = []  # all taken; else the loop below finds the first bad entry, or adds them one by one
-        for i, (blkaddr, length, digest) in enumerate(entries):
-            offset = HEADER.size + i * ENTRY.size
-            if blkaddr != blob_map.blocks:
-                raise fail(f"blob map entry {i}", offset, f"blkaddr {blkaddr}, expected {blob_map.blocks}")
-            if not 1 <= length <= blob_map.chunk_size:
-                raise fail(f"blob map entry {i}", offset + 4, f"length {length} outside 1..{blob_map.chunk_size}")
-            if digest in blob_map:
-                first = blob_map._index_of(blob_map._by_digest[digest][0])
-                raise fail(f"blob map entry {i}", offset + 8, f"chunk {short(digest)} already at entry {first}")
-            if blkaddr + _blocks_for(length) > MAX_BLOCKS:
-                raise fail(f"blob map entry {i}", offset + 4, f"blob runs past block {MAX_BLOCKS}")
-            blob_map.add(digest, length)
-        if blocks != blob_map.blocks:
-            raise fail("blob map header", 20, f"header says {blocks} blocks, the entries fill {blob_map.blocks}")
-        return blob_map
+def _words(body: memoryview) -> memoryview:
+    """The entries as 32-bit words (WORDS_PER_ENTRY per entry), little-endian as encoded, read in place
+    on a little-endian machine (a copy, byte-swapped, on another)."""
+    if sys.byteorder == "little":
+        return body.cast("I")
+    words = array.array("I")
+    words.frombytes(body)
+    words.byteswap()
+    return memoryview(words)
 
 
 class EncodedBlobMap:
-    """A blob map read in place from its encoding, for a caller that needs a few of its thousands of
-    entries: a rebuild's patch (erofs_builder/patch.py) looks up the old chunks of the files it changed
-    and writes their replacements over them. Decoding the Debian rootfs's map (6,281 entries) costs
-    ~2 ms, an object per entry; this checks the header and the length when made (FormatError, as
-    ``BlobMap.decode``) and unpacks an entry when asked for. The entries are not checked against each
-    other: a lookup finds only an entry that starts exactly where asked (``starting_at``) or holds the
-    digest asked for (``index_of``), so a map that would not decode gives answers no caller can take
-    for a sound map's (the patch then takes the full path), or, where the map is wrong in a way no
-    lookup shows, a patched map that does not decode either.
+    """A layer's blob map read in place from its encoding: the encoding and the blkaddr column, validated
+    when made (see the module docstring). ``entry(i)`` and ``entries`` (a sequence view) unpack entries
+    when asked for; ``lengths`` is a column over the encoding; ``locate`` and ``entries_in`` bisect the
+    blkaddr column; a digest is looked up by a search of the encoding (``index_of``, ``indexes_of``).
 
     Threads: read-only once made; any thread may read it."""
 
     block_size = BLOCK_SIZE
 
-    def __init__(self, data: bytes, *, source: str):
+    def __init__(self, data: bytes | bytearray | memoryview, *, source: str):
         def fail(structure: str, offset: int, message: str) -> FormatError:
             return FormatError(structure, offset, message, source=source)
 
-        self.data = data
-        self.chunk_bits, self._count, self.blocks = _checked_header(memoryview(data), fail)
+        self.data = data if isinstance(data, bytes) else bytes(data)  # immutable: it was validated
+        self.chunk_bits, self._count, self.blocks = _checked_header(memoryview(self.data), fail)
         self.chunk_size = 1 << self.chunk_bits
+        words = _words(memoryview(self.data)[HEADER.size:])
+        # zero-copy columns over the encoding: each entry's blkaddr and length
+        blkaddrs, self.lengths = words[0::WORDS_PER_ENTRY], words[1::WORDS_PER_ENTRY]
+        _check_layout(blkaddrs, self.lengths, self.blocks, self.chunk_size, fail)
+        # the blkaddrs again, contiguous: bisect over an array is twice as fast as over the strided column
+        self._starts = array.array("I")
+        self._starts.frombytes(blkaddrs.tobytes())
+        self.entries = EntriesView(self, 0, self._count)
 
     def __len__(self) -> int:
         return self._count
@@ -289,13 +259,60 @@ class EncodedBlobMap:
         return self.index_of(digest) is not None
 
     def entry(self, index: int) -> tuple[int, bytes, int]:
-        """(blkaddr, digest, length) of entry ``index``, as ``BlobMap.entries`` holds it."""
+        """(blkaddr, digest, length) of entry ``index`` (0 <= index < len: IndexError otherwise)."""
+        if not 0 <= index < self._count:
+            raise IndexError(f"blob map entry {index} of {self._count}")
         blkaddr, length, digest = ENTRY.unpack_from(self.data, HEADER.size + index * ENTRY.size)
         return blkaddr, digest, length
 
+    def digest(self, index: int) -> bytes:
+        """The digest of entry ``index``."""
+        if not 0 <= index < self._count:
+            raise IndexError(f"blob map entry {index} of {self._count}")
+        at = HEADER.size + index * ENTRY.size + ENTRY.size - DIGEST_SIZE
+        return self.data[at:at + DIGEST_SIZE]
+
+    def _unpacked(self, start: int, stop: int) -> Iterator[tuple[int, bytes, int]]:
+        """Entries start..stop-1 as (blkaddr, digest, length), unpacked at C speed one at a time."""
+        body = memoryview(self.data)[HEADER.size + start * ENTRY.size:HEADER.size + stop * ENTRY.size]
+        return map(_AS_ENTRY, ENTRY.iter_unpack(body))
+
+    def digests(self, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
+        """The digests of entries start..stop-1 (to the last by default), in blob order, at C speed."""
+        stop = self._count if stop is None else stop
+        body = memoryview(self.data)[HEADER.size + start * ENTRY.size:HEADER.size + stop * ENTRY.size]
+        return map(operator.itemgetter(0), _DIGEST_FIELD.iter_unpack(body))
+
+    def encode(self) -> bytes:
+        return self.data
+
+    @property
+    def blob_id(self) -> str:
+        """sha256 hex of the encoding: names the blob in the EROFS device table."""
+        return hashlib.sha256(self.data).hexdigest()
+
+    def locate(self, blkaddr: int) -> int:
+        """Index of the entry whose blocks include ``blkaddr`` (a block past a chunk's end is its padding)."""
+        if not 0 <= blkaddr < self.blocks:
+            raise InputError(f"block {blkaddr} is outside the blob ({self.blocks} blocks)", where="blob map")
+        return bisect.bisect_right(self._starts, blkaddr) - 1
+
+    def entries_in(self, offset: int, end: int) -> range:
+        """The indexes of the entries whose data overlaps bytes [offset, end) of the blob, in blob order;
+        ``end`` is cut to the blob's end, and a range only in padding or past the end has none. A reader's
+        hot path: two bisects over the blkaddr column and no test per entry."""
+        end = min(end, self.blocks << BLOCK_SIZE_BITS)
+        if offset >= end:
+            return range(0)
+        first = bisect.bisect_right(self._starts, offset >> BLOCK_SIZE_BITS) - 1
+        if (self._starts[first] << BLOCK_SIZE_BITS) + self.lengths[first] <= offset:  # starts in padding
+            first += 1
+        return range(first, bisect.bisect_left(self._starts, -(-end >> BLOCK_SIZE_BITS), first))
+
     def index_of(self, digest: bytes) -> int | None:
-        """The index of the entry of chunk ``digest``, or None: a search of the encoding for the digest's
-        bytes, taken only where they are an entry's digest field."""
+        """The index of the (first) entry of chunk ``digest``, or None: a search of the encoding for the
+        digest's bytes, taken only where they are an entry's digest field. For a few digests; many at
+        once: ``indexes_of``."""
         if len(digest) != DIGEST_SIZE:
             return None
         at = self.data.find(digest, HEADER.size)
@@ -306,19 +323,21 @@ class EncodedBlobMap:
             at = self.data.find(digest, at + 1)
         return None
 
+    def indexes_of(self, digests: Iterable[bytes]) -> dict[bytes, int]:
+        """digest -> the index of its (first) entry, for each of ``digests`` the map holds: one pass over
+        the entries, holding nothing per entry but the answers."""
+        wanted = set(digests)
+        found: dict[bytes, int] = {}
+        for index, digest in enumerate(self.digests()):
+            if digest in wanted and digest not in found:
+                found[digest] = index
+        return found
+
     def starting_at(self, blkaddr: int) -> tuple[int, bytes, int] | None:
-        """The entry (blkaddr, digest, length) whose chunk starts at block ``blkaddr``, or None: a binary
-        search over the entries' blkaddrs, which a sound map holds ascending."""
-        low, high = 0, self._count
-        while low < high:
-            middle = (low + high) // 2
-            (found,) = _BLKADDR.unpack_from(self.data, HEADER.size + middle * ENTRY.size)
-            if found < blkaddr:
-                low = middle + 1
-            elif found > blkaddr:
-                high = middle
-            else:
-                return self.entry(middle)
+        """The entry (blkaddr, digest, length) whose chunk starts at block ``blkaddr``, or None."""
+        index = bisect.bisect_left(self._starts, blkaddr)
+        if index < self._count and self._starts[index] == blkaddr:
+            return self.entry(index)
         return None
 
     def replaced(self, replacements: dict[bytes, tuple[bytes, int]]) -> bytearray:
@@ -339,3 +358,68 @@ class EncodedBlobMap:
                                  f"{short(old)} of {old_length}", where="blob map")
             ENTRY.pack_into(out, HEADER.size + index * ENTRY.size, blkaddr, length, digest)
         return out
+
+
+_DIGEST_FIELD = struct.Struct(f"<{ENTRY.size - DIGEST_SIZE}x{DIGEST_SIZE}s")  # an entry's digest alone
+_AS_ENTRY = operator.itemgetter(0, 2, 1)  # ENTRY's (blkaddr, length, digest) -> (blkaddr, digest, length)
+
+
+def _check_layout(blkaddrs: memoryview, lengths: memoryview, blocks: int, chunk_size: int,
+                  fail: Callable[[str, int, str], FormatError]) -> None:
+    """FormatError unless every length is 1..chunk_size and each entry starts where the one before ends
+    (the first at 0), the last ending at ``blocks``. Checked by C loops over the columns (min, max, an
+    accumulate compared with map); only a map that fails is walked again, to say where."""
+    if not len(lengths):
+        if blocks:
+            raise fail("blob map header", 20, f"header says {blocks} blocks, the map has no entries")
+        return
+    if min(lengths) < 1 or max(lengths) > chunk_size:
+        index = next(i for i, length in enumerate(lengths) if not 1 <= length <= chunk_size)
+        raise fail(f"blob map entry {index}", HEADER.size + index * ENTRY.size + 4,
+                   f"length {lengths[index]} outside 1..{chunk_size}")
+    # the block after each entry, a running sum of ceil(length / block size): where the next one starts
+    ends = itertools.accumulate(map(operator.rshift, map(operator.add, lengths, itertools.repeat(BLOCK_SIZE - 1)),
+                                    itertools.repeat(BLOCK_SIZE_BITS)))
+    if all(map(operator.eq, itertools.chain(blkaddrs, (blocks,)), itertools.chain((0,), ends))):
+        return
+    ends = itertools.accumulate(map(_blocks_for, lengths))
+    for index, (found, expected) in enumerate(zip(itertools.chain(blkaddrs, (blocks,)), itertools.chain((0,), ends))):
+        if found != expected:
+            break
+    if index == len(lengths):
+        raise fail("blob map header", 20, f"header says {blocks} blocks, the entries fill {expected}")
+    raise fail(f"blob map entry {index}", HEADER.size + index * ENTRY.size, f"blkaddr {found}, expected {expected}")
+
+
+class EntriesView(Sequence):
+    """Entries start..stop-1 of an EncodedBlobMap as a sequence of (blkaddr, digest, length), unpacked when
+    read: what ``BlobMap.entries`` is for a map being built. A slice is a view too (step 1 only)."""
+
+    __slots__ = ("_map", "_start", "_stop")
+
+    def __init__(self, blob_map: EncodedBlobMap, start: int, stop: int):
+        self._map, self._start, self._stop = blob_map, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("a blob map's entries are sliced in blob order, step 1")
+            return EntriesView(self._map, self._start + start, self._start + max(start, stop))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"entry {index} of {len(self)}")
+        return self._map.entry(self._start + index)
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, int]]:
+        return self._map._unpacked(self._start, self._stop)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (EntriesView, list, tuple)) and len(self) == len(other) and all(
+            map(operator.eq, self, other))
+
+    __hash__ = None

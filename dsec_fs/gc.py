@@ -69,7 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import compress
-from .blobmap import BlobMap
+from .blobmap import EncodedBlobMap
 from .chunks import DEFAULT_PACK_TARGET, ChunkIndex, ChunkLocation, ChunkUploader, read_chunks, read_index_object
 from .digest import is_hex_digest
 from .errors import CorruptError, DsecError, FormatError, InputError, NotFoundError, UnsupportedError
@@ -366,7 +366,7 @@ class _Run:
     def _layer_chunks(self, layer: _Layer) -> set[bytes] | None:
         key = keys.layer_blobmap(layer.digest)
         try:
-            blob_map = BlobMap.decode(read_blobmap(self.store, layer.manifest), source=key)
+            blob_map = EncodedBlobMap(read_blobmap(self.store, layer.manifest), source=key)
             return {digest for _blkaddr, digest, _length in blob_map.entries}
         except DsecError as exc:
             self.report.problems.append(f"{key}: {exc}; its packs are not repacked")

@@ -37,6 +37,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
 from . import compress
+from .blobmap import encoded_size, max_entries
 from .digest import is_hex_digest, sha256, to_hex
 from .errors import CorruptError, FormatError, InputError, IntegrityError, NotFoundError, UnsupportedError
 from .spill import SpillFile
@@ -328,6 +329,7 @@ def open_layer(store: Store, ref_or_digest: str, *, on_manifest: Callable[[Manif
     is verified, while the two are read; what it raises is raised here (after both reads have ended)."""
     digest = resolve(store, ref_or_digest)
     manifest = reads.manifest(store, digest) if reads else read_manifest(store, digest)
+    check_blobmap_size(manifest)
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="open-layer") as pool:
         meta_read = pool.submit(reads.meta if reads else read_meta, store, manifest)
         blobmap_read = pool.submit(reads.blobmap if reads else read_blobmap, store, manifest)
@@ -362,8 +364,23 @@ def read_meta(store: Store, manifest: Manifest) -> bytes:
 
 def read_blobmap(store: Store, manifest: Manifest) -> bytes:
     """The layer's blob map, as encoded, decompressed and checked against the manifest (any thread)."""
+    check_blobmap_size(manifest)
     return _read_object(store, manifest, BLOBMAP, keys.layer_blobmap(manifest.layer), manifest.blobmap_sha256,
                         manifest.blobmap_size)
+
+
+def check_blobmap_size(manifest: Manifest) -> None:
+    """CorruptError naming the blob map's key if the manifest gives the map more bytes than the layer can
+    need: an entry per chunk of the blob, at most one per block of it and one per chunk index of meta.erofs
+    (``dsec_fs.blobmap.max_entries``). Checked before the map is read: a layer cannot make a node hold a map many
+    times its own metadata. ``meta_size`` is meta.erofs's own (its read checks it against the layer
+    digest), so a manifest that lies about it fails that read instead."""
+    most = max_entries(manifest.meta_size, manifest.blob_blocks)
+    if manifest.blobmap_size > encoded_size(most):
+        raise CorruptError(f"the manifest gives the blob map {manifest.blobmap_size} bytes, more than the "
+                           f"{encoded_size(most)} of the {most} entries a layer of {manifest.blob_blocks} "
+                           f"blob blocks and a {manifest.meta_size}-byte meta.erofs can need",
+                           where=keys.layer_blobmap(manifest.layer))
 
 
 def _read_object(store: Store, manifest: Manifest, name: str, key: str, expected_hex: str, expected_size: int) -> bytes:

@@ -28,7 +28,7 @@ from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 
 DEFAULT_CACHE_BYTES = 64 << 20  # a few chunks: enough that sequential small reads fetch each chunk once
 # Chunk bytes per read_chunks call for bulk readers (export, fsck): large enough that neighbouring frames
@@ -93,7 +93,7 @@ class FileBlob:
 class StoreBlob:
     """The virtual blob of one layer, assembled from verified chunks of ``store``."""
 
-    def __init__(self, store: Store, blobmap: BlobMap, chunk_index: ChunkIndex, *,
+    def __init__(self, store: Store, blobmap: EncodedBlobMap, chunk_index: ChunkIndex, *,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, readahead_bytes: int = 0):
         """``readahead_bytes``: on a miss, also fetch (in the same merged request) the chunks that follow
         in the blob up to this many bytes. For readers that go through the blob in order, such as
@@ -113,7 +113,7 @@ class StoreBlob:
     @classmethod
     def for_layer(cls, store: Store, layer: LayerFiles, **kw) -> "StoreBlob":
         """The blob of an opened layer: its blob map, and the indexes of the packs its manifest lists."""
-        blobmap = BlobMap.decode(layer.blobmap, source=keys.layer_blobmap(layer.digest))
+        blobmap = EncodedBlobMap(layer.blobmap, source=keys.layer_blobmap(layer.digest))
         chunk_index = ChunkIndex()
         chunk_index.load_packs(store, layer.manifest.packs)
         return cls(store, blobmap, chunk_index, **kw)

@@ -469,7 +469,7 @@ def _build_patched(rescan: Rescan, leased: Future[tuple[Lease, ChunkIndex]], sto
         metadata = stored.result()
         # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
         manifest = _manifest(metadata.layer, metadata.meta_size, metadata.blob_id, metadata.blobmap_size,
-                             parent.encoded_blob_map.blocks, packs, stats, chunk_size, source)
+                             parent.blob_map.blocks, packs, stats, chunk_size, source)
         lease.check()
         result = _published(store, manifest, publish_stored(store, manifest, metadata), name, stats)
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
@@ -495,7 +495,7 @@ def _patched_stats(parent: ParentLayer, rescan: Rescan, read: ChunkStats, patche
         bytes=int(was.get("bytes", 0)) + grew,
         chunks=int(was.get("chunks", 0)),
         hole_chunks=int(was.get("hole_chunks", 0)),
-        distinct_chunks=len(parent.encoded_blob_map),
+        distinct_chunks=len(parent.blob_map),
         dedup_bytes=data_bytes - read.new_bytes,
     )
     stats.reused_files = stats.files - read.files

@@ -44,7 +44,7 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .blob import StoreBlob
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from .ondisk.chunk_index import BLOB_DEVICE_ID, HOLE
 from .ondisk.inode import LAYOUT_CHUNK_BASED
 from .reader import ErofsImage, Stat
@@ -58,7 +58,7 @@ _TYPE_NAMES = {
 }
 
 
-def file_chunks(image: ErofsImage, blob_map: BlobMap, nid: int) -> list[bytes | None]:
+def file_chunks(image: ErofsImage, blob_map: EncodedBlobMap, nid: int) -> list[bytes | None]:
     """The chunk digests of regular file ``nid`` in order, None for a hole, read from its chunk indexes and
     the layer's blob map (no data is read). FormatError when an index does not point at the start of a
     blob-map chunk whose length is the length that chunk of the file must have."""
@@ -159,8 +159,8 @@ def diff_layers(store: Store, a: str, b: str) -> LayerDiff:
     """Compare layer ``b`` with layer ``a`` (refs or digests) on ``store``; reads metadata only, unless the
     two layers' chunk sizes differ (then regular files of equal size are fetched and hashed)."""
     files_a, files_b = open_layer(store, a), open_layer(store, b)
-    map_a = BlobMap.decode(files_a.blobmap, source=keys.layer_blobmap(files_a.digest))
-    map_b = BlobMap.decode(files_b.blobmap, source=keys.layer_blobmap(files_b.digest))
+    map_a = EncodedBlobMap(files_a.blobmap, source=keys.layer_blobmap(files_a.digest))
+    map_b = EncodedBlobMap(files_b.blobmap, source=keys.layer_blobmap(files_b.digest))
     comparable = map_a.chunk_size == map_b.chunk_size
     images = [ErofsImage(files.meta, source=keys.layer_meta(files.digest),
                          blob=None if comparable else StoreBlob.for_layer(store, files))
@@ -168,7 +168,7 @@ def diff_layers(store: Store, a: str, b: str) -> LayerDiff:
     return diff_images(images[0], map_a, images[1], map_b, a=files_a.digest, b=files_b.digest)
 
 
-def diff_images(image_a: ErofsImage, map_a: BlobMap, image_b: ErofsImage, map_b: BlobMap, *,
+def diff_images(image_a: ErofsImage, map_a: EncodedBlobMap, image_b: ErofsImage, map_b: EncodedBlobMap, *,
                 a: str = "", b: str = "") -> LayerDiff:
     """Compare two images with their blob maps. If the chunk sizes differ, both images need their blob
     (``ErofsImage(blob=...)``) to hash file data; ``a`` and ``b`` name the layers in the result."""
@@ -193,7 +193,7 @@ def diff_images(image_a: ErofsImage, map_a: BlobMap, image_b: ErofsImage, map_b:
 class _ContentKeys:
     """What a regular file's content is compared by, computed once per inode (hard links share it)."""
 
-    def __init__(self, image: ErofsImage, blob_map: BlobMap, by_chunks: bool):
+    def __init__(self, image: ErofsImage, blob_map: EncodedBlobMap, by_chunks: bool):
         self.image = image
         self.blob_map = blob_map
         self.by_chunks = by_chunks
@@ -252,7 +252,7 @@ def _compare(path: bytes, image_a: ErofsImage, nid_a: int, content_a: _ContentKe
                   {name: b for name, (_a, b) in changes.items()})
 
 
-def _chunk_delta(map_a: BlobMap, map_b: BlobMap) -> ChunkDelta:
+def _chunk_delta(map_a: EncodedBlobMap, map_b: EncodedBlobMap) -> ChunkDelta:
     lengths_a = {digest: length for _blkaddr, digest, length in map_a.entries}
     lengths_b = {digest: length for _blkaddr, digest, length in map_b.entries}
     shared = lengths_a.keys() & lengths_b.keys()

@@ -35,7 +35,7 @@ from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .blob import BATCH_BYTES, Blob, chunk_batches
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from .ondisk.chunk_index import BLOB_DEVICE_ID, HOLE
 from .ondisk.inode import LAYOUT_CHUNK_BASED
 from .reader import ErofsImage
@@ -105,18 +105,19 @@ def fsck_layer(store: Store, ref_or_digest: str, *, check_chunks: bool = True) -
         return report
     blobmap_key = keys.layer_blobmap(digest)
     try:
-        blobmap = BlobMap.decode(files.blobmap, source=blobmap_key)
+        blobmap = EncodedBlobMap(files.blobmap, source=blobmap_key)
     except FINDINGS as exc:
         report.add(blobmap_key, exc)
         return report
     _check_manifest(report, files.manifest, blobmap, keys.layer_manifest(digest))
+    _check_distinct(report, blobmap, blobmap_key)
     _ImageCheck(report, files.meta, keys.layer_meta(digest), blob=None, blobmap=blobmap).run()
     if check_chunks:
         _check_store_chunks(report, store, files.manifest, blobmap)
     return report
 
 
-def fsck_image(meta: bytes, blob: Blob | None = None, *, blobmap: BlobMap | None = None,
+def fsck_image(meta: bytes, blob: Blob | None = None, *, blobmap: EncodedBlobMap | None = None,
                source: str = "meta.erofs") -> FsckReport:
     """Check an image alone; with ``blob`` (device 1, e.g. a FileBlob) read all file data through it;
     with ``blobmap`` check the image against it, and with both, hash every chunk of the blob."""
@@ -128,7 +129,7 @@ def fsck_image(meta: bytes, blob: Blob | None = None, *, blobmap: BlobMap | None
     return report
 
 
-def _check_manifest(report: FsckReport, manifest: layers.Manifest, blobmap: BlobMap, source: str) -> None:
+def _check_manifest(report: FsckReport, manifest: layers.Manifest, blobmap: EncodedBlobMap, source: str) -> None:
     expected = {
         "blob_id": blobmap.blob_id,
         "blob_blocks": blobmap.blocks,
@@ -140,10 +141,20 @@ def _check_manifest(report: FsckReport, manifest: layers.Manifest, blobmap: Blob
             report.add(f"{source} field {name!r}", f"is {getattr(manifest, name)!r}, the blob map says {value!r}")
 
 
+def _check_distinct(report: FsckReport, blobmap: EncodedBlobMap, source: str) -> None:
+    """A finding for each entry whose chunk an earlier entry holds already: the builder places a chunk
+    once, and a mount does not look (dsec_fs/blobmap.py)."""
+    first: dict[bytes, int] = {}
+    for index, digest in enumerate(blobmap.digests()):
+        earlier = first.setdefault(digest, index)
+        if earlier != index:
+            report.add(f"{source} entry {index}", f"chunk {to_hex(digest)} is already at entry {earlier}")
+
+
 class _ImageCheck:
     """Walk one image and check every inode; with a blob map, check the image against it."""
 
-    def __init__(self, report: FsckReport, meta: bytes, source: str, *, blob: Blob | None, blobmap: BlobMap | None):
+    def __init__(self, report: FsckReport, meta: bytes, source: str, *, blob: Blob | None, blobmap: EncodedBlobMap | None):
         self.report = report
         self.meta = meta
         self.source = source
@@ -267,7 +278,7 @@ def _chunk_where(blkaddr: int, digest: bytes) -> str:
     return f"chunk {to_hex(digest)} (blob block {blkaddr})"
 
 
-def _check_store_chunks(report: FsckReport, store: Store, manifest: layers.Manifest, blobmap: BlobMap) -> None:
+def _check_store_chunks(report: FsckReport, store: Store, manifest: layers.Manifest, blobmap: EncodedBlobMap) -> None:
     index = ChunkIndex()
     try:
         index.load_packs(store, manifest.packs)
@@ -303,7 +314,7 @@ def _check_store_chunks(report: FsckReport, store: Store, manifest: layers.Manif
                     report.add(_chunk_where(blkaddr, digest), exc)
 
 
-def _check_blob_chunks(report: FsckReport, blob: Blob, blobmap: BlobMap) -> None:
+def _check_blob_chunks(report: FsckReport, blob: Blob, blobmap: EncodedBlobMap) -> None:
     """Hash each chunk as the blob holds it, and check the padding up to its block boundary is zero."""
     block_size = blobmap.block_size
     for batch in chunk_batches(blobmap.entries, BATCH_BYTES):

@@ -75,7 +75,7 @@ from dsec_fs.layer import Manifest, open_layer
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store, get_small
 
-from dsec_fs.blobmap import BlobMap, EncodedBlobMap, blob_map_chunk_size
+from dsec_fs.blobmap import EncodedBlobMap, blob_map_chunk_size
 from .ondisk import INODE_SLOT_SIZE, chunk_index, dirent, inode, xattr
 from .ondisk.superblock import Superblock
 from .reader import ErofsImage
@@ -313,14 +313,8 @@ class ParentLayer:
         self.info = info  # None: nothing can be reused (the build reads every file)
 
     @functools.cached_property
-    def blob_map(self) -> BlobMap:
-        """The blob map, decoded (FormatError if it does not) when first asked for: the full path's."""
-        return BlobMap.decode(self.blob_map_bytes, source=keys.layer_blobmap(self.digest))
-
-    @functools.cached_property
-    def encoded_blob_map(self) -> EncodedBlobMap:
-        """The blob map read in place (FormatError for a bad header): the patch path looks up only the
-        chunks of the files it changed, and decoding all of it would cost more than the rest of the patch."""
+    def blob_map(self) -> EncodedBlobMap:
+        """The blob map read in place (FormatError if it does not validate) when first asked for."""
         return EncodedBlobMap(self.blob_map_bytes, source=keys.layer_blobmap(self.digest))
 
     @classmethod
@@ -328,8 +322,7 @@ class ParentLayer:
         """Open the parent (NotFoundError if it is not published). A parent built with another chunk size,
         or whose build info is missing or fails validation, is usable but gives nothing: a warning is
         logged and the build reads every file. The blob map's bytes are verified against the manifest
-        here, and read in place (``encoded_blob_map``: the patch path) or decoded (``blob_map``: the full
-        path) on first use."""
+        here, and read in place (``blob_map``) on first use."""
         found: list[BuildInfo | None] = [None]
 
         def read_buildinfo(manifest: Manifest) -> None:  # while open_layer reads meta.erofs and the blob map
@@ -340,7 +333,7 @@ class ParentLayer:
         info = found[0]
         map_chunk_size = blob_map_chunk_size(files.blobmap)
         if map_chunk_size is None:  # not even a header: the decode says what is wrong, and where
-            BlobMap.decode(files.blobmap, source=keys.layer_blobmap(files.digest))
+            EncodedBlobMap(files.blobmap, source=keys.layer_blobmap(files.digest))
         if chunk_size != map_chunk_size or chunk_size != files.manifest.chunk_size:
             log.warning("parent layer %s has chunk size %d, this build %d: every file is read",
                         files.digest, map_chunk_size, chunk_size)
@@ -349,14 +342,14 @@ class ParentLayer:
 
     def chunk_lists(self) -> "_ChunkLists":
         """The chunk digests of the parent's regular files, read from its image on demand (for many files:
-        the blob map decoded, its entries by blkaddr in a dict)."""
+        the blob map's entries by blkaddr in a dict)."""
         blob_map = self.blob_map
         chunk_at = dict(zip(map(operator.itemgetter(0), blob_map.entries), blob_map.entries))  # at C speed
         return _ChunkLists(self.meta, self.image.superblock, blob_map.chunk_size, blob_map.chunk_bits, chunk_at.get)
 
     def few_chunk_lists(self) -> "_ChunkLists":
         """``chunk_lists`` for a few files (the patch path's): looked up in the blob map in place."""
-        blob_map = self.encoded_blob_map
+        blob_map = self.blob_map
         return _ChunkLists(self.meta, self.image.superblock, blob_map.chunk_size, blob_map.chunk_bits,
                            blob_map.starting_at)
 

@@ -24,7 +24,7 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.chunks import INDEX_LOAD_THREADS, read_index_object
 from dsec_fs.errors import NotFoundError
 from dsec_fs.layer import LayerFiles, layers_with_prefix, manifest_at, open_layer, read_blobmap
@@ -64,7 +64,7 @@ def layer_figures(store: Store, ref_or_digest: str) -> tuple[LayerFiles, LayerFi
         if stat.S_ISREG(st.mode):
             sizes[nid] = st.size
     chunks = {digest: length for _blkaddr, digest, length in
-              BlobMap.decode(files.blobmap, source=keys.layer_blobmap(files.digest)).entries}
+              EncodedBlobMap(files.blobmap, source=keys.layer_blobmap(files.digest)).entries}
 
     others = [d for d in layers_with_prefix(store) if d != files.digest]
     with ThreadPoolExecutor(max_workers=INDEX_LOAD_THREADS, thread_name_prefix="inspect") as pool:
@@ -103,4 +103,4 @@ def _chunks_of(store: Store, digest: str) -> set[bytes]:
         data = read_blobmap(store, manifest)  # stored compressed or not, verified against the manifest
     except NotFoundError:
         return set()
-    return {chunk for _blkaddr, chunk, _length in BlobMap.decode(data, source=keys.layer_blobmap(digest)).entries}
+    return {chunk for _blkaddr, chunk, _length in EncodedBlobMap(data, source=keys.layer_blobmap(digest)).entries}

@@ -127,7 +127,7 @@ class Rescan:
         slot = DeviceSlot.unpack(parent.meta, slot_at, source=parent.image.source)
         if slot.tag != parent.manifest.blobmap_sha256.encode("ascii"):  # the map read in place is the image's own
             return _full("the parent's meta.erofs names another blob map than its manifest")
-        blob_map = parent.encoded_blob_map
+        blob_map = parent.blob_map
         shared = set(parent.info.shared)
         chunk_lists = parent.few_chunk_lists()
         replaced: dict[bytes, tuple[bytes, int]] = {}  # old chunk -> (new chunk, its length)

@@ -133,7 +133,7 @@ def learn_prefetch_list(traces: Iterable[Trace | str | os.PathLike], store: Stor
 def _layer_report(layer: LayerIndex, accesses: list[TraceAccess], summaries: list[TraceSummary], *,
                   top: int, holdout: float) -> LayerReport:
     n = len(accesses)
-    lengths = [length for _blkaddr, _digest, length in layer.blob_map.entries]
+    lengths = layer.blob_map.lengths
     refs = Counter(a.header.ref for a in accesses if a.header.ref)
     union_ranges: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for a in accesses:
@@ -378,8 +378,9 @@ def _cross_layer(by_layer: dict[str, list[TraceAccess]], layers: dict[str, Layer
             lengths[chunk] = length
             per_layer += length
     shared = []
+    held = {d: layers[d].blob_map.indexes_of(read_in) for d in layers}  # one pass over each map
     for chunk in read_in:
-        held_by = [d for d in layers if chunk in layers[d].blob_map]
+        held_by = [d for d in layers if chunk in held[d]]
         if len(held_by) > 1:
             shared.append(SharedChunk(digest=to_hex(chunk), length=lengths[chunk],
                                       held_by=sorted(names[d] for d in held_by),

@@ -25,6 +25,7 @@ index it reads are safe to share.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -33,7 +34,7 @@ from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, FormatError, InputError, NotFoundError
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import keys
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 
 from .fetcher import ONDEMAND, ChunkFetcher, Priority
 
@@ -50,7 +51,7 @@ class BlobChunk(NamedTuple):
 class LayerBlob:
     """The virtual blob of one layer; ``chunk_index`` must locate every chunk of ``blob_map``."""
 
-    def __init__(self, blob_map: BlobMap, chunk_index: ChunkIndex, fetcher: ChunkFetcher, *, label: str = "",
+    def __init__(self, blob_map: EncodedBlobMap, chunk_index: ChunkIndex, fetcher: ChunkFetcher, *, label: str = "",
                  packs: Iterable[str] = ()):
         self.blob_map = blob_map
         self.chunk_index = chunk_index
@@ -63,10 +64,10 @@ class LayerBlob:
         """The chunks whose data overlaps [offset, offset + length), in blob order. A range that falls
         only in padding or past the end of the blob needs none."""
         _check_range(offset, length)
-        entries, block_size = self.blob_map.entries, self.blob_map.block_size
+        entry, block_size = self.blob_map.entry, self.blob_map.block_size
         chunks = []
         for number in self.blob_map.entries_in(offset, offset + length):
-            blkaddr, digest, chunk_length = entries[number]
+            blkaddr, digest, chunk_length = entry(number)
             chunks.append(BlobChunk(number, digest, blkaddr * block_size, chunk_length))
         return chunks
 
@@ -100,9 +101,9 @@ class LayerBlob:
     def following(self, last: int, budget: int) -> list[tuple[bytes, ChunkLocation]]:
         """The chunks after blob-map entry ``last``, while their data fits in ``budget`` bytes."""
         ahead = []
-        entries = self.blob_map.entries
-        for number in range(last + 1, len(entries)):
-            _blkaddr, digest, length = entries[number]
+        blob_map = self.blob_map
+        for number, length, digest in zip(itertools.count(last + 1), blob_map.lengths[last + 1:],
+                                          blob_map.digests(last + 1)):
             budget -= length
             if budget < 0:
                 break
@@ -144,7 +145,7 @@ async def open_layer_blob(layer: LayerFiles, fetcher: ChunkFetcher, *, chunk_ind
     every chunk, and checks that each chunk is located with the length the blob map gives it.
     ``label`` (the FetchStats label) defaults to the layer digest."""
     source = keys.layer_blobmap(layer.digest)
-    blob_map = BlobMap.decode(layer.blobmap, source=source)
+    blob_map = EncodedBlobMap(layer.blobmap, source=source)
     manifest = layer.manifest
     if (blob_map.blocks, blob_map.block_size) != (manifest.blob_blocks, manifest.block_size):
         raise FormatError("blob map header", None,

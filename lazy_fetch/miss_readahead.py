@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import re
 from array import array
+from collections.abc import Iterable
 
 from dsec_fs.chunks import ChunkLocation
 
@@ -96,7 +97,7 @@ class FileChunks:
 
     @classmethod
     def of(cls, index: LayerIndex) -> FileChunks:
-        lengths = [length for _blkaddr, _digest, length in index.blob_map.entries]
+        lengths = index.blob_map.lengths
         owner = array("i", [-1]) * len(lengths)
         files: list[tuple[int, ...]] = []
         directory = array("i")
@@ -178,7 +179,7 @@ class MissReadahead:
             self._plan_file(ahead, files.files[number], number, first, last, bool(foreseen))
         window_entries: dict[int, None] = {}
         if number >= 0 and self._window:
-            after = range(max(last, files.files[number][-1]) + 1, len(self.blob.blob_map.entries))
+            after = range(max(last, files.files[number][-1]) + 1, len(self.blob.blob_map))
             if not self._walk_crossed:
                 after = _in_directory(files, files.directory[number], after)
             self._name(window_entries, after, self._window)
@@ -191,9 +192,7 @@ class MissReadahead:
             if self._directory_reads[parent] == 2:  # a reader of several files of this directory
                 self._warm += self._name(ahead, self._near(files, parent, number), DIRECTORY_BYTES)
         wanted = {chunk.entry for chunk in chunks}
-        entries = self.blob.blob_map.entries
-        return [(entries[entry][1], self.blob.location(entry, entries[entry][1])) for entry in ahead
-                if entry not in wanted]
+        return self._located(entry for entry in ahead if entry not in wanted)
 
     def to_warm(self) -> list[tuple[bytes, ChunkLocation]]:
         """After a read: what it named that its GETs may not have brought, to fetch in the background (the
@@ -201,13 +200,21 @@ class MissReadahead:
         only in the runs of the miss, and a walk whose window arrived reads hit after hit until it runs
         past it: as the kernel's async readahead, the part of the window no earlier call gave is asked
         for before the reader gets there; and what a grown file or directory window named."""
-        entries = self.blob.blob_map.entries
         fresh = [entry for entry in self._window_entries if entry > self._warmed_to]
         if fresh:
             self._warmed_to = fresh[-1]
         fresh += self._warm
         self._warm = []
-        return [(entries[entry][1], self.blob.location(entry, entries[entry][1])) for entry in fresh]
+        return self._located(fresh)
+
+    def _located(self, entries: Iterable[int]) -> list[tuple[bytes, ChunkLocation]]:
+        """(digest, location) of each of blob-map ``entries``."""
+        digest_of, location = self.blob.blob_map.digest, self.blob.location
+        located = []
+        for entry in entries:
+            digest = digest_of(entry)
+            located.append((digest, location(entry, digest)))
+        return located
 
     def _plan_file(self, ahead: dict[int, None], own: tuple[int, ...], number: int, first: int, last: int,
                    foreseen: bool) -> None:
@@ -241,10 +248,10 @@ class MissReadahead:
     def _name(self, ahead: dict[int, None], candidates, budget: int) -> list[int]:
         """Add to ``ahead`` the ``candidates`` that fit in ``budget`` bytes, in order, and note those not
         named yet as named. Returns those."""
-        entries = self.blob.blob_map.entries
+        lengths = self.blob.blob_map.lengths
         named = []
         for entry in candidates:
-            budget -= entries[entry][2]
+            budget -= lengths[entry]
             if budget < 0:
                 break
             ahead[entry] = None

@@ -52,7 +52,7 @@ from dsec_fs.digest import from_hex, is_hex_digest, short, to_hex
 from dsec_fs.errors import FormatError, InputError, IntegrityError, UnsupportedError
 from dsec_fs.files import write_atomic
 from dsec_fs.layer import utc_now
-from dsec_fs.blobmap import BLOCK_SIZE, BlobMap, check_chunk_size
+from dsec_fs.blobmap import BLOCK_SIZE, EncodedBlobMap, check_chunk_size
 
 FORMAT = "dsecfs-prefetch-list"
 VERSION = 1
@@ -158,7 +158,7 @@ class PrefetchList:
         return cls(layer=obj["layer"], chunk_size=obj["chunk_size"], traces=obj["traces"],
                    min_fraction=float(obj["min_fraction"]), entries=entries, created=obj["created"])
 
-    def verify(self, blob_map: BlobMap, *, layer: str) -> None:
+    def verify(self, blob_map: EncodedBlobMap, *, layer: str) -> None:
         """IntegrityError unless every entry is exactly that entry of ``blob_map`` of layer ``layer``."""
         where = f"prefetch list for layer {self.layer[:12]}"
         if layer != self.layer:
@@ -192,7 +192,7 @@ def _entry_from_json(raw, index: int, obj: dict, fail) -> PrefetchEntry:
                          length=raw["length"], first_read_us=raw["first_read_us"], traces=raw["traces"])
 
 
-def learn(uses: Sequence[ChunkUse], blob_map: BlobMap, *, layer: str,
+def learn(uses: Sequence[ChunkUse], blob_map: EncodedBlobMap, *, layer: str,
           min_fraction: float = DEFAULT_MIN_FRACTION) -> PrefetchList:
     """The chunks at least ``min_fraction`` of ``uses`` read (at least one), by median first-read time."""
     if not 0 <= min_fraction <= 1:
@@ -254,10 +254,10 @@ class PrefetchScore:
         return self.saved_wait_us / self.wait_us if self.wait_us else 0.0
 
 
-def evaluate(plist: PrefetchList, uses: Sequence[ChunkUse], blob_map: BlobMap) -> PrefetchScore:
+def evaluate(plist: PrefetchList, uses: Sequence[ChunkUse], blob_map: EncodedBlobMap) -> PrefetchScore:
     """Score ``plist`` against held-out traces as if each had started with the list prefetched."""
     listed = plist.chunks
-    lengths = [length for _blkaddr, _digest, length in blob_map.entries]
+    lengths = blob_map.lengths
     needed = hit = waits = wait_us = saved = saved_us = 0
     for use in uses:
         needed += sum(lengths[c] for c in use.first_read)

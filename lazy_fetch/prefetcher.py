@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, fields
 
 import trio
 
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.chunks import ChunkLocation
 from dsec_fs.errors import DsecError
 from dsec_fs.layer import utc_now
@@ -292,7 +292,7 @@ async def _fill_wanted(job: PrefetchJob, fill_when: Callable[[float], bool | Non
     return bool(wanted)
 
 
-def fill_entries(plist: PrefetchList | None, blob_map: BlobMap) -> list[PrefetchEntry]:
+def fill_entries(plist: PrefetchList | None, blob_map: EncodedBlobMap) -> list[PrefetchEntry]:
     """Every chunk of ``blob_map`` that ``plist`` (if any) does not name, in blob order."""
     listed = plist.chunks if plist else frozenset()
     return [PrefetchEntry(chunk=index, digest=digest, offset=blkaddr * blob_map.block_size, length=length,

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.digest import from_hex, is_hex_digest, to_hex
 from dsec_fs.errors import DsecError, FormatError, IntegrityError, NotFoundError, UnsupportedError
 from dsec_fs.layer import utc_now
@@ -231,14 +231,14 @@ def without(profile: Profile, part: Profile) -> Profile | None:
     return Profile(layer=profile.layer, traces=traces, entries=entries, combination=profile.combination)
 
 
-def to_prefetch_list(profile: Profile, digest: str, blob_map: BlobMap, layer_index: Callable[[], LayerIndex], *,
+def to_prefetch_list(profile: Profile, digest: str, blob_map: EncodedBlobMap, layer_index: Callable[[], LayerIndex], *,
                      min_fraction: float = DEFAULT_MIN_FRACTION) -> PrefetchList:
     """The chunks of layer ``digest`` that ``profile`` says at least ``min_fraction`` of its traces read,
     in first-read order: found by digest in ``blob_map``, else (the file changed since) by path and chunk
     number in ``layer_index()``, which is only built if some entry needs it (it walks the whole image)."""
-    by_digest = {chunk_digest: index for index, (_blkaddr, chunk_digest, _length) in enumerate(blob_map.entries)}
-    by_path: dict[str, tuple[int | None, ...]] | None = None
     need = max(1, math.ceil(min_fraction * profile.traces - 1e-9))
+    by_digest = blob_map.indexes_of(e.digest for e in profile.entries if e.traces >= need)
+    by_path: dict[str, tuple[int | None, ...]] | None = None
     chosen: list[PrefetchEntry] = []
     seen: set[int] = set()
     for e in profile.entries:

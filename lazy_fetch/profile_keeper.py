@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.errors import DsecError
 from dsec_fs.files import private_dir, write_atomic
 from dsec_fs.layer import LayerFiles
@@ -150,7 +150,7 @@ class ProfileKeeper:
         return None if found is None else FoundProfile(found, "combination", key)
 
     @staticmethod
-    def plan(found: FoundProfile, files: LayerFiles, blob_map: BlobMap,
+    def plan(found: FoundProfile, files: LayerFiles, blob_map: EncodedBlobMap,
              index: Callable[[], LayerIndex]) -> PrefetchList:
         """``index``: the layer's LayerIndex, asked for only if a changed file is looked up by path."""
         return profile.to_prefetch_list(found.profile, files.digest, blob_map, index)

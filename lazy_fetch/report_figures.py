@@ -73,7 +73,7 @@ class TraceSummary:
 
 def summarize(access: TraceAccess, layer: LayerIndex) -> TraceSummary:
     h = access.header
-    lengths = layer.blob_map.entries
+    lengths = layer.blob_map.lengths
     read_chunks = access.use.first_read
     waits = access.use.waits
     bytes_read = access.bytes_read()
@@ -85,11 +85,11 @@ def summarize(access: TraceAccess, layer: LayerIndex) -> TraceSummary:
         bytes_requested=access.bytes_requested, bytes_read=bytes_read, files_read=files_read,
         byte_fraction=bytes_read / layer.layer_bytes if layer.layer_bytes else 0.0,
         file_fraction=files_read / layer.layer_files if layer.layer_files else 0.0,
-        chunks_read=len(read_chunks), chunk_bytes=sum(lengths[c][2] for c in read_chunks),
+        chunks_read=len(read_chunks), chunk_bytes=sum(lengths[c] for c in read_chunks),
         misses=len(waits), wait_ms=_ms(sum(w.latency_us for w in waits) * 1000), stalled_ms=_ms(_stalled_ns(waits)),
         last_wait_ms=_ms(max((w.end_ns for w in waits), default=0)), duration_ms=_ms(access.duration_ns),
-        prefetched_bytes=sum(lengths[c][2] for c in access.prefetched),
-        prefetch_used_bytes=sum(lengths[c][2] for c in access.prefetched if c in read_chunks),
+        prefetched_bytes=sum(lengths[c] for c in access.prefetched),
+        prefetch_used_bytes=sum(lengths[c] for c in access.prefetched if c in read_chunks),
         ambiguous_bytes=access.ambiguous_bytes, holders=h.holders, prefetch=h.prefetch, profile_key=h.profile_key,
     )
 

@@ -65,7 +65,7 @@ class LayerUsage:
     and what its prefetches fetched, to say how well they predicted the reads."""
 
     def __init__(self, blob: LayerBlob):
-        self._lengths = [length for _blkaddr, _digest, length in blob.blob_map.entries]
+        self._lengths = blob.blob_map.lengths
         self.data_bytes = sum(self._lengths)
         self.used_bytes = 0
         self.reads = 0

@@ -11,7 +11,7 @@ import json
 import random
 
 from dsec_fs import compress
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.layer import open_layer
 from dsec_fs.pack import PackWriter
 from dsec_fs.store import keys
@@ -41,7 +41,7 @@ def forge(store, claimed: list[tuple[bytes, int]], forger_layer: str) -> str:
 
 def chunks_of_layer(store, layer: str) -> list[tuple[bytes, int]]:
     files = open_layer(store, layer)
-    blob_map = BlobMap.decode(files.blobmap, source="test")
+    blob_map = EncodedBlobMap(files.blobmap, source="test")
     return [(digest, length) for _blkaddr, digest, length in blob_map.entries]
 
 

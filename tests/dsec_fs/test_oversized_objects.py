@@ -13,11 +13,12 @@ from click.testing import CliRunner
 from cli.main import main
 from dsec_fs.errors import CorruptError
 from dsec_fs.index_mirror import IndexMirror
-from dsec_fs.layer import open_layer
+from dsec_fs.layer import open_layer, read_blobmap, read_manifest
 from dsec_fs.store import FilesystemStore, keys
+from dsec_fs.store.wrappers import StoreWrapper
 from dsec_fs.store_stats import store_stats
 from tests.dsec_fs.gc_support import CHUNK, build, random_bytes, run_gc
-from tests.dsec_fs.oversized import BOUNDED, grow, peak_allocated
+from tests.dsec_fs.oversized import BOUNDED, grow, overgrow_blob_map, peak_allocated
 
 FILES = {"a": random_bytes(1, 5 * CHUNK), "b": random_bytes(2, 3 * CHUNK)}
 
@@ -33,6 +34,18 @@ def layer_and_pack(store, tmp_path) -> tuple[str, str]:
     digest = build(store, tmp_path / "tree", FILES, "t/a")
     (pack,) = open_layer(store, digest).manifest.packs
     return digest, pack
+
+
+class KeysSeen(StoreWrapper):
+    """The keys of every call made through it."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.keys: set[str] = set()
+
+    def _call(self, op, key, fn, sent=0):
+        self.keys.add(key)
+        return fn()
 
 
 def objects(store) -> dict[str, int]:
@@ -119,3 +132,21 @@ def test_a_build_that_dedups_against_a_grown_index_restores_it_from_the_pack(sto
     assert peak[0] < BOUNDED, f"{peak[0]} bytes allocated for a pack index"
     assert pack in open_layer(store, again).manifest.packs  # it did dedup against it
     assert store.get(keys.index(pack)) == original
+
+
+def test_a_blob_map_of_more_entries_than_meta_erofs_can_name_is_refused_unread(store, tmp_path):
+    """The map reads as sound and the manifest vouches for it (size, sha256, blob blocks): only its size
+    against the layer's meta.erofs shows it is more than the layer can need. Refused as corrupt, naming
+    the map's key, before the map is read (the store is not asked for it) and by gc's reads too."""
+    digest, _pack = layer_and_pack(store, tmp_path)
+    meta_size = read_manifest(store, digest).meta_size
+    size = overgrow_blob_map(store, digest)
+    assert size > 24 + 40 * (meta_size // 8)  # more than one entry per chunk index meta.erofs can hold
+    seen = KeysSeen(store)
+    with pytest.raises(CorruptError, match="more than the") as info:
+        open_layer(seen, digest)
+    assert info.value.where == keys.layer_blobmap(digest)
+    assert keys.layer_blobmap(digest) not in seen.keys
+    with pytest.raises(CorruptError) as info:
+        read_blobmap(store, read_manifest(store, digest))
+    assert info.value.where == keys.layer_blobmap(digest)

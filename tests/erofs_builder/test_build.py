@@ -25,7 +25,7 @@ from dsec_fs.store import keys as store_keys
 from erofs_builder import build_layer, build_tree, walk_directory
 from erofs_builder.export import export_layer
 from erofs_builder.fsck import fsck_layer
-from dsec_fs.blobmap import BLOCK_SIZE, BlobMap
+from dsec_fs.blobmap import BLOCK_SIZE, EncodedBlobMap
 
 CHUNK = 4096
 
@@ -35,7 +35,7 @@ def store(tmp_path):
     return FilesystemStore(str(tmp_path / "store"), fsync=False)
 
 
-def materialize_blob(store, blob_map: BlobMap, path) -> None:
+def materialize_blob(store, blob_map: EncodedBlobMap, path) -> None:
     """Write the virtual blob as a plain file, the way the node daemon serves it."""
     index = ChunkIndex()
     index.load(store)
@@ -62,7 +62,7 @@ def test_build_publishes_a_layer_and_its_ref(tmp_path, store):
     assert resolve(store, "test/layer:1") == result.digest
     layer = open_layer(store, result.digest)
     assert layer.manifest == result.manifest
-    blob_map = BlobMap.decode(layer.blobmap, source="blobmap")
+    blob_map = EncodedBlobMap(layer.blobmap, source="blobmap")
     assert blob_map.blob_id == result.manifest.blob_id
     assert result.manifest.blob_blocks == blob_map.blocks == 4
     assert result.manifest.chunk_size == CHUNK and result.manifest.source == src
@@ -169,7 +169,7 @@ def test_meta_and_materialized_blob_pass_fsck(tmp_path, store):
     result = build_layer(src, store, chunk_size=CHUNK)
     layer = open_layer(store, result.digest)
     (tmp_path / "meta.erofs").write_bytes(layer.meta)
-    materialize_blob(store, BlobMap.decode(layer.blobmap, source="blobmap"), tmp_path / "blob")
+    materialize_blob(store, EncodedBlobMap(layer.blobmap, source="blobmap"), tmp_path / "blob")
     out = tmp_path / "out"
     subprocess.run(["fsck.erofs", f"--device={tmp_path / 'blob'}", f"--extract={out}", str(tmp_path / "meta.erofs")],
                    check=True, capture_output=True)
@@ -217,7 +217,7 @@ def test_kernel_mount_of_the_layer_is_the_source(tmp_path, store):
     result = build_layer(src, store, chunk_size=CHUNK)
     layer = open_layer(store, result.digest)
     (tmp_path / "meta.erofs").write_bytes(layer.meta)
-    materialize_blob(store, BlobMap.decode(layer.blobmap, source="blobmap"), tmp_path / "blob")
+    materialize_blob(store, EncodedBlobMap(layer.blobmap, source="blobmap"), tmp_path / "blob")
     (tmp_path / "mnt").mkdir()
     with mounted_erofs(tmp_path / "meta.erofs", tmp_path / "mnt", [tmp_path / "blob"]) as mnt:
         assert_same_tree(snapshot(src), snapshot(mnt))
@@ -229,7 +229,7 @@ def test_debian_rootfs_round_trips_and_rebuilds_for_free(tmp_path, store, debian
     result = build_layer(debian_rootfs, store, name="base/debian:12")
     layer = open_layer(store, "base/debian:12")
     (tmp_path / "meta.erofs").write_bytes(layer.meta)
-    materialize_blob(store, BlobMap.decode(layer.blobmap, source="blobmap"), tmp_path / "blob")
+    materialize_blob(store, EncodedBlobMap(layer.blobmap, source="blobmap"), tmp_path / "blob")
     (tmp_path / "mnt").mkdir()
     with mounted_erofs(tmp_path / "meta.erofs", tmp_path / "mnt", [tmp_path / "blob"]) as mnt:
         assert_same_tree(snapshot(debian_rootfs), snapshot(mnt))

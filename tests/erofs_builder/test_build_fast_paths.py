@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap, EncodedBlobMap
 from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256
 from dsec_fs.errors import InputError
@@ -114,4 +114,4 @@ def test_the_packed_blob_layout_is_the_blob_map_of_the_files(tmp_path):
     assert all(list(blob.blkaddrs(node.chunks)) == expected[id(node)] for node in files)
     entry_of = {digest: k for k, (_blkaddr, digest, _length) in enumerate(blob_map.entries)}
     assert blob.shared == sorted([entry_of[sha256(a)], entry_of[sha256(b)]])
-    assert BlobMap.decode(blob.encoded, source="test").entries == blob_map.entries
+    assert EncodedBlobMap(blob.encoded, source="test").entries == blob_map.entries

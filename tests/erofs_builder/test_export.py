@@ -18,7 +18,7 @@ from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
 from erofs_builder.blob import FileBlob
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from erofs_builder.export import export_layer, extract_image, extract_layer
 from erofs_builder.reader import ErofsImage
 from tests.erofs_builder.reader_support import CHUNK, build, make_source, mkfs, needs_mkfs, write
@@ -28,7 +28,7 @@ from treecmp import assert_same_tree, snapshot
 def test_export_writes_the_image_and_a_block_aligned_blob(rich, tmp_path):
     result = export_layer(rich.store, rich.digest, tmp_path / "out")
     layer = open_layer(rich.store, rich.digest)
-    blobmap = BlobMap.decode(layer.blobmap, source="blobmap")
+    blobmap = EncodedBlobMap(layer.blobmap, source="blobmap")
     assert open(result.meta_path, "rb").read() == layer.meta
     assert os.path.getsize(result.blob_path) == result.blob_size == blobmap.blocks * 4096
     assert sorted(os.listdir(tmp_path / "out")) == ["blob", "meta.erofs"]  # no temporary files left

@@ -18,10 +18,11 @@ from dsec_fs.errors import NotFoundError
 from dsec_fs.layer import open_layer, publish_layer
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder.blob import FileBlob
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from erofs_builder.fsck import fsck_image, fsck_layer
 from erofs_builder.ondisk.superblock import SB_OFFSET, seal_block0
 from erofs_builder.reader import ErofsImage
+from tests.dsec_fs.oversized import republish_blob_map
 from tests.erofs_builder.reader_support import (
     BLOCK, CHUNK, assert_reports_format_error, build, make_source, mkfs, needs_mkfs, write,
 )
@@ -70,7 +71,7 @@ def test_a_clean_layer_passes(layer):
 
 def test_a_rotted_chunk_is_named(layer):
     files = open_layer(layer.store, layer.digest)
-    blobmap = BlobMap.decode(files.blobmap, source="blobmap")
+    blobmap = EncodedBlobMap(files.blobmap, source="blobmap")
     index = ChunkIndex()
     index.load_packs(layer.store, files.manifest.packs)
     blkaddr, digest, _length = blobmap.entries[2]
@@ -139,6 +140,19 @@ def test_an_image_that_disagrees_with_its_blob_map(layer):
             (message, report.problems)
 
 
+def test_a_blob_map_naming_a_chunk_twice_is_reported(layer):
+    """A mount reads such a map (dsec_fs/blobmap.py); fsck names the entry and the one before it."""
+    files = open_layer(layer.store, layer.digest)
+    entries = list(EncodedBlobMap(files.blobmap, source="blobmap").entries)
+    assert len(entries) > 2
+    twice = files.blobmap.replace(entries[2][1], entries[1][1])
+    republish_blob_map(layer.store, layer.digest, twice)
+    report = fsck_layer(layer.store, layer.digest, check_chunks=False)
+    assert any(p.where == f"{keys.layer_blobmap(layer.digest)} entry 2"
+               and f"chunk {to_hex(entries[1][1])} is already at entry 1" in p.message for p in report.problems), \
+        report.problems
+
+
 def test_an_unused_chunk_is_a_warning(layer):
     image = ErofsImage(layer.meta)
     d = image.resolve(b"b/d")
@@ -148,7 +162,7 @@ def test_an_unused_chunk_is_a_warning(layer):
 
 
 def test_fsck_image_with_an_exported_blob(layer, tmp_path):
-    blobmap = BlobMap.decode(open_layer(layer.store, layer.digest).blobmap, source="blobmap")
+    blobmap = EncodedBlobMap(open_layer(layer.store, layer.digest).blobmap, source="blobmap")
     with FileBlob(layer.blob_path) as blob:
         report = fsck_image(layer.meta, blob, blobmap=blobmap)
         assert report.ok and report.chunks_verified == report.chunks
@@ -198,7 +212,7 @@ def test_fsck_never_raises_and_agrees_with_the_reader(small, data):
     offset = data.draw(st.integers(SB_OFFSET, len(meta.rstrip(b"\0")) - 1), label="offset")
     meta[offset] ^= data.draw(st.integers(1, 255), label="xor")
     seal_block0(meta, BLOCK)
-    blobmap = BlobMap.decode(open_layer(small.store, small.digest).blobmap, source="blobmap")
+    blobmap = EncodedBlobMap(open_layer(small.store, small.digest).blobmap, source="blobmap")
     with FileBlob(small.blob_path) as blob:
         report = fsck_image(bytes(meta), blob, blobmap=blobmap)
         if assert_reports_format_error(bytes(meta), blob) is None:

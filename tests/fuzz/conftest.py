@@ -21,7 +21,7 @@ import pytest
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from erofs_builder.blob import FileBlob
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from erofs_builder.build import build_tree
 from erofs_builder.export import export_layer
 from erofs_builder.tree import Node, Tree, make_dir
@@ -41,8 +41,8 @@ class Layer:
     def blob(self) -> FileBlob:
         return FileBlob(self.blob_path)
 
-    def decoded_blobmap(self) -> BlobMap:
-        return BlobMap.decode(self.blobmap, source="blobmap")
+    def decoded_blobmap(self) -> EncodedBlobMap:
+        return EncodedBlobMap(self.blobmap, source="blobmap")
 
 
 def _file(data: bytes, **attrs) -> Node:

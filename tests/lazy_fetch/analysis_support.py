@@ -17,7 +17,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from dsec_fs.blobmap import BLOCK_SIZE, BlobMap
+from dsec_fs.blobmap import BLOCK_SIZE, EncodedBlobMap
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
@@ -57,7 +57,7 @@ WORKSPACE_FILES = {
 class Layer:
     digest: str
     image: ErofsImage
-    blob_map: BlobMap
+    blob_map: EncodedBlobMap
     files: dict[str, bytes]
 
     def nid(self, path: str) -> int:
@@ -85,7 +85,7 @@ def _build(tmp_path, store, name: str, files: dict[str, bytes], ref: str, symlin
         os.symlink(target, root / path)
     digest = build_layer(str(root), store, name=ref, chunk_size=CHUNK).digest
     layer = open_layer(store, digest)
-    return Layer(digest, ErofsImage(layer.meta), BlobMap.decode(layer.blobmap, source="blobmap"), files)
+    return Layer(digest, ErofsImage(layer.meta), EncodedBlobMap(layer.blobmap, source="blobmap"), files)
 
 
 def build_layers(tmp) -> Layers:

@@ -22,7 +22,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.client import DaemonProcess, Node
 from dsec_fs.layer import LayerFiles
 from dsec_fs.store import FilesystemStore
@@ -92,7 +92,7 @@ def layer_metric(node: Node, name: str, layer: str, **labels) -> float:
 def file_chunks(layer: LayerFiles, path: str) -> set[bytes]:
     """The distinct chunks (digests) holding a file's data, from the layer's image and blob map."""
     image = ErofsImage(layer.meta, source="meta.erofs")
-    blob_map = BlobMap.decode(layer.blobmap, source="blobmap")
+    blob_map = EncodedBlobMap(layer.blobmap, source="blobmap")
     digest_at = {blkaddr: digest for blkaddr, digest, _length in blob_map.entries}
     return {digest_at[blkaddr] for _device, blkaddr in image.chunk_map(image.resolve(path.encode()))
             if blkaddr != HOLE}

@@ -15,6 +15,7 @@ from erofs_builder.export import export_layer
 from lazy_fetch.blob_reader import LayerBlob, open_layer_blob
 from lazy_fetch.cache import ChunkCache
 from lazy_fetch.fetcher import FILL, PREFETCH, open_fetcher
+from tests.dsec_fs.blobmap_support import TupleDecoding
 from tests.dsec_fs.forgery import chunks_of_layer, forge
 from tests.lazy_fetch.test_fetcher import GatedStore, until
 from treecmp import write_files
@@ -264,4 +265,36 @@ def test_a_read_that_joins_a_fill_of_a_forgers_frames_in_the_air_is_read_right_f
                 assert (cache.stats().frames, cache.stats().entries) == (0, len(chunks))
                 assert await blob.read(0, blob.size) == materialised
 
+    trio.run(main)
+
+
+@pytest.mark.slow
+def test_the_debian_rootfs_blob_names_the_chunks_the_tuple_decoding_names(debian_rootfs, tmp_path):
+    """What a read and a miss's readahead ask of the blob map (chunks_for_range, following), on a real
+    layer, against the blob map decoded into tuples as before blobmap13."""
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    files = open_layer(store, build_layer(debian_rootfs, store, chunk_size=CHUNK_SIZE).digest)
+    old = TupleDecoding(files.blobmap)
+    rng = random.Random(13)
+    size = old.blocks * 4096
+
+    async def main():
+        with ChunkCache(str(tmp_path / "cache"), 64 << 20) as cache:
+            async with open_fetcher(store, cache) as fetcher:
+                blob = await open_layer_blob(files, fetcher, label="test")
+                for _ in range(3000):
+                    offset, length = rng.randrange(size + 8192), rng.choice([1, 4096, CHUNK_SIZE, 128 << 10])
+                    assert [(c.entry, c.digest, c.start, c.length) for c in blob.chunks_for_range(offset, length)] == [
+                        (i, old.entries[i][1], old.entries[i][0] * 4096, old.entries[i][2])
+                        for i in old.entries_in(offset, offset + length)], (offset, length)
+                for last in [*rng.sample(range(len(old.entries)), 200), len(old.entries) - 1]:
+                    budget, expected = 1 << 20, []
+                    for blkaddr, digest, length in old.entries[last + 1:]:
+                        budget -= length
+                        if budget < 0:
+                            break
+                        expected.append(digest)
+                    assert [digest for digest, _location in blob.following(last, 1 << 20)] == expected
+
+    assert len(old.entries) > 3000
     trio.run(main)

@@ -19,7 +19,7 @@ from treecmp import assert_same_tree, snapshot
 
 from dsec_fs.layer import open_layer
 from dsec_fs.store import open_store
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from erofs_builder import build_layer
 from lazy_fetch import prefetch_list
 from lazy_fetch.prefetch_list import ChunkUse
@@ -53,7 +53,7 @@ def test_debian_from_s3_in_both_modes(debian_rootfs, s3_url, daemons, tmp_path):
         assert _sha256(os.path.join(mountpoint, path)) == _sha256(os.path.join(debian_rootfs, path))
         assert layer_metric(node, "dsecfs_fetch_chunks_total", layer.digest) == before + len(chunks)
 
-    blob_map = BlobMap.decode(layer.blobmap, source="blobmap")
+    blob_map = EncodedBlobMap(layer.blobmap, source="blobmap")
     everything = prefetch_list.learn([ChunkUse(first_read={entry: entry for entry in range(len(blob_map))})],
                                      blob_map, layer=layer.digest)
     prefetch_list.save(everything, tmp_path / "everything.json")

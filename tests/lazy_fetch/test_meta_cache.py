@@ -12,8 +12,9 @@ import stat
 import pytest
 from treecmp import write_files
 
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.chunks import ChunkIndex, read_chunk
+from dsec_fs.errors import CorruptError
 from dsec_fs.layer import open_layer
 from dsec_fs.pack import decode_index, encode_index
 from dsec_fs.store import FilesystemStore, keys
@@ -22,6 +23,7 @@ from erofs_builder import build_layer
 from lazy_fetch import meta_cache
 from lazy_fetch.meta_cache import HEADER, MetaCache
 from tests.dsec_fs.gc_support import CHUNK, build, random_bytes
+from tests.dsec_fs.oversized import overgrow_blob_map
 
 FILES = {f"pkg/mod{i}.py": f"print({i})\n".encode() * (i + 1) for i in range(40)}
 
@@ -45,7 +47,7 @@ def open_counted(backend, copies: MetaCache, ref: str = "tk/py:1"):
 def located(index: ChunkIndex, files) -> dict:
     """Where the index places each chunk of the layer."""
     return {digest: index.get(digest) for _blkaddr, digest, _length in
-            BlobMap.decode(files.blobmap, source="blobmap").entries}
+            EncodedBlobMap(files.blobmap, source="blobmap").entries}
 
 
 def copy_path(copies: MetaCache, kind: str) -> str:
@@ -230,5 +232,17 @@ def test_a_pack_index_copy_is_the_stores_it_was_read_from(tmp_path):
     files = open_layer(a, digest, reads=copies)
     index = ChunkIndex()
     index.load_packs(copies.pack_indexes(a), files.manifest.packs)
-    for _blkaddr, chunk_digest, _length in BlobMap.decode(files.blobmap, source="blobmap").entries:
+    for _blkaddr, chunk_digest, _length in EncodedBlobMap(files.blobmap, source="blobmap").entries:
         read_chunk(a, chunk_digest, index.get(chunk_digest))  # IntegrityError with B's copy
+
+
+def test_a_blob_map_of_more_entries_than_meta_erofs_can_name_is_refused_before_it_is_copied(built, tmp_path):
+    """The daemon's open (through its copies) refuses it as corrupt, naming the map's key, and keeps no
+    copy of it: a layer cannot make the node hold or decode a map bigger than the layer can need."""
+    backend, digest = built
+    overgrow_blob_map(backend, digest)
+    copies = MetaCache(str(tmp_path / "cache" / "meta"), 64 << 20)
+    with pytest.raises(CorruptError, match="more than the") as info:
+        open_layer(backend, digest, reads=copies)
+    assert info.value.where == keys.layer_blobmap(digest)
+    assert not os.listdir(os.path.join(copies.directory, "blobmap"))

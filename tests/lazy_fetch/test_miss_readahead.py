@@ -11,6 +11,7 @@ from array import array
 
 import pytest
 
+from dsec_fs.blobmap import MAX_CHUNK_BITS, BlobMap, EncodedBlobMap
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
@@ -21,15 +22,20 @@ from lazy_fetch.trace import FLAG_MISS, read_trace
 from tests.lazy_fetch.daemon_support import Daemons, file_chunks, layer_metric, layer_store, mount_dirs, wait_for
 
 CHUNK = 64 * 1024
+MAX_CHUNK = 1 << MAX_CHUNK_BITS
 rng = random.Random(21)
 FILES = {f"pkg/mod{i}.py": rng.randbytes(2 * CHUNK + 100 * i) for i in range(10)}
 
 
 class _Blob:
-    """What MissReadahead uses of a LayerBlob: the blob map's entries and chunk locations."""
+    """What MissReadahead uses of a LayerBlob: its blob map (a real one of chunks of ``lengths``, entry i
+    the chunk named i) and chunk locations."""
 
     def __init__(self, lengths):
-        self.blob_map = type("Map", (), {"entries": [(i, i.to_bytes(32, "big"), n) for i, n in enumerate(lengths)]})()
+        built = BlobMap(MAX_CHUNK)
+        for i, n in enumerate(lengths):
+            built.add(i.to_bytes(32, "big"), n)
+        self.blob_map = EncodedBlobMap(built.encode(), source="blobmap")
 
     def location(self, entry, digest):
         return entry

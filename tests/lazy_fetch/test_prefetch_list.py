@@ -9,7 +9,7 @@ import pytest
 
 from dsec_fs.digest import sha256
 from dsec_fs.errors import FormatError, InputError, IntegrityError, UnsupportedError
-from dsec_fs.blobmap import BlobMap
+from dsec_fs.blobmap import BlobMap, EncodedBlobMap
 from lazy_fetch.analysis import learn_prefetch_list
 from lazy_fetch.prefetch_list import ChunkUse, Wait, evaluate, learn, load, save
 from tests.lazy_fetch.analysis_support import CHUNK, CHUNK_BYTES, WORKLOAD, Read, write_trace
@@ -17,12 +17,16 @@ from tests.lazy_fetch.analysis_support import CHUNK, CHUNK_BYTES, WORKLOAD, Read
 LENGTHS = [5000, 8192, 100, 65536, 777]
 
 
+def read_form(blob_map: BlobMap) -> EncodedBlobMap:
+    return EncodedBlobMap(blob_map.encode(), source="blobmap")
+
+
 @pytest.fixture
-def blob_map() -> BlobMap:
+def blob_map() -> EncodedBlobMap:
     blob_map = BlobMap(CHUNK)
     for i, length in enumerate(LENGTHS):
         blob_map.add(sha256(b"chunk %d" % i), length)
-    return blob_map
+    return read_form(blob_map)
 
 
 # First-read times (ns) of blob-map entries in three traces.
@@ -95,11 +99,11 @@ def test_verify_refuses_another_layer_or_blob_map(tmp_path, blob_map):
     for i, length in enumerate(LENGTHS):
         other.add(sha256(b"other %d" % i), length)
     with pytest.raises(IntegrityError, match="entry 0"):
-        plist.verify(other, layer=LAYER)
+        plist.verify(read_form(other), layer=LAYER)
     short = BlobMap(CHUNK)
     short.add(sha256(b"chunk 0"), LENGTHS[0])
     with pytest.raises(IntegrityError, match="past the blob map"):
-        plist.verify(short, layer=LAYER)
+        plist.verify(read_form(short), layer=LAYER)
 
 
 def _saved(tmp_path, blob_map) -> tuple[dict, str]:
