@@ -48,14 +48,6 @@ mount path itself makes its store round trips side by side where it can (``_open
 A miss brings along more of its file while it is read in order, and a growing window while a reader walks
 files in blob order (miss_readahead.py; ``miss_readahead_bytes``, 4 MiB; 0: off).
 
-The GIL. Worker threads hold it for long stretches beside the trio thread (walking a layer's image for
-the readahead map, parsing pack indexes, a fill's cache writes), and each time the trio thread gives it up
-for a syscall (every FUSE request is at least a read and a write of /dev/fuse, every to_thread call a
-hand-over) it waits for it again up to Python's switch interval. ``run_daemon`` sets that interval to
-SWITCH_INTERVAL (1 ms, not Python's 5 ms): a first-ever `up` behind 20 ms took 0.37-0.39 s instead of
-0.53 s, and the first-ever starts behind it 0.79-0.95x the seconds (issue 13, branch up13 in
-docs/benchmarks.md).
-
 Persisted state and crashes. With the raw FUSE binding a daemon that dies (SIGKILL, a crash) leaves its
 mounts alive: a holder process keeps the FUSE connection, and the next daemon takes it over and adopts
 every complete mount the table lists (``_adopt_mounts``, daemon_mounts.py; "Daemon restarts" in docs/architecture.md).
@@ -120,7 +112,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import trio
@@ -156,9 +147,6 @@ TRACE_DIR = "traces"
 # (another local user) may open them; each is a descriptor the mounts' reads need (with 512, the default of
 # the API's socket, they took them all and every read failed).
 METRICS_CONNECTIONS = 16
-# Python's switch interval in the daemon's process (module docstring, "The GIL"): the longest the trio
-# thread waits for the GIL a worker thread holds, each time it wants it back.
-SWITCH_INTERVAL = 0.001
 
 
 class NodeDaemon(DaemonStores, DaemonMounts, DaemonTraces):
@@ -328,9 +316,7 @@ async def _watch_signals(signals, daemon: NodeDaemon) -> None:
 def run_daemon(options: DaemonOptions, *, extensions: Iterable[Callable[[NodeDaemon], object]] = ()) -> None:
     """Run a daemon in this process until signalled (``dsecfs daemon``). Each of ``extensions`` is called
     with the NodeDaemon before it starts, to add routes and hooks. An error that stops it comes out as
-    itself, not inside the exception groups of the nurseries it passed through. Sets the process's switch
-    interval to SWITCH_INTERVAL."""
-    sys.setswitchinterval(SWITCH_INTERVAL)
+    itself, not inside the exception groups of the nurseries it passed through."""
     daemon = NodeDaemon(options)
     for extend in extensions:
         extend(daemon)

@@ -505,23 +505,3 @@ def test_metrics_over_tcp_show_the_page_and_nothing_else_of_the_api(layers, daem
             assert error.value.code == 404
     finally:
         node.umount(mnt)
-
-
-def test_the_daemon_process_hands_the_gil_over_within_a_millisecond(tmp_path, monkeypatch):
-    """run_daemon sets the process's switch interval before its loop starts: the trio thread serving FUSE
-    waits at most that long for the GIL a worker thread holds (lazy_fetch/daemon.py, "The GIL"). The loop
-    itself is not run here: trio.run is replaced by a probe of the interval it would start with."""
-    import sys
-
-    from lazy_fetch import daemon as daemon_module
-
-    started_with = []
-    monkeypatch.setattr(daemon_module.trio, "run", lambda *args: started_with.append(sys.getswitchinterval()))
-    before = sys.getswitchinterval()
-    try:
-        daemon_module.run_daemon(daemon_module.DaemonOptions(socket_path=str(tmp_path / "api.sock"),
-                                                             state_dir=str(tmp_path / "state"),
-                                                             cache_dir=str(tmp_path / "cache")))
-    finally:
-        sys.setswitchinterval(before)
-    assert started_with == [daemon_module.SWITCH_INTERVAL] and daemon_module.SWITCH_INTERVAL <= 0.001 < before
