@@ -188,6 +188,19 @@ def _link_bins(events: list[dict], start: float, width: float, count: int) -> di
     return out
 
 
+def _print_up_spans(events: list[dict], start: float, first_read: float) -> None:
+    """The steps of up and of its mounts (timeline_probe.SPANS) that began before the command's first read,
+    in the order they began, with their thread; then the store calls of that time."""
+    print(f" up to the command's first read ({first_read - start:.3f} s): steps (start-end s, thread)")
+    for event in sorted((e for e in events if e["kind"] == "span" and e["t0"] < first_read), key=lambda e: e["t0"]):
+        print(f"  {event['t0'] - start:7.3f}-{event['t1'] - start:7.3f} {(event['t1'] - event['t0']) * 1e3:7.1f} ms"
+              f"  {event['what']:<40} {event['thread'][:40]}")
+    calls = [e for e in events if e["kind"] == "link" and e["t0"] < first_read]
+    for event in sorted(calls, key=lambda e: e["t0"]):
+        print(f"  store {event['op']:<4} {event['what']:<8} {event['t0'] - start:7.3f}-{event['t1'] - start:7.3f}"
+              f" {event['bytes'] / 1e3:9.1f} kB")
+
+
 def _row(name: str, values: list[float], fmt: str = "{:5.1f}") -> str:
     return f"  {name:<16}" + " ".join(fmt.format(v) for v in values)
 
@@ -282,6 +295,7 @@ def timeline_start(info: dict, workload: str, store_name: str, work: str, width:
             print(f"  fill of {event['layer']}: decided {event['wanted']} at {event['t1'] - start:.3f} s "
                   f"(waited {event['t1'] - event['t0']:.3f} s; round trip {rt * 1e3 if rt else float('nan'):.1f} ms)")
     reads = [e for e in events if e["kind"] == "read" and start <= e["t0"] <= end]
+    _print_up_spans(events, start, reads[0]["t0"] if reads else end)
     missed = [e for e in reads if e["missed"]]
     if reads:
         print(f"  reads during the command: {len(reads)}, first at {reads[0]['t0'] - start:.3f} s; waited for the "

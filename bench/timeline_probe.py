@@ -11,7 +11,9 @@ Events (times are time.monotonic(), the same clock in every process):
   queued and as granted, its compressed bytes and chunks;
 - ``read``: a FUSE read of a layer's blob: start, end, whether it waited for the store;
 - ``fill``: a fill's decision (prefetcher._fill_wanted) and when it was made;
-- ``mount``: a layer mount by the daemon, start and end.
+- ``mount``: a layer mount by the daemon, start and end;
+- ``span``: one call of a step of ``up`` and of a layer's mount (SPANS: the daemon's open of a layer, its
+  blob, mount(2), the state files written, the overlay, the runtime's command), start, end and thread.
 
 Nothing here changes what the daemon does; each event costs one write to a line-buffered file.
 
@@ -126,6 +128,78 @@ def install(path: str, *, daemon: bool = True) -> None:
             _emit("mount", ref=ref[:40], t0=started, t1=time.monotonic())
 
     daemon_module.NodeDaemon.mount = mount
+    for module, qualname in SPANS:
+        _wrap_span(module, qualname)
+
+
+# The steps of `up` and of a layer's mount timed as spans: (module, attribute path in it).
+SPANS = (
+    ("overlay.node_service", "DaemonLayers.acquire_async"),
+    ("overlay.sandbox", "SandboxManager.up"),
+    ("overlay.sandbox", "SandboxManager._save"),
+    ("overlay.sandbox", "mount_stack"),
+    ("overlay.sandbox", "_take_root_attributes"),
+    ("overlay.node_service", "SandboxService._post_up"),
+    ("overlay.node_service", "SandboxService._post_exec"),
+    ("overlay.runtime", "RuncContainer.create"),
+    ("overlay.runtime", "_communicate"),
+    ("lazy_fetch.daemon_stores", "DaemonStores._open_layer"),
+    ("lazy_fetch.daemon_stores", "DaemonStores._open_blob"),
+    ("lazy_fetch.daemon_stores", "DaemonStores._add_layer"),
+    ("lazy_fetch.daemon_stores", "DaemonStores._map_files_at_mount"),
+    ("lazy_fetch.daemon_mounts", "DaemonMounts._served_for"),
+    ("lazy_fetch.daemon_mounts", "DaemonMounts._start_prefetch"),
+    ("lazy_fetch.daemon_mounts", "DaemonMounts._record_mount"),
+    ("lazy_fetch.daemon_mounts", "fill_entries"),
+    ("lazy_fetch.daemon_mounts", "ProfileKeeper.plan"),
+    ("lazy_fetch.mount_table", "MountTable.save"),
+    ("lazy_fetch.layer_mount", "LayerMounter.mount_layer"),
+    ("lazy_fetch.layer_mount", "LayerMounter._place_meta_and_mount"),
+    ("lazy_fetch.daemon_stores", "DaemonStores._map_files"),
+    ("lazy_fetch.layer_mount", "LayerMounter.save_session_state"),
+    ("lazy_fetch.layer_mount", "_check_image_filesystem"),
+    ("lazy_fetch.layer_mount", "_mount_erofs_direct"),
+    ("lazy_fetch.daemon_stores", "open_layer_blob"),
+    ("lazy_fetch.daemon_stores", "open_layer"),
+    ("lazy_fetch.daemon_stores", "check_packs_present"),
+    ("lazy_fetch.daemon_stores", "ChunkIndex.load_packs"),
+)
+
+
+def _wrap_span(module_name: str, qualname: str) -> None:
+    import functools
+    import importlib
+    import inspect
+
+    module = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    orig = getattr(owner, name, None)
+    if orig is None:
+        return  # not in this tree (a baseline's)
+
+    def emit(started):
+        _emit("span", what=qualname, t0=started, t1=time.monotonic(), thread=threading.current_thread().name)
+
+    if inspect.iscoroutinefunction(orig):
+        @functools.wraps(orig)
+        async def wrapped(*args, **kwargs):
+            started = time.monotonic()
+            try:
+                return await orig(*args, **kwargs)
+            finally:
+                emit(started)
+    else:
+        @functools.wraps(orig)
+        def wrapped(*args, **kwargs):
+            started = time.monotonic()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                emit(started)
+    setattr(owner, name, wrapped)
 
 
 def uninstall() -> None:

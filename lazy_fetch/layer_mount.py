@@ -186,13 +186,15 @@ class LayerMounter:
         mount = LayerMount(mountpoint, mode, layer.digest, layer.manifest.blob_id)
         async with contextlib.AsyncExitStack() as undo:
             if mode == "kernel":
-                if not adopt:  # before the meta image is written where it could not be used
-                    await trio.to_thread.run_sync(_check_image_filesystem, self.meta_path(layer.digest))
                 await self._retain(("blob", mount.blob_id), undo, self.session.blobs.add, mount.blob_id, blob)
-                await self._retain(("meta", layer.digest), undo, self._write_meta, layer)
-                if not adopt:
-                    await trio.to_thread.run_sync(_mount_erofs_direct, self.meta_path(layer.digest), mountpoint,
-                                                  self.blob_path(mount.blob_id), self.read_ahead)
+                meta = ("meta", layer.digest)
+                # One worker-thread call for the meta image and mount(2), not three: each hand-over to a
+                # worker and back waited for a core and the GIL, 15-20 ms of a first-ever `up` behind a
+                # fill's threads (docs/benchmarks.md, issue 13, branch up13).
+                await trio.to_thread.run_sync(self._place_meta_and_mount, layer, mountpoint, mount.blob_id,
+                                              not self._users[meta], adopt)
+                self._users[meta] += 1
+                undo.push_async_callback(self._release, meta)
             else:
                 tree = LayerTree(ErofsImage(layer.meta, source=keys.layer_meta(layer.digest)), blob)
                 await self._retain(("tree", layer.digest), undo, self.session.add_layer, layer.digest, tree)
@@ -233,18 +235,16 @@ class LayerMounter:
             await self._release(("tree", mount.layer))
 
     async def _retain(self, key: tuple[str, str], undo: contextlib.AsyncExitStack, create, *args) -> None:
-        """Count one more user of ``key`` ("blob", "meta" or "tree", and its id); ``create(*args)`` makes
-        it for the first one (in a worker thread for meta files, which touch the disk). ``undo`` releases
-        it again if the mount fails, so does a session file that cannot be written (a full disk): a blob or
-        tree left served with no user counted refused every later mount of its layer ("already served")."""
+        """Count one more user of ``key`` ("blob" or "tree", and its id); ``create(*args)`` makes it for the
+        first one. ``undo`` releases it again if the mount fails, so does a session file that cannot be
+        written (a full disk): a blob or tree left served with no user counted refused every later mount of
+        its layer ("already served")."""
         first = not self._users[key]
-        if first and key[0] == "meta":
-            await trio.to_thread.run_sync(create, *args)
-        elif first:
+        if first:
             create(*args)
         self._users[key] += 1
         undo.push_async_callback(self._release, key)
-        if first and key[0] != "meta":
+        if first:
             self.save_session_state()  # its inode numbers, before the kernel learns them
 
     async def _release(self, key: tuple[str, str]) -> None:
@@ -261,10 +261,26 @@ class LayerMounter:
         else:
             await trio.to_thread.run_sync(os.unlink, self.meta_path(name))
 
-    def _write_meta(self, layer: LayerFiles) -> None:
-        """meta.erofs as a file for mount(2), written whole under a temporary name, then renamed; a full
-        disk is UnavailableError naming the file, and nothing of it is left."""
-        write_state_file(self.meta_path(layer.digest), layer.meta, what="the layer's meta image")
+    def _place_meta_and_mount(self, layer: LayerFiles, mountpoint: str, blob_id: str, write: bool,
+                              adopt: bool) -> None:
+        """A worker thread's part of a kernel-mode mount (the blob is served already): check that the state
+        directory can hold an image the kernel takes (not when adopting: the mount is there), write
+        meta.erofs if ``write`` (its first user; whole under a temporary name, then renamed: a full disk is
+        UnavailableError naming the file, and nothing of it is left), then mount(2) it, unless adopting. A
+        failed mount removes the image it wrote."""
+        meta_path = self.meta_path(layer.digest)
+        if not adopt:  # before the meta image is written where it could not be used
+            _check_image_filesystem(meta_path)
+        if write:
+            write_state_file(meta_path, layer.meta, what="the layer's meta image")
+        if adopt:
+            return
+        try:
+            _mount_erofs_direct(meta_path, mountpoint, self.blob_path(blob_id), self.read_ahead)
+        except BaseException:
+            if write:
+                unlink_if_present(meta_path)
+            raise
 
     def save_session_state(self, **changes) -> None:
         """raw binding: update ``session_state`` with ``changes`` and the session's inode numbers, and

@@ -197,6 +197,26 @@ def test_a_failed_mount_leaves_nothing_behind(built_layer, tmp_path, start_daemo
     assert (tmp_path / "mnt" / "small.txt").read_bytes() == b"hello\n"
 
 
+def test_a_failed_second_kernel_mount_keeps_the_meta_image_the_first_one_uses(built_layer, tmp_path, start_daemon,
+                                                                              mounts_below):
+    """The meta image is written by a layer's first kernel mount and shared by the others: a later mount
+    of the layer that fails (its mountpoint is a file) must not remove it, nor the blob the first serves."""
+    daemon = start_daemon(built_layer.store, binding="pyfuse3")
+    daemon.mount(built_layer.layer, tmp_path / "mnt", "kernel")
+    state = tmp_path / "state"
+    images = os.listdir(state / "meta")
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_bytes(b"")
+    with pytest.raises(UnavailableError):
+        daemon.mount(built_layer.layer, not_a_directory, "kernel")
+    assert os.listdir(state / "meta") == images and len(images) == 1
+    assert mounts_below(tmp_path) == [str(state / "fuse"), str(tmp_path / "mnt")]
+    daemon.unmount(tmp_path / "mnt")
+    assert os.listdir(state / "meta") == [] and os.listdir(state / "fuse" / "blobs") == []
+    daemon.mount(built_layer.layer, tmp_path / "mnt2", "kernel")  # written again for the next first mount
+    assert (tmp_path / "mnt2" / "small.txt").read_bytes() == b"hello\n"
+
+
 def test_a_new_daemon_clears_the_session_a_killed_one_left(built_layer, tmp_path, start_daemon, mounts_below):
     state_dir = tmp_path / "state"
     script = (
