@@ -54,6 +54,7 @@ Threads: everything here runs in the build's calling thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -62,7 +63,7 @@ import operator
 import os
 import stat
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from dsec_fs.blobmap import BLOCK_SIZE
@@ -175,58 +176,72 @@ class Rescan:
                        new_chunks=list(added))
 
 
-def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_at_ns: int) -> Rescan | None:
+def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_at_ns: int,
+                 on_file: Callable[[Node], None] | None = None) -> Rescan | None:
     """Step 1 (see the module docstring): the changes since ``parent`` if the patch path can take them,
-    else None. Reads the metadata of the names whose identity is not trusted and equal, never contents."""
+    else None. Reads the metadata of the names whose identity is not trusted and equal, never contents.
+    ``on_file(node)`` is called for each regular file to read (``Rescan.files``) as soon as the scan has
+    compared it, while the rest of the names are still to be looked at: the build reads, hashes and
+    compresses it on the other core meanwhile (step 2), and drops that work if the scan ends in None."""
     info = parent.info
     if info is None:
         return _full("the parent has no usable build info")
     root = os.fsencode(root)
     paths = info.paths
-    try:
-        differs = _differing(root, info)
-    except OSError as exc:  # a name is gone (or unreadable): the full path lists the tree and says which
-        return _full(f"cannot stat {os.fsdecode(exc.filename or root)}: {os.strerror(exc.errno or 0)}")
     identities = list(info.identities)  # the parent's, but where they differ: equal tuples
-    numbers, suspects = [], []
-    number = differs.find(1)
-    while number >= 0:
-        source = root + b"/" + paths[number] if number else root
-        st = _lstat_below(root, paths[number]) if number else os.stat(root)  # the root may be a symlink
-        if st is None:
-            return _full(f"/{_printable(paths[number])} is no name of the source's own")
-        identity = identities[number] = stat_identity(st)
-        if identity[:2] != info.identities[number][:2]:  # another inode under this name: links may differ
-            return _full(f"/{_printable(paths[number])} is another inode now")
-        numbers.append(number)
-        suspects.append((paths[number], source, st))
-        number = differs.find(1, number + 1)
-    try:
-        changes = _compare(suspects, parent)
-    except (CorruptError, UnsupportedError, NotFoundError) as exc:
-        log.warning("cannot compare the source with the parent layer's image, rebuilding in full: %s", exc)
-        return None
-    if changes is None:
-        return None
-    if not _build_time_stays(changes, identities, parent):
+    numbers: list[int] = []
+    changes: dict[tuple[int, int], _Change] = {}  # (st_dev, st_ino) -> change: a hard link's names share it
+    with contextlib.closing(_differing(root, info)) as differing:
+        while True:
+            try:
+                number = next(differing, None)
+            except OSError as exc:  # a name is gone (or unreadable): the full path lists the tree and says which
+                return _full(f"cannot stat {os.fsdecode(exc.filename or root)}: {os.strerror(exc.errno or 0)}")
+            if number is None:
+                break
+            path = paths[number]
+            source = root + b"/" + path if number else root
+            st = _lstat_below(root, path) if number else os.stat(root)  # the root may be a symlink
+            if st is None:
+                return _full(f"/{_printable(path)} is no name of the source's own")
+            identity = identities[number] = stat_identity(st)
+            if identity[:2] != info.identities[number][:2]:  # another inode under this name: links may differ
+                return _full(f"/{_printable(path)} is another inode now")
+            numbers.append(number)
+            try:
+                change = _compare(path, source, st, parent, changes)
+            except (CorruptError, UnsupportedError, NotFoundError) as exc:
+                log.warning("cannot compare the source with the parent layer's image, rebuilding in full: %s", exc)
+                return None
+            if change is False:
+                return None
+            if change is not True:
+                changes[st.st_dev, st.st_ino] = change
+                if on_file is not None:
+                    on_file(change.node)
+    found = list(changes.values())
+    if not _build_time_stays(found, identities, parent):
         return _full("the image's most common mtime (its build time) would change")
     return Rescan(parent=parent, scanned_at_ns=scanned_at_ns, identities=identities, suspects=numbers,
-                  changes=changes)
+                  changes=found)
 
 
-def _differing(root: bytes, info: BuildInfo) -> bytes:
-    """A byte per name of the parent's build info ``info`` (the root first): 1 where the identity the
-    source holds now differs from the recorded one or that one is not trusted, else 0. One lstat per name,
-    relative to the root's descriptor (the root is opened through a symlink, as walk_dir.scan_directory
-    stats it), no directory listed (see the module docstring), at C speed; each identity is compared as
-    it is made and not kept (docs/benchmarks.md, issue 17, session 11). OSError if a name is gone. A name
-    that changes after its lstat is either a suspect already or as any change after the scan (the racy
-    rule, incremental.py); each suspect's identity is taken again before it is compared."""
+def _differing(root: bytes, info: BuildInfo) -> Iterator[int]:
+    """The indexes of the names of the parent's build info ``info`` (the root first) whose identity in the
+    source now differs from the recorded one, or whose recorded one is not trusted, in order. One lstat
+    per name, relative to the root's descriptor (the root is opened through a symlink, as
+    walk_dir.scan_directory stats it), no directory listed (see the module docstring), at C speed: each
+    identity is compared as it is made and not kept (docs/benchmarks.md, issue 17, session 11), and the
+    caller's code runs only for the names this yields, each as soon as the lstat calls reach it. OSError
+    if a name is gone. A name that changes after its lstat is either a suspect already or as any change
+    after the scan (the racy rule, incremental.py); each suspect's identity is taken again before it is
+    compared."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         lstat = functools.partial(os.lstat, dir_fd=fd)
         stats = itertools.chain([os.fstat(fd)], map(lstat, itertools.islice(info.paths, 1, None)))
-        return bytes(map(operator.or_, map(operator.ne, map(stat_identity, stats), info.identities), info.racy))
+        yield from itertools.compress(itertools.count(), map(
+            operator.or_, map(operator.ne, map(stat_identity, stats), info.identities), info.racy))
     finally:
         os.close(fd)
 
@@ -253,42 +268,42 @@ def _lstat_below(root: bytes, path: bytes) -> os.stat_result | None:
             os.close(fd)
 
 
-def _compare(suspects: list[tuple[bytes, bytes, os.stat_result]], parent: ParentLayer) -> list[_Change] | None:
-    """The regular files among ``suspects`` that the patch path must read, or None if any suspect differs
-    from the parent's image in a way the patch cannot express."""
+def _compare(path: bytes, source: bytes, st: os.stat_result, parent: ParentLayer,
+             changes: dict[tuple[int, int], _Change]) -> _Change | bool:
+    """Compare the suspect ``path`` (at ``source``, whose lstat is ``st``) with the parent's image: a
+    _Change if it is a regular file to read, True if there is nothing to read (a hard link of a file in
+    ``changes``, the files found so far, or another entry that is as the parent has it), False if it
+    differs in a way the patch cannot express (the full path; logged)."""
     image = parent.image
+    nid = image.resolve(path)
+    if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in changes:
+        if changes[st.st_dev, st.st_ino].nid != nid:
+            return _refused(f"/{_printable(path)} is another inode now")
+        return True
+    node = node_of(source, st, {})
+    was = image.stat(nid)
+    if ((was.mode, was.uid, was.gid) != (node.mode, node.uid, node.gid)
+            or image.xattrs(nid) != dict(node.xattrs)):
+        return _refused(f"/{_printable(path)} has another mode, owner or xattrs")
+    if not node.is_reg:
+        if (was.mtime_ns != node.mtime_ns
+                or node.is_symlink and image.readlink(nid) != node.target
+                or was.rdev != (os.major(node.rdev), os.minor(node.rdev))):
+            return _refused(f"/{_printable(path)} changed (not a regular file)")
+        # Its mtime was put back (its ctime moved), or its identity was not trusted: its names tell.
+        if node.is_dir and _names(source) != [name for name, _nid, _ftype in image.readdir(nid)
+                                              if name not in _DOTS]:
+            return _refused(f"/{_printable(path)} holds other names than the parent's image")
+        return True
+    old = image.inode(nid)
     superblock = image.superblock
     chunk_size = parent.manifest.chunk_size  # the blob map's too (ParentLayer.load)
-    changes: dict[tuple[int, int], _Change] = {}  # (st_dev, st_ino) -> change: a hard link's names share it
-    for path, source, st in suspects:
-        nid = image.resolve(path)
-        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in changes:
-            if changes[st.st_dev, st.st_ino].nid != nid:
-                return _full(f"/{_printable(path)} is another inode now")
-            continue
-        node = node_of(source, st, {})
-        was = image.stat(nid)
-        if ((was.mode, was.uid, was.gid) != (node.mode, node.uid, node.gid)
-                or image.xattrs(nid) != dict(node.xattrs)):
-            return _full(f"/{_printable(path)} has another mode, owner or xattrs")
-        if not node.is_reg:
-            if (was.mtime_ns != node.mtime_ns
-                    or node.is_symlink and image.readlink(nid) != node.target
-                    or was.rdev != (os.major(node.rdev), os.minor(node.rdev))):
-                return _full(f"/{_printable(path)} changed (not a regular file)")
-            # Its mtime was put back (its ctime moved), or its identity was not trusted: its names tell.
-            if node.is_dir and _names(source) != [name for name, _nid, _ftype in image.readdir(nid)
-                                                  if name not in _DOTS]:
-                return _full(f"/{_printable(path)} holds other names than the parent's image")
-            continue
-        old = image.inode(nid)
-        seconds, nsec = divmod(node.mtime_ns, NS_PER_S)
-        if (-(-node.size // chunk_size) != -(-old.size // chunk_size)
-                or old.extended != inode.needs_extended(node.size, node.uid, node.gid, was.nlink, seconds, nsec,
-                                                        superblock.build_time, superblock.build_time_nsec)):
-            return _full(f"/{_printable(path)} changed its chunk count or inode form")
-        changes[st.st_dev, st.st_ino] = _Change(node=node, nid=nid, old=old)
-    return list(changes.values())
+    seconds, nsec = divmod(node.mtime_ns, NS_PER_S)
+    if (-(-node.size // chunk_size) != -(-old.size // chunk_size)
+            or old.extended != inode.needs_extended(node.size, node.uid, node.gid, was.nlink, seconds, nsec,
+                                                    superblock.build_time, superblock.build_time_nsec)):
+        return _refused(f"/{_printable(path)} changed its chunk count or inode form")
+    return _Change(node=node, nid=nid, old=old)
 
 
 def _names(directory: bytes) -> list[bytes] | None:
@@ -346,6 +361,12 @@ def _full(reason: str) -> None:
     """Why the build takes the full path (logged at INFO); None, for the caller to return."""
     log.info("rebuilding in full: %s", reason)
     return None
+
+
+def _refused(reason: str) -> bool:
+    """``_full`` for ``_compare``: False."""
+    _full(reason)
+    return False
 
 
 def _printable(path: bytes) -> str:
