@@ -455,8 +455,7 @@ def _build_patched(parent: ParentLayer, root: str | bytes | os.PathLike, leased:
             stored = writer.submit(store_metadata, store, patched.meta, patched.blob_map_bytes,
                                    also=functools.partial(_named_buildinfo, encoded))
             try:
-                encoded.set_result(encode_rescanned(parent.info, rescan.identities, rescan.suspects, None,
-                                                    rescan.scanned_at_ns))
+                encoded.set_result(encode_rescanned(parent.info, rescan.records, None, rescan.scanned_at_ns))
             except BaseException as exc:  # the writer waits for it: it must not wait forever
                 encoded.set_exception(exc)
                 raise

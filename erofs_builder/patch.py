@@ -70,7 +70,8 @@ from dsec_fs.blobmap import BLOCK_SIZE
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import CorruptError, NotFoundError, UnsupportedError
 
-from .incremental import BuildInfo, Identity, ParentLayer
+from .incremental import (MTIME_FIELD, BuildInfo, Identity, ParentLayer, record_at, record_column, records_of,
+                          rescanned_records)
 from .layout import NS_PER_S
 from .ondisk import INODE_SLOT_SIZE, inode
 from .ondisk.device_slot import SLOT_SIZE, DeviceSlot
@@ -110,8 +111,7 @@ class Rescan:
 
     parent: ParentLayer
     scanned_at_ns: int  # wall clock when the scan started
-    identities: list[Identity]  # every name's, in the order of the parent's build info
-    suspects: list[int]  # the indexes of the names whose identity differs from the parent's or is not trusted
+    records: bytearray  # every name's identity, encoded in the order of the parent's build info
     changes: list[_Change]  # each regular file among them (each inode once): to read
 
     @property
@@ -188,8 +188,7 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
         return _full("the parent has no usable build info")
     root = os.fsencode(root)
     paths = info.paths
-    identities = list(info.identities)  # the parent's, but where they differ: equal tuples
-    numbers: list[int] = []
+    changed: dict[int, Identity] = {}  # name number -> its identity now, where it differs
     changes: dict[tuple[int, int], _Change] = {}  # (st_dev, st_ino) -> change: a hard link's names share it
     with contextlib.closing(_differing(root, info)) as differing:
         while True:
@@ -204,10 +203,9 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
             st = _lstat_below(root, path) if number else os.stat(root)  # the root may be a symlink
             if st is None:
                 return _full(f"/{_printable(path)} is no name of the source's own")
-            identity = identities[number] = stat_identity(st)
-            if identity[:2] != info.identities[number][:2]:  # another inode under this name: links may differ
+            identity = changed[number] = stat_identity(st)
+            if identity[:2] != record_at(info.records, number)[:2]:  # another inode: links may differ
                 return _full(f"/{_printable(path)} is another inode now")
-            numbers.append(number)
             try:
                 change = _compare(path, source, st, parent, changes)
             except (CorruptError, UnsupportedError, NotFoundError) as exc:
@@ -220,10 +218,10 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
                 if on_file is not None:
                     on_file(change.node)
     found = list(changes.values())
-    if not _build_time_stays(found, identities, parent):
+    records = rescanned_records(info, changed)
+    if not _build_time_stays(found, records, parent):
         return _full("the image's most common mtime (its build time) would change")
-    return Rescan(parent=parent, scanned_at_ns=scanned_at_ns, identities=identities, suspects=numbers,
-                  changes=found)
+    return Rescan(parent=parent, scanned_at_ns=scanned_at_ns, records=records, changes=found)
 
 
 def _differing(root: bytes, info: BuildInfo) -> Iterator[int]:
@@ -241,7 +239,7 @@ def _differing(root: bytes, info: BuildInfo) -> Iterator[int]:
         lstat = functools.partial(os.lstat, dir_fd=fd)
         stats = itertools.chain([os.fstat(fd)], map(lstat, itertools.islice(info.paths, 1, None)))
         yield from itertools.compress(itertools.count(), map(
-            operator.or_, map(operator.ne, map(stat_identity, stats), info.identities), info.racy))
+            operator.or_, map(operator.ne, map(stat_identity, stats), records_of(info.records)), info.racy))
     finally:
         os.close(fd)
 
@@ -315,12 +313,13 @@ def _names(directory: bytes) -> list[bytes] | None:
         return None
 
 
-def _build_time_stays(changes: list[_Change], identities: list[Identity], parent: ParentLayer) -> bool:
-    """Whether the most common mtime of the new tree is still the parent's build_time, so that no inode
-    changes form: no changed file had or gets that mtime, and each new mtime has fewer inodes than it, or
-    as many when the root has the build time (layout.py breaks a tie for the mtime met first, and the root
-    is the first inode). Inodes are counted as layout.py counts them: a directory per name, any other
-    inode once however many names it has (walk_dir merges those by st_dev, st_ino)."""
+def _build_time_stays(changes: list[_Change], records: bytearray, parent: ParentLayer) -> bool:
+    """Whether the most common mtime of the new tree (whose identities are ``records``) is still the
+    parent's build_time, so that no inode changes form: no changed file had or gets that mtime, and each
+    new mtime has fewer inodes than it, or as many when the root has the build time (layout.py breaks a
+    tie for the mtime met first, and the root is the first inode). Inodes are counted as layout.py counts
+    them: a directory per name, any other inode once however many names it has (walk_dir merges those by
+    st_dev, st_ino)."""
     image = parent.image
     build_time_ns = image.superblock.build_time * NS_PER_S + image.superblock.build_time_nsec
     moved = {change.node.mtime_ns for change in changes if change.node.mtime_ns != image.stat(change.nid).mtime_ns}
@@ -329,16 +328,19 @@ def _build_time_stays(changes: list[_Change], identities: list[Identity], parent
     if build_time_ns in moved or any(image.stat(change.nid).mtime_ns == build_time_ns
                                      for change in changes if change.node.mtime_ns in moved):
         return False
-    mtimes = list(map(operator.itemgetter(3), identities))
-    moved_inodes = _count_inodes(itertools.compress(identities, map(moved.__contains__, mtimes)))
+    mtimes = record_column(records, MTIME_FIELD)
+
+    def having(selected: Iterable[bool]) -> Iterator[Identity]:  # the identities of the names selected
+        return (record_at(records, number) for number in itertools.compress(itertools.count(), selected))
+
+    moved_inodes = _count_inodes(having(map(moved.__contains__, mtimes)))
     # The build time must keep more inodes than any moved mtime has (as many if the root has it):
     # counted only as far as that needs (it is the most common mtime, often thousands of inodes).
     counts = [moved_inodes[mtime] for mtime in moved if mtime >= 0]
     if not counts:
         return True
-    needed = max(counts) + (identities[0][3] != build_time_ns)  # identities[0]: the root's
-    at_build_time = itertools.compress(identities, map(build_time_ns.__eq__, mtimes))
-    return _count_inodes(at_build_time, stop_at=needed)[build_time_ns] >= needed
+    needed = max(counts) + (mtimes[0] != build_time_ns)  # mtimes[0]: the root's
+    return _count_inodes(having(map(build_time_ns.__eq__, mtimes)), stop_at=needed)[build_time_ns] >= needed
 
 
 def _count_inodes(identities: Iterable[Identity], stop_at: int | None = None) -> Counter[int]:
