@@ -170,7 +170,7 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     if parent is not None:
         # The patch path's lease and chunk index are made beside loading the parent and the scan (a store
         # write, a listing, an LMDB commit: waits, mostly); unused if the build takes the full path.
-        with _lease_and_index(store, f"build {name or described}", own_packs) as leased:
+        with _lease_and_index(store, f"build {name or described}") as leased:
             base = ParentLayer.load(store, parent, chunk_size=chunk_size)
             patched = _build_patched(base, source, leased, store, name, chunk_size, progress, workers, described)
         if patched:
@@ -397,15 +397,18 @@ def _published(store: Store, manifest: Manifest, digest: str, name: str | None, 
 
 
 @contextlib.contextmanager
-def _lease_and_index(store: Store, purpose: str, own_packs: OwnPacks) -> Iterator[Future[tuple[Lease, ChunkIndex]]]:
+def _lease_and_index(store: Store, purpose: str) -> Iterator[Future[tuple[Lease, ChunkIndex]]]:
     """Step 2 in a thread of its own: a lease, then the chunk index (synced after it, see dsec_fs/gc.py),
     while the block runs; the block gets their Future. Both are closed when it ends (the index first,
-    leaving the packs uploaded in ``own_packs``), whatever its outcome."""
+    if the block did not close it: ``_mirror_own_packs``), whatever its outcome. The packs uploaded
+    through this index enter the store's index mirror when it closes, through the mirror it holds open
+    (not deferred to ``add_to_mirror``, which opens the mirror again: a patched rebuild's tree is the
+    parent's few objects, not the tree whose memory the deferral is for)."""
 
     def take() -> tuple[Lease, ChunkIndex]:
         lease = Lease(store, purpose=purpose).acquire()
         try:
-            return lease, load_chunk_index(store, own_packs=own_packs)
+            return lease, load_chunk_index(store)
         except BaseException:
             lease.release()
             raise
@@ -470,11 +473,24 @@ def _build_patched(parent: ParentLayer, root: str | bytes | os.PathLike, leased:
         # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
         manifest = _manifest(metadata.layer, metadata.meta_size, metadata.blob_id, metadata.blobmap_size,
                              parent.encoded_blob_map.blocks, packs, stats, chunk_size, source)
+        # The new packs enter the index mirror (an LMDB commit) while the manifest is written.
+        mirrored = writer.submit(_mirror_own_packs, index)
         lease.check()
         result = _published(store, manifest, publish_stored(store, manifest, metadata), name, stats)
+        mirrored.result()
     log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(rescan.changes),
              stats.new_chunks)
     return result
+
+
+def _mirror_own_packs(index: ChunkIndex) -> None:
+    """Close ``index`` (a MirroredChunkIndex), adding the packs uploaded through it to the store's index
+    mirror; a failure is logged, not raised, as ``add_to_mirror`` does (the mirror is a cache: the next
+    sync finds the packs)."""
+    try:
+        index.close()
+    except Exception as exc:
+        log.warning("could not add the packs of this build to the index mirror: %s", exc)
 
 
 class _OnDemandChunker:
