@@ -89,7 +89,8 @@ from .writer import spill_image
 # Only the build of a tar, an image or with a parent needs these modules: imported where used, so that a
 # directory build does not pay for importing them (see docs/benchmarks.md, issue 17, third session).
 if TYPE_CHECKING:
-    from .patch import Patched, Rescan
+    from .incremental import BuildInfo
+    from .patch import Patched, Rescan, SourceScan
     from .registry import RegistryOptions
     from .walk_oci import OciImage
     from .walk_tar import OnFile
@@ -170,9 +171,19 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     if parent is not None:
         # The patch path's lease and chunk index are made beside loading the parent and the scan (a store
         # write, a listing, an LMDB commit: waits, mostly); unused if the build takes the full path.
-        with _lease_and_index(store, f"build {name or described}") as leased:
-            base = ParentLayer.load(store, parent, chunk_size=chunk_size)
-            patched = _build_patched(base, source, leased, store, name, chunk_size, progress, workers, described)
+        from .patch import SourceScan
+
+        scans: list[SourceScan] = []
+
+        def start_scan(info: BuildInfo) -> None:  # the lstat calls begin while the parent's image is read
+            scans.append(SourceScan(source, info))
+            scans[0].start()
+
+        with _lease_and_index(store, f"build {name or described}") as leased, contextlib.ExitStack() as open_scans:
+            open_scans.callback(lambda: [scan.close() for scan in scans])
+            base = ParentLayer.load(store, parent, chunk_size=chunk_size, on_buildinfo=start_scan)
+            patched = _build_patched(base, scans[0] if scans else None, leased, store, name, chunk_size, progress,
+                                     workers, described)
         if patched:
             return patched
     scanned_at_ns = time.time_ns()
@@ -426,10 +437,11 @@ def _lease_and_index(store: Store, purpose: str) -> Iterator[Future[tuple[Lease,
                     lease.release()
 
 
-def _build_patched(parent: ParentLayer, root: str | bytes | os.PathLike, leased: Future[tuple[Lease, ChunkIndex]],
+def _build_patched(parent: ParentLayer, scan: SourceScan | None, leased: Future[tuple[Lease, ChunkIndex]],
                    store: Store, name: str | None, chunk_size: int, progress: Progress | None,
                    workers: int | None, source: str) -> BuildResult | None:
-    """Steps 1 to 6 on the patch path (patch.py): scan the directory ``root`` against ``parent``, reading
+    """Steps 1 to 6 on the patch path (patch.py): ``scan`` of the source against ``parent`` (None: the parent
+    has no usable build info), reading
     and uploading each changed file as the scan finds it, then publish the parent's meta.erofs and blob
     map patched for them; None (nothing published) when the change needs the full path. ``leased``: the
     build's lease and chunk index (taken while the parent is loaded, ``_lease_and_index``). The layer's
@@ -437,13 +449,16 @@ def _build_patched(parent: ParentLayer, root: str | bytes | os.PathLike, leased:
     dsec_fs.layer: nothing names an object before it is durable)."""
     from .patch import scan_changes
 
+    if scan is None or parent.info is None:  # no usable build info, or another chunk size (ParentLayer.load)
+        log.info("rebuilding in full: the parent has no usable build info")
+        return None
     missing = missing_packs(store, parent.manifest.packs)
     if missing:
         log.warning("the store lacks pack %s of the parent layer: rebuilding in full", missing[0])
         return None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-meta") as writer:
         with _OnDemandChunker(store, leased, chunk_size, workers, progress) as chunking:
-            rescan = scan_changes(root, parent, time.time_ns(), on_file=chunking.add_file)
+            rescan = scan_changes(scan, parent, on_file=chunking.add_file)
             if rescan is None:
                 return None
             uploader, read = chunking.finish()

@@ -353,17 +353,22 @@ class ParentLayer:
         return EncodedBlobMap(self.blob_map_bytes, source=keys.layer_blobmap(self.digest))
 
     @classmethod
-    def load(cls, store: Store, ref_or_digest: str, *, chunk_size: int) -> "ParentLayer":
+    def load(cls, store: Store, ref_or_digest: str, *, chunk_size: int,
+             on_buildinfo: Callable[[BuildInfo], object] | None = None) -> "ParentLayer":
         """Open the parent (NotFoundError if it is not published). A parent built with another chunk size,
         or whose build info is missing or fails validation, is usable but gives nothing: a warning is
         logged and the build reads every file. The blob map's bytes are verified against the manifest
         here, and read in place (``encoded_blob_map``: the patch path) or decoded (``blob_map``: the full
-        path) on first use."""
+        path) on first use. ``on_buildinfo(info)`` runs in the calling thread once the build info is
+        decoded, while meta.erofs and the blob map are still being read (the patch path starts its scan
+        there, patch.SourceScan); what it raises is raised here."""
         found: list[BuildInfo | None] = [None]
 
         def read_buildinfo(manifest: Manifest) -> None:  # while open_layer reads meta.erofs and the blob map
             if manifest.chunk_size == chunk_size:
                 found[0] = _read_buildinfo(store, manifest.layer)
+                if found[0] is not None and on_buildinfo is not None:
+                    on_buildinfo(found[0])
 
         files = open_layer(store, ref_or_digest, on_manifest=read_buildinfo)
         info = found[0]

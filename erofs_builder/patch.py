@@ -62,6 +62,7 @@ import logging
 import operator
 import os
 import stat
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -176,21 +177,65 @@ class Rescan:
                        new_chunks=list(added))
 
 
-def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_at_ns: int,
-                 on_file: Callable[[Node], None] | None = None) -> Rescan | None:
-    """Step 1 (see the module docstring): the changes since ``parent`` if the patch path can take them,
-    else None. Reads the metadata of the names whose identity is not trusted and equal, never contents.
-    ``on_file(node)`` is called for each regular file to read (``Rescan.files``) as soon as the scan has
-    compared it, while the rest of the names are still to be looked at: the build reads, hashes and
-    compresses it on the other core meanwhile (step 2), and drops that work if the scan ends in None."""
+class SourceScan:
+    """Step 1's lstat pass over the source ``root`` against the parent's build info ``info``
+    (``_differing``), which can start before the parent's image is at hand: ``start`` runs it up to the
+    first name to look at (ParentLayer.load calls it while meta.erofs and the blob map are still being
+    read), ``scan_changes`` goes on from there. The scan's start on the wall clock (the racy rule,
+    incremental.py) is when this is made. Close it when done (its root descriptor): a context manager."""
+
+    def __init__(self, root: str | bytes | os.PathLike, info: BuildInfo):
+        self.root = os.fsencode(root)
+        self.info = info
+        self.scanned_at_ns = time.time_ns()
+        self._numbers = _differing(self.root, info)
+        self._first: int | OSError | None = None  # what ``start`` found: a name's number, or the OSError
+        self._started = False
+
+    def start(self) -> None:
+        """Run the lstat calls up to the first name whose identity differs (or is not trusted)."""
+        try:
+            self._first = next(self._numbers, None)
+        except OSError as exc:
+            self._first = exc
+        self._started = True
+
+    def numbers(self) -> Iterator[int]:
+        """The numbers of the names whose identity differs or is not trusted, in order (``_differing``:
+        OSError if a name is gone)."""
+        if self._started:
+            if isinstance(self._first, OSError):
+                raise self._first
+            if self._first is None:
+                return
+            yield self._first
+        yield from self._numbers
+
+    def close(self) -> None:
+        self._numbers.close()
+
+    def __enter__(self) -> "SourceScan":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def scan_changes(scan: SourceScan, parent: ParentLayer, on_file: Callable[[Node], None] | None = None) -> Rescan | None:
+    """Step 1 (see the module docstring): the changes since ``parent`` that ``scan`` (of the parent's
+    build info) finds, if the patch path can take them, else None. Reads the metadata of the names whose
+    identity is not trusted and equal, never contents. ``on_file(node)`` is called for each regular file
+    to read (``Rescan.files``) as soon as the scan has compared it, while the rest of the names are
+    still to be looked at: the build reads, hashes and compresses it on the other core meanwhile (step
+    2), and drops that work if the scan ends in None."""
     info = parent.info
     if info is None:
         return _full("the parent has no usable build info")
-    root = os.fsencode(root)
+    root = scan.root
     paths = info.paths
     changed: dict[int, Identity] = {}  # name number -> its identity now, where it differs
     changes: dict[tuple[int, int], _Change] = {}  # (st_dev, st_ino) -> change: a hard link's names share it
-    with contextlib.closing(_differing(root, info)) as differing:
+    with contextlib.closing(scan.numbers()) as differing:
         while True:
             try:
                 number = next(differing, None)
@@ -221,7 +266,7 @@ def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_a
     records = rescanned_records(info, changed)
     if not _build_time_stays(found, records, parent):
         return _full("the image's most common mtime (its build time) would change")
-    return Rescan(parent=parent, scanned_at_ns=scanned_at_ns, records=records, changes=found)
+    return Rescan(parent=parent, scanned_at_ns=scan.scanned_at_ns, records=records, changes=found)
 
 
 def _differing(root: bytes, info: BuildInfo) -> Iterator[int]:
