@@ -45,7 +45,9 @@ worker threads for the duration of the call and stop them before returning (or r
 a parent also takes its lease and syncs the chunk index in a thread of its own while the parent is
 loaded and the source scanned (``_lease_and_index``), and on the patch path compresses and stores meta.erofs,
 the blob map and the build info in another while its new pack is flushed (dsec_fs.layer.store_metadata; the
-manifest follows once both are durable); both are joined before the call returns. Python's cycle
+manifest follows once both are durable), that thread then adding the new packs to the index mirror while
+the manifest is written; both are joined before the call returns. On the patch path the chunker's
+workers hash and compress each changed file while the calling thread goes on with the scan. Python's cycle
 collector is paused for the whole process while a build runs (see ``_cycle_collector_paused``).
 """
 
@@ -440,10 +442,9 @@ def _lease_and_index(store: Store, purpose: str) -> Iterator[Future[tuple[Lease,
 def _build_patched(parent: ParentLayer, scan: SourceScan | None, leased: Future[tuple[Lease, ChunkIndex]],
                    store: Store, name: str | None, chunk_size: int, progress: Progress | None,
                    workers: int | None, source: str) -> BuildResult | None:
-    """Steps 1 to 6 on the patch path (patch.py): ``scan`` of the source against ``parent`` (None: the parent
-    has no usable build info), reading
-    and uploading each changed file as the scan finds it, then publish the parent's meta.erofs and blob
-    map patched for them; None (nothing published) when the change needs the full path. ``leased``: the
+    """Steps 1 to 6 on the patch path (patch.py): ``scan`` of the source against ``parent`` (None: the
+    parent has no usable build info), reading and uploading each changed file as the scan finds it, then
+    publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the change needs the full path. ``leased``: the
     build's lease and chunk index (taken while the parent is loaded, ``_lease_and_index``). The layer's
     objects are written beside the new pack's, the manifest after both (the publish order of
     dsec_fs.layer: nothing names an object before it is durable)."""

@@ -18,12 +18,14 @@ Steps (build.py calls them in this order; any ``None`` sends the build down the 
    changed file keeps its chunk count and inode form (compact or extended), and the most common mtime
    (the superblock's build_time, layout.py) stays the most common one. The lstat calls are the cost of
    a rebuild that changed little: they run at C speed (a map over the recorded paths, relative to the
-   root's descriptor), and nothing is kept for a name but a byte saying whether it is a suspect
-   (``_differing``).
+   root's descriptor) and keep nothing for a name: the caller's Python runs only for each suspect, as
+   the calls reach it (``_differing``, ``SourceScan``).
    Each suspect is looked up again through directories alone (``_lstat_below``): the build info is not
    covered by the manifest, so its paths must not lead the patch path to read anything outside the
    source (a ".." component, a symlink where a directory was).
-2. the build reads the regular files ``Rescan.files`` lists with the chunker (uploading new chunks);
+2. the build reads the regular files ``Rescan.files`` lists with the chunker (uploading new chunks),
+   each as soon as the scan has compared it (``scan_changes``'s ``on_file``): its sha256 and zstd run
+   on the other core while the lstat calls go on;
 3. ``Rescan.patch``: checks the blob map (read in place: only the changed files' entries are looked up,
    dsec_fs.blobmap.EncodedBlobMap) and, if it can be kept in place, patches copies of the parent's
    meta.erofs and blob map.
