@@ -281,7 +281,7 @@ def store_metadata(store: Store, meta: bytes, blobmap: bytes, *,
     written, stored = _stored(digest, compress_metadata(meta, blobmap))
     if also is not None:
         written.append(also(digest))
-    store.put_all(written[:-1], written[-1])
+    store.put_many(written)  # nothing names them yet: no order among them (the manifest comes later)
     return StoredMetadata(digest, len(meta), to_hex(sha256(blobmap)), len(blobmap), stored)
 
 

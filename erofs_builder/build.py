@@ -45,7 +45,9 @@ worker threads for the duration of the call and stop them before returning (or r
 a parent also takes its lease and syncs the chunk index in a thread of its own while the parent is
 loaded and the source scanned (``_lease_and_index``), and on the patch path compresses and stores meta.erofs,
 the blob map and the build info in another while its new pack is flushed (dsec_fs.layer.store_metadata; the
-manifest follows once both are durable); both are joined before the call returns. Python's cycle
+manifest follows once both are durable), that thread then adding the new packs to the index mirror while
+the manifest is written; both are joined before the call returns. On the patch path the chunker's
+workers hash and compress each changed file while the calling thread goes on with the scan. Python's cycle
 collector is paused for the whole process while a build runs (see ``_cycle_collector_paused``).
 """
 
@@ -89,7 +91,8 @@ from .writer import spill_image
 # Only the build of a tar, an image or with a parent needs these modules: imported where used, so that a
 # directory build does not pay for importing them (see docs/benchmarks.md, issue 17, third session).
 if TYPE_CHECKING:
-    from .patch import Patched, Rescan
+    from .incremental import BuildInfo
+    from .patch import Patched, Rescan, SourceScan
     from .registry import RegistryOptions
     from .walk_oci import OciImage
     from .walk_tar import OnFile
@@ -168,15 +171,21 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     described = os.path.abspath(os.fsdecode(source))
     base = None
     if parent is not None:
-        from .patch import scan_changes
-
         # The patch path's lease and chunk index are made beside loading the parent and the scan (a store
         # write, a listing, an LMDB commit: waits, mostly); unused if the build takes the full path.
-        with _lease_and_index(store, f"build {name or described}", own_packs) as leased:
-            base = ParentLayer.load(store, parent, chunk_size=chunk_size)
-            rescan = scan_changes(source, base, time.time_ns())
-            patched = rescan and _build_patched(rescan, leased, store, name, chunk_size, progress, workers,
-                                                described)
+        from .patch import SourceScan
+
+        scans: list[SourceScan] = []
+
+        def start_scan(info: BuildInfo) -> None:  # the lstat calls begin while the parent's image is read
+            scans.append(SourceScan(source, info))
+            scans[0].start()
+
+        with _lease_and_index(store, f"build {name or described}") as leased, contextlib.ExitStack() as open_scans:
+            open_scans.callback(lambda: [scan.close() for scan in scans])
+            base = ParentLayer.load(store, parent, chunk_size=chunk_size, on_buildinfo=start_scan)
+            patched = _build_patched(base, scans[0] if scans else None, leased, store, name, chunk_size, progress,
+                                     workers, described)
         if patched:
             return patched
     scanned_at_ns = time.time_ns()
@@ -401,15 +410,18 @@ def _published(store: Store, manifest: Manifest, digest: str, name: str | None, 
 
 
 @contextlib.contextmanager
-def _lease_and_index(store: Store, purpose: str, own_packs: OwnPacks) -> Iterator[Future[tuple[Lease, ChunkIndex]]]:
+def _lease_and_index(store: Store, purpose: str) -> Iterator[Future[tuple[Lease, ChunkIndex]]]:
     """Step 2 in a thread of its own: a lease, then the chunk index (synced after it, see dsec_fs/gc.py),
     while the block runs; the block gets their Future. Both are closed when it ends (the index first,
-    leaving the packs uploaded in ``own_packs``), whatever its outcome."""
+    if the block did not close it: ``_mirror_own_packs``), whatever its outcome. The packs uploaded
+    through this index enter the store's index mirror when it closes, through the mirror it holds open
+    (not deferred to ``add_to_mirror``, which opens the mirror again: a patched rebuild's tree is the
+    parent's few objects, not the tree whose memory the deferral is for)."""
 
     def take() -> tuple[Lease, ChunkIndex]:
         lease = Lease(store, purpose=purpose).acquire()
         try:
-            return lease, load_chunk_index(store, own_packs=own_packs)
+            return lease, load_chunk_index(store)
         except BaseException:
             lease.release()
             raise
@@ -427,40 +439,47 @@ def _lease_and_index(store: Store, purpose: str, own_packs: OwnPacks) -> Iterato
                     lease.release()
 
 
-def _build_patched(rescan: Rescan, leased: Future[tuple[Lease, ChunkIndex]], store: Store, name: str | None,
-                   chunk_size: int, progress: Progress | None, workers: int | None,
-                   source: str) -> BuildResult | None:
-    """Steps 2 to 6 on the patch path (patch.py): read and upload only the files ``rescan`` lists, then
-    publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the
-    change needs the full path after all. ``leased``: the build's lease and chunk index (taken while the
-    scan ran, ``_lease_and_index``). The layer's objects are written beside the new pack's, the manifest
-    after both (the publish order of dsec_fs.layer: nothing names an object before it is durable)."""
-    parent = rescan.parent
+def _build_patched(parent: ParentLayer, scan: SourceScan | None, leased: Future[tuple[Lease, ChunkIndex]],
+                   store: Store, name: str | None, chunk_size: int, progress: Progress | None,
+                   workers: int | None, source: str) -> BuildResult | None:
+    """Steps 1 to 6 on the patch path (patch.py): ``scan`` of the source against ``parent`` (None: the
+    parent has no usable build info), reading and uploading each changed file as the scan finds it, then
+    publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the change needs the full path. ``leased``: the
+    build's lease and chunk index (taken while the parent is loaded, ``_lease_and_index``). The layer's
+    objects are written beside the new pack's, the manifest after both (the publish order of
+    dsec_fs.layer: nothing names an object before it is durable)."""
+    from .patch import scan_changes
+
+    if scan is None or parent.info is None:  # no usable build info, or another chunk size (ParentLayer.load)
+        log.info("rebuilding in full: the parent has no usable build info")
+        return None
     missing = missing_packs(store, parent.manifest.packs)
     if missing:
         log.warning("the store lacks pack %s of the parent layer: rebuilding in full", missing[0])
         return None
-    files = rescan.files
-    lease, index = leased.result()
-    # Before the chunker's workers start: beside them it would take turns with them at the GIL (2-4 times
-    # as long), and they would wait for it.
-    info = encode_rescanned(parent.info, rescan.identities, rescan.suspects, None, rescan.scanned_at_ns)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-meta") as writer:
-        with ChunkUploader(store, index) as uploader:
-            with Chunker(uploader, index, chunk_size=chunk_size, workers=workers, progress=progress,
-                         total_bytes=sum(node.size for node in files)) as chunker:
-                for node in files:
-                    chunker.add_file(node)
-                read = chunker.finish()
-            uploader.send()
-            patched = rescan.patch(chunk_size)  # while the new pack is written
+        with _OnDemandChunker(store, leased, chunk_size, workers, progress) as chunking:
+            rescan = scan_changes(scan, parent, on_file=chunking.add_file)
+            if rescan is None:
+                return None
+            uploader, read = chunking.finish()
+            uploader.send()  # the new pack is written while the image is patched and the build info encoded
+            patched = rescan.patch(chunk_size)
             if patched is None:
                 return None
             # meta.erofs, the blob map and the build info, compressed and stored while the new pack is
-            # flushed: nothing names them until the manifest, written once both are durable.
+            # flushed: nothing names them until the manifest, written once both are durable. The build
+            # info is encoded here while the other two are compressed (zstd: no GIL) in the writer.
+            encoded: Future[bytearray] = Future()
             stored = writer.submit(store_metadata, store, patched.meta, patched.blob_map_bytes,
-                                   also=functools.partial(_named_buildinfo, info))
+                                   also=functools.partial(_named_buildinfo, encoded))
+            try:
+                encoded.set_result(encode_rescanned(parent.info, rescan.records, None, rescan.scanned_at_ns))
+            except BaseException as exc:  # the writer waits for it: it must not wait forever
+                encoded.set_exception(exc)
+                raise
             uploader.flush()
+        lease, index = leased.result()
         # Every other chunk of the layer is the parent's, in the parent's packs (see patch.py).
         new_packs = _packs_of(patched.new_chunks, index)
         index.confirm(store, patched.new_chunks, new_packs)
@@ -470,16 +489,68 @@ def _build_patched(rescan: Rescan, leased: Future[tuple[Lease, ChunkIndex]], sto
         # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
         manifest = _manifest(metadata.layer, metadata.meta_size, metadata.blob_id, metadata.blobmap_size,
                              parent.blob_map.blocks, packs, stats, chunk_size, source)
+        # The new packs enter the index mirror (an LMDB commit) while the manifest is written.
+        mirrored = writer.submit(_mirror_own_packs, index)
         lease.check()
         result = _published(store, manifest, publish_stored(store, manifest, metadata), name, stats)
-    log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(files),
+        mirrored.result()
+    log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(rescan.changes),
              stats.new_chunks)
     return result
 
 
-def _named_buildinfo(info: bytearray, layer: str) -> tuple[str, bytes]:
-    """(key, data) of the build info ``info`` (encoded with no layer) of ``layer``."""
-    return keys.layer_buildinfo(layer), name_layer(info, layer)
+def _mirror_own_packs(index: ChunkIndex) -> None:
+    """Close ``index`` (a MirroredChunkIndex), adding the packs uploaded through it to the store's index
+    mirror; a failure is logged, not raised, as ``add_to_mirror`` does (the mirror is a cache: the next
+    sync finds the packs)."""
+    try:
+        index.close()
+    except Exception as exc:
+        log.warning("could not add the packs of this build to the index mirror: %s", exc)
+
+
+class _OnDemandChunker:
+    """The patch path's Chunker and ChunkUploader, made when the scan hands over the first changed file
+    (or at ``finish``), so that the scan need not wait for the chunk index the lease thread syncs (see
+    ``_lease_and_index``) unless there is something to read. A context manager: both are closed when it
+    ends. Calling thread only."""
+
+    def __init__(self, store: Store, leased: Future[tuple[Lease, ChunkIndex]], chunk_size: int,
+                 workers: int | None, progress: Progress | None):
+        self._store, self._leased = store, leased
+        self._options = dict(chunk_size=chunk_size, workers=workers, progress=progress)
+        self._stack = contextlib.ExitStack()
+        self._uploader: ChunkUploader | None = None
+        self._chunker: Chunker | None = None
+
+    def __enter__(self) -> "_OnDemandChunker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def add_file(self, node: Node) -> None:
+        """Read ``node`` now and hand its pieces to the chunker's workers (Chunker.add_file)."""
+        chunker = self._started()
+        chunker.add_file(node)
+        chunker.send()  # its last piece too, not held back for a batch: the scan goes on meanwhile
+
+    def finish(self) -> tuple[ChunkUploader, ChunkStats]:
+        """Wait for the files' chunks (Chunker.finish); the uploader, to flush, and what was read."""
+        stats = self._started().finish()
+        return self._uploader, stats
+
+    def _started(self) -> Chunker:
+        if self._chunker is None:
+            _lease, index = self._leased.result()
+            self._uploader = self._stack.enter_context(ChunkUploader(self._store, index))
+            self._chunker = self._stack.enter_context(Chunker(self._uploader, index, **self._options))
+        return self._chunker
+
+
+def _named_buildinfo(info: Future[bytearray], layer: str) -> tuple[str, bytes]:
+    """(key, data) of the build info ``info`` will hold (encoded with no layer) of ``layer``."""
+    return keys.layer_buildinfo(layer), name_layer(info.result(), layer)
 
 
 def _patched_stats(parent: ParentLayer, rescan: Rescan, read: ChunkStats, patched: Patched) -> ChunkStats:

@@ -64,7 +64,6 @@ import logging
 import operator
 import stat
 import struct
-from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -118,6 +117,8 @@ _RECORD = struct.Struct(
     "I"  # 40 st_mode
 )
 _SHARED = struct.Struct("<I")  # index of a blob-map entry named by more than one chunk index
+# (offset in a record, memoryview format) of the fields record_column gathers
+DEV_FIELD, MTIME_FIELD, CTIME_FIELD = (0, "Q"), (24, "q"), (32, "q")
 
 _NUL_TO_SLASH = bytes.maketrans(b"\0", b"/")
 # What each pair of bytes _split_paths refuses means, in a list of NUL-terminated paths after the root's.
@@ -135,11 +136,17 @@ class BuildInfo:
     """A decoded build info: every name of the tree its layer was built from, with its identity."""
 
     paths: list[bytes]  # listing order (walk_dir.listing_order), the root (b"") first
-    identities: list[Identity]  # identities[k]: the identity of paths[k]'s entry when it was scanned
     racy: bytes  # racy[k]: RACY when identities[k] is not to be trusted, else 0
     shared: list[int]  # blob-map entries named by more than one chunk index, ascending
-    records: bytes  # the identities as encoded
+    records: bytes  # the identities as encoded (``records_of``: unpacked one at a time, at C speed)
     paths_blob: bytes  # the paths as encoded
+
+    @functools.cached_property
+    def identities(self) -> list[Identity]:
+        """identities[k]: the identity of paths[k]'s entry when it was scanned. Unpacked when first asked
+        for (the full path's): the patch path's scan compares the records one at a time as it goes
+        (``records_of``), so that 8,743 tuples are not made, kept and freed (~1 ms on Debian's tree)."""
+        return list(records_of(self.records))
 
     def trusted_files(self) -> dict[bytes, Identity]:
         """Path -> identity of every non-empty regular file whose identity is trusted (the reuse rule)."""
@@ -168,16 +175,22 @@ def encode_buildinfo(entries: Iterable[tuple[bytes, Identity]], shared: list[int
     return _encode(records, shared, paths, layer, scanned_at_ns)
 
 
-def encode_rescanned(parent: BuildInfo, identities: list[Identity], changed: list[int], layer: str | None,
-                     scanned_at_ns: int) -> bytearray:
-    """The build info of ``layer``, built by patching ``parent``'s layer for a scan that found the same
-    names (so the same paths and, see patch.py, the same shared chunks) with ``identities``, which differ
-    from the parent's at most at the indexes ``changed``. With ``layer`` None, as ``encode_buildinfo``
-    (a rebuild encodes it while its changed files are read, before the layer digest is known)."""
+def rescanned_records(parent: BuildInfo, changed: dict[int, Identity]) -> bytearray:
+    """The records of ``parent`` with the identity of each name number k in ``changed`` replaced by
+    ``changed[k]``: those of a scan that found the same names (patch.py)."""
     records = bytearray(parent.records)
-    for number in changed:
-        _RECORD.pack_into(records, number * _RECORD.size, *identities[number])
-    return _encode(records, parent.shared, parent.paths_blob, layer, scanned_at_ns, identities)
+    for number, identity in changed.items():
+        _RECORD.pack_into(records, number * _RECORD.size, *identity)
+    return records
+
+
+def encode_rescanned(parent: BuildInfo, records: bytearray, layer: str | None, scanned_at_ns: int) -> bytearray:
+    """The build info of ``layer``, built by patching ``parent``'s layer for a scan that found the same
+    names (so the same paths and, see patch.py, the same shared chunks) with the identities ``records``
+    (``rescanned_records``, which become the new build info's: the caller's no more). With ``layer``
+    None, as ``encode_buildinfo`` (a rebuild encodes it while its changed files are read, before the
+    layer digest is known)."""
+    return _encode(records, parent.shared, parent.paths_blob, layer, scanned_at_ns)
 
 
 def name_layer(info: bytearray, layer: str) -> bytearray:
@@ -189,27 +202,22 @@ def name_layer(info: bytearray, layer: str) -> bytearray:
 
 
 def _encode(records: bytearray, shared: list[int], paths_blob: bytes | bytearray, layer: str | None,
-            scanned_at_ns: int, identities: list[Identity] | None = None) -> bytearray:
+            scanned_at_ns: int) -> bytearray:
     """The build info of the identities ``records`` (a fresh bytearray, the caller's no more, which
-    becomes its body); ``identities``: the same unpacked, when the caller holds them (read three times
-    faster than unpacking the records)."""
-
-    def unpacked() -> Iterable[Identity]:
-        return identities if identities is not None else _RECORD.iter_unpack(records)
-
+    becomes its body)."""
     count = len(records) // _RECORD.size
-    devices = set(map(operator.itemgetter(0), unpacked()))
-    ctimes = array("q", map(operator.itemgetter(4), unpacked()))
+    devices = set(record_column(records, DEV_FIELD))
     if len(devices) == 1:  # the usual case, at C speed: one clock
+        ctimes = record_column(records, CTIME_FIELD)
         trusted_before = min(scanned_at_ns, max(ctimes)) - RACY_NS
         racy = bytes(map(trusted_before.__le__, ctimes))  # True is RACY
     else:
         newest: dict[int, int] = {}  # st_dev -> the newest ctime the scan saw on that device
-        for dev, _ino, _size, _mtime_ns, ctime_ns, _mode in unpacked():
+        for dev, _ino, _size, _mtime_ns, ctime_ns, _mode in records_of(records):
             if newest.get(dev, ctime_ns - 1) < ctime_ns:
                 newest[dev] = ctime_ns
         bound = {dev: min(scanned_at_ns, ctime_ns) - RACY_NS for dev, ctime_ns in newest.items()}
-        racy = bytes([RACY if fields[4] >= bound[fields[0]] else 0 for fields in unpacked()])
+        racy = bytes([RACY if fields[4] >= bound[fields[0]] else 0 for fields in records_of(records)])
     body = records
     body += racy
     body += b"".join(_SHARED.pack(index) for index in shared)
@@ -267,8 +275,29 @@ def decode_buildinfo(data: bytes, *, layer: str, source: str) -> BuildInfo:
     paths_blob = body[paths_at:]
     paths = _split_paths(paths_blob, count, fail, paths_at)
     records = body[:racy_at]
-    return BuildInfo(paths=paths, identities=list(_RECORD.iter_unpack(records)), racy=racy, shared=shared,
-                     records=records, paths_blob=paths_blob)
+    return BuildInfo(paths=paths, racy=racy, shared=shared, records=records, paths_blob=paths_blob)
+
+
+def records_of(records: bytes | bytearray) -> Iterator[Identity]:
+    """The identities of encoded ``records``, one after another (made as they are asked for)."""
+    return _RECORD.iter_unpack(records)
+
+
+def record_at(records: bytes | bytearray, number: int) -> Identity:
+    """The identity of record ``number`` of encoded ``records``."""
+    return _RECORD.unpack_from(records, number * _RECORD.size)
+
+
+def record_column(records: bytes | bytearray, field: tuple[int, str]) -> memoryview:
+    """One 8-byte field of every record of ``records`` (``DEV_FIELD``, ``MTIME_FIELD``, ``CTIME_FIELD``),
+    in the records' order, gathered at C speed: byte k of each field is a slice with the records' stride,
+    eight slice copies in all, instead of a tuple a record."""
+    offset, code = field
+    count = len(records) // _RECORD.size
+    column = bytearray(8 * count)
+    for byte in range(8):
+        column[byte::8] = records[offset + byte::_RECORD.size]
+    return memoryview(column).cast(code)
 
 
 def _split_paths(blob: bytes, count: int, fail, offset: int) -> list[bytes]:
@@ -318,16 +347,21 @@ class ParentLayer:
         return EncodedBlobMap(self.blob_map_bytes, source=keys.layer_blobmap(self.digest))
 
     @classmethod
-    def load(cls, store: Store, ref_or_digest: str, *, chunk_size: int) -> "ParentLayer":
+    def load(cls, store: Store, ref_or_digest: str, *, chunk_size: int,
+             on_buildinfo: Callable[[BuildInfo], object] | None = None) -> "ParentLayer":
         """Open the parent (NotFoundError if it is not published). A parent built with another chunk size,
         or whose build info is missing or fails validation, is usable but gives nothing: a warning is
         logged and the build reads every file. The blob map's bytes are verified against the manifest
-        here, and read in place (``blob_map``) on first use."""
+        here, and read in place (``blob_map``) on first use. ``on_buildinfo(info)`` runs in the calling thread
+        once the build info is decoded, while meta.erofs and the blob map are still being read (the patch
+        path starts its scan there, patch.SourceScan); what it raises is raised here."""
         found: list[BuildInfo | None] = [None]
 
         def read_buildinfo(manifest: Manifest) -> None:  # while open_layer reads meta.erofs and the blob map
             if manifest.chunk_size == chunk_size:
                 found[0] = _read_buildinfo(store, manifest.layer)
+                if found[0] is not None and on_buildinfo is not None:
+                    on_buildinfo(found[0])
 
         files = open_layer(store, ref_or_digest, on_manifest=read_buildinfo)
         info = found[0]

@@ -18,12 +18,14 @@ Steps (build.py calls them in this order; any ``None`` sends the build down the 
    changed file keeps its chunk count and inode form (compact or extended), and the most common mtime
    (the superblock's build_time, layout.py) stays the most common one. The lstat calls are the cost of
    a rebuild that changed little: they run at C speed (a map over the recorded paths, relative to the
-   root's descriptor), and nothing is kept for a name but a byte saying whether it is a suspect
-   (``_differing``).
+   root's descriptor) and keep nothing for a name: the caller's Python runs only for each suspect, as
+   the calls reach it (``_differing``, ``SourceScan``).
    Each suspect is looked up again through directories alone (``_lstat_below``): the build info is not
    covered by the manifest, so its paths must not lead the patch path to read anything outside the
    source (a ".." component, a symlink where a directory was).
-2. the build reads the regular files ``Rescan.files`` lists with the chunker (uploading new chunks);
+2. the build reads the regular files ``Rescan.files`` lists with the chunker (uploading new chunks),
+   each as soon as the scan has compared it (``scan_changes``'s ``on_file``): its sha256 and zstd run
+   on the other core while the lstat calls go on;
 3. ``Rescan.patch``: checks the blob map (read in place: only the changed files' entries are looked up,
    dsec_fs.blobmap.EncodedBlobMap) and, if it can be kept in place, patches copies of the parent's
    meta.erofs and blob map.
@@ -54,6 +56,7 @@ Threads: everything here runs in the build's calling thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -61,15 +64,17 @@ import logging
 import operator
 import os
 import stat
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from dsec_fs.blobmap import BLOCK_SIZE
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import CorruptError, NotFoundError, UnsupportedError
 
-from .incremental import BuildInfo, Identity, ParentLayer
+from .incremental import (MTIME_FIELD, BuildInfo, Identity, ParentLayer, record_at, record_column, records_of,
+                          rescanned_records)
 from .layout import NS_PER_S
 from .ondisk import INODE_SLOT_SIZE, inode
 from .ondisk.device_slot import SLOT_SIZE, DeviceSlot
@@ -109,8 +114,7 @@ class Rescan:
 
     parent: ParentLayer
     scanned_at_ns: int  # wall clock when the scan started
-    identities: list[Identity]  # every name's, in the order of the parent's build info
-    suspects: list[int]  # the indexes of the names whose identity differs from the parent's or is not trusted
+    records: bytearray  # every name's identity, encoded in the order of the parent's build info
     changes: list[_Change]  # each regular file among them (each inode once): to read
 
     @property
@@ -175,58 +179,114 @@ class Rescan:
                        new_chunks=list(added))
 
 
-def scan_changes(root: str | bytes | os.PathLike, parent: ParentLayer, scanned_at_ns: int) -> Rescan | None:
-    """Step 1 (see the module docstring): the changes since ``parent`` if the patch path can take them,
-    else None. Reads the metadata of the names whose identity is not trusted and equal, never contents."""
+class SourceScan:
+    """Step 1's lstat pass over the source ``root`` against the parent's build info ``info``
+    (``_differing``), which can start before the parent's image is at hand: ``start`` runs it up to the
+    first name to look at (ParentLayer.load calls it while meta.erofs and the blob map are still being
+    read), ``scan_changes`` goes on from there. The scan's start on the wall clock (the racy rule,
+    incremental.py) is when this is made. Close it when done (its root descriptor): a context manager."""
+
+    def __init__(self, root: str | bytes | os.PathLike, info: BuildInfo):
+        self.root = os.fsencode(root)
+        self.info = info
+        self.scanned_at_ns = time.time_ns()
+        self._numbers = _differing(self.root, info)
+        self._first: int | OSError | None = None  # what ``start`` found: a name's number, or the OSError
+        self._started = False
+
+    def start(self) -> None:
+        """Run the lstat calls up to the first name whose identity differs (or is not trusted)."""
+        try:
+            self._first = next(self._numbers, None)
+        except OSError as exc:
+            self._first = exc
+        self._started = True
+
+    def numbers(self) -> Iterator[int]:
+        """The numbers of the names whose identity differs or is not trusted, in order (``_differing``:
+        OSError if a name is gone)."""
+        if self._started:
+            if isinstance(self._first, OSError):
+                raise self._first
+            if self._first is None:
+                return
+            yield self._first
+        yield from self._numbers
+
+    def close(self) -> None:
+        self._numbers.close()
+
+    def __enter__(self) -> "SourceScan":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def scan_changes(scan: SourceScan, parent: ParentLayer, on_file: Callable[[Node], None] | None = None) -> Rescan | None:
+    """Step 1 (see the module docstring): the changes since ``parent`` that ``scan`` (of the parent's
+    build info) finds, if the patch path can take them, else None. Reads the metadata of the names whose
+    identity is not trusted and equal, never contents. ``on_file(node)`` is called for each regular file
+    to read (``Rescan.files``) as soon as the scan has compared it, while the rest of the names are
+    still to be looked at: the build reads, hashes and compresses it on the other core meanwhile (step
+    2), and drops that work if the scan ends in None."""
     info = parent.info
     if info is None:
         return _full("the parent has no usable build info")
-    root = os.fsencode(root)
+    root = scan.root
     paths = info.paths
-    try:
-        differs = _differing(root, info)
-    except OSError as exc:  # a name is gone (or unreadable): the full path lists the tree and says which
-        return _full(f"cannot stat {os.fsdecode(exc.filename or root)}: {os.strerror(exc.errno or 0)}")
-    identities = list(info.identities)  # the parent's, but where they differ: equal tuples
-    numbers, suspects = [], []
-    number = differs.find(1)
-    while number >= 0:
-        source = root + b"/" + paths[number] if number else root
-        st = _lstat_below(root, paths[number]) if number else os.stat(root)  # the root may be a symlink
-        if st is None:
-            return _full(f"/{_printable(paths[number])} is no name of the source's own")
-        identity = identities[number] = stat_identity(st)
-        if identity[:2] != info.identities[number][:2]:  # another inode under this name: links may differ
-            return _full(f"/{_printable(paths[number])} is another inode now")
-        numbers.append(number)
-        suspects.append((paths[number], source, st))
-        number = differs.find(1, number + 1)
-    try:
-        changes = _compare(suspects, parent)
-    except (CorruptError, UnsupportedError, NotFoundError) as exc:
-        log.warning("cannot compare the source with the parent layer's image, rebuilding in full: %s", exc)
-        return None
-    if changes is None:
-        return None
-    if not _build_time_stays(changes, identities, parent):
+    changed: dict[int, Identity] = {}  # name number -> its identity now, where it differs
+    changes: dict[tuple[int, int], _Change] = {}  # (st_dev, st_ino) -> change: a hard link's names share it
+    with contextlib.closing(scan.numbers()) as differing:
+        while True:
+            try:
+                number = next(differing, None)
+            except OSError as exc:  # a name is gone (or unreadable): the full path lists the tree and says which
+                return _full(f"cannot stat {os.fsdecode(exc.filename or root)}: {os.strerror(exc.errno or 0)}")
+            if number is None:
+                break
+            path = paths[number]
+            source = root + b"/" + path if number else root
+            st = _lstat_below(root, path) if number else os.stat(root)  # the root may be a symlink
+            if st is None:
+                return _full(f"/{_printable(path)} is no name of the source's own")
+            identity = changed[number] = stat_identity(st)
+            if identity[:2] != record_at(info.records, number)[:2]:  # another inode: links may differ
+                return _full(f"/{_printable(path)} is another inode now")
+            try:
+                change = _compare(path, source, st, parent, changes)
+            except (CorruptError, UnsupportedError, NotFoundError) as exc:
+                log.warning("cannot compare the source with the parent layer's image, rebuilding in full: %s", exc)
+                return None
+            if change is False:
+                return None
+            if change is not True:
+                changes[st.st_dev, st.st_ino] = change
+                if on_file is not None:
+                    on_file(change.node)
+    found = list(changes.values())
+    records = rescanned_records(info, changed)
+    if not _build_time_stays(found, records, parent):
         return _full("the image's most common mtime (its build time) would change")
-    return Rescan(parent=parent, scanned_at_ns=scanned_at_ns, identities=identities, suspects=numbers,
-                  changes=changes)
+    return Rescan(parent=parent, scanned_at_ns=scan.scanned_at_ns, records=records, changes=found)
 
 
-def _differing(root: bytes, info: BuildInfo) -> bytes:
-    """A byte per name of the parent's build info ``info`` (the root first): 1 where the identity the
-    source holds now differs from the recorded one or that one is not trusted, else 0. One lstat per name,
-    relative to the root's descriptor (the root is opened through a symlink, as walk_dir.scan_directory
-    stats it), no directory listed (see the module docstring), at C speed; each identity is compared as
-    it is made and not kept (docs/benchmarks.md, issue 17, session 11). OSError if a name is gone. A name
-    that changes after its lstat is either a suspect already or as any change after the scan (the racy
-    rule, incremental.py); each suspect's identity is taken again before it is compared."""
+def _differing(root: bytes, info: BuildInfo) -> Iterator[int]:
+    """The indexes of the names of the parent's build info ``info`` (the root first) whose identity in the
+    source now differs from the recorded one, or whose recorded one is not trusted, in order. One lstat
+    per name, relative to the root's descriptor (the root is opened through a symlink, as
+    walk_dir.scan_directory stats it), no directory listed (see the module docstring), at C speed: each
+    identity is compared as it is made and not kept (docs/benchmarks.md, issue 17, session 11), and the
+    caller's code runs only for the names this yields, each as soon as the lstat calls reach it. OSError
+    if a name is gone. A name that changes after its lstat is either a suspect already or as any change
+    after the scan (the racy rule, incremental.py); each suspect's identity is taken again before it is
+    compared."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         lstat = functools.partial(os.lstat, dir_fd=fd)
         stats = itertools.chain([os.fstat(fd)], map(lstat, itertools.islice(info.paths, 1, None)))
-        return bytes(map(operator.or_, map(operator.ne, map(stat_identity, stats), info.identities), info.racy))
+        yield from itertools.compress(itertools.count(), map(
+            operator.or_, map(operator.ne, map(stat_identity, stats), records_of(info.records)), info.racy))
     finally:
         os.close(fd)
 
@@ -253,42 +313,42 @@ def _lstat_below(root: bytes, path: bytes) -> os.stat_result | None:
             os.close(fd)
 
 
-def _compare(suspects: list[tuple[bytes, bytes, os.stat_result]], parent: ParentLayer) -> list[_Change] | None:
-    """The regular files among ``suspects`` that the patch path must read, or None if any suspect differs
-    from the parent's image in a way the patch cannot express."""
+def _compare(path: bytes, source: bytes, st: os.stat_result, parent: ParentLayer,
+             changes: dict[tuple[int, int], _Change]) -> _Change | bool:
+    """Compare the suspect ``path`` (at ``source``, whose lstat is ``st``) with the parent's image: a
+    _Change if it is a regular file to read, True if there is nothing to read (a hard link of a file in
+    ``changes``, the files found so far, or another entry that is as the parent has it), False if it
+    differs in a way the patch cannot express (the full path; logged)."""
     image = parent.image
+    nid = image.resolve(path)
+    if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in changes:
+        if changes[st.st_dev, st.st_ino].nid != nid:
+            return _refused(f"/{_printable(path)} is another inode now")
+        return True
+    node = node_of(source, st, {})
+    was = image.stat(nid)
+    if ((was.mode, was.uid, was.gid) != (node.mode, node.uid, node.gid)
+            or image.xattrs(nid) != dict(node.xattrs)):
+        return _refused(f"/{_printable(path)} has another mode, owner or xattrs")
+    if not node.is_reg:
+        if (was.mtime_ns != node.mtime_ns
+                or node.is_symlink and image.readlink(nid) != node.target
+                or was.rdev != (os.major(node.rdev), os.minor(node.rdev))):
+            return _refused(f"/{_printable(path)} changed (not a regular file)")
+        # Its mtime was put back (its ctime moved), or its identity was not trusted: its names tell.
+        if node.is_dir and _names(source) != [name for name, _nid, _ftype in image.readdir(nid)
+                                              if name not in _DOTS]:
+            return _refused(f"/{_printable(path)} holds other names than the parent's image")
+        return True
+    old = image.inode(nid)
     superblock = image.superblock
     chunk_size = parent.manifest.chunk_size  # the blob map's too (ParentLayer.load)
-    changes: dict[tuple[int, int], _Change] = {}  # (st_dev, st_ino) -> change: a hard link's names share it
-    for path, source, st in suspects:
-        nid = image.resolve(path)
-        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in changes:
-            if changes[st.st_dev, st.st_ino].nid != nid:
-                return _full(f"/{_printable(path)} is another inode now")
-            continue
-        node = node_of(source, st, {})
-        was = image.stat(nid)
-        if ((was.mode, was.uid, was.gid) != (node.mode, node.uid, node.gid)
-                or image.xattrs(nid) != dict(node.xattrs)):
-            return _full(f"/{_printable(path)} has another mode, owner or xattrs")
-        if not node.is_reg:
-            if (was.mtime_ns != node.mtime_ns
-                    or node.is_symlink and image.readlink(nid) != node.target
-                    or was.rdev != (os.major(node.rdev), os.minor(node.rdev))):
-                return _full(f"/{_printable(path)} changed (not a regular file)")
-            # Its mtime was put back (its ctime moved), or its identity was not trusted: its names tell.
-            if node.is_dir and _names(source) != [name for name, _nid, _ftype in image.readdir(nid)
-                                                  if name not in _DOTS]:
-                return _full(f"/{_printable(path)} holds other names than the parent's image")
-            continue
-        old = image.inode(nid)
-        seconds, nsec = divmod(node.mtime_ns, NS_PER_S)
-        if (-(-node.size // chunk_size) != -(-old.size // chunk_size)
-                or old.extended != inode.needs_extended(node.size, node.uid, node.gid, was.nlink, seconds, nsec,
-                                                        superblock.build_time, superblock.build_time_nsec)):
-            return _full(f"/{_printable(path)} changed its chunk count or inode form")
-        changes[st.st_dev, st.st_ino] = _Change(node=node, nid=nid, old=old)
-    return list(changes.values())
+    seconds, nsec = divmod(node.mtime_ns, NS_PER_S)
+    if (-(-node.size // chunk_size) != -(-old.size // chunk_size)
+            or old.extended != inode.needs_extended(node.size, node.uid, node.gid, was.nlink, seconds, nsec,
+                                                    superblock.build_time, superblock.build_time_nsec)):
+        return _refused(f"/{_printable(path)} changed its chunk count or inode form")
+    return _Change(node=node, nid=nid, old=old)
 
 
 def _names(directory: bytes) -> list[bytes] | None:
@@ -300,12 +360,13 @@ def _names(directory: bytes) -> list[bytes] | None:
         return None
 
 
-def _build_time_stays(changes: list[_Change], identities: list[Identity], parent: ParentLayer) -> bool:
-    """Whether the most common mtime of the new tree is still the parent's build_time, so that no inode
-    changes form: no changed file had or gets that mtime, and each new mtime has fewer inodes than it, or
-    as many when the root has the build time (layout.py breaks a tie for the mtime met first, and the root
-    is the first inode). Inodes are counted as layout.py counts them: a directory per name, any other
-    inode once however many names it has (walk_dir merges those by st_dev, st_ino)."""
+def _build_time_stays(changes: list[_Change], records: bytearray, parent: ParentLayer) -> bool:
+    """Whether the most common mtime of the new tree (whose identities are ``records``) is still the
+    parent's build_time, so that no inode changes form: no changed file had or gets that mtime, and each
+    new mtime has fewer inodes than it, or as many when the root has the build time (layout.py breaks a
+    tie for the mtime met first, and the root is the first inode). Inodes are counted as layout.py counts
+    them: a directory per name, any other inode once however many names it has (walk_dir merges those by
+    st_dev, st_ino)."""
     image = parent.image
     build_time_ns = image.superblock.build_time * NS_PER_S + image.superblock.build_time_nsec
     moved = {change.node.mtime_ns for change in changes if change.node.mtime_ns != image.stat(change.nid).mtime_ns}
@@ -314,16 +375,19 @@ def _build_time_stays(changes: list[_Change], identities: list[Identity], parent
     if build_time_ns in moved or any(image.stat(change.nid).mtime_ns == build_time_ns
                                      for change in changes if change.node.mtime_ns in moved):
         return False
-    mtimes = list(map(operator.itemgetter(3), identities))
-    moved_inodes = _count_inodes(itertools.compress(identities, map(moved.__contains__, mtimes)))
+    mtimes = record_column(records, MTIME_FIELD)
+
+    def having(selected: Iterable[bool]) -> Iterator[Identity]:  # the identities of the names selected
+        return (record_at(records, number) for number in itertools.compress(itertools.count(), selected))
+
+    moved_inodes = _count_inodes(having(map(moved.__contains__, mtimes)))
     # The build time must keep more inodes than any moved mtime has (as many if the root has it):
     # counted only as far as that needs (it is the most common mtime, often thousands of inodes).
     counts = [moved_inodes[mtime] for mtime in moved if mtime >= 0]
     if not counts:
         return True
-    needed = max(counts) + (identities[0][3] != build_time_ns)  # identities[0]: the root's
-    at_build_time = itertools.compress(identities, map(build_time_ns.__eq__, mtimes))
-    return _count_inodes(at_build_time, stop_at=needed)[build_time_ns] >= needed
+    needed = max(counts) + (mtimes[0] != build_time_ns)  # mtimes[0]: the root's
+    return _count_inodes(having(map(build_time_ns.__eq__, mtimes)), stop_at=needed)[build_time_ns] >= needed
 
 
 def _count_inodes(identities: Iterable[Identity], stop_at: int | None = None) -> Counter[int]:
@@ -346,6 +410,12 @@ def _full(reason: str) -> None:
     """Why the build takes the full path (logged at INFO); None, for the caller to return."""
     log.info("rebuilding in full: %s", reason)
     return None
+
+
+def _refused(reason: str) -> bool:
+    """``_full`` for ``_compare``: False."""
+    _full(reason)
+    return False
 
 
 def _printable(path: bytes) -> str:

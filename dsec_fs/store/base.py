@@ -75,6 +75,17 @@ class Store(abc.ABC):
                 put.result()
         self.put(*last)
 
+    def put_many(self, objects: list[tuple[str, bytes | memoryview]]) -> None:
+        """Store each (key, data) of ``objects`` as ``put`` does, side by side and in no order among them:
+        for objects that nothing names yet (a layer's meta.erofs, blob map and build info, whose manifest
+        is written later). Returns once every one is stored; if one fails, the error is raised here and
+        the others may be stored or not. This default puts each in a thread through ``put`` (so a
+        wrapper's policies apply to each); a backend may make them durable together."""
+        with ThreadPoolExecutor(max_workers=PUT_ALL_THREADS, thread_name_prefix="put-all") as pool:
+            puts = [pool.submit(self.put, key, data) for key, data in objects]
+            for put in puts:
+                put.result()
+
     def put_ephemeral(self, key: str, data: bytes | memoryview) -> None:
         """``put`` for an object that means something only while its writer runs (a lease): as atomic for
         readers, but a backend need not make it survive a crash of the writer's host, which ends the

@@ -312,6 +312,17 @@ def test_put_all_writes_no_last_when_an_object_or_the_iterator_fails(store, tmp_
         assert [path for path, _mtime in store.temp_files()] == []
 
 
+def test_put_many_stores_every_object(store):
+    objects = [(f"layers/f00d/{name}", name.encode() * 1000) for name in ("meta.erofs", "blobmap", "buildinfo")]
+    store.put_many([*objects, ("packs/ab/ab01", memoryview(b"a pack"))])
+    assert {key: store.get(key) for key in store.list("")} == {**dict(objects), "packs/ab/ab01": b"a pack"}
+    store.put_many([])
+    with pytest.raises(InputError):  # an object that cannot be written: the error is raised
+        store.put_many([("layers/f00e/meta.erofs", b"m"), ("layers//bad", b"x")])
+    if isinstance(store, FilesystemStore):  # no temporary file left by any of them
+        assert [path for path, _mtime in store.temp_files()] == []
+
+
 def test_put_ephemeral_is_a_put_for_readers(store):
     store.put_ephemeral("leases/abc", b"first")
     store.put_ephemeral("leases/abc", b"second, longer")
