@@ -17,9 +17,11 @@ UnavailableError(transient=False) naming the registry's error code; connection f
 retried with jittered exponential backoff (dsec_fs.backoff) and then raise UnavailableError(transient=True);
 so is a manifest or token answer that breaks off before its Content-Length, and an answer not whole
 within ``RegistryOptions.timeout`` (``_Deadline``: each read's own timeout never fires on a registry that
-sends a byte at a time; a blob's body, which may take minutes, is bounded by its reads' timeout alone).
-Uploads (PUT) have no deadline: their bodies may take long to send. A blob stream that breaks
-mid-way is resumed with a Range request from where it stopped. What the registry sends is not trusted:
+sends a byte at a time). A blob's whole transfer, down (its stream, resumes included) or up (its PUT,
+retries included), has a deadline scaled to its size, ``transfer_seconds``: ``timeout`` and the size at
+``min_rate`` bytes a second; past it an UnavailableError names the registry, repository and digest. A
+request's socket timeout is the same figure for its body (``sendall`` counts the whole body against it).
+A blob stream that breaks mid-way is resumed with a Range request from where it stopped. What the registry sends is not trusted:
 manifests fetched by digest are checked against it, JSON is size-limited (and its nesting: one deeper
 than Python's recursion limit is refused), and blob content is verified by the caller
 (walk_oci.VerifiedBlob) while it streams.
@@ -177,7 +179,11 @@ class RegistryOptions:
     attempts: int = 5
     base_delay: float = 0.2
     max_delay: float = 5.0
-    timeout: float = 60.0
+    timeout: float = 60.0  # seconds for a request and its answer (a blob's: the floor of its deadline)
+    # Bytes a second a blob's transfer must keep up on average, over and above ``timeout``: 1 MiB/s (8
+    # Mbit/s, below any link one pulls sandbox images over) gives a 1 GiB layer 18 minutes; a registry
+    # that sends or takes a byte every few seconds is given up on within ``timeout`` for a small blob.
+    min_rate: float = float(1 << 20)
 
 
 class RegistryClient:
@@ -191,6 +197,14 @@ class RegistryClient:
         self._credentials = options.credentials or load_credentials(host, options.auth_files)
         self._auth: dict[str, str] = {}  # scope -> Authorization header value
         self._ssl = None if options.plain_http else ssl.create_default_context()
+
+    def transfer_seconds(self, size: int) -> float:
+        """The time a transfer of ``size`` bytes may take: ``timeout``, and ``size`` at ``min_rate``."""
+        return self.options.timeout + size / self.options.min_rate
+
+    def _transfer_deadline(self, size: int) -> _Deadline:
+        return _Deadline(self.transfer_seconds(size), basis=f"{size:,} bytes: {self.options.timeout:g} s and the size "
+                                                            f"at {self.options.min_rate:g} bytes a second")
 
     # -- the public calls ------------------------------------------------------------------------------
 
@@ -226,6 +240,14 @@ class RegistryClient:
         if self.has_blob(repository, digest):
             return digest, False
         where = f"{self.host}/{repository}: upload of {digest}"
+        deadline = self._transfer_deadline(len(data))
+        try:
+            self._upload(repository, data, digest, where, deadline)
+        finally:
+            deadline.cancel()
+        return digest, True
+
+    def _upload(self, repository: str, data: bytes, digest: str, where: str, deadline: _Deadline) -> None:
         with self._request("POST", f"/v2/{repository}/blobs/uploads/", scope=_push(repository),
                                     where=where, what="upload", ok=(202,), body=b"") as started:
             location = started.getheader("Location")
@@ -237,9 +259,8 @@ class RegistryClient:
         target = urllib.parse.urlunsplit((url.scheme, url.netloc, url.path, urllib.parse.urlencode(query), ""))
         with self._request("PUT", target, scope=_push(repository), where=where, what="upload",
                                     ok=(201,), body=data,
-                                    headers={"Content-Type": "application/octet-stream"}):
+                                    headers={"Content-Type": "application/octet-stream"}, deadline=deadline):
             pass
-        return digest, True
 
     def put_manifest(self, repository: str, reference: str, data: bytes, media_type: str) -> str:
         where = f"{self.host}/{repository}:{reference}"
@@ -251,32 +272,37 @@ class RegistryClient:
 
     # -- requests ----------------------------------------------------------------------------------------
 
-    def _blob_response(self, repository: str, digest: str, offset: int, where: str) -> http.client.HTTPResponse:
+    def _blob_response(self, repository: str, digest: str, offset: int, where: str,
+                       deadline: _Deadline) -> http.client.HTTPResponse:
         """The blob from ``offset`` on: 200 or 206, or 416 when it has no bytes there."""
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         return self._request("GET", f"/v2/{repository}/blobs/{digest}", scope=_pull(repository), where=where,
-                             what="blob", headers=headers, ok=(200, 206, 416) if offset else (200,))
+                             what="blob", headers=headers, ok=(200, 206, 416) if offset else (200,),
+                             deadline=deadline)
 
     def _request(self, method: str, target: str, *, scope: str, where: str, what: str,
                  headers: dict[str, str] | None = None, body: bytes | None = None,
-                 ok: tuple[int, ...] = (200,)) -> http.client.HTTPResponse:
+                 ok: tuple[int, ...] = (200,), deadline: _Deadline | None = None) -> http.client.HTTPResponse:
         """The response to one API call, once auth, redirects and retries are dealt with; its status is
         in ``ok`` (else a DsecError). ``target`` is a path on the registry or an absolute URL."""
         return self._exchange(method, target, scope=scope, where=where, what=what, headers=headers, body=body,
-                              ok=ok)[0]
+                              ok=ok, deadline=deadline)[0]
 
     def _exchange(self, method: str, target: str, *, scope: str, where: str, what: str,
                   headers: dict[str, str] | None = None, body: bytes | None = None, ok: tuple[int, ...] = (200,),
-                  read_limit: int | None = None) -> tuple[http.client.HTTPResponse, bytes]:
+                  read_limit: int | None = None, deadline: _Deadline | None = None
+                  ) -> tuple[http.client.HTTPResponse, bytes]:
         """``_request``, and with ``read_limit`` its answer's body too (b"" without), read whole within the
         same retries: an answer that breaks off (fewer bytes than its Content-Length, a chunk cut short, a
         timeout) is a failed attempt like a connection that fails, not a shorter document (a manifest by
         tag would be taken for what the registry sent; by digest it would read as corrupt). More than
-        ``read_limit`` bytes is an InputError."""
+        ``read_limit`` bytes is an InputError. ``deadline``: a blob transfer's, over every attempt and
+        the caller's reads of the answer (not cancelled here); without it each attempt has ``timeout``."""
         attempt = 1
         authenticated = False
+        transfer = deadline
         while True:
-            deadline = _Deadline(self.options.timeout) if method != "PUT" else None
+            deadline = transfer or _Deadline(self.options.timeout)
             try:
                 try:
                     response = self._send_following(method, target, scope, headers or {}, body, where, deadline)
@@ -314,8 +340,10 @@ class RegistryClient:
                         if response.status not in RETRIED_STATUS:
                             raise UnavailableError(f"{what}: {problem}", where=where, transient=False)
             finally:
-                if deadline is not None:
+                if deadline is not transfer:
                     deadline.cancel()
+            if deadline.expired and deadline is transfer:
+                raise UnavailableError(f"{what}: {problem}", where=where)
             if attempt >= self.options.attempts:
                 raise UnavailableError(f"{what}: {problem} (gave up after {attempt} attempts)", where=where)
             delay = backoff_delay(attempt, self.options.base_delay, self.options.max_delay)
@@ -324,7 +352,7 @@ class RegistryClient:
             attempt += 1
 
     def _send_following(self, method: str, target: str, scope: str, headers: dict[str, str], body: bytes | None,
-                        where: str, deadline: _Deadline | None) -> http.client.HTTPResponse:
+                        where: str, deadline: _Deadline) -> http.client.HTTPResponse:
         """Send one request, following redirects; the Authorization header stays with the registry host."""
         url = target if "://" in target else f"{self._scheme}://{self._api_host}{target}"
         for _ in range(MAX_REDIRECTS + 1):
@@ -344,18 +372,18 @@ class RegistryClient:
         raise UnavailableError(f"more than {MAX_REDIRECTS} redirects", where=where, transient=False)
 
     def _send(self, method: str, parts: urllib.parse.SplitResult, headers: dict[str, str],
-              body: bytes | None, deadline: _Deadline | None) -> http.client.HTTPResponse:
+              body: bytes | None, deadline: _Deadline) -> http.client.HTTPResponse:
         """One request and its answer's head; ``deadline`` shuts the connection down when it passes."""
+        timeout = self.transfer_seconds(len(body or b""))  # each read's; the body's sendall, all of it
         if parts.scheme == "https":
-            connection = http.client.HTTPSConnection(parts.netloc, timeout=self.options.timeout,
+            connection = http.client.HTTPSConnection(parts.netloc, timeout=timeout,
                                                      context=self._ssl or ssl.create_default_context())
         else:
-            connection = http.client.HTTPConnection(parts.netloc, timeout=self.options.timeout)
+            connection = http.client.HTTPConnection(parts.netloc, timeout=timeout)
         path = parts.path + (f"?{parts.query}" if parts.query else "")
         try:
-            if deadline is not None:
-                connection.connect()
-                deadline.watch(connection.sock)
+            connection.connect()
+            deadline.watch(connection.sock)
             connection.request(method, path or "/", body=body, headers=headers)
             response = connection.getresponse()
         except BaseException:
@@ -440,7 +468,13 @@ class BlobStream:
         self._size = size
         self._offset = 0
         self.where = f"{client.host}/{repository}@{digest}"
-        self._response: http.client.HTTPResponse | None = client._blob_response(repository, digest, 0, self.where)
+        self._deadline = client._transfer_deadline(size)  # the whole transfer's, resumes included
+        try:
+            self._response: http.client.HTTPResponse | None = client._blob_response(repository, digest, 0,
+                                                                                    self.where, self._deadline)
+        except BaseException:
+            self._deadline.cancel()
+            raise
 
     def read(self, n: int = -1) -> bytes:
         attempt = 1
@@ -452,16 +486,21 @@ class BlobStream:
             try:
                 data = self._response.read() if n < 0 else self._response.read(n)
             except (OSError, http.client.HTTPException) as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+                problem = _failure(exc, self._deadline)
             else:
                 # Short of the descriptor's size with the response at its end: a dropped connection looks
                 # the same as a short blob, so ask once more from here (a short blob then gets a 416).
                 if data or n == 0 or self._offset >= self._size:
                     self._offset += len(data)
+                    if self._offset >= self._size:
+                        self._deadline.cancel()  # its timer thread need not wait on
                     return data
                 problem = "the connection ended early"
             self._response.close()
             self._response = None
+            if self._deadline.expired:
+                raise UnavailableError(f"blob read at offset {self._offset}: {self._deadline.message()}",
+                                       where=self.where)
             if attempt >= self._client.options.attempts:
                 raise UnavailableError(f"blob read at offset {self._offset}: {problem} (gave up after {attempt} "
                                        "attempts)", where=self.where)
@@ -472,7 +511,8 @@ class BlobStream:
             attempt += 1
 
     def _reopen(self) -> http.client.HTTPResponse | None:
-        response = self._client._blob_response(self._repository, self._digest, self._offset, self.where)
+        response = self._client._blob_response(self._repository, self._digest, self._offset, self.where,
+                                               self._deadline)
         if response.status == 416:
             response.close()
             return None
@@ -486,6 +526,7 @@ class BlobStream:
         return response
 
     def close(self) -> None:
+        self._deadline.cancel()
         if self._response is not None:
             self._response.close()
             self._response = None
@@ -509,8 +550,9 @@ class _Deadline:
     error, or the answer cut short). Each read's own timeout never fires on a registry that sends a byte
     at a time, which would make a build wait for ever. ``_lock`` guards ``_sockets`` and ``expired``."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, *, basis: str = ""):
         self.seconds = seconds
+        self.basis = basis  # how ``seconds`` were reckoned, for the error (a blob transfer's)
         self.expired = False
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -528,6 +570,9 @@ class _Deadline:
     def cancel(self) -> None:
         self._timer.cancel()
 
+    def message(self) -> str:
+        return f"no whole answer within {self.seconds:g} s" + (f" ({self.basis})" if self.basis else "")
+
     def _expire(self) -> None:
         with self._lock:
             self.expired = True
@@ -543,10 +588,10 @@ def _shut_down(sock: socket.socket) -> None:
         pass
 
 
-def _failure(exc: BaseException, deadline: _Deadline | None) -> str:
+def _failure(exc: BaseException, deadline: _Deadline) -> str:
     """What went wrong with an attempt, for the error or the log: the deadline, when it ended it."""
-    if deadline is not None and deadline.expired:
-        return f"no whole answer within {deadline.seconds:g} s"
+    if deadline.expired:
+        return deadline.message()
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -19,6 +19,7 @@ turns it into metric families:
                                                readers so far (from the store or the local caches)
     dsecfs_layer_reads_total{layer}            reads served from the layer's blob (FUSE reads)
     dsecfs_layer_read_errors_total{layer}      of those, reads that failed (EIO)
+    dsecfs_layer_untraced_reads_total{layer}   of those, reads its trace left out (repeats; past its bound)
     dsecfs_layer_chunk_hits_total{layer}       chunk lookups the local disk cache answered
     dsecfs_layer_chunk_misses_total{layer}     chunk lookups that went to the store
     dsecfs_layer_prefetch_bytes{layer,outcome} how well the prefetch predicted the reads, in chunk bytes:
@@ -91,6 +92,7 @@ class LayerFigures:
     used_bytes: int  # of those, bytes served to readers since the daemon started
     reads: int
     read_errors: int
+    untraced_reads: int  # of those, reads its trace left out (traced_blob.TraceBound)
     prediction: dict[str, int] | None = None  # traced_blob.LayerUsage.prediction()
     profile: tuple[str, str] | None = None  # (source, store key) of the profile its mount prefetched by
 
@@ -180,6 +182,8 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
                               labels=by_layer)
     reads = _counter("dsecfs_layer_reads", "Reads served from the layer's blob.", by_layer)
     read_errors = _counter("dsecfs_layer_read_errors", "Reads of the layer that failed (EIO).", by_layer)
+    untraced = _counter("dsecfs_layer_untraced_reads", "Reads of the layer its trace left out: repeats of "
+                        "reads it recorded, and past its bound.", by_layer)
     hits = _counter("dsecfs_layer_chunk_hits", "Chunk lookups answered by the local disk cache.", by_layer)
     misses = _counter("dsecfs_layer_chunk_misses", "Chunk lookups that went to the store.", by_layer)
     prediction = GaugeMetricFamily("dsecfs_layer_prefetch_bytes", "How well the prefetch predicted the reads, in "
@@ -204,6 +208,7 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
         ratio.add_metric(label, figures.used_bytes / figures.data_bytes if figures.data_bytes else 0.0)
         reads.add_metric(label, figures.reads)
         read_errors.add_metric(label, figures.read_errors)
+        untraced.add_metric(label, figures.untraced_reads)
         hits.add_metric(label, stats.hits)
         misses.add_metric(label, stats.misses)
         if figures.prediction is not None:
@@ -213,7 +218,7 @@ def _layer_families(layers: list[LayerFigures]) -> Iterator[Metric]:
         if figures.profile is not None:
             profile.add_metric([figures.layer, *figures.profile], 1)
     yield from (fetch_bytes, fetch_chunks, store_reads, coalesced, readahead, errors, abandoned, latency, ratio, reads,
-                read_errors, hits, misses, prediction, profile)
+                read_errors, untraced, hits, misses, prediction, profile)
 
 
 def _buckets(counts: list[int]) -> list[tuple[str, float]]:

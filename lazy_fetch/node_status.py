@@ -82,6 +82,7 @@ def figures(daemon: NodeDaemon) -> NodeFigures:
             layer=digest, fetch=fetch.get(digest) or FetchStats(digest),
             data_bytes=usage.data_bytes if usage else 0, used_bytes=usage.used_bytes if usage else 0,
             reads=usage.reads if usage else 0, read_errors=usage.read_errors if usage else 0,
+            untraced_reads=usage.untraced if usage else 0,
             prediction=usage.prediction() if usage else None, profile=profiles.get(digest)))
     fetchers = [context.fetcher for context in daemon.stores.values()]
     mounts = daemon.table.mounts.values()

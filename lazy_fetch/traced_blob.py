@@ -7,6 +7,14 @@ waited for a chunk fetched from the store: ``StoreFetchLog`` numbers every chunk
 the store, before anyone is answered, so a read that finds one of its chunks numbered after it started
 waited for the store.
 
+Bounded traces. A reader that reads the same bytes again and again (O_DIRECT, or the kernel re-reading
+what it evicted) reaches the daemon every time; a record each would grow the trace (on the state disk, and
+in the memory of every publish and report that reads it back) by 40 bytes a read without end. A trace
+keeps what profiles and reports learn from, every chunk's first reads in order: a read the trace
+recorded among its last TRACE_RECENT_READS distinct reads (the same file or blob range, answered alike)
+is a repeat, and past TRACE_MAX_RECORDS records a segment records only reads of chunks it never
+recorded. What is left out is counted (``LayerUsage.untraced``: ``dsecfs_layer_untraced_reads_total``).
+
 Preload. A blob read in order that has gone on for PRELOAD_AFTER_BYTES has the next PRELOAD_BYTES of
 chunks loaded from the disk cache into memory ahead of it (memory_cache.MemoryFrontedFetcher.preload).
 
@@ -32,6 +40,9 @@ PRELOAD_BYTES = 4 << 20  # chunks ahead of a blob read in order loaded from the 
 # other in the blob, and preloading for them pushed prefetched chunks out of memory (kernel mode with a
 # prefetch list: 0.97 s to 1.58 s)
 PRELOAD_AFTER_BYTES = 2 << 20
+TRACE_RECENT_READS = 4096  # distinct reads a trace remembers to know a repeat (4096 ranges of 64-128 KiB reads:
+# far more than a working set re-read from the page cache between evictions of one file)
+TRACE_MAX_RECORDS = 1 << 18  # records of one trace segment (10 MiB) past which only new chunks' reads are recorded
 FETCH_LOG_KEPT = 1 << 16  # store fetches StoreFetchLog remembers: far more than can happen during one read
 
 
@@ -70,6 +81,7 @@ class LayerUsage:
         self.used_bytes = 0
         self.reads = 0
         self.read_errors = 0
+        self.untraced = 0  # reads a trace left out: repeats, and past its bound (TracedBlob)
         self._used = bytearray(len(self._lengths))  # 1 for each blob-map entry served
         self._prefetched = bytearray(len(self._lengths))  # 1 for each blob-map entry a prefetch brought
         # Told of each blob-map entry a read missed (the layer's fill follows them: fill_order.py).
@@ -103,9 +115,35 @@ class LayerUsage:
                 "prefetched_unread_bytes": prefetched - both, "read_not_prefetched_bytes": used - both}
 
 
+class TraceBound:
+    """Which reads one trace segment records (see "Bounded traces" above): not a repeat of one of its
+    last TRACE_RECENT_READS distinct reads, and within TRACE_MAX_RECORDS unless a chunk is new to it."""
+
+    def __init__(self, chunks: int):
+        self.records = 0
+        self._recent: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()
+        self._recorded = bytearray(chunks)  # 1 for each blob-map entry a record of this segment touched
+
+    def admits(self, read: tuple[int, int, int, int], chunks: list[BlobChunk]) -> bool:
+        """Whether to record ``read`` ((nid, offset, length, flags)) of ``chunks``."""
+        if read in self._recent:
+            self._recent.move_to_end(read)
+            return False
+        if self.records >= TRACE_MAX_RECORDS and all(self._recorded[chunk.entry] for chunk in chunks):
+            return False
+        self._recent[read] = None
+        if len(self._recent) > TRACE_RECENT_READS:
+            self._recent.popitem(last=False)
+        for chunk in chunks:
+            self._recorded[chunk.entry] = 1
+        self.records += 1
+        return True
+
+
 class TracedBlob:
     """What FUSE reads of one layer's blob in one mode (what layer_mount serves): the LayerBlob, each read
-    counted in the layer's usage and, while ``trace`` is open, recorded in it."""
+    counted in the layer's usage and, while ``trace`` is open, recorded in it (within a TraceBound of
+    each trace set)."""
 
     def __init__(self, blob: LayerBlob, usage: LayerUsage, fetch_log: StoreFetchLog, trace: TraceWriter | None,
                  readahead: MissReadahead | None = None, *,
@@ -117,9 +155,19 @@ class TracedBlob:
         self.size = blob.size
         self.usage = usage
         self.fetch_log = fetch_log
-        self.trace = trace
+        self.trace = trace  # (the property below)
         # (end offset, last chunk's blob-map entry, bytes read in order up to it) of the latest read
         self._last_read = (-1, -1, 0)
+
+    @property
+    def trace(self) -> TraceWriter | None:
+        return self._trace
+
+    @trace.setter
+    def trace(self, writer: TraceWriter | None) -> None:
+        """A new trace (segment) has a bound of its own."""
+        self._trace = writer
+        self._bound = TraceBound(len(self.blob.blob_map.entries))
 
     async def read(self, offset: int, length: int) -> bytes:
         chunks = self.blob.chunks_for_range(offset, length)
@@ -165,5 +213,8 @@ class TracedBlob:
             flags |= FLAG_BLOB
         else:
             nid, position = file_read
+        if not self._bound.admits((nid, position, length, flags), chunks):
+            self.usage.untraced += 1
+            return
         self.trace.record(nid=nid, offset=position, length=length, chunk=chunks[0].entry if chunks else NO_CHUNK,
                           latency_us=(time.monotonic_ns() - started) // 1000, flags=flags)

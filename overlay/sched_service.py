@@ -30,7 +30,10 @@ busy (FailedNodes); prioritize gives the Affinity score as an extender priority.
 ``Error`` from a filter answer; a prioritize answer has no such field, so a bad prioritize request gets
 HTTP 400, which kube-scheduler reports as the extender failing.
 
-Threads: ThreadingHTTPServer runs each request in its own thread; ``_lock`` serialises every call into
+Connections are bounded (overlay/http_bounds.py: how many, how long idle, how long a request may take),
+since any local user can reach the port.
+
+Threads: BoundedHTTPServer runs each connection in its own thread; ``_lock`` serialises every call into
 the Scheduler (which is not thread-safe) and the resolver's cache. ``start`` serves from a background
 thread, ``stop`` shuts it down; ``serve_forever`` serves from the caller's thread (the CLI).
 """
@@ -44,12 +47,12 @@ import threading
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
 from dsec_fs import api
 from dsec_fs.errors import DsecError, InputError, NotFoundError, UnavailableError
 
+from .http_bounds import BoundedHandler, BoundedHTTPServer, ConnectionBounds
 from .scheduler import Affinity, Scheduler
 
 log = logging.getLogger(__name__)
@@ -65,7 +68,7 @@ class SchedService:
     """The HTTP front of one Scheduler (whose policy must be Affinity: the extender reports its scores)."""
 
     def __init__(self, scheduler: Scheduler | None = None, *, host: str = "127.0.0.1", port: int = 0,
-                 resolve: Callable[[str], str] | None = None):
+                 resolve: Callable[[str], str] | None = None, bounds: ConnectionBounds = ConnectionBounds()):
         self.scheduler = scheduler if scheduler is not None else Scheduler(Affinity())
         if not isinstance(self.scheduler.policy, Affinity):
             raise InputError("the service needs the affinity policy: the extender answers with its scores",
@@ -74,13 +77,16 @@ class SchedService:
         self._resolved: dict[str, tuple[str, float]] = {}  # ref -> (layer digest, when resolved)
         self._lock = threading.Lock()
         try:
-            self._server = ThreadingHTTPServer((host, port), _Handler)
+            self._server = BoundedHTTPServer((host, port), _Handler, bounds)
         except OSError as exc:
             raise UnavailableError(f"cannot listen: {exc.strerror or exc}", where=f"{host}:{port}",
                                    transient=False) from None
-        self._server.daemon_threads = True
         self._server.service = self
         self._thread: threading.Thread | None = None
+
+    @property
+    def connections(self) -> int:
+        return self._server.connections
 
     @property
     def url(self) -> str:
@@ -88,6 +94,7 @@ class SchedService:
         return f"http://{host}:{port}"
 
     def start(self) -> "SchedService":
+        self._server.start_reaper()
         # A short poll interval: stop() waits up to one interval for the serving loop to notice.
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="sched-service", daemon=True)
@@ -95,6 +102,7 @@ class SchedService:
         return self
 
     def serve_forever(self) -> None:
+        self._server.start_reaper()
         self._server.serve_forever()
 
     def stop(self) -> None:
@@ -231,7 +239,7 @@ def _candidates(args: object) -> tuple[list[str], list[dict] | None]:
     raise InputError("neither Nodes nor NodeNames names the candidate nodes", where="ExtenderArgs")
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     server_version = "dsecfs-sched"
     protocol_version = "HTTP/1.1"  # keep-alive: kube-scheduler calls twice per pod
 

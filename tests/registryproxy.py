@@ -3,7 +3,10 @@ first request with 503 and redirects every blob GET to a separate "blob storage"
 so another host to the client), which breaks its first answer for each blob half-way. ``manifest_fault``
 says what a manifest's first request gets instead of the empty 503: "nested-503", a 503 whose body nests
 JSON arrays 4,096 deep (deeper than Python's recursion limit); "cut", the registry's answer with its
-Content-Length and half its body, then the connection closed.
+Content-Length and half its body, then the connection closed. ``blob_fault="drip"``: every blob GET is
+answered by the front itself, its head at once and its body a byte every DRIP_SECONDS; ``upload_fault=
+"drip"``: uploads (POST, PUT) are passed to the registry, and a PUT's answer sent back a byte every
+DRIP_SECONDS (a registry that takes the blob and never quite answers). A drip ends when the front stops.
 
     with FaultyFront(registry) as front:   # front.address instead of registry.address
         ...
@@ -22,6 +25,7 @@ import threading
 
 from registryserver import DockerRegistry
 
+DRIP_SECONDS = 0.2
 _BLOB_PATH = re.compile(r"/v2/(.+)/blobs/(sha256:[0-9a-f]{64})")
 
 
@@ -30,9 +34,13 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 class FaultyFront:
-    def __init__(self, registry: DockerRegistry, manifest_fault: str = "503"):
+    def __init__(self, registry: DockerRegistry, manifest_fault: str = "503", *, blob_fault: str = "",
+                 upload_fault: str = ""):
         self.registry = registry
         self.manifest_fault = manifest_fault
+        self.blob_fault = blob_fault
+        self.upload_fault = upload_fault
+        self._stopping = threading.Event()
         self.manifest_failures: set[str] = set()  # paths already answered 503 once
         self.truncated: set[str] = set()  # blobs whose first storage answer was cut
         self.front_requests: list[tuple[str, dict]] = []
@@ -62,6 +70,14 @@ class FaultyFront:
                     front.front_requests.append((self.path, dict(self.headers)))
                     first_try = "/manifests/" in self.path and self.path not in front.manifest_failures
                     front.manifest_failures.add(self.path)
+                blob = _BLOB_PATH.fullmatch(self.path)
+                if blob and self.command == "GET" and front.blob_fault == "drip":
+                    data = front.registry.blob_path(blob.group(2)).read_bytes()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self._drip(data)
+                    return
                 if first_try and front.manifest_fault == "cut":
                     self._forward(cut=True)
                     return
@@ -72,7 +88,6 @@ class FaultyFront:
                     self.end_headers()
                     self.wfile.write(body)
                     return
-                blob = _BLOB_PATH.fullmatch(self.path)
                 if blob and self.command == "GET" and "Authorization" in self.headers:
                     self.send_response(307)
                     self.send_header("Location", f"http://127.0.0.1:{front._storage.server_address[1]}"
@@ -81,6 +96,44 @@ class FaultyFront:
                     self.end_headers()
                     return
                 self._forward()
+
+            def do_POST(self) -> None:
+                self._pass_upload(drip=False)
+
+            def do_PUT(self) -> None:
+                self._pass_upload(drip=front.upload_fault == "drip")
+
+            def _pass_upload(self, drip: bool) -> None:
+                """The request to the registry as it came (its Host too: the registry names the front in
+                the Location it answers), the answer back, dripped or whole."""
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                upstream = http.client.HTTPConnection(front.registry.address, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                response = upstream.getresponse()
+                answer = response.read()
+                upstream.close()
+                head = [f"HTTP/1.1 {response.status} {response.reason}\r\n"]
+                head += [f"{key}: {value}\r\n" for key, value in response.getheaders()
+                         if key.lower() not in ("connection", "transfer-encoding", "content-length")]
+                head.append(f"Content-Length: {len(answer)}\r\nConnection: close\r\n\r\n")
+                raw = "".join(head).encode() + answer
+                self.close_connection = True
+                if drip:
+                    self._drip(raw)
+                else:
+                    self.wfile.write(raw)
+
+            def _drip(self, data: bytes) -> None:
+                self.close_connection = True
+                for byte in data:
+                    if front._stopping.wait(DRIP_SECONDS):
+                        return
+                    try:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                    except OSError:  # the client gave up
+                        return
 
             def _forward(self, cut: bool = False) -> None:
                 upstream = http.client.HTTPConnection(front.registry.address, timeout=30)
@@ -135,6 +188,7 @@ class FaultyFront:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stopping.set()
         for server in (self._front, self._storage):
             server.shutdown()
             server.server_close()

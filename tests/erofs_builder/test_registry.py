@@ -348,3 +348,60 @@ def test_the_bearer_token_flow(tmp_path):
                   for name, value in urllib.parse.parse_qsl(urllib.parse.urlsplit(path).query) if name == "scope"]
         assert any(scope.rpartition(":")[0] == "repository:team/app" and
                    set(scope.rpartition(":")[2].split(",")) == {"pull", "push"} for scope in scopes), scopes
+
+
+def _within(seconds: float, call) -> object:
+    """``call()``'s result or the exception it raised; AssertionError if it has not ended in ``seconds``."""
+    import threading
+
+    outcome = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still transferring after {seconds} s"
+    return outcome[0]
+
+
+def test_a_registry_that_drips_a_blob_is_given_up_on_at_the_blobs_deadline(registry, pushed, tmp_path):
+    """Every blob's body sent a byte every 0.2 s (tests/registryproxy.py): each read gets its byte long
+    before its timeout, so before, a build pulled the image's config (a few hundred bytes) for a minute or
+    more and each layer for hours. Now a blob's whole transfer has ``timeout`` (1 s here) and its size at
+    ``min_rate``: UnavailableError naming the registry, the repository and the blob's digest; nothing
+    published."""
+    from registryproxy import FaultyFront
+
+    store = store_at(tmp_path / "s")
+    with FaultyFront(registry, blob_fault="drip") as front:
+        options = RegistryOptions(plain_http=True, auth_files=(), base_delay=0.01, timeout=1.0)
+        outcome = _within(60, lambda: build_layer(f"docker://{front.address}/test/three:v1", store, registry=options))
+    assert isinstance(outcome, UnavailableError), outcome
+    assert outcome.where.startswith(f"{front.address}/test/three@sha256:"), outcome.where
+    assert "no whole answer within 1" in outcome.message and "bytes a second" in outcome.message
+    assert published(store) == ({}, [])
+
+
+def test_an_upload_whose_answer_drips_is_given_up_on_at_its_deadline(registry):
+    """A registry that takes an upload's PUT and sends its answer a byte every 0.2 s: before, uploads had
+    no deadline at all, so the push waited as long as the registry liked. Now the upload's deadline is
+    ``timeout`` and its size at ``min_rate``: UnavailableError naming the registry, the repository and
+    the blob's digest."""
+    import hashlib
+
+    from registryproxy import FaultyFront
+
+    data = bytes(range(256)) * 1200
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    with FaultyFront(registry, upload_fault="drip") as front:
+        client = RegistryClient(front.address, RegistryOptions(plain_http=True, auth_files=(), base_delay=0.01,
+                                                               timeout=1.0))
+        outcome = _within(60, lambda: client.push_blob("test/upload", data))
+    assert isinstance(outcome, UnavailableError), outcome
+    assert outcome.where == f"{front.address}/test/upload: upload of {digest}"
+    assert "no whole answer within 1.29" in outcome.message and "307,200 bytes" in outcome.message
