@@ -152,6 +152,8 @@ class Rescan:
                 if n in blob_map or n in added or o in replaced:
                     return _full(f"{_named(change)} now holds a chunk the layer holds elsewhere too")
                 index = blob_map.index_of(o)  # found by its blkaddr (chunk_lists), so there
+                if blob_map.index_of(o, index + 1) is not None:  # which entry the file's is, its digest cannot tell
+                    return _full(f"the parent's blob map names chunk {to_hex(o)} of {_named(change)} twice")
                 old_length = blob_map.entry(index)[2]
                 length = min(chunk_size, size - number * chunk_size)
                 if index in shared:
