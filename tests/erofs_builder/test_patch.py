@@ -20,6 +20,7 @@ import pytest
 from treecmp import assert_same_tree, snapshot, write_files
 
 from dsec_fs.errors import FormatError, NotFoundError, UnavailableError
+from dsec_fs import compress
 from dsec_fs.blobmap import ENTRY, HEADER, EncodedBlobMap
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.layer import open_layer, publish_layer, read_manifest
@@ -28,6 +29,7 @@ from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from erofs_builder.export import export_layer
 from erofs_builder.fsck import fsck_layer
+from erofs_builder.incremental import _HEADER as BUILDINFO_HEADER
 from erofs_builder.incremental import RACY_NS, decode_buildinfo, encode_buildinfo, name_layer
 from erofs_builder.ondisk.device_slot import SLOT_SIZE, DeviceSlot
 from erofs_builder.patch import _count_inodes
@@ -47,7 +49,7 @@ STRUCTURAL = {"chmod": ("another mode",), "xattr": ("xattrs",), "rename": ("cann
               "touch-dir": ("not a regular file",), "add-put-back": ("other names",),
               "mkdir-put-back": ("other names",)}
 TREES = ("content", "other-map", "grow", "boundary", "blocks", "racy", "hole", "shared", "same-chunk", "compact",
-         "tie", "hardlink", "chain", "kernel", "forged", "outage", "leases", "twice", *STRUCTURAL)
+         "tie", "hardlink", "chain", "kernel", "forged", "outage", "leases", "twice", "hidden-shared", *STRUCTURAL)
 ENTRIES = 14  # names make_source makes, the root included
 
 
@@ -57,8 +59,9 @@ def aged(tmp_path_factory) -> dict[str, str]:
     roots = {name: str(base / name) for name in TREES}
     for root in roots.values():
         make_source(root)
-    with open(f"{roots['shared']}/lib/twin", "wb") as f:  # the same chunks as lib/file0
-        f.write(open(f"{roots['shared']}/lib/file0", "rb").read())
+    for name in ("shared", "hidden-shared"):
+        with open(f"{roots[name]}/lib/twin", "wb") as f:  # the same chunks as lib/file0
+            f.write(open(f"{roots[name]}/lib/file0", "rb").read())
     os.symlink("lib", f"{roots['forged']}/lnk")
     for name, root in roots.items():
         distinct_mtimes(root)
@@ -429,4 +432,28 @@ def test_a_parent_whose_blob_map_names_a_chunk_twice_is_not_patched(aged, store,
     edit(f"{root}/lib/file2", 0, b"changed where the forged map names file1's chunk")
     child, patched = rebuild(root, store, types.SimpleNamespace(digest=forged), caplog)
     assert not patched and "names chunk" in caplog.text, caplog.text
+    check_layer(store, child.digest, root, tmp_path)
+
+
+def test_a_build_info_that_hides_a_shared_chunk_does_not_get_it_patched(aged, store, tmp_path, caplog):
+    """The build info's list of blob-map entries that several chunk indexes name is not covered by the
+    manifest: anyone who can write the store can empty it. lib/twin holds lib/file0's chunks (one entry
+    each, named by both files); with the list emptied, an edit of lib/twin patched the shared entry and
+    the published layer gave lib/file0 (and its hard link) lib/twin's new bytes, and fsck passed it. The
+    image is asked how many chunk indexes name a replaced chunk: the full path."""
+    root = aged["hidden-shared"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    key = keys.layer_buildinfo(parent.digest)
+    data = store.get(key)
+    info = decode_buildinfo(data, layer=parent.digest, source=key)
+    assert info.shared
+    body = bytes(info.records) + bytes(info.racy) + bytes(info.paths_blob)  # no shared entries
+    frame = compress.compress(body)
+    header = list(BUILDINFO_HEADER.unpack_from(data, 0))
+    header[3], header[5], header[6] = 0, len(body), sha256(frame)  # shared count, body size, frame sha256
+    store.put(key, BUILDINFO_HEADER.pack(*header) + frame)
+    assert decode_buildinfo(store.get(key), layer=parent.digest, source=key).shared == []
+    edit(f"{root}/lib/twin", 0, b"changed in lib/twin only")
+    child, patched = rebuild(root, store, parent, caplog)
+    assert not patched and "another chunk index of the image names too" in caplog.text, caplog.text
     check_layer(store, child.digest, root, tmp_path)
