@@ -309,13 +309,13 @@ class EncodedBlobMap:
             first += 1
         return range(first, bisect.bisect_left(self._starts, -(-end >> BLOCK_SIZE_BITS), first))
 
-    def index_of(self, digest: bytes) -> int | None:
-        """The index of the (first) entry of chunk ``digest``, or None: a search of the encoding for the
-        digest's bytes, taken only where they are an entry's digest field. For a few digests; many at
-        once: ``indexes_of``."""
+    def index_of(self, digest: bytes, start: int = 0) -> int | None:
+        """The index of the first entry from entry ``start`` on of chunk ``digest``, or None: a search of
+        the encoding for the digest's bytes, taken only where they are an entry's digest field. For a few
+        digests; many at once: ``indexes_of``."""
         if len(digest) != DIGEST_SIZE:
             return None
-        at = self.data.find(digest, HEADER.size)
+        at = self.data.find(digest, HEADER.size + max(0, start) * ENTRY.size)
         while at >= 0:
             index, field = divmod(at - HEADER.size, ENTRY.size)
             if field == ENTRY.size - DIGEST_SIZE:

@@ -28,6 +28,7 @@ them through ``Store.put_all`` (threads of the store's), and both wait for them 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -58,6 +59,10 @@ STORED_ENCODING = "zstd"
 # level 3 (153,005 against 157,716 bytes) and a blob map 1% larger (240,425 against 238,041: digests do not
 # compress), in 1.3 instead of 3 ms, which every build and rebuild pays (docs/benchmarks.md, issue 17).
 METADATA_LEVEL = 1
+# The largest blob map read side by side with meta.erofs (~200,000 entries; the Debian rootfs's is 250 KB).
+# A larger one is read once meta.erofs is verified: until then its size bound (``check_blobmap_size``)
+# rests on the manifest's meta_size, which a lying manifest may set to 4 GiB.
+PARALLEL_BLOBMAP_BYTES = 8 << 20
 META, BLOBMAP = "meta.erofs", "blobmap"  # the names of the two objects in ``Manifest.stored``
 DEFAULT_TAG = "latest"
 MAX_REF_LENGTH = 255
@@ -325,17 +330,21 @@ class LayerReads(Protocol):
 def open_layer(store: Store, ref_or_digest: str, *, on_manifest: Callable[[Manifest], object] | None = None,
                reads: LayerReads | None = None) -> LayerFiles:
     """Read a published layer: manifest first, then meta.erofs and the blob map side by side, each verified
-    (through ``reads`` when given). ``on_manifest(manifest)`` runs in the calling thread once the manifest
-    is verified, while the two are read; what it raises is raised here (after both reads have ended)."""
+    (through ``reads`` when given); a map over PARALLEL_BLOBMAP_BYTES only once meta.erofs is, which
+    verifies the meta_size its size bound rests on. ``on_manifest(manifest)`` runs in the calling thread
+    once the manifest is verified, while the two are read; what it raises is raised here (after both
+    reads have ended)."""
     digest = resolve(store, ref_or_digest)
     manifest = reads.manifest(store, digest) if reads else read_manifest(store, digest)
     check_blobmap_size(manifest)
+    read_map = functools.partial(reads.blobmap if reads else read_blobmap, store, manifest)
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="open-layer") as pool:
         meta_read = pool.submit(reads.meta if reads else read_meta, store, manifest)
-        blobmap_read = pool.submit(reads.blobmap if reads else read_blobmap, store, manifest)
+        blobmap_read = pool.submit(read_map) if manifest.blobmap_size <= PARALLEL_BLOBMAP_BYTES else None
         if on_manifest is not None:
             on_manifest(manifest)
-        meta, blobmap = meta_read.result(), blobmap_read.result()
+        meta = meta_read.result()
+        blobmap = read_map() if blobmap_read is None else blobmap_read.result()
     return LayerFiles(digest=digest, manifest=manifest, meta=meta, blobmap=blobmap)
 
 
@@ -374,7 +383,9 @@ def check_blobmap_size(manifest: Manifest) -> None:
     need: an entry per chunk of the blob, at most one per block of it and one per chunk index of meta.erofs
     (``dsec_fs.blobmap.max_entries``). Checked before the map is read: a layer cannot make a node hold a map many
     times its own metadata. ``meta_size`` is meta.erofs's own (its read checks it against the layer
-    digest), so a manifest that lies about it fails that read instead."""
+    digest), so a manifest that lies about it fails that read instead: open_layer reads a map over
+    PARALLEL_BLOBMAP_BYTES only after it. A reader of the map alone (gc, layer figures) rests on the
+    manifest's meta_size: a lying one lets a map up to MAX_METADATA_SIZE through."""
     most = max_entries(manifest.meta_size, manifest.blob_blocks)
     if manifest.blobmap_size > encoded_size(most):
         raise CorruptError(f"the manifest gives the blob map {manifest.blobmap_size} bytes, more than the "

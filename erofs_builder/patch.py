@@ -64,6 +64,7 @@ import logging
 import operator
 import os
 import stat
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -77,6 +78,7 @@ from .incremental import (MTIME_FIELD, BuildInfo, Identity, ParentLayer, record_
                           rescanned_records)
 from .layout import NS_PER_S
 from .ondisk import INODE_SLOT_SIZE, inode
+from .ondisk.chunk_index import BLOB_DEVICE_ID
 from .ondisk.device_slot import SLOT_SIZE, DeviceSlot
 from .tree import Node
 from .walk_dir import node_of, stat_identity
@@ -86,6 +88,9 @@ log = logging.getLogger(__name__)
 
 _U64 = (1 << 64) - 1
 _DOTS = (b".", b"..")
+# A chunk index's device id and blkaddr (ondisk.chunk_index.CHUNK_INDEX after its advise, which readers
+# ignore): searched for in the image, to learn how many chunk indexes name a blob block.
+_BLOB_BLOCK = struct.Struct("<HI")
 _BELOW_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a directory, never through a symlink
 
 
@@ -152,12 +157,17 @@ class Rescan:
                 if n in blob_map or n in added or o in replaced:
                     return _full(f"{_named(change)} now holds a chunk the layer holds elsewhere too")
                 index = blob_map.index_of(o)  # found by its blkaddr (chunk_lists), so there
+                if blob_map.index_of(o, index + 1) is not None:  # which entry the file's is, its digest cannot tell
+                    return _full(f"the parent's blob map names chunk {to_hex(o)} of {_named(change)} twice")
                 old_length = blob_map.entry(index)[2]
                 length = min(chunk_size, size - number * chunk_size)
                 if index in shared:
                     return _full(f"{_named(change)} had a chunk the layer holds elsewhere too")
                 if -(-length // BLOCK_SIZE) != -(-old_length // BLOCK_SIZE):
                     return _full(f"the last chunk of {_named(change)} changed its number of blocks")
+                if parent.meta.count(_BLOB_BLOCK.pack(BLOB_DEVICE_ID, blob_map.entry(index)[0])) != 1:
+                    # the build info's shared list is not covered by the manifest: the image tells
+                    return _full(f"{_named(change)} had a chunk another chunk index of the image names too")
                 replaced[o] = (n, length)
                 added.add(n)
                 data_grew += length - old_length

@@ -7,13 +7,17 @@ gc stops before any delete, or restores the index from its pack; a build restore
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from dsec_fs.errors import CorruptError
+from dsec_fs import compress
+from dsec_fs.digest import sha256, to_hex
+from dsec_fs.errors import CorruptError, FormatError
 from dsec_fs.index_mirror import IndexMirror
-from dsec_fs.layer import open_layer, read_blobmap, read_manifest
+from dsec_fs.layer import BLOBMAP, open_layer, read_blobmap, read_manifest
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import StoreWrapper
 from dsec_fs.store_stats import store_stats
@@ -150,3 +154,26 @@ def test_a_blob_map_of_more_entries_than_meta_erofs_can_name_is_refused_unread(s
     with pytest.raises(CorruptError) as info:
         read_blobmap(store, read_manifest(store, digest))
     assert info.value.where == keys.layer_blobmap(digest)
+
+
+def test_a_manifest_lying_about_meta_size_cannot_have_a_large_blob_map_read(store, tmp_path):
+    """The bound on the blob map's size rests on the manifest's meta_size, which only meta.erofs's read
+    verifies. A manifest that gives a 4 KiB meta.erofs 4 GiB, and its map 256 MiB (zeros: a 32 KiB zstd
+    frame), had the map decompressed side by side with meta.erofs, which then failed: 256 MiB allocated for
+    a layer whose meta.erofs can name a few entries (up to 4 GiB so). A map that large is read only once
+    meta.erofs is verified: the meta.erofs error, and the map never asked for."""
+    digest, _pack = layer_and_pack(store, tmp_path)
+    manifest = json.loads(store.get(keys.layer_manifest(digest)))
+    size = 256 << 20
+    frame = compress.compress(bytes(size))
+    store.put(keys.layer_blobmap(digest), frame)
+    manifest.update(meta_size=4 << 30, blob_blocks=0xFFFFFFFF, blobmap_size=size)
+    manifest["stored"][BLOBMAP] = {"encoding": "zstd", "size": len(frame), "sha256": to_hex(sha256(frame))}
+    store.put(keys.layer_manifest(digest), json.dumps(manifest).encode())
+    del frame
+    seen = KeysSeen(store)
+    with peak_allocated() as peak, pytest.raises(FormatError) as info:
+        open_layer(seen, digest)
+    assert info.value.where.startswith(keys.layer_meta(digest))
+    assert peak[0] < BOUNDED, f"{peak[0]} bytes allocated"
+    assert keys.layer_blobmap(digest) not in seen.keys

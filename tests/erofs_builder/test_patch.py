@@ -14,19 +14,27 @@ import os
 import shutil
 import subprocess
 import time
+import types
 
 import pytest
 from treecmp import assert_same_tree, snapshot, write_files
 
 from dsec_fs.errors import FormatError, NotFoundError, UnavailableError
-from dsec_fs.layer import read_manifest
+from dsec_fs import compress
+from dsec_fs.blobmap import ENTRY, HEADER, EncodedBlobMap
+from dsec_fs.digest import sha256, to_hex
+from dsec_fs.layer import open_layer, publish_layer, read_manifest
 from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from erofs_builder.export import export_layer
 from erofs_builder.fsck import fsck_layer
-from erofs_builder.incremental import RACY_NS, decode_buildinfo, encode_buildinfo
+from erofs_builder.incremental import _HEADER as BUILDINFO_HEADER
+from erofs_builder.incremental import RACY_NS, decode_buildinfo, encode_buildinfo, name_layer
+from erofs_builder.ondisk.device_slot import SLOT_SIZE, DeviceSlot
 from erofs_builder.patch import _count_inodes
+from erofs_builder.reader import ErofsImage
+from erofs_builder.writer import seal_image
 from tests.erofs_builder.test_incremental import (
     CHUNK, assert_layer_is, counting_opens, distinct_mtimes, edit, files_read, make_source,
 )
@@ -41,7 +49,7 @@ STRUCTURAL = {"chmod": ("another mode",), "xattr": ("xattrs",), "rename": ("cann
               "touch-dir": ("not a regular file",), "add-put-back": ("other names",),
               "mkdir-put-back": ("other names",)}
 TREES = ("content", "other-map", "grow", "boundary", "blocks", "racy", "hole", "shared", "same-chunk", "compact",
-         "tie", "hardlink", "chain", "kernel", "forged", "outage", "leases", *STRUCTURAL)
+         "tie", "hardlink", "chain", "kernel", "forged", "outage", "leases", "twice", "hidden-shared", *STRUCTURAL)
 ENTRIES = 14  # names make_source makes, the root included
 
 
@@ -51,8 +59,9 @@ def aged(tmp_path_factory) -> dict[str, str]:
     roots = {name: str(base / name) for name in TREES}
     for root in roots.values():
         make_source(root)
-    with open(f"{roots['shared']}/lib/twin", "wb") as f:  # the same chunks as lib/file0
-        f.write(open(f"{roots['shared']}/lib/file0", "rb").read())
+    for name in ("shared", "hidden-shared"):
+        with open(f"{roots[name]}/lib/twin", "wb") as f:  # the same chunks as lib/file0
+            f.write(open(f"{roots[name]}/lib/file0", "rb").read())
     os.symlink("lib", f"{roots['forged']}/lnk")
     for name, root in roots.items():
         distinct_mtimes(root)
@@ -377,3 +386,74 @@ def test_inodes_are_counted_as_the_layout_counts_them():
                   (1, 21, 3, 7, 0, regular), (2, 20, 3, 5, 0, regular)]  # another device: another inode
     assert _count_inodes(identities) == {5: 4, 7: 1}
     assert _count_inodes(identities, stop_at=2)[5] == 2
+
+
+def forge_parent_naming_a_chunk_twice(store, parent: str, early_file: bytes, late_file: bytes) -> str:
+    """Republish layer ``parent`` as a layer whose blob map names the first chunk of ``early_file`` twice:
+    at its own entry and at the entry of ``late_file``'s first chunk (one block each, the later entry),
+    with meta.erofs's device tag, manifest and build info to match: a layer every reader accepts (a mount
+    reads entries by number, every chunk by its digest), whose ``late_file`` reads ``early_file``'s first
+    block. Returns its digest."""
+    files = open_layer(store, parent)
+    blob_map = EncodedBlobMap(files.blobmap, source="test")
+    early, late = (blob_map.index_of(sha256(data[:CHUNK])) for data in (early_file, late_file))
+    assert early < late
+    forged_map = bytearray(files.blobmap)
+    at = HEADER.size + late * ENTRY.size + ENTRY.size - len(sha256(b""))
+    forged_map[at:at + 32] = blob_map.digest(early)
+    meta = bytearray(files.meta)
+    image = ErofsImage(files.meta, source="test")
+    slot_at = image.superblock.devt_slotoff * SLOT_SIZE
+    slot = DeviceSlot.unpack(meta, slot_at)
+    slot.tag = to_hex(sha256(forged_map)).encode("ascii")
+    meta[slot_at:slot_at + SLOT_SIZE] = slot.pack()
+    seal_image(meta)
+    digest = to_hex(sha256(meta))
+    manifest = read_manifest(store, parent)
+    manifest.layer, manifest.stored = digest, {}
+    manifest.blob_id = manifest.blobmap_sha256 = to_hex(sha256(forged_map))
+    info = name_layer(bytearray(store.get(keys.layer_buildinfo(parent))), digest)
+    publish_layer(store, bytes(meta), bytes(forged_map), manifest,
+                  also=lambda: (keys.layer_buildinfo(digest), bytes(info)))
+    return digest
+
+
+def test_a_parent_whose_blob_map_names_a_chunk_twice_is_not_patched(aged, store, tmp_path, caplog):
+    """A blob map that names a chunk at two entries is accepted by every reader now (blobmap13: each entry
+    is read by number), so it can be a rebuild's parent. The patch finds a changed file's old chunk by
+    its digest: at the first entry that names it, which may be another file's. Patching that entry gave
+    the other file the new bytes and left the changed file as it was, in a layer that fsck passes. Such
+    a parent takes the full path."""
+    root = aged["twice"]
+    early, late = (open(f"{root}/lib/{name}", "rb").read() for name in ("file1", "file2"))
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    forged = forge_parent_naming_a_chunk_twice(store, parent.digest, early, late)
+    assert fsck_layer(store, forged).problems  # fsck reports the chunk named twice
+    edit(f"{root}/lib/file2", 0, b"changed where the forged map names file1's chunk")
+    child, patched = rebuild(root, store, types.SimpleNamespace(digest=forged), caplog)
+    assert not patched and "names chunk" in caplog.text, caplog.text
+    check_layer(store, child.digest, root, tmp_path)
+
+
+def test_a_build_info_that_hides_a_shared_chunk_does_not_get_it_patched(aged, store, tmp_path, caplog):
+    """The build info's list of blob-map entries that several chunk indexes name is not covered by the
+    manifest: anyone who can write the store can empty it. lib/twin holds lib/file0's chunks (one entry
+    each, named by both files); with the list emptied, an edit of lib/twin patched the shared entry and
+    the published layer gave lib/file0 (and its hard link) lib/twin's new bytes, and fsck passed it. The
+    image is asked how many chunk indexes name a replaced chunk: the full path."""
+    root = aged["hidden-shared"]
+    parent = build_layer(root, store, chunk_size=CHUNK)
+    key = keys.layer_buildinfo(parent.digest)
+    data = store.get(key)
+    info = decode_buildinfo(data, layer=parent.digest, source=key)
+    assert info.shared
+    body = bytes(info.records) + bytes(info.racy) + bytes(info.paths_blob)  # no shared entries
+    frame = compress.compress(body)
+    header = list(BUILDINFO_HEADER.unpack_from(data, 0))
+    header[3], header[5], header[6] = 0, len(body), sha256(frame)  # shared count, body size, frame sha256
+    store.put(key, BUILDINFO_HEADER.pack(*header) + frame)
+    assert decode_buildinfo(store.get(key), layer=parent.digest, source=key).shared == []
+    edit(f"{root}/lib/twin", 0, b"changed in lib/twin only")
+    child, patched = rebuild(root, store, parent, caplog)
+    assert not patched and "another chunk index of the image names too" in caplog.text, caplog.text
+    check_layer(store, child.digest, root, tmp_path)
