@@ -78,7 +78,7 @@ from .incremental import (MTIME_FIELD, BuildInfo, Identity, ParentLayer, record_
                           rescanned_records)
 from .layout import NS_PER_S
 from .ondisk import INODE_SLOT_SIZE, inode
-from .ondisk.chunk_index import BLOB_DEVICE_ID
+from .ondisk.chunk_index import BLOB_DEVICE_ID, CHUNK_INDEX
 from .ondisk.device_slot import SLOT_SIZE, DeviceSlot
 from .tree import Node
 from .walk_dir import node_of, stat_identity
@@ -89,8 +89,12 @@ log = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1
 _DOTS = (b".", b"..")
 # A chunk index's device id and blkaddr (ondisk.chunk_index.CHUNK_INDEX after its advise, which readers
-# ignore): searched for in the image, to learn how many chunk indexes name a blob block.
+# ignore): searched for in the image, to learn how many chunk indexes name a blob block. Chunk indexes
+# stand at multiples of their size (the kernel aligns an inode's array to it), so only a match at that
+# phase is one: the same bytes stand elsewhere by chance (a compact inode's i_nlink of 1 then its i_size
+# spells device 1, blkaddr = that size), and counting those sent Debian's rebuild down the full path.
 _BLOB_BLOCK = struct.Struct("<HI")
+_BLOB_BLOCK_PHASE = 2  # the device id's offset in a chunk index (after its 2-byte advise)
 _BELOW_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a directory, never through a symlink
 
 
@@ -165,7 +169,7 @@ class Rescan:
                     return _full(f"{_named(change)} had a chunk the layer holds elsewhere too")
                 if -(-length // BLOCK_SIZE) != -(-old_length // BLOCK_SIZE):
                     return _full(f"the last chunk of {_named(change)} changed its number of blocks")
-                if parent.meta.count(_BLOB_BLOCK.pack(BLOB_DEVICE_ID, blob_map.entry(index)[0])) != 1:
+                if _chunk_indexes_naming(parent.meta, blob_map.entry(index)[0]) != 1:
                     # the build info's shared list is not covered by the manifest: the image tells
                     return _full(f"{_named(change)} had a chunk another chunk index of the image names too")
                 replaced[o] = (n, length)
@@ -434,4 +438,16 @@ def _printable(path: bytes) -> str:
 
 def _named(change: _Change) -> str:
     return change.node.source
+
+
+def _chunk_indexes_naming(image: bytes, blkaddr: int, enough: int = 2) -> int:
+    """How many chunk indexes of ``image`` name blob block ``blkaddr`` (counting stops at ``enough``): the
+    matches of its device id and blkaddr at a chunk index's phase. A match by chance at that phase (inode
+    or directory bytes that spell one) only sends a rebuild to the full path."""
+    pattern = _BLOB_BLOCK.pack(BLOB_DEVICE_ID, blkaddr)
+    found, at = 0, image.find(pattern)
+    while at >= 0 and found < enough:
+        found += at % CHUNK_INDEX.size == _BLOB_BLOCK_PHASE
+        at = image.find(pattern, at + 1)
+    return found
 
