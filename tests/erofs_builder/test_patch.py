@@ -461,9 +461,9 @@ def test_a_build_info_that_hides_a_shared_chunk_does_not_get_it_patched(aged, st
 
 def test_a_change_to_the_blobs_first_chunk_is_patched(store, tmp_path, caplog):
     """The first chunk of the blob is block 0: an inode's link count of 1 followed by zeros spells its
-    chunk index's device and blkaddr in every image, at another phase than a chunk index's. Counting
-    every match (review13's check) sent such a rebuild, and Debian's of libc (bench_rebuild.py), down the
-    full path: only a match where a chunk index stands counts."""
+    chunk index's device and blkaddr in every image, where no chunk index stands. Counting every match
+    (review13's check) sent such a rebuild, and Debian's of libc (bench_rebuild.py), down the full path;
+    only this builder's chunk index at a chunk index's place counts."""
     root = str(tmp_path / "src")
     write_files(root, {"lib/first": os.urandom(CHUNK + 100), "lib/second": os.urandom(3 * CHUNK),
                        "lib/empty": b""})
