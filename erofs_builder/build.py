@@ -32,7 +32,7 @@ uploads enter the store's index mirror when the build is over and its tree freed
 Incremental builds: with ``parent`` (a layer built earlier from the same directory), a scan of the source
 is compared with the parent's build info first (patch.py). If only regular files' contents changed, in
 ways that keep the image's layout, steps 1, 3 and 5 shrink to that scan, reading the changed files, and
-patching the parent's meta.erofs and blob map (``_build_patched``; step 4 confirms the packs of the
+patching the parent's meta.erofs and blob map (patched_build.py; step 4 confirms the packs of the
 new chunks, the parent's packs are only checked to exist, see patch.py); the layer is the one a full build
 gives. Otherwise the build takes the steps above, and files whose stat identity has not changed since
 the parent take their chunk lists from it without being read (incremental.py).
@@ -41,14 +41,9 @@ On any error before step 6 nothing of the layer is published: the packs already 
 unreferenced and gc removes them. A ref name is checked before any work, so a bad name costs nothing.
 
 Threads: build_layer and build_tree run in the calling thread; the chunker and the uploader run their own
-worker threads for the duration of the call and stop them before returning (or raising). A rebuild with
-a parent also takes its lease and syncs the chunk index in a thread of its own while the parent is
-loaded and the source scanned (``_lease_and_index``), and on the patch path compresses and stores meta.erofs,
-the blob map and the build info in another while its new pack is flushed (dsec_fs.layer.store_metadata; the
-manifest follows once both are durable), that thread then adding the new packs to the index mirror while
-the manifest is written; both are joined before the call returns. On the patch path the chunker's
-workers hash and compress each changed file while the calling thread goes on with the scan. Python's cycle
-collector is paused for the whole process while a build runs (see ``_cycle_collector_paused``).
+worker threads for the duration of the call and stop them before returning (or raising); a rebuild with
+a parent runs patched_build.py's threads, which it joins before returning. Python's cycle collector is
+paused for the whole process while a build runs (see ``_cycle_collector_paused``).
 """
 
 from __future__ import annotations
@@ -61,27 +56,25 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from dsec_fs.chunks import ChunkIndex, ChunkUploader, missing_packs
+from dsec_fs.chunks import ChunkUploader
 from dsec_fs.digest import sha256, to_hex
-from dsec_fs.errors import InputError, NotFoundError
-from dsec_fs.pack_indexes import ensure_pack_indexes
+from dsec_fs.errors import InputError
 from dsec_fs.heap import release_free_memory
 from dsec_fs.dedup_index import OwnPacks, add_to_mirror, load_chunk_index
-from dsec_fs.layer import Manifest, parse_ref, publish_layer, publish_stored, set_ref, store_metadata
+from dsec_fs.layer import parse_ref, publish_layer
 from dsec_fs.leases import Lease
 from dsec_fs.spill import SpillFile
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
-from dsec_fs.blobmap import BLOCK_SIZE, check_chunk_size
+from dsec_fs.blobmap import check_chunk_size
 from .blob_layout import lay_out_blob
 from .chunker import DEFAULT_CHUNK_SIZE, Chunker, ChunkStats, KnownChunks, Progress, regular_files
-from .incremental import ParentLayer, encode_buildinfo, encode_rescanned, name_layer
+from .incremental import ParentLayer, encode_buildinfo, name_layer
+from .layer_publish import BuildResult, layer_manifest, packs_of, published
 from .tree import Node, Tree
 from .walk_dir import listing_order, walk_directory
 from .images import is_image_ref
@@ -91,20 +84,11 @@ from .writer import spill_image
 # Only the build of a tar, an image or with a parent needs these modules: imported where used, so that a
 # directory build does not pay for importing them (see docs/benchmarks.md, issue 17, third session).
 if TYPE_CHECKING:
-    from .incremental import BuildInfo
-    from .patch import Patched, Rescan, SourceScan
     from .registry import RegistryOptions
     from .walk_oci import OciImage
     from .walk_tar import OnFile
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BuildResult:
-    digest: str  # the layer digest: sha256 hex of meta.erofs
-    manifest: Manifest
-    stats: ChunkStats
 
 
 def build_layer(
@@ -171,21 +155,9 @@ def _build_directory(source: str | bytes | os.PathLike, store: Store, name: str 
     described = os.path.abspath(os.fsdecode(source))
     base = None
     if parent is not None:
-        # The patch path's lease and chunk index are made beside loading the parent and the scan (a store
-        # write, a listing, an LMDB commit: waits, mostly); unused if the build takes the full path.
-        from .patch import SourceScan
+        from .patched_build import build_on_parent  # only a rebuild pays for importing the patch path
 
-        scans: list[SourceScan] = []
-
-        def start_scan(info: BuildInfo) -> None:  # the lstat calls begin while the parent's image is read
-            scans.append(SourceScan(source, info))
-            scans[0].start()
-
-        with _lease_and_index(store, f"build {name or described}") as leased, contextlib.ExitStack() as open_scans:
-            open_scans.callback(lambda: [scan.close() for scan in scans])
-            base = ParentLayer.load(store, parent, chunk_size=chunk_size, on_buildinfo=start_scan)
-            patched = _build_patched(base, scans[0] if scans else None, leased, store, name, chunk_size, progress,
-                                     workers, described)
+        patched, base = build_on_parent(source, store, parent, name, chunk_size, progress, workers, described)
         if patched:
             return patched
     scanned_at_ns = time.time_ns()
@@ -339,7 +311,7 @@ def _chunk_trees(walk: Callable[[OnFile], list[Tree]], store: Store, chunk_size:
         layers = []
         for tree in trees:
             files = listed if listed is not None and len(trees) == 1 else regular_files(tree)
-            packs = _packs_of(_digests(files), index)
+            packs = packs_of(_digests(files), index)
             index.confirm(store, _digests(files), packs)
             layers.append((tree, files, packs))
     return stats, layers
@@ -382,7 +354,7 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blo
     """Step 6 for a finished meta.erofs and blob map: build info (made by ``buildinfo`` for the layer
     digest, directory builds only), manifest, ref."""
     blob_id = to_hex(sha256(blob_map_bytes))
-    manifest = _manifest(to_hex(meta.sha256() if isinstance(meta, SpillFile) else sha256(meta)), len(meta), blob_id,
+    manifest = layer_manifest(to_hex(meta.sha256() if isinstance(meta, SpillFile) else sha256(meta)), len(meta), blob_id,
                          len(blob_map_bytes), blob_blocks, packs, stats, chunk_size, source)
     lease.check()
 
@@ -390,188 +362,7 @@ def _publish_layer(store: Store, lease: Lease, meta: bytes | SpillFile, blob_blo
         return keys.layer_buildinfo(manifest.layer), buildinfo(manifest.layer)
 
     digest = publish_layer(store, meta, blob_map_bytes, manifest, also=encoded_buildinfo if buildinfo else None)
-    return _published(store, manifest, digest, name, stats)
-
-
-def _manifest(layer: str, meta_size: int, blob_id: str, blobmap_size: int, blob_blocks: int, packs: list[str],
-              stats: ChunkStats, chunk_size: int, source: str) -> Manifest:
-    return Manifest(layer=layer, blob_id=blob_id, meta_size=meta_size, blobmap_size=blobmap_size,
-                    blobmap_sha256=blob_id, chunk_size=chunk_size, block_size=BLOCK_SIZE, blob_blocks=blob_blocks,
-                    packs=packs, stats=dataclasses.asdict(stats), source=source)
-
-
-def _published(store: Store, manifest: Manifest, digest: str, name: str | None, stats: ChunkStats) -> BuildResult:
-    """What follows a layer's manifest: its packs' indexes restored if a gc soft-deleted one meanwhile, then
-    the ref (under the lease too: gc keeps an unnamed layer while a build may name it)."""
-    ensure_pack_indexes(store, manifest.packs)
-    if name is not None:
-        set_ref(store, name, digest)
-    return BuildResult(digest=digest, manifest=manifest, stats=stats)
-
-
-@contextlib.contextmanager
-def _lease_and_index(store: Store, purpose: str) -> Iterator[Future[tuple[Lease, ChunkIndex]]]:
-    """Step 2 in a thread of its own: a lease, then the chunk index (synced after it, see dsec_fs/gc.py),
-    while the block runs; the block gets their Future. Both are closed when it ends (the index first,
-    if the block did not close it: ``_mirror_own_packs``), whatever its outcome. The packs uploaded
-    through this index enter the store's index mirror when it closes, through the mirror it holds open
-    (not deferred to ``add_to_mirror``, which opens the mirror again: a patched rebuild's tree is the
-    parent's few objects, not the tree whose memory the deferral is for)."""
-
-    def take() -> tuple[Lease, ChunkIndex]:
-        lease = Lease(store, purpose=purpose).acquire()
-        try:
-            return lease, load_chunk_index(store)
-        except BaseException:
-            lease.release()
-            raise
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="build-lease") as pool:
-        taken = pool.submit(take)
-        try:
-            yield taken
-        finally:
-            if taken.exception() is None:  # waits; an error of its own was raised to whoever took it
-                lease, index = taken.result()
-                try:
-                    index.close()
-                finally:
-                    lease.release()
-
-
-def _build_patched(parent: ParentLayer, scan: SourceScan | None, leased: Future[tuple[Lease, ChunkIndex]],
-                   store: Store, name: str | None, chunk_size: int, progress: Progress | None,
-                   workers: int | None, source: str) -> BuildResult | None:
-    """Steps 1 to 6 on the patch path (patch.py): ``scan`` of the source against ``parent`` (None: the
-    parent has no usable build info), reading and uploading each changed file as the scan finds it, then
-    publish the parent's meta.erofs and blob map patched for them; None (nothing published) when the change needs the full path. ``leased``: the
-    build's lease and chunk index (taken while the parent is loaded, ``_lease_and_index``). The layer's
-    objects are written beside the new pack's, the manifest after both (the publish order of
-    dsec_fs.layer: nothing names an object before it is durable)."""
-    from .patch import scan_changes
-
-    if scan is None or parent.info is None:  # no usable build info, or another chunk size (ParentLayer.load)
-        log.info("rebuilding in full: the parent has no usable build info")
-        return None
-    missing = missing_packs(store, parent.manifest.packs)
-    if missing:
-        log.warning("the store lacks pack %s of the parent layer: rebuilding in full", missing[0])
-        return None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-meta") as writer:
-        with _OnDemandChunker(store, leased, chunk_size, workers, progress) as chunking:
-            rescan = scan_changes(scan, parent, on_file=chunking.add_file)
-            if rescan is None:
-                return None
-            uploader, read = chunking.finish()
-            uploader.send()  # the new pack is written while the image is patched and the build info encoded
-            patched = rescan.patch(chunk_size)
-            if patched is None:
-                return None
-            # meta.erofs, the blob map and the build info, compressed and stored while the new pack is
-            # flushed: nothing names them until the manifest, written once both are durable. The build
-            # info is encoded here while the other two are compressed (zstd: no GIL) in the writer.
-            encoded: Future[bytearray] = Future()
-            stored = writer.submit(store_metadata, store, patched.meta, patched.blob_map_bytes,
-                                   also=functools.partial(_named_buildinfo, encoded))
-            try:
-                encoded.set_result(encode_rescanned(parent.info, rescan.records, None, rescan.scanned_at_ns))
-            except BaseException as exc:  # the writer waits for it: it must not wait forever
-                encoded.set_exception(exc)
-                raise
-            uploader.flush()
-        lease, index = leased.result()
-        # Every other chunk of the layer is the parent's, in the parent's packs (see patch.py).
-        new_packs = _packs_of(patched.new_chunks, index)
-        index.confirm(store, patched.new_chunks, new_packs)
-        packs = sorted(set(parent.manifest.packs).union(new_packs))
-        stats = _patched_stats(parent, rescan, read, patched)
-        metadata = stored.result()
-        # The patch keeps the blob map's layout: the parent's blocks and number of chunks.
-        manifest = _manifest(metadata.layer, metadata.meta_size, metadata.blob_id, metadata.blobmap_size,
-                             parent.blob_map.blocks, packs, stats, chunk_size, source)
-        # The new packs enter the index mirror (an LMDB commit) while the manifest is written.
-        mirrored = writer.submit(_mirror_own_packs, index)
-        lease.check()
-        result = _published(store, manifest, publish_stored(store, manifest, metadata), name, stats)
-        mirrored.result()
-    log.info("patched parent layer %s: %d files read, %d new chunks", parent.digest, len(rescan.changes),
-             stats.new_chunks)
-    return result
-
-
-def _mirror_own_packs(index: ChunkIndex) -> None:
-    """Close ``index`` (a MirroredChunkIndex), adding the packs uploaded through it to the store's index
-    mirror; a failure is logged, not raised, as ``add_to_mirror`` does (the mirror is a cache: the next
-    sync finds the packs)."""
-    try:
-        index.close()
-    except Exception as exc:
-        log.warning("could not add the packs of this build to the index mirror: %s", exc)
-
-
-class _OnDemandChunker:
-    """The patch path's Chunker and ChunkUploader, made when the scan hands over the first changed file
-    (or at ``finish``), so that the scan need not wait for the chunk index the lease thread syncs (see
-    ``_lease_and_index``) unless there is something to read. A context manager: both are closed when it
-    ends. Calling thread only."""
-
-    def __init__(self, store: Store, leased: Future[tuple[Lease, ChunkIndex]], chunk_size: int,
-                 workers: int | None, progress: Progress | None):
-        self._store, self._leased = store, leased
-        self._options = dict(chunk_size=chunk_size, workers=workers, progress=progress)
-        self._stack = contextlib.ExitStack()
-        self._uploader: ChunkUploader | None = None
-        self._chunker: Chunker | None = None
-
-    def __enter__(self) -> "_OnDemandChunker":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-
-    def add_file(self, node: Node) -> None:
-        """Read ``node`` now and hand its pieces to the chunker's workers (Chunker.add_file)."""
-        chunker = self._started()
-        chunker.add_file(node)
-        chunker.send()  # its last piece too, not held back for a batch: the scan goes on meanwhile
-
-    def finish(self) -> tuple[ChunkUploader, ChunkStats]:
-        """Wait for the files' chunks (Chunker.finish); the uploader, to flush, and what was read."""
-        stats = self._started().finish()
-        return self._uploader, stats
-
-    def _started(self) -> Chunker:
-        if self._chunker is None:
-            _lease, index = self._leased.result()
-            self._uploader = self._stack.enter_context(ChunkUploader(self._store, index))
-            self._chunker = self._stack.enter_context(Chunker(self._uploader, index, **self._options))
-        return self._chunker
-
-
-def _named_buildinfo(info: Future[bytearray], layer: str) -> tuple[str, bytes]:
-    """(key, data) of the build info ``info`` will hold (encoded with no layer) of ``layer``."""
-    return keys.layer_buildinfo(layer), name_layer(info.result(), layer)
-
-
-def _patched_stats(parent: ParentLayer, rescan: Rescan, read: ChunkStats, patched: Patched) -> ChunkStats:
-    """A patched layer's statistics: the parent's counts, moved by what changed, and this build's uploads.
-    Every non-hole chunk slot is either new or deduplicated, in the parent too."""
-    was = parent.manifest.stats
-    grew = sum(change.node.size - change.old.size for change in rescan.changes)
-    # A replaced chunk and its replacement are each named once (patch.py).
-    data_bytes = int(was.get("dedup_bytes", 0) + was.get("new_bytes", 0)) + patched.data_grew
-    stats = dataclasses.replace(
-        read,
-        files=int(was.get("files", 0)),
-        bytes=int(was.get("bytes", 0)) + grew,
-        chunks=int(was.get("chunks", 0)),
-        hole_chunks=int(was.get("hole_chunks", 0)),
-        distinct_chunks=len(parent.blob_map),
-        dedup_bytes=data_bytes - read.new_bytes,
-    )
-    stats.reused_files = stats.files - read.files
-    stats.reused_bytes = stats.bytes - read.bytes
-    return stats
+    return published(store, manifest, digest, name, stats)
 
 
 def _digests(files: list[Node]) -> Iterator[bytes]:
@@ -614,15 +405,3 @@ def _check_options(name: str | None, chunk_size: int) -> None:
     if name is not None:
         parse_ref(name)
     check_chunk_size(chunk_size)
-
-
-def _packs_of(digests: Iterable[bytes], index: ChunkIndex) -> list[str]:
-    """Sorted ids of the packs holding the chunks ``digests`` (all in the index once the uploader flushed)."""
-    packs = set()
-    pack_of = index.pack_of
-    for digest in digests:
-        pack_id = pack_of(digest)
-        if pack_id is None:
-            raise NotFoundError("chunk is in neither the store nor this build", where=f"chunk {to_hex(digest)}")
-        packs.add(pack_id)
-    return sorted(packs)

@@ -361,7 +361,7 @@ def test_build_info_refuses_a_path_no_tree_has(path, message):
 
 def test_a_rebuild_leaves_no_lease_whichever_way_it_ends(aged, store, caplog):
     """The patch path's lease and chunk index are taken beside loading the parent and the scan
-    (build._lease_and_index): a rebuild that takes the full path, and one whose parent is not published,
+    (patched_build._lease_and_index): a rebuild that takes the full path, and one whose parent is not published,
     leave no lease behind."""
     root = aged["leases"]
     parent = build_layer(root, store, chunk_size=CHUNK)
