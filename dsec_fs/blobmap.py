@@ -43,6 +43,7 @@ import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from .aligned_search import field_matches
 from .digest import DIGEST_SIZE, short
 from .errors import FormatError, InputError, NotFoundError, UnsupportedError
 
@@ -315,12 +316,9 @@ class EncodedBlobMap:
         digests; many at once: ``indexes_of``."""
         if len(digest) != DIGEST_SIZE:
             return None
-        at = self.data.find(digest, HEADER.size + max(0, start) * ENTRY.size)
-        while at >= 0:
-            index, field = divmod(at - HEADER.size, ENTRY.size)
-            if field == ENTRY.size - DIGEST_SIZE:
-                return index
-            at = self.data.find(digest, at + 1)
+        for at in field_matches(self.data, digest, origin=HEADER.size, stride=ENTRY.size,
+                                phase=ENTRY.size - DIGEST_SIZE, start=HEADER.size + max(0, start) * ENTRY.size):
+            return (at - HEADER.size) // ENTRY.size
         return None
 
     def indexes_of(self, digests: Iterable[bytes]) -> dict[bytes, int]:

@@ -69,6 +69,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from dsec_fs.aligned_search import field_matches
 from dsec_fs.blobmap import BLOCK_SIZE
 from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import CorruptError, NotFoundError, UnsupportedError
@@ -441,9 +442,6 @@ def _named(change: _Change) -> str:
 def _chunk_indexes_naming(image: bytes, blkaddr: int, enough: int = 2) -> int:
     """How many chunk indexes of ``image`` (this builder's: advise 0) name blob block ``blkaddr``, counting
     up to ``enough``. A chance match at a chunk index's place only sends a rebuild to the full path."""
-    pattern = CHUNK_INDEX.pack(0, BLOB_DEVICE_ID, blkaddr)
-    found, at = 0, image.find(pattern)
-    while at >= 0 and found < enough:
-        found += at % CHUNK_INDEX.size == 0
-        at = image.find(pattern, at + 1)
-    return found
+    matches = field_matches(image, CHUNK_INDEX.pack(0, BLOB_DEVICE_ID, blkaddr), origin=0, stride=CHUNK_INDEX.size,
+                            phase=0)
+    return sum(1 for _at in itertools.islice(matches, enough))
