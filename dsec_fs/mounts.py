@@ -132,6 +132,16 @@ def mount_identity(target: PathLike) -> MountIdentity:
     return MountIdentity(mount_id, unique_id)
 
 
+def new_mount_identity(target: PathLike) -> MountIdentity:
+    """mount_identity of the mount just made at ``target``; if it cannot be taken, that mount is detached
+    (nothing could unmount it by what it is)."""
+    try:
+        return mount_identity(target)
+    except BaseException:
+        umount(target, lazy=True)
+        raise
+
+
 def umount_identified(identity: MountIdentity, target: PathLike, lazy: bool = False) -> bool:
     """umount2(2) of the mount ``identity`` names, at ``target`` or wherever /proc/self/mountinfo shows it
     now (a directory on the way renamed), never of another mount the path leads to meanwhile (a directory
@@ -178,6 +188,13 @@ def umount_identified(identity: MountIdentity, target: PathLike, lazy: bool = Fa
 def identity_of(entry: MountEntry) -> MountIdentity:
     """The identity of a mount as /proc/self/mountinfo shows it (for a mount this process did not make)."""
     return MountIdentity(entry.mount_id)
+
+
+def identity_at(path: PathLike) -> MountIdentity | None:
+    """identity_of the topmost mount exactly at ``path``, or None; from /proc/self/mountinfo alone, so no
+    request goes to the filesystem there (a FUSE session nobody serves yet)."""
+    entry = top_mount(path)
+    return None if entry is None else identity_of(entry)
 
 
 def erofs_options(blob_paths: Sequence[PathLike]) -> str:
@@ -323,11 +340,9 @@ def is_below(path: str, directory: str) -> bool:
 def umount_or_detach(target: PathLike, identity: MountIdentity | None = None) -> bool:
     """Unmount the mount ``identity`` names (umount_identified; default: the topmost at ``target`` now); if
     something still holds it (EBUSY), detach it lazily instead of leaving it. False if it was gone."""
+    identity = identity or identity_at(os.path.realpath(os.fsdecode(target)))
     if identity is None:
-        entry = top_mount(os.path.realpath(os.fsdecode(target)))
-        if entry is None:
-            return False
-        identity = identity_of(entry)
+        return False
     try:
         return umount_identified(identity, target)
     except UnavailableError as e:
@@ -342,11 +357,7 @@ def mounted(source: PathLike, target: PathLike, fstype: str, flags: int = 0,
     """``mount(...)`` for the duration of a with-block; yields the target; always unmounts what it
     mounted, wherever that went meanwhile (umount_identified)."""
     mount(source, target, fstype, flags, data)
-    try:
-        identity = mount_identity(target)
-    except BaseException:
-        umount(target, lazy=True)
-        raise
+    identity = new_mount_identity(target)
     try:
         yield os.fsdecode(target)
     finally:

@@ -277,7 +277,7 @@ class LayerMounter:
             if write:
                 unlink_if_present(meta_path)
             raise
-        return _identity_or_detach(mountpoint)
+        return mounts.new_mount_identity(mountpoint)
 
     def _bind(self, digest: str, mountpoint: str, adopt: bool) -> mounts.MountIdentity:
         """A worker thread's part of a fuse-mode mount: bind the layer's tree at ``mountpoint`` (unless
@@ -285,7 +285,7 @@ class LayerMounter:
         if adopt:
             return _adopted_identity(mountpoint)
         mounts.mount(self.layer_path(digest), mountpoint, "none", mounts.MS_BIND)
-        return _identity_or_detach(mountpoint)
+        return mounts.new_mount_identity(mountpoint)
 
     def save_session_state(self, **changes) -> None:
         """raw binding: update ``session_state`` with ``changes`` and the session's inode numbers, and
@@ -464,22 +464,13 @@ def _end_raw_session(mounter: LayerMounter, holder) -> None:
             log.warning("unmounting the FUSE session: %s", exc)
 
 
-def _identity_or_detach(mountpoint: str) -> mounts.MountIdentity:
-    """The identity of the mount just made at ``mountpoint``; if it cannot be taken, the mount is detached."""
-    try:
-        return mounts.mount_identity(mountpoint)
-    except BaseException:
-        mounts.umount(mountpoint, lazy=True)
-        raise
-
-
 def _adopted_identity(mountpoint: str) -> mounts.MountIdentity:
     """The identity of a mount being adopted, from /proc/self/mountinfo alone: nobody serves the FUSE
     session yet, so nothing may look the mountpoint up."""
-    entry = mounts.top_mount(mountpoint)
-    if entry is None:
+    identity = mounts.identity_at(mountpoint)
+    if identity is None:
         raise NotFoundError("nothing is mounted here any more", where=mountpoint)
-    return mounts.identity_of(entry)
+    return identity
 
 
 # Filesystems whose files the kernel's file-backed EROFS refuses as an image (ENOTBLK): no direct I/O.
