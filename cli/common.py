@@ -52,6 +52,17 @@ _s3_options = [
 ]
 
 
+def positive(parse: Callable[[str], float], text: str, option: str) -> float:
+    """``parse(text)`` (a size, a duration), above zero and finite; InputError naming ``option`` else."""
+    try:
+        value = parse(text)
+    except InputError as exc:
+        raise InputError(exc.message, where=f"{option} {text}") from None
+    if not 0 < value < float("inf"):
+        raise InputError("must be above zero", where=f"{option} {text}")
+    return value
+
+
 def store_option(command):
     """``--store URL`` (passed as ``store_url``) and the S3 options, which set the environment."""
     for option in reversed(_s3_options):

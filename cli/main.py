@@ -26,7 +26,7 @@ from . import oci_cmds
 from .common import (CHUNK_SIZE_HELP, ENV_PREFIX, JSON_META, LazyCommands, add_common_options, emit, json_option,
                      note, store_option, store_to_publish_in)
 from .config import CONFIG_ENV, DEFAULT_CONFIG, config_path, load_default_map
-from .oci_cmds import plain_http_option, registry_options
+from .oci_cmds import registry_option, registry_options
 
 ARGV_META = "dsecfs.argv"
 SIGINT_EXIT = 130  # 128 + SIGINT, as shells report a command Ctrl-C stopped
@@ -101,7 +101,7 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.option("--tar-limit", "tar_limit", multiple=True, metavar="NAME=VALUE",
               help="raise a tar input limit: max_file_size, max_header_size, max_sparse_segments, "
                    "max_tar_bytes, max_expansion, expansion_allowance (repeatable)")
-@plain_http_option
+@registry_option
 @json_option
 def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, parent: str | None,
           lenient: bool, platform: str, oci_layers: bool, max_size: str, max_meta_size: str,
@@ -121,7 +121,7 @@ def build(source: str, store_url: str | None, ref: str | None, chunk_size: str, 
                    limits=LayerLimits(parse_size(max_size), parse_size(max_meta_size)),
                    tar_limits=tar_limits_with(list(tar_limit)),
                    # None: the defaults, without importing the registry client (http.client, ssl, ~40 ms)
-                   registry=registry_options(plain_http) if plain_http else None)
+                   registry=registry_options(plain_http))
     with store_to_publish_in(store_url) as store:
         def run(**extra):
             if oci_layers:

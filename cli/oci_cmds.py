@@ -4,21 +4,55 @@ from __future__ import annotations
 
 import click
 
-from dsec_fs.units import human_size, parse_size
+from dsec_fs.units import human_size, parse_duration, parse_size
 
-from .common import CHUNK_SIZE_HELP, emit, json_option, store_option, store_to_publish_in
+from .common import CHUNK_SIZE_HELP, emit, json_option, positive, store_option, store_to_publish_in
 
-plain_http_option = click.option(
-    "--plain-http", is_flag=True,
-    help="talk to docker:// registries over plain HTTP (a local registry without TLS)",
-)
+REGISTRY_TIMEOUT_META, REGISTRY_MIN_RATE_META = "dsecfs.registry_timeout", "dsecfs.registry_min_rate"
+
+
+def _remember_positive(key: str, parse):
+    """A callback that keeps the option's value, parsed by ``parse`` and above zero, in ``ctx.meta[key]``."""
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+        if value is not None:
+            ctx.meta[key] = positive(parse, value, param.opts[0])
+
+    return callback
+
+
+_registry_options = [
+    click.option("--plain-http", is_flag=True,
+                 help="talk to docker:// registries over plain HTTP (a local registry without TLS)"),
+    click.option("--registry-timeout", metavar="DURATION", expose_value=False,
+                 callback=_remember_positive(REGISTRY_TIMEOUT_META, parse_duration),
+                 help="a registry request and its answer, and the floor of a blob transfer's deadline "
+                      "(default 60s)"),
+    click.option("--registry-min-rate", metavar="SIZE", expose_value=False,
+                 callback=_remember_positive(REGISTRY_MIN_RATE_META, parse_size),
+                 help="bytes a second a blob transfer must keep up on average, over and above the timeout "
+                      "(default 1MiB)"),
+]
+
+
+def registry_option(command):
+    """``--plain-http`` (passed as ``plain_http``), ``--registry-timeout`` and ``--registry-min-rate``
+    (which registry_options reads)."""
+    for option in reversed(_registry_options):
+        command = option(command)
+    return command
 
 
 def registry_options(plain_http: bool):
-    """How to reach registries, from the command's options (credentials: the auth files, see docs/guide.md)."""
+    """How to reach registries, from the command's options (credentials: the auth files, see docs/guide.md);
+    None if every option is left at its default (then the registry client is not even imported)."""
+    meta = click.get_current_context().meta
+    bounds = {name: meta[key] for name, key in (("timeout", REGISTRY_TIMEOUT_META),
+                                                ("min_rate", REGISTRY_MIN_RATE_META)) if key in meta}
+    if not plain_http and not bounds:
+        return None
     from erofs_builder.registry import RegistryOptions
 
-    return RegistryOptions(plain_http=plain_http)
+    return RegistryOptions(plain_http=plain_http, **bounds)
 
 
 @click.command()
@@ -28,7 +62,7 @@ def registry_options(plain_http: bool):
 @click.option("--name", "ref", metavar="NAME:TAG", help="also publish the layers as refs NAME:TAG-l0, -l1, ...")
 @click.option("--platform", default="linux/amd64", show_default=True, help="which image of an OCI index")
 @click.option("--chunk-size", default="1MiB", show_default=True, help=CHUNK_SIZE_HELP)
-@plain_http_option
+@registry_option
 @json_option
 def convert(source: str, target: str, store_url: str | None, ref: str | None, platform: str, chunk_size: str,
             plain_http: bool, as_json: bool) -> None:
@@ -106,7 +140,7 @@ def image() -> None:
 @click.option("--snapshotter", "snapshotter_name", default="dsecfs", show_default=True,
               help="the proxy_plugins name of dsecfs snapshotter in containerd's config")
 @click.option("--platform", default="linux/amd64", show_default=True, help="which image of an OCI index")
-@plain_http_option
+@registry_option
 @json_option
 def image_pull(ref: str, address: str, namespace: str, snapshotter_name: str, platform: str, plain_http: bool,
                as_json: bool) -> None:

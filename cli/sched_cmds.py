@@ -12,6 +12,9 @@ import json
 import click
 
 from dsec_fs.errors import InputError
+from dsec_fs.units import parse_duration
+
+from .common import positive
 
 
 @click.group()
@@ -49,15 +52,27 @@ def simulate(nodes: int, slots: int, requests: int, combinations: int, zipf: flo
 @click.option("--listen", default="127.0.0.1:8470", show_default=True, metavar="HOST:PORT")
 @click.option("--store", "store_url", default=None, metavar="URL",
               help="resolve refs in pod annotations through this store (without it, annotations must be digests)")
-def serve(listen: str, store_url: str | None) -> None:
+@click.option("--max-connections", default="256", show_default=True, metavar="N",
+              help="connections served at once (a thread each); past it the longest waiting one gives way")
+@click.option("--idle-timeout", default="300s", show_default=True, metavar="DURATION",
+              help="how long a kept-alive connection may wait for its next request")
+@click.option("--request-timeout", default="30s", show_default=True, metavar="DURATION",
+              help="from a request's first byte to the end of its answer")
+def serve(listen: str, store_url: str | None, max_connections: str, idle_timeout: str, request_timeout: str) -> None:
     """Serve the scheduler: node registration and reports, placement, and the Kubernetes extender."""
     from contextlib import ExitStack
 
+    from overlay.http_bounds import ConnectionBounds
     from overlay.sched_service import SchedService
 
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise InputError("expected HOST:PORT", where=f"--listen {listen}")
+    if not max_connections.isdigit() or int(max_connections) < 1:
+        raise InputError("expected a whole number of connections, at least 1", where=f"--max-connections {max_connections}")
+    bounds = ConnectionBounds(max_connections=int(max_connections),
+                              idle_seconds=positive(parse_duration, idle_timeout, "--idle-timeout"),
+                              request_seconds=positive(parse_duration, request_timeout, "--request-timeout"))
     with ExitStack() as stack:
         resolve = None
         if store_url is not None:
@@ -65,7 +80,7 @@ def serve(listen: str, store_url: str | None) -> None:
             from dsec_fs.store import open_store
 
             resolve = functools.partial(resolve_ref, stack.enter_context(open_store(store_url)))
-        service = SchedService(host=host, port=int(port), resolve=resolve)
+        service = SchedService(host=host, port=int(port), resolve=resolve, bounds=bounds)
         click.echo(f"dsecfs scheduler listening on {service.url} (extender at {service.url}/extender)")
         try:
             service.serve_forever()

@@ -73,7 +73,7 @@ from .blobmap import EncodedBlobMap
 from .chunks import DEFAULT_PACK_TARGET, ChunkIndex, ChunkLocation, ChunkUploader, read_chunks, read_index_object
 from .digest import is_hex_digest
 from .errors import CorruptError, DsecError, FormatError, InputError, NotFoundError, UnsupportedError
-from .layer import Manifest, list_refs, manifest_at, read_blobmap
+from .layer import Manifest, list_refs, manifest_at, read_blobmap_alone
 from .leases import CLOCK_SKEW, DEFAULT_MAX_AGE, LeaseInfo, exclusive_lease, list_leases
 from .pack import PACK_TRAILER, PackEntry, index_size
 from .pack_indexes import restore_pack_index
@@ -366,7 +366,7 @@ class _Run:
     def _layer_chunks(self, layer: _Layer) -> set[bytes] | None:
         key = keys.layer_blobmap(layer.digest)
         try:
-            blob_map = EncodedBlobMap(read_blobmap(self.store, layer.manifest), source=key)
+            blob_map = EncodedBlobMap(read_blobmap_alone(self.store, layer.manifest), source=key)
             return {digest for _blkaddr, digest, _length in blob_map.entries}
         except DsecError as exc:
             self.report.problems.append(f"{key}: {exc}; its packs are not repacked")

@@ -378,14 +378,23 @@ def read_blobmap(store: Store, manifest: Manifest) -> bytes:
                         manifest.blobmap_size)
 
 
+def read_blobmap_alone(store: Store, manifest: Manifest) -> bytes:
+    """read_blobmap for a reader that has no use for meta.erofs (gc, layer figures): a map over
+    PARALLEL_BLOBMAP_BYTES is read only once meta.erofs has been read and checked against the layer
+    digest (then dropped), as open_layer reads it, so that the meta_size its size bound rests on is
+    meta.erofs's own and not only the manifest's word."""
+    if manifest.blobmap_size > PARALLEL_BLOBMAP_BYTES:
+        read_meta(store, manifest)
+    return read_blobmap(store, manifest)
+
+
 def check_blobmap_size(manifest: Manifest) -> None:
     """CorruptError naming the blob map's key if the manifest gives the map more bytes than the layer can
     need: an entry per chunk of the blob, at most one per block of it and one per chunk index of meta.erofs
     (``dsec_fs.blobmap.max_entries``). Checked before the map is read: a layer cannot make a node hold a map many
     times its own metadata. ``meta_size`` is meta.erofs's own (its read checks it against the layer
     digest), so a manifest that lies about it fails that read instead: open_layer reads a map over
-    PARALLEL_BLOBMAP_BYTES only after it. A reader of the map alone (gc, layer figures) rests on the
-    manifest's meta_size: a lying one lets a map up to MAX_METADATA_SIZE through."""
+    PARALLEL_BLOBMAP_BYTES only after it, and so does a reader of the map alone (read_blobmap_alone)."""
     most = max_entries(manifest.meta_size, manifest.blob_blocks)
     if manifest.blobmap_size > encoded_size(most):
         raise CorruptError(f"the manifest gives the blob map {manifest.blobmap_size} bytes, more than the "

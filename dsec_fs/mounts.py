@@ -36,6 +36,7 @@ MS_BIND = 0x1000  # attach an existing directory tree at a second place
 # user of the host who can reach the mountpoint, not a sandbox (its overlay root is nosuid,nodev too).
 LAYER_FLAGS = MS_RDONLY | MS_NOSUID | MS_NODEV
 MNT_DETACH = 0x2  # umount2: detach now, finish when the last user goes away
+UMOUNT_NOFOLLOW = 0x8  # umount2: a symlink as the last component is refused (EINVAL), not followed
 
 PathLike = str | bytes | os.PathLike
 
@@ -44,6 +45,15 @@ _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.mount.restype = ctypes.c_int
 _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
 _libc.umount2.restype = ctypes.c_int
+_libc.statx.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p)
+_libc.statx.restype = ctypes.c_int
+
+# statx(2): the parts of struct statx read here, and the flags asked with.
+_AT_EMPTY_PATH, _AT_STATX_DONT_SYNC = 0x1000, 0x4000  # the fd itself; no request to a FUSE daemon
+_STATX_MNT_ID, _STATX_MNT_ID_UNIQUE = 0x1000, 0x4000  # Linux 5.8; 6.8 (never reused while the system runs)
+_STATX_ATTR_MOUNT_ROOT = 0x2000
+_STATX_SIZE = 256
+_STX_ATTRIBUTES, _STX_MNT_ID = slice(8, 16), slice(144, 152)
 
 _UNSUPPORTED = {errno.ENODEV, errno.ENOTBLK, errno.EOPNOTSUPP}
 _CORRUPT = {errno.EUCLEAN, errno.EBADMSG}  # the kernel's EFSCORRUPTED and EFSBADCRC (a bad checksum)
@@ -75,6 +85,116 @@ def umount(target: PathLike, lazy: bool = False) -> None:
     """umount2(2); ``lazy`` detaches now even if files are open (MNT_DETACH)."""
     if _libc.umount2(os.fsencode(target), MNT_DETACH if lazy else 0) != 0:
         raise _error("umount", ctypes.get_errno(), _show(target))
+
+
+def _statx_mount(fd: int, mask: int) -> tuple[int | None, bool]:
+    """The mount id of the file ``fd`` (None if the kernel does not give the id ``mask`` asks for) and
+    whether that file is the root of its mount. AT_STATX_DONT_SYNC: a FUSE file's attributes are taken as
+    cached, so no request goes to its daemon (which may be this process, or nobody)."""
+    buffer = ctypes.create_string_buffer(_STATX_SIZE)
+    if _libc.statx(fd, b"", _AT_EMPTY_PATH | _AT_STATX_DONT_SYNC, mask, buffer) != 0:
+        raise _error("statx", ctypes.get_errno(), f"/proc/self/fd/{fd}")
+    raw = buffer.raw
+    attributes = int.from_bytes(raw[_STX_ATTRIBUTES], "little")
+    got = int.from_bytes(raw[0:4], "little") & mask
+    return (int.from_bytes(raw[_STX_MNT_ID], "little") if got else None), bool(attributes & _STATX_ATTR_MOUNT_ROOT)
+
+
+@dataclass(frozen=True)
+class MountIdentity:
+    """Which mount a mountpoint held when it was mounted (or checked): what an unmount goes by, not the
+    path, whose directories may have been renamed or swapped for symlinks since (umount_identified)."""
+
+    mount_id: int  # /proc/self/mountinfo's first field; the kernel reuses it once the mount is gone
+    unique_id: int | None = None  # STATX_MNT_ID_UNIQUE, never reused; None where not known (from mountinfo)
+
+    def matches(self, fd: int) -> bool:
+        """The file ``fd`` is the root of this mount."""
+        if self.unique_id is not None:
+            found, root = _statx_mount(fd, _STATX_MNT_ID_UNIQUE)
+            if found is not None:
+                return root and found == self.unique_id
+        found, root = _statx_mount(fd, _STATX_MNT_ID)
+        return root and found == self.mount_id
+
+
+def mount_identity(target: PathLike) -> MountIdentity:
+    """The identity of the mount at ``target`` now (its last component not followed if a symlink): call it
+    right after mount(2). UnavailableError if ``target`` is not the root of a mount."""
+    fd = os.open(target, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mount_id, root = _statx_mount(fd, _STATX_MNT_ID)
+        unique_id, _root = _statx_mount(fd, _STATX_MNT_ID_UNIQUE)
+    finally:
+        os.close(fd)
+    if not root or mount_id is None:
+        raise UnavailableError("nothing is mounted here", where=_show(target), transient=False)
+    return MountIdentity(mount_id, unique_id)
+
+
+def new_mount_identity(target: PathLike) -> MountIdentity:
+    """mount_identity of the mount just made at ``target``; if it cannot be taken, that mount is detached
+    (nothing could unmount it by what it is)."""
+    try:
+        return mount_identity(target)
+    except BaseException:
+        umount(target, lazy=True)
+        raise
+
+
+def umount_identified(identity: MountIdentity, target: PathLike, lazy: bool = False) -> bool:
+    """umount2(2) of the mount ``identity`` names, at ``target`` or wherever /proc/self/mountinfo shows it
+    now (a directory on the way renamed), never of another mount the path leads to meanwhile (a directory
+    on the way swapped for a symlink, another mount over it). False if it is gone (unmounted by someone
+    else); UnavailableError if it is there but not reachable as itself (covered by another mount).
+
+    Each place is checked through its parent directory, opened (O_PATH) and kept: the mountpoint is
+    opened in it (O_NOFOLLOW) and its mount compared, then unmounted as /proc/self/fd/PARENT/NAME with
+    UMOUNT_NOFOLLOW, so no lookup by name happens between the check and umount2 but of NAME in that very
+    directory. In the mount namespace of the mount a mountpoint cannot be renamed or removed (EBUSY); a
+    process in another one (a sandbox) can swap NAME there for a symlink, which UMOUNT_NOFOLLOW refuses,
+    or for a directory holding another mount of this namespace that lies in its tree, the one race left."""
+    places = [os.fsdecode(target)]
+    places += [entry.mountpoint for entry in mount_table() if entry.mount_id == identity.mount_id]
+    present = len(places) > 1
+    for place in dict.fromkeys(places):
+        parent_path, name = os.path.split(os.path.normpath(place))
+        try:
+            parent = os.open(parent_path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+            except OSError:
+                continue
+            try:
+                ours = identity.matches(fd)
+            finally:
+                os.close(fd)  # an open file would keep the mount busy
+            if ours:
+                flags = (MNT_DETACH if lazy else 0) | UMOUNT_NOFOLLOW
+                if _libc.umount2(f"/proc/self/fd/{parent}/{name}".encode(), flags) != 0:
+                    raise _error("umount", ctypes.get_errno(), place)
+                return True
+        finally:
+            os.close(parent)
+    if present:
+        raise UnavailableError("the mount made here cannot be reached as itself (another mount covers it?); "
+                               "left mounted", where=", ".join(dict.fromkeys(places)), transient=False)
+    return False
+
+
+def identity_of(entry: MountEntry) -> MountIdentity:
+    """The identity of a mount as /proc/self/mountinfo shows it (for a mount this process did not make)."""
+    return MountIdentity(entry.mount_id)
+
+
+def identity_at(path: PathLike) -> MountIdentity | None:
+    """identity_of the topmost mount exactly at ``path``, or None; from /proc/self/mountinfo alone, so no
+    request goes to the filesystem there (a FUSE session nobody serves yet)."""
+    entry = top_mount(path)
+    return None if entry is None else identity_of(entry)
 
 
 def erofs_options(blob_paths: Sequence[PathLike]) -> str:
@@ -217,25 +337,31 @@ def is_below(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
-def umount_or_detach(target: PathLike) -> None:
-    """Unmount; if something still holds the mount (EBUSY), detach it lazily instead of leaving it."""
+def umount_or_detach(target: PathLike, identity: MountIdentity | None = None) -> bool:
+    """Unmount the mount ``identity`` names (umount_identified; default: the topmost at ``target`` now); if
+    something still holds it (EBUSY), detach it lazily instead of leaving it. False if it was gone."""
+    identity = identity or identity_at(os.path.realpath(os.fsdecode(target)))
+    if identity is None:
+        return False
     try:
-        umount(target)
+        return umount_identified(identity, target)
     except UnavailableError as e:
         if not e.transient:
             raise
-        umount(target, lazy=True)
+        return umount_identified(identity, target, lazy=True)
 
 
 @contextlib.contextmanager
 def mounted(source: PathLike, target: PathLike, fstype: str, flags: int = 0,
             data: str | bytes = "") -> Iterator[str]:
-    """``mount(...)`` for the duration of a with-block; yields the target; always unmounts."""
+    """``mount(...)`` for the duration of a with-block; yields the target; always unmounts what it
+    mounted, wherever that went meanwhile (umount_identified)."""
     mount(source, target, fstype, flags, data)
+    identity = new_mount_identity(target)
     try:
         yield os.fsdecode(target)
     finally:
-        umount_or_detach(target)
+        umount_or_detach(target, identity)
 
 
 def mounted_erofs(meta_path: PathLike, mountpoint: PathLike,

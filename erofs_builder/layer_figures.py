@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.chunks import INDEX_LOAD_THREADS, read_index_object
 from dsec_fs.errors import NotFoundError
-from dsec_fs.layer import LayerFiles, layers_with_prefix, manifest_at, open_layer, read_blobmap
+from dsec_fs.layer import LayerFiles, layers_with_prefix, manifest_at, open_layer, read_blobmap_alone
 from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
@@ -100,7 +100,7 @@ def _chunks_of(store: Store, digest: str) -> set[bytes]:
     manifest_key = keys.layer_manifest(digest)
     try:
         manifest = manifest_at(store, manifest_key)
-        data = read_blobmap(store, manifest)  # stored compressed or not, verified against the manifest
+        data = read_blobmap_alone(store, manifest)  # stored compressed or not, verified against the manifest
     except NotFoundError:
         return set()
     return {chunk for _blkaddr, chunk, _length in EncodedBlobMap(data, source=keys.layer_blobmap(digest)).entries}

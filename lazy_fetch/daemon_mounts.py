@@ -22,7 +22,7 @@ from dsec_fs.api import FILLS, MODES
 from dsec_fs.digest import is_hex_digest
 from dsec_fs.errors import ConflictError, DsecError, InputError, NotFoundError
 from dsec_fs.layer import parse_ref, utc_now
-from dsec_fs.mounts import is_below, top_mount, umount
+from dsec_fs.mounts import identity_of, is_below, top_mount, umount_identified
 
 from . import request_paths
 from .fetcher import ChunkFetcher
@@ -299,8 +299,8 @@ class DaemonMounts:
                     log.warning("%s holds a mount that is not ours (%s %s); leaving it", mountpoint, entry.fstype,
                                 entry.source)
                 return detached
-            try:
-                umount(mountpoint, lazy=True)
+            try:  # the mount checked, even if a directory on the way is swapped meanwhile
+                umount_identified(identity_of(entry), mountpoint, lazy=True)
             except DsecError as exc:
                 log.error("cannot detach the stale mount %s: %s", mountpoint, exc)
                 return detached

@@ -20,7 +20,10 @@ requests call the core directly in libfuse's threads (the core is thread-safe); 
 Several FUSE() sessions can run in one process, each in its own thread; libfuse2 then prints "fuse:
 fuse_remove_signal_handlers: unknown session" when one ends, which is harmless. libfuse2 installs
 handlers for SIGHUP and SIGTERM (those still at SIG_DFL) that end the FUSE loop instead of the process,
-so a daemon should install its own before serving.
+so a daemon should install its own before serving. When a session ends, libfuse2 also sets SIGPIPE back
+to SIG_DFL if it finds it ignored (fuse_remove_signal_handlers), as Python starts every process: the next
+write to a pipe or socket whose reader is gone would kill the process (a daemon stopping with its log
+reader gone died with status -13). The FUSE thread puts it back as soon as FUSE() returns.
 
 Stopping: cancelling ``serve`` unmounts lazily and waits for libfuse's loop to end, which it does when the
 kernel drops the filesystem, i.e. when its last user is gone. A lazily detached layer mount whose files
@@ -30,9 +33,11 @@ those users get ENOTCONN); libfuse2 gives us no way to abort the connection with
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
+import signal
 import stat
 import threading
 from collections.abc import Iterable
@@ -143,6 +148,19 @@ def _fusepy_options(options: Iterable[str]) -> dict[str, object]:
     return kwargs
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+_libc.signal.restype = ctypes.c_void_p
+_SIG_IGN = 1  # libc's (sighandler_t) 1
+
+
+def _ignore_sigpipe_again() -> None:
+    """SIGPIPE ignored again, as Python had it before libfuse2 ended a session (see the module docstring).
+    Through libc: Python's signal.signal works in the main thread only, and this is the FUSE thread."""
+    if signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN:
+        _libc.signal(signal.SIGPIPE, _SIG_IGN)
+
+
 async def serve(fs: Filesystem, mountpoint: str, options: Iterable[str], *,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Mount ``fs`` at ``mountpoint`` with libfuse ``options``, report started once mounted, and serve
@@ -162,6 +180,7 @@ async def serve(fs: Filesystem, mountpoint: str, options: Iterable[str], *,
         except BaseException as exc:  # reported to serve, which raises
             failure.append(exc)
         finally:
+            _ignore_sigpipe_again()
             notify("stopped")
 
     thread = threading.Thread(target=run, name=f"fusepy {mountpoint}", daemon=True)

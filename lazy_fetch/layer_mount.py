@@ -90,6 +90,7 @@ class LayerMount:
     mode: str  # "kernel" | "fuse"
     layer: str  # layer digest
     blob_id: str
+    identity: mounts.MountIdentity  # what was mounted: the unmount goes by it, not by the path's names
 
 
 def fuse_options() -> list[str]:
@@ -183,25 +184,24 @@ class LayerMounter:
         if blob.size != expected:
             raise IntegrityError(f"the blob has {blob.size} bytes, the manifest says {expected}",
                                  where=f"layer {layer.digest}")
-        mount = LayerMount(mountpoint, mode, layer.digest, layer.manifest.blob_id)
+        blob_id = layer.manifest.blob_id
         async with contextlib.AsyncExitStack() as undo:
             if mode == "kernel":
-                await self._retain(("blob", mount.blob_id), undo, self.session.blobs.add, mount.blob_id, blob)
+                await self._retain(("blob", blob_id), undo, self.session.blobs.add, blob_id, blob)
                 meta = ("meta", layer.digest)
                 # One worker-thread call for the meta image and mount(2), not three: each hand-over to a
                 # worker and back waited for a core and the GIL, 15-20 ms of a first-ever `up` behind a
                 # fill's threads (docs/benchmarks.md, issue 13, branch up13).
-                await trio.to_thread.run_sync(self._place_meta_and_mount, layer, mountpoint, mount.blob_id,
-                                              not self._users[meta], adopt)
+                identity = await trio.to_thread.run_sync(self._place_meta_and_mount, layer, mountpoint, blob_id,
+                                                         not self._users[meta], adopt)
                 self._users[meta] += 1
                 undo.push_async_callback(self._release, meta)
             else:
                 tree = LayerTree(ErofsImage(layer.meta, source=keys.layer_meta(layer.digest)), blob)
                 await self._retain(("tree", layer.digest), undo, self.session.add_layer, layer.digest, tree)
-                if not adopt:
-                    await trio.to_thread.run_sync(mounts.mount, self.layer_path(layer.digest), mountpoint,
-                                                  "none", mounts.MS_BIND)
+                identity = await trio.to_thread.run_sync(self._bind, layer.digest, mountpoint, adopt)
             undo.pop_all()
+        mount = LayerMount(mountpoint, mode, layer.digest, blob_id, identity)
         self._mounts[mountpoint] = mount
         return mount
 
@@ -215,11 +215,7 @@ class LayerMounter:
         found = self._mounts.get(mountpoint)
         if found is None:
             raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
-        try:
-            await trio.to_thread.run_sync(mounts.umount, mountpoint, lazy)
-        except UnavailableError:
-            if await trio.to_thread.run_sync(mounts.is_mountpoint, mountpoint):
-                raise
+        if not await trio.to_thread.run_sync(mounts.umount_identified, found.identity, mountpoint, lazy):
             log.warning("%s was unmounted by someone else", mountpoint)
         del self._mounts[mountpoint]
         if lazy:
@@ -262,25 +258,34 @@ class LayerMounter:
             await trio.to_thread.run_sync(os.unlink, self.meta_path(name))
 
     def _place_meta_and_mount(self, layer: LayerFiles, mountpoint: str, blob_id: str, write: bool,
-                              adopt: bool) -> None:
+                              adopt: bool) -> mounts.MountIdentity:
         """A worker thread's part of a kernel-mode mount (the blob is served already): check that the state
         directory can hold an image the kernel takes (not when adopting: the mount is there), write
         meta.erofs if ``write`` (its first user; whole under a temporary name, then renamed: a full disk is
         UnavailableError naming the file, and nothing of it is left), then mount(2) it, unless adopting. A
-        failed mount removes the image it wrote."""
+        failed mount removes the image it wrote. Returns the identity of the mount."""
         meta_path = self.meta_path(layer.digest)
         if not adopt:  # before the meta image is written where it could not be used
             _check_image_filesystem(meta_path)
         if write:
             write_state_file(meta_path, layer.meta, what="the layer's meta image")
         if adopt:
-            return
+            return _adopted_identity(mountpoint)
         try:
             _mount_erofs_direct(meta_path, mountpoint, self.blob_path(blob_id), self.read_ahead)
         except BaseException:
             if write:
                 unlink_if_present(meta_path)
             raise
+        return mounts.new_mount_identity(mountpoint)
+
+    def _bind(self, digest: str, mountpoint: str, adopt: bool) -> mounts.MountIdentity:
+        """A worker thread's part of a fuse-mode mount: bind the layer's tree at ``mountpoint`` (unless
+        adopting: it is there); returns the identity of the mount."""
+        if adopt:
+            return _adopted_identity(mountpoint)
+        mounts.mount(self.layer_path(digest), mountpoint, "none", mounts.MS_BIND)
+        return mounts.new_mount_identity(mountpoint)
 
     def save_session_state(self, **changes) -> None:
         """raw binding: update ``session_state`` with ``changes`` and the session's inode numbers, and
@@ -457,6 +462,15 @@ def _end_raw_session(mounter: LayerMounter, holder) -> None:
             mounts.umount(mounter.fuse_dir, lazy=True)
         except DsecError as exc:
             log.warning("unmounting the FUSE session: %s", exc)
+
+
+def _adopted_identity(mountpoint: str) -> mounts.MountIdentity:
+    """The identity of a mount being adopted, from /proc/self/mountinfo alone: nobody serves the FUSE
+    session yet, so nothing may look the mountpoint up."""
+    identity = mounts.identity_at(mountpoint)
+    if identity is None:
+        raise NotFoundError("nothing is mounted here any more", where=mountpoint)
+    return identity
 
 
 # Filesystems whose files the kernel's file-backed EROFS refuses as an image (ENOTBLK): no direct I/O.

@@ -293,8 +293,17 @@ async def _fill_wanted(job: PrefetchJob, fill_when: Callable[[float], bool | Non
 
 
 def fill_entries(plist: PrefetchList | None, blob_map: EncodedBlobMap) -> list[PrefetchEntry]:
-    """Every chunk of ``blob_map`` that ``plist`` (if any) does not name, in blob order."""
+    """Every chunk of ``blob_map`` that ``plist`` (if any) does not name, in blob order, each once: a map
+    may name a chunk at several entries (dsec_fs/blobmap.py), and the fill lists it at its first only
+    (else its job counted one chunk it never fetched again, and its plan, which goes by digest, kept the
+    last entry)."""
     listed = plist.chunks if plist else frozenset()
-    return [PrefetchEntry(chunk=index, digest=digest, offset=blkaddr * blob_map.block_size, length=length,
-                          first_read_us=0, traces=0)
-            for index, (blkaddr, digest, length) in enumerate(blob_map.entries) if index not in listed]
+    seen = {entry.digest for entry in plist.entries} if plist else set()
+    entries = []
+    for index, (blkaddr, digest, length) in enumerate(blob_map.entries):
+        if index in listed or digest in seen:
+            continue
+        seen.add(digest)
+        entries.append(PrefetchEntry(chunk=index, digest=digest, offset=blkaddr * blob_map.block_size,
+                                     length=length, first_read_us=0, traces=0))
+    return entries

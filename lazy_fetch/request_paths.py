@@ -14,7 +14,9 @@ mount(2) and umount2(2) look their target up by name, following symlinks, so a d
 that another user may write to (theirs, or one open to all without the sticky bit protecting root's
 entries in it), or a symlink on the way that another user made in such a directory, would let them put
 the daemon's mount where they like (a layer over /etc, by a rename between the checks here and mount(2),
-or a symlink squatting a name in /tmp) or turn its unmount on another mount. Python's
+or a symlink squatting a name in /tmp). (Unmounts go by the mount made, not by the path:
+dsec_fs.mounts.umount_identified; a sandbox's root in which a layer is mounted passes this check, root in
+the sandbox being root here, and its process may swap the path after the mount.) Python's
 ``os.path.realpath`` reads symlinks with readlink(2), which the kernel's fs.protected_symlinks does not
 guard, so the daemon resolves the path itself.
 

@@ -266,8 +266,8 @@ class DaemonLayers:
         except NotFoundError:
             # Not this daemon's mount: one a dead daemon left (adopted by recover) that its successor did
             # not detach. It is ours all the same (our directory, a sandbox's recorded layer).
-            if mounts.top_mount(mountpoint) is not None:
-                await trio.to_thread.run_sync(mounts.umount, mountpoint, True)
+            if (identity := mounts.identity_at(mountpoint)) is not None:
+                await trio.to_thread.run_sync(mounts.umount_identified, identity, mountpoint, True)
         _remove_dir(mountpoint)
 
     @contextlib.asynccontextmanager

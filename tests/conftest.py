@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 
 import pytest
@@ -159,14 +158,3 @@ def index_mirror_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DSECFS_INDEX_DIR", str(tmp_path_factory.mktemp("index-mirror")))
         yield
-
-
-@pytest.fixture(autouse=True)
-def sigpipe_ignored():
-    """Every test starts with SIGPIPE ignored, as Python starts a process. libfuse (fusepy, used in this
-    process by the mount tests) sets it back to SIG_DFL when it ends a session; after that, a write to a
-    socket its peer closed (a server answering a client that hung up: the scheduler's, the daemon's API)
-    killed the whole test run ("make: *** [test] Broken pipe") instead of raising BrokenPipeError."""
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    yield
-

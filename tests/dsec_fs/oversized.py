@@ -2,7 +2,8 @@
 tests/erofs_builder/test_incremental.py, test_layer_figures.py): ``grow`` makes one sparse (a GiB costs
 nothing on disk), ``peak_allocated`` measures what Python allocated meanwhile (tracemalloc), so a test
 tells a bounded read from one that took the whole object into memory; ``overgrow_blob_map`` gives a
-layer a blob map of more entries than its meta.erofs can name, consistently (its manifest says so).
+layer a blob map of more entries than its meta.erofs can name, consistently (its manifest says so);
+``lie_about_meta_size`` gives one a manifest that lies about meta.erofs's size to vouch for a huge map.
 """
 
 from __future__ import annotations
@@ -70,3 +71,17 @@ def republish_blob_map(store, digest: str, data: bytes) -> None:
                     blob_blocks=struct.unpack_from("<I", data, 20)[0])
     manifest["stored"][BLOBMAP] = {"encoding": "zstd", "size": len(frame), "sha256": to_hex(sha256(frame))}
     store.put(keys.layer_manifest(digest), json.dumps(manifest, sort_keys=True).encode())
+
+
+LYING_MAP_BYTES = 256 << 20
+
+
+def lie_about_meta_size(store, digest: str) -> None:
+    """Give layer ``digest`` a manifest that says its meta.erofs is 4 GiB and its blob is 2^32 - 1 blocks,
+    which lets its blob map be LYING_MAP_BYTES (zeros: a 32 KiB zstd frame, put as the map)."""
+    manifest = json.loads(store.get(keys.layer_manifest(digest)))
+    frame = compress.compress(bytes(LYING_MAP_BYTES))
+    store.put(keys.layer_blobmap(digest), frame)
+    manifest.update(meta_size=4 << 30, blob_blocks=0xFFFFFFFF, blobmap_size=LYING_MAP_BYTES)
+    manifest["stored"][BLOBMAP] = {"encoding": "zstd", "size": len(frame), "sha256": to_hex(sha256(frame))}
+    store.put(keys.layer_manifest(digest), json.dumps(manifest).encode())

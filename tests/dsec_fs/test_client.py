@@ -310,7 +310,8 @@ def one_connection_in_a_request(socket_dir):
     api.route("GET", "/fast", fast)
     api.route("POST", "/fast", fast)
     path = os.path.join(socket_dir, "api.sock")
-    # A refused client's send may meet a closed socket: EPIPE (SIGPIPE is ignored: tests/conftest.py).
+    # A refused client's send may meet a closed socket: EPIPE (SIGPIPE is ignored, as Python starts a
+    # process; lazy_fetch/fuse_fusepy.py keeps it so).
     with contextlib.ExitStack() as restore:
         node = restore.enter_context(serving(api, path))
         answers = []

@@ -7,22 +7,19 @@ gc stops before any delete, or restores the index from its pack; a build restore
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from dsec_fs import compress
-from dsec_fs.digest import sha256, to_hex
 from dsec_fs.errors import CorruptError, FormatError
 from dsec_fs.index_mirror import IndexMirror
-from dsec_fs.layer import BLOBMAP, open_layer, read_blobmap, read_manifest
+from dsec_fs.layer import open_layer, read_blobmap, read_manifest
 from dsec_fs.store import FilesystemStore, keys
 from dsec_fs.store.wrappers import StoreWrapper
 from dsec_fs.store_stats import store_stats
 from tests.dsec_fs.gc_support import CHUNK, build, random_bytes, run_gc
-from tests.dsec_fs.oversized import BOUNDED, grow, overgrow_blob_map, peak_allocated
+from tests.dsec_fs.oversized import BOUNDED, grow, lie_about_meta_size, overgrow_blob_map, peak_allocated
 
 FILES = {"a": random_bytes(1, 5 * CHUNK), "b": random_bytes(2, 3 * CHUNK)}
 
@@ -163,17 +160,28 @@ def test_a_manifest_lying_about_meta_size_cannot_have_a_large_blob_map_read(stor
     a layer whose meta.erofs can name a few entries (up to 4 GiB so). A map that large is read only once
     meta.erofs is verified: the meta.erofs error, and the map never asked for."""
     digest, _pack = layer_and_pack(store, tmp_path)
-    manifest = json.loads(store.get(keys.layer_manifest(digest)))
-    size = 256 << 20
-    frame = compress.compress(bytes(size))
-    store.put(keys.layer_blobmap(digest), frame)
-    manifest.update(meta_size=4 << 30, blob_blocks=0xFFFFFFFF, blobmap_size=size)
-    manifest["stored"][BLOBMAP] = {"encoding": "zstd", "size": len(frame), "sha256": to_hex(sha256(frame))}
-    store.put(keys.layer_manifest(digest), json.dumps(manifest).encode())
-    del frame
+    lie_about_meta_size(store, digest)
     seen = KeysSeen(store)
     with peak_allocated() as peak, pytest.raises(FormatError) as info:
         open_layer(seen, digest)
     assert info.value.where.startswith(keys.layer_meta(digest))
     assert peak[0] < BOUNDED, f"{peak[0]} bytes allocated"
     assert keys.layer_blobmap(digest) not in seen.keys
+
+
+def test_gc_reads_no_large_blob_map_a_manifest_lying_about_meta_size_vouches_for(store, tmp_path):
+    """gc reads a layer's blob map without its meta.erofs. Before: the map's size bound rested on the
+    manifest's meta_size unverified, so a manifest giving a 4 KiB meta.erofs 4 GiB had gc decompress the
+    256 MiB map it vouched for. Now a map over 8 MiB is read only once meta.erofs is verified: gc reports
+    the meta.erofs error, never asks for the map, keeps the layer's packs, and deletes nothing."""
+    digest, pack = layer_and_pack(store, tmp_path)
+    lie_about_meta_size(store, digest)
+    seen = KeysSeen(store)
+    before = objects(store)
+    with peak_allocated() as peak:
+        report = run_gc(seen)
+    assert peak[0] < BOUNDED, f"{peak[0]} bytes allocated"
+    assert keys.layer_blobmap(digest) not in seen.keys
+    assert any(problem.startswith(keys.layer_blobmap(digest)) and keys.layer_meta(digest) in problem
+               for problem in report.problems), report.problems
+    assert objects(store) == before and store.exists(keys.pack(pack))

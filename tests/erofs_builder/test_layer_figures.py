@@ -16,7 +16,7 @@ from dsec_fs.errors import FormatError
 from dsec_fs.store import FilesystemStore, keys
 from erofs_builder import build_layer
 from erofs_builder.layer_figures import layer_figures
-from tests.dsec_fs.oversized import BOUNDED, grow, peak_allocated
+from tests.dsec_fs.oversized import BOUNDED, grow, lie_about_meta_size, peak_allocated
 
 CHUNK = 64 * 1024
 
@@ -77,3 +77,18 @@ def test_inspect_refuses_a_grown_store_object_without_reading_it(tmp_path, trees
     assert key in str(refused.value)
     shown = CliRunner().invoke(main, ["inspect", "a:1", "--store", store.root])
     assert shown.exit_code == FormatError.exit_code and key in shown.output
+
+
+def test_inspect_reads_no_large_blob_map_another_layers_lying_manifest_vouches_for(tmp_path, trees):
+    """``inspect`` reads the other layers' blob maps without their meta.erofs. Before: a manifest giving a
+    4 KiB meta.erofs 4 GiB had the 256 MiB map it vouched for decompressed (its size bound rests on
+    meta_size). Now a map over 8 MiB is read once meta.erofs is verified: the error names that meta.erofs."""
+    a, b = trees
+    store = FilesystemStore(str(tmp_path / "store"), fsync=False)
+    build_layer(a, store, name="a:1", chunk_size=CHUNK)
+    other = build_layer(b, store, name="b:1", chunk_size=CHUNK)
+    lie_about_meta_size(store, other.digest)
+    with peak_allocated() as peak, pytest.raises(FormatError) as refused:
+        layer_figures(store, "a:1")
+    assert peak[0] < BOUNDED, f"{peak[0]} bytes allocated"
+    assert refused.value.where.startswith(keys.layer_meta(other.digest))

@@ -405,3 +405,20 @@ def test_an_upload_whose_answer_drips_is_given_up_on_at_its_deadline(registry):
     assert isinstance(outcome, UnavailableError), outcome
     assert outcome.where == f"{front.address}/test/upload: upload of {digest}"
     assert "no whole answer within 1.29" in outcome.message and "307,200 bytes" in outcome.message
+
+
+def test_the_registry_commands_take_the_transfer_deadline_from_their_flags(registry, pushed, tmp_path):
+    """``dsecfs build --registry-timeout 1s`` through a registry that drips every blob: given up on at 1 s and
+    the blob's size at --registry-min-rate (before, no flag set it: a minute's wait at the least), naming
+    the blob; nothing published."""
+    from registryproxy import FaultyFront
+
+    store = tmp_path / "s"
+    with FaultyFront(registry, blob_fault="drip") as front:
+        done = dsecfs("build", f"docker://{front.address}/test/three:v1", "--plain-http", "--store", str(store),
+                      "--registry-timeout", "1s", "--registry-min-rate", "1MiB", "--json")
+    assert done.returncode != 0, done.stdout
+    error = json.loads(done.stdout)["error"]
+    assert error["class"] == "UnavailableError" and "no whole answer within 1" in error["message"], error
+    assert error["where"].startswith(f"{front.address}/test/three@sha256:")
+    assert published(store_at(store)) == ({}, [])

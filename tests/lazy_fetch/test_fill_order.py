@@ -265,3 +265,32 @@ def test_a_fill_counts_its_kept_frames_at_their_chunks_size_so_reading_them_evic
                 assert cache.stats().frames == 0 and cache.stats().bytes <= bound
 
     trio.run(main)
+
+
+def test_a_chunk_the_blob_map_names_twice_is_filled_once_at_its_first_entry(backend, cache):
+    """A blob map may name one chunk at two entries (accepted at mount: dsec_fs/blobmap.py). The store is
+    asked for it once (the fill's plan and the fetcher go by digest), checked with a counting store; but
+    before, the fill listed both entries and counted the chunk once done, so its job never reached its
+    total (5 of 6 chunks), and its plan kept the later entry, so a reader's miss at the first was not found
+    in the fill's reads. Now the fill lists the chunk at its first entry only."""
+    from dsec_fs.blobmap import BlobMap, EncodedBlobMap
+    from dsec_fs.store.wrappers import CountingStore
+    from lazy_fetch.prefetcher import fill_entries
+
+    items = [upload(backend, [chunk(n)])[0] for n in range(6)]
+    blob_map = BlobMap(BLOCK_SIZE)
+    for digest, _location in items:
+        blob_map.add(digest, BLOCK_SIZE)
+    twice = EncodedBlobMap(blob_map.encode().replace(items[4][0], items[1][0]), source="test")
+    assert [digest for _blkaddr, digest, _length in twice.entries].count(items[1][0]) == 2
+    fill = fill_entries(None, twice)
+    assert [entry.chunk for entry in fill] == [0, 1, 2, 3, 5]
+    counting = CountingStore(backend)
+    locations = dict(items)
+
+    async def steps(start):
+        start("layer", fill, locations)
+
+    (job,) = run_fills(counting, cache, steps)
+    assert job.done_chunks == job.chunks == 5 and job.failed_chunks == 0
+    assert counting.calls == {"get": 5}

@@ -461,3 +461,37 @@ def test_a_sandbox_that_nests_directories_deeper_than_pythons_stack_is_taken_dow
     finally:  # a tree left by a failure would stop pytest's own clean-up (shutil.rmtree) of tmp_path
         for entry in sandbox_entries(daemons):
             remove_tree(os.path.join(daemons.sandbox_dir, "sandboxes", entry, "upper", "root", "d"))
+
+
+def test_a_sandbox_that_swaps_the_path_of_a_layer_mounted_in_it_cannot_turn_the_unmount(daemons, tmp_path):
+    """A layer mounted by the daemon into a running sandbox's root, at a directory the sandbox made, passes
+    the check of who may change its path (root in the sandbox is root on the host), and the sandbox's mount
+    namespace does not see the mount, so its process may rename the directory holding it. Before: the
+    sandbox renamed it and put a symlink to a host directory in its place, and the daemon's unmount, by
+    name, followed the symlink: it unmounted the host's tmpfs there and left the layer mounted where the
+    sandbox had moved it (its blob dropped). Now the daemon unmounts the mount it made, where it went."""
+    node = daemons.start().node
+    sandbox = Sandbox(node, node.sandbox_up(BASE, workspace_ref("task00"), name="swap").id)
+    rootfs = sandbox.rootfs
+    victim = tmp_path / "host"
+    os.makedirs(victim / "mnt")
+    mounts.mount("tmpfs", victim / "mnt", "tmpfs", 0, "size=1m")
+    try:
+        assert sandbox.exec(["mkdir", "-p", "/srv/d/mnt"]).exit_code == 0
+        mountpoint = os.path.join(rootfs, "srv/d/mnt")
+        node.mount(TOOLKIT, mountpoint, mode="kernel")
+        victim_id = mounts.top_mount(str(victim / "mnt")).mount_id
+        layer_id = mounts.top_mount(mountpoint).mount_id
+        swapped = sandbox.exec(["/bin/sh", "-c", f"mv /srv/d /srv/e && ln -s {victim} /srv/d"])
+        assert swapped.exit_code == 0, swapped.stderr
+        moved = os.path.join(rootfs, "srv/e/mnt")
+        assert mounts.top_mount(moved).mount_id == layer_id
+        node.umount(mountpoint)
+        assert mounts.is_mountpoint(victim / "mnt") and mounts.top_mount(str(victim / "mnt")).mount_id == victim_id
+        assert mounts.top_mount(moved) is None
+        assert mountpoint not in [mount.mountpoint for mount in node.status().mounts]
+        sandbox.down()
+    finally:
+        for entry in reversed(mounts.mount_table()):
+            if entry.mountpoint.startswith(str(victim)) or entry.mountpoint.startswith(rootfs + "/"):
+                mounts.umount(entry.mountpoint, lazy=True)
