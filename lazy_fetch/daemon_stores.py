@@ -202,10 +202,12 @@ class DaemonStores:
         self._background.start_soon(self._map_files, layer)
 
     async def _map_files(self, layer: Layer) -> None:
-        """Which chunks belong to which file, for the layer's miss readahead (a worker thread: it walks
-        the image); reads before it is done bring nothing along."""
+        """Which chunks belong to which file, for the layer's miss readahead (a worker thread: it reads
+        the image's records); reads before it is done bring nothing along."""
+        label = f"layer {layer.digest[:12]} meta.erofs"
         try:
-            files = await trio.to_thread.run_sync(lambda: FileChunks.of(layer.index()))
+            files = await trio.to_thread.run_sync(
+                lambda: FileChunks.of_image(layer.files.meta, layer.blob.blob_map, source=label))
         except DsecError as exc:
             log.warning("no miss readahead for layer %s: %s", layer.digest[:12], exc)
             return

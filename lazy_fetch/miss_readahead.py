@@ -68,9 +68,11 @@ import re
 from array import array
 from collections.abc import Iterable
 
+from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.chunks import ChunkLocation
+from dsec_fs.errors import FormatError
+from erofs_builder.chunked_files import chunked_files
 
-from .layer_index import LayerIndex
 from .blob_reader import BlobChunk, LayerBlob
 
 FILE_START = 1 << 20  # of a file's own chunks after a read, named at first
@@ -78,7 +80,8 @@ FILE_BYTES = 16 << 20  # what a file's window grows to while the reader reads wh
 WINDOW_START = 256 << 10
 DEFAULT_WINDOW = 4 << 20
 WALK_GAP = 2  # blob entries between one file's last read chunk and the next file's first: still a walk
-_SHARED_OBJECT = re.compile(r"\.so(\.[0-9]+)*$")
+# A shared object's name (lib.so, libc.so.6, _ssl.cpython-311-x86_64-linux-gnu.so): what a loader maps.
+_SHARED_OBJECT = re.compile(rb"\.so(\.[0-9]+)*$")
 SMALL_FILE_BYTES = 256 << 10  # a directory's files up to this size come along as its neighbours
 DIRECTORY_BYTES = 2 << 20  # at most this much of a directory's small files named at once
 
@@ -96,27 +99,33 @@ class FileChunks:
         self.libraries = libraries  # file numbers of shared objects (by name), which loaders map
 
     @classmethod
-    def of(cls, index: LayerIndex) -> FileChunks:
-        lengths = index.blob_map.lengths
+    def of_image(cls, meta: bytes | memoryview, blob_map: EncodedBlobMap, *, source: str) -> FileChunks:
+        """The map of a layer's image ``meta`` (its meta.erofs, named ``source`` in errors) over its blob
+        map: read from the image's records (erofs_builder/chunked_files.py), no LayerIndex made. A chunk
+        index that names no chunk's first block of the blob map is a FormatError."""
+        lengths = blob_map.lengths
+        entry_at = blob_map.entries_by_start()
         owner = array("i", [-1]) * len(lengths)
         files: list[tuple[int, ...]] = []
         directory = array("i")
-        directories: dict[str, int] = {}
+        directories: dict[int, int] = {}  # directory nid -> its number
         small: list[list[int]] = []
         libraries = set()
-        for file in index.files.values():
-            entries = tuple(dict.fromkeys(entry for entry in file.chunks if entry is not None))
-            if not entries:
-                continue
+        for file in chunked_files(meta, chunk_bits=blob_map.chunk_bits, source=source):
+            found = list(map(entry_at.get, file.blkaddrs))
+            if None in found:
+                raise FormatError(f"inode nid {file.nid}", None, f"block {file.blkaddrs[found.index(None)]} is not "
+                                  "the start of a chunk in the blob map", source=source)
+            entries = tuple(found) if len(found) == 1 else tuple(dict.fromkeys(found))  # most files: one chunk
             number = len(files)
             files.append(entries)
-            parent = directories.setdefault(file.path.rpartition("/")[0], len(directories))
+            parent = directories.setdefault(file.directory, len(directories))
             if parent == len(small):
                 small.append([])
             directory.append(parent)
-            if _is_shared_object(file.path):
+            if b".so" in file.name and _SHARED_OBJECT.search(file.name):
                 libraries.add(number)
-            if sum(lengths[entry] for entry in entries) <= SMALL_FILE_BYTES:
+            if sum(map(lengths.__getitem__, entries)) <= SMALL_FILE_BYTES:
                 small[parent].append(number)
             for entry in entries:
                 if owner[entry] < 0:
@@ -259,11 +268,6 @@ class MissReadahead:
                 self._named.add(entry)
                 named.append(entry)
         return named
-
-
-def _is_shared_object(path: str) -> bool:
-    """``lib.so``, ``libc.so.6``, ``_ssl.cpython-311-x86_64-linux-gnu.so``: what a loader maps."""
-    return _SHARED_OBJECT.search(path) is not None
 
 
 def _in_directory(files: FileChunks, parent: int, entries):

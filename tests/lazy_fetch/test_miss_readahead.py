@@ -130,7 +130,8 @@ def test_shared_objects_are_known_by_name(tmp_path):
     store_dir = str(tmp_path / "store")
     with FilesystemStore(store_dir) as store:
         layer = build_layer(str(tree), store, name="t:1", chunk_size=CHUNK)
-        files = FileChunks.of(LayerIndex.open(store, layer.digest))
+        opened = open_layer(store, layer.digest)
+        files = FileChunks.of_image(opened.meta, EncodedBlobMap(opened.blobmap, source="blobmap"), source="meta")
         index = LayerIndex.open(store, layer.digest)
     paths = [file.path for file in index.files.values() if file.chunks]
     assert sorted(paths[n].rpartition("/")[2] for n in files.libraries) == [
