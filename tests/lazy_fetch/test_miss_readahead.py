@@ -12,13 +12,17 @@ from array import array
 import pytest
 
 from dsec_fs.blobmap import MAX_CHUNK_BITS, BlobMap, EncodedBlobMap
+from dsec_fs.errors import FormatError
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
+from erofs_builder.ondisk.superblock import seal_block0
+from erofs_builder.reader import ErofsImage
 from lazy_fetch.layer_index import LayerIndex
 from lazy_fetch.blob_reader import BlobChunk
 from lazy_fetch.miss_readahead import FILE_BYTES, FILE_START, WINDOW_START, FileChunks, MissReadahead
 from lazy_fetch.trace import FLAG_MISS, read_trace
+from tests.lazy_fetch.file_chunks_support import as_values, file_chunks_of_index
 from tests.lazy_fetch.daemon_support import Daemons, file_chunks, layer_metric, layer_store, mount_dirs, wait_for
 
 CHUNK = 64 * 1024
@@ -298,3 +302,50 @@ def test_an_import_of_a_package_fetches_none_of_its_sources(tmp_path, mode, moun
         fetched = layer_metric(node, "dsecfs_fetch_chunks_total", info.layer)
     assert mounts_below(tmp_path) == []
     assert fetched == len(modules), f"{fetched} chunks fetched for {len(modules)} modules of one chunk each"
+
+
+# ---- the file map, read from the image's records --------------------------------------------------------
+
+
+def _maps_of(store, digest):
+    """(the map FileChunks.of_image reads from the layer's meta.erofs, the one of its LayerIndex)."""
+    layer = open_layer(store, digest)
+    blob_map = EncodedBlobMap(layer.blobmap, source="blobmap")
+    read = FileChunks.of_image(layer.meta, blob_map, source="meta.erofs")
+    return read, file_chunks_of_index(LayerIndex.of_files(layer, blob_map))
+
+
+def test_the_file_map_of_hard_links_shared_chunks_holes_symlinks_and_xattrs_is_the_layer_index_one(built_layer):
+    """conftest's tree: a hard link, a chunk repeated in a file and one shared by two files, written
+    zeros and a sparse file, symlinks, xattrs, a non-UTF-8 name, a fifo (and device nodes as root)."""
+    read, walked = _maps_of(built_layer.store, built_layer.layer.digest)
+    assert as_values(read) == as_values(walked)
+    index = LayerIndex.of_files(built_layer.layer)
+    numbers = {file.path: n for n, file in enumerate(f for f in index.files.values() if any(c is not None for c in f.chunks))}
+    assert "/dir/hard-link" not in numbers and "/zeros.bin" not in numbers  # one file by its first name; all holes
+    assert len(read.files[numbers["/dup.bin"]]) == 3  # four chunks, the first repeated
+    holes = index.files[next(f.nid for f in index.files.values() if f.path == "/holes.bin")]
+    assert len(read.files[numbers["/holes.bin"]]) == sum(c is not None for c in holes.chunks) < len(holes.chunks)
+
+
+@pytest.mark.slow
+def test_the_file_map_of_the_debian_rootfs_is_the_layer_index_one(debian_rootfs, tmp_path):
+    with FilesystemStore(str(tmp_path / "store"), fsync=False) as store:
+        digest = build_layer(debian_rootfs, store, name="base/debian:12").digest
+        read, walked = _maps_of(store, digest)
+    assert len(read.files) > 5000 and read.libraries
+    assert as_values(read) == as_values(walked)
+
+
+def test_a_chunk_index_inside_a_chunk_is_a_format_error_naming_the_image(built_layer):
+    """The kernel serves such an image (it reads the blob where the index says); the map refuses it, and the
+    daemon then mounts the layer without miss readahead (daemon_stores.py)."""
+    layer = built_layer.layer
+    image = ErofsImage(layer.meta)
+    nid = image.resolve(b"big.bin")
+    at = image._node(nid).data_offset + 4  # the first chunk index's blkaddr
+    meta = bytearray(layer.meta)
+    meta[at:at + 4] = (int.from_bytes(meta[at:at + 4], "little") + 1).to_bytes(4, "little")
+    seal_block0(meta, image.block_size)
+    with pytest.raises(FormatError, match=f"layer x meta.erofs.*inode nid {nid}.*not the start of a chunk"):
+        FileChunks.of_image(bytes(meta), EncodedBlobMap(layer.blobmap, source="blobmap"), source="layer x meta.erofs")
