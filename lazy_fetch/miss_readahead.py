@@ -54,12 +54,16 @@ The fetcher fetches readahead only when a wanted chunk missed and only within th
 the miss (fetcher.py): it costs link bytes, never a round trip. What a read names that no miss brought
 (a walk's window while its reads hit, a grown file window, a directory's small files) is fetched in the
 background at prefetch priority (``to_warm``), so the reader does not stop at the window's end. The map of which
-chunks belong to which file comes from the layer's image (``FileChunks.of``, about 0.3 s for 8,000
-files, so it is built in a worker thread once the layer is mounted, or, on a node that holds some of
-its chunks already, at its first read that waits for the store (daemon_stores.py ``_map_files_soon``); reads
-before it is ready get no readahead).
+chunks belong to which file is read from the records of the layer's meta.erofs (``FileChunks.of_image``
+over erofs_builder/chunked_files.py; no LayerIndex, whose paths and per-chunk objects only profiles
+and reports need): 40 ms of CPU for the Debian + python3 base's 8,315 files and 22 ms for numpy's
+5,087, where the LayerIndex walk took 162 and 85 ms (docs/benchmarks.md, issue 13, "ramap14"). It is
+built in a worker thread once the layer is mounted, or, on a node that holds some of its chunks
+already, at its first read that waits for the store (daemon_stores.py ``_map_files_soon``); reads before
+it is ready get no readahead, and an image it refuses (a FormatError, logged) gets none at all.
 
-Threads: ``FileChunks.of`` blocks (a worker thread); ``MissReadahead`` belongs to the daemon's trio thread.
+Threads: ``FileChunks.of_image`` blocks (a worker thread); ``MissReadahead`` belongs to the daemon's trio
+thread.
 """
 
 from __future__ import annotations
@@ -142,6 +146,7 @@ class MissReadahead:
         self.blob = blob
         self.max_window = max_window
         self.files: FileChunks | None = None  # set once built
+        self.unmapped = False  # the map could not be made (the image is refused): no readahead, for good
         self._walk_bytes = 0  # of the chunks the current walk has read
         self._window = 0
         self._window_entries: list[int] = []  # the window the latest read named

@@ -5,6 +5,7 @@ reader of one file fetches that file's chunks only, and a reader of a big file i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 from array import array
@@ -12,8 +13,9 @@ from array import array
 import pytest
 
 from dsec_fs.blobmap import MAX_CHUNK_BITS, BlobMap, EncodedBlobMap
+from dsec_fs.digest import sha256
 from dsec_fs.errors import FormatError
-from dsec_fs.layer import open_layer
+from dsec_fs.layer import open_layer, publish_layer, set_ref
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
 from erofs_builder.ondisk.superblock import seal_block0
@@ -349,3 +351,34 @@ def test_a_chunk_index_inside_a_chunk_is_a_format_error_naming_the_image(built_l
     seal_block0(meta, image.block_size)
     with pytest.raises(FormatError, match=f"layer x meta.erofs.*inode nid {nid}.*not the start of a chunk"):
         FileChunks.of_image(bytes(meta), EncodedBlobMap(layer.blobmap, source="blobmap"), source="layer x meta.erofs")
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_a_layer_whose_image_the_map_refuses_serves_its_files_without_readahead(store_dir, tmp_path, mounts_below):
+    """A chunk index of pkg/mod0.py moved one block into its chunk: the kernel reads the blob where it
+    says, the map refuses the image. The daemon says so in its log and status, and serves the layer."""
+    with FilesystemStore(store_dir) as store:
+        layer = open_layer(store, "t/walk:1")
+        image = ErofsImage(layer.meta)
+        at = image._node(image.resolve(b"pkg/mod0.py")).data_offset + 4  # chunk 0's blkaddr
+        meta = bytearray(layer.meta)
+        meta[at:at + 4] = (int.from_bytes(meta[at:at + 4], "little") + 1).to_bytes(4, "little")
+        seal_block0(meta, image.block_size)
+        digest = sha256(bytes(meta)).hex()
+        publish_layer(store, bytes(meta), layer.blobmap, dataclasses.replace(layer.manifest, layer=digest))
+        set_ref(store, "t/refused:1", digest)
+    daemons = Daemons(tmp_path)
+    try:
+        node = daemons.start(store_dir, extra_args=["--fill", "none", "--no-profiles"]).node
+        mnt, = mount_dirs(tmp_path, "mnt")
+        node.mount("t/refused:1", mnt, mode="kernel")
+        wait_for(lambda: node.status().layers[0].miss_readahead == "refused", "the map's refusal")
+        for name in ("pkg/mod1.py", "pkg/mod5.py"):
+            assert _read(os.path.join(mnt, name)) == FILES[name]
+        assert f"no miss readahead for layer {digest[:12]}" in daemons.log()
+        assert "not the start of a chunk in the blob map" in daemons.log()
+        node.umount(mnt)
+    finally:
+        daemons.stop_all()
+    assert mounts_below(tmp_path) == []
