@@ -48,7 +48,6 @@ from .ondisk.device_slot import SLOT_SIZE, DeviceSlot
 from .ondisk.inode import COMPACT, EXTENDED, LAYOUT_CHUNK_BASED, LAYOUT_FLAT_INLINE, LAYOUT_NAMES, SUPPORTED_LAYOUTS
 from .ondisk.superblock import SB_OFFSET, SUPERBLOCK, Superblock
 
-_FORMAT = struct.Struct("<H")
 # A chunk index naming blob device 1 with advise 0, as the builder writes every chunk that is not a hole:
 # its first 32-bit word (advise | device id << 16), little-endian.
 _BLOB_WORD = (BLOB_DEVICE_ID << 16).to_bytes(4, "little")
@@ -76,6 +75,8 @@ def chunked_files(meta: bytes | memoryview, *, chunk_bits: int, source: str = "m
 
 
 class _Walk:
+    """One walk of one image: its superblock's figures, the budgets its records draw on, its 32-bit words."""
+
     def __init__(self, image: memoryview, chunk_bits: int, source: str):
         self.image, self.chunk_bits, self.source = image, chunk_bits, source
         sb = Superblock.unpack(image, source=source)

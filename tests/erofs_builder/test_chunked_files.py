@@ -14,6 +14,7 @@ import pytest
 from dsec_fs.errors import FormatError
 from dsec_fs.layer import open_layer
 from dsec_fs.store import FilesystemStore
+from erofs_builder import build_layer
 from erofs_builder.build import build_tree
 from erofs_builder.chunked_files import chunked_files
 from erofs_builder.ondisk import INODE_SLOT_SIZE
@@ -66,7 +67,6 @@ def _walked(meta: bytes) -> list[tuple[int, int, bytes, list[int]]]:
 def test_every_kind_of_inode_reads_as_the_reader_walks_it(tmp_path):
     """make_source's tree (reader_support): hard links, a duplicated file, holes, symlinks, xattrs, a
     directory of several blocks, names that sort before '.'."""
-    from erofs_builder import build_layer
     store = FilesystemStore(str(tmp_path / "store"), fsync=False)
     meta = open_layer(store, build_layer(make_source(tmp_path / "src", special=os.geteuid() == 0), store,
                                          chunk_size=CHUNK).digest).meta

@@ -1,6 +1,8 @@
 """Miss readahead (lazy_fetch/miss_readahead.py): a window of a file's chunks that grows while the file is
 read in order, a directory's small files, and a growing window while a reader walks files in blob order; a
-reader of one file fetches that file's chunks only, and a reader of a big file in places not the file."""
+reader of one file fetches that file's chunks only, and a reader of a big file in places not the file.
+The map of which chunks are whose, read from the image's records, is the one the layer's LayerIndex gives
+(file_chunks_support.py), and a layer whose image it refuses is served without readahead."""
 
 from __future__ import annotations
 
