@@ -56,8 +56,9 @@ the miss (fetcher.py): it costs link bytes, never a round trip. What a read name
 background at prefetch priority (``to_warm``), so the reader does not stop at the window's end. The map of which
 chunks belong to which file is read from the records of the layer's meta.erofs (``FileChunks.of_image``
 over erofs_builder/chunked_files.py; no LayerIndex, whose paths and per-chunk objects only profiles
-and reports need): 40 ms of CPU for the Debian + python3 base's 8,315 files and 22 ms for numpy's
-5,087, where the LayerIndex walk took 162 and 85 ms (docs/benchmarks.md, issue 13, "ramap14"). It is
+and reports need): 40 ms of CPU for the Debian + python3 base's 8,315 files and 24 ms for numpy's
+5,087, where the LayerIndex walk took 156 and 87 ms, so both maps of a numpy start are ready before
+`up` returns (docs/benchmarks.md, issue 13, "ramap14"). It is
 built in a worker thread once the layer is mounted, or, on a node that holds some of its chunks
 already, at its first read that waits for the store (daemon_stores.py ``_map_files_soon``); reads before
 it is ready get no readahead, and an image it refuses (a FormatError, logged) gets none at all.
