@@ -197,7 +197,8 @@ class LayerStatus(_Response):
     prefetched_unread_bytes: int = 0  # prefetched, never read (so far)
     read_not_prefetched_bytes: int = 0  # read, never prefetched
     # "" (off, or not mounted), "deferred" (its file map waits for the layer's first read that waits for
-    # the store: the node holds some of its chunks), "pending" (the map is being built), "ready"
+    # the store: the node holds some of its chunks), "pending" (the map is being built), "ready", "refused"
+    # (the map could not be read from the layer's image: no readahead; the daemon's log says why)
     miss_readahead: str = ""
 
 

@@ -190,24 +190,26 @@ class DaemonStores:
 
     def _map_files_soon(self, layer: Layer) -> None:
         """Start building the map of the layer's miss readahead, unless it is under way or built
-        (``_map_files_at_mount`` says when). Walking the image was the biggest piece of a warm start's
-        own work (0.6 s of CPU for the numpy toolkit and its base, sampled, contending for the GIL with up
-        and with the trio thread serving the command's reads), and on a node that holds every chunk a
-        start reads it is never needed; on a new node whose profile brings what the command reads, it
-        took 0.45-0.85 s of a worker thread during `up` and the command's first second (issue 13, other8
-        in docs/benchmarks.md)."""
+        (``_map_files_at_mount`` says when). When it walked the image into a LayerIndex it was the biggest
+        piece of a warm start's own work (0.6 s of CPU for the numpy toolkit and its base, sampled,
+        contending for the GIL with up and with the trio thread serving the command's reads; issue 13,
+        other8 in docs/benchmarks.md); read from the image's records it is a quarter of that (ramap14),
+        and on a node that holds every chunk a start reads it is still never needed."""
         if layer.readahead is None or layer.files_mapped or self._background is None:
             return
         layer.files_mapped = True
         self._background.start_soon(self._map_files, layer)
 
     async def _map_files(self, layer: Layer) -> None:
-        """Which chunks belong to which file, for the layer's miss readahead (a worker thread: it walks
-        the image); reads before it is done bring nothing along."""
+        """Which chunks belong to which file, for the layer's miss readahead (a worker thread: it reads
+        the image's records); reads before it is done bring nothing along."""
+        label = f"layer {layer.digest[:12]} meta.erofs"
         try:
-            files = await trio.to_thread.run_sync(lambda: FileChunks.of(layer.index()))
+            files = await trio.to_thread.run_sync(
+                lambda: FileChunks.of_image(layer.files.meta, layer.blob.blob_map, source=label))
         except DsecError as exc:
             log.warning("no miss readahead for layer %s: %s", layer.digest[:12], exc)
+            layer.readahead.unmapped = True
             return
         layer.readahead.ready(files)
 

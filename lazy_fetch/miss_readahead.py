@@ -54,12 +54,17 @@ The fetcher fetches readahead only when a wanted chunk missed and only within th
 the miss (fetcher.py): it costs link bytes, never a round trip. What a read names that no miss brought
 (a walk's window while its reads hit, a grown file window, a directory's small files) is fetched in the
 background at prefetch priority (``to_warm``), so the reader does not stop at the window's end. The map of which
-chunks belong to which file comes from the layer's image (``FileChunks.of``, about 0.3 s for 8,000
-files, so it is built in a worker thread once the layer is mounted, or, on a node that holds some of
-its chunks already, at its first read that waits for the store (daemon_stores.py ``_map_files_soon``); reads
-before it is ready get no readahead).
+chunks belong to which file is read from the records of the layer's meta.erofs (``FileChunks.of_image``
+over erofs_builder/chunked_files.py; no LayerIndex, whose paths and per-chunk objects only profiles
+and reports need): 40 ms of CPU for the Debian + python3 base's 8,315 files and 24 ms for numpy's
+5,087, where the LayerIndex walk took 156 and 87 ms, so both maps of a numpy start are ready before
+`up` returns (docs/benchmarks.md, issue 13, "ramap14"). It is
+built in a worker thread once the layer is mounted, or, on a node that holds some of its chunks
+already, at its first read that waits for the store (daemon_stores.py ``_map_files_soon``); reads before
+it is ready get no readahead, and an image it refuses (a FormatError, logged) gets none at all.
 
-Threads: ``FileChunks.of`` blocks (a worker thread); ``MissReadahead`` belongs to the daemon's trio thread.
+Threads: ``FileChunks.of_image`` blocks (a worker thread); ``MissReadahead`` belongs to the daemon's trio
+thread.
 """
 
 from __future__ import annotations
@@ -68,9 +73,11 @@ import re
 from array import array
 from collections.abc import Iterable
 
+from dsec_fs.blobmap import EncodedBlobMap
 from dsec_fs.chunks import ChunkLocation
+from dsec_fs.errors import FormatError
+from erofs_builder.chunked_files import chunked_files
 
-from .layer_index import LayerIndex
 from .blob_reader import BlobChunk, LayerBlob
 
 FILE_START = 1 << 20  # of a file's own chunks after a read, named at first
@@ -78,7 +85,8 @@ FILE_BYTES = 16 << 20  # what a file's window grows to while the reader reads wh
 WINDOW_START = 256 << 10
 DEFAULT_WINDOW = 4 << 20
 WALK_GAP = 2  # blob entries between one file's last read chunk and the next file's first: still a walk
-_SHARED_OBJECT = re.compile(r"\.so(\.[0-9]+)*$")
+# A shared object's name (lib.so, libc.so.6, _ssl.cpython-311-x86_64-linux-gnu.so): what a loader maps.
+_SHARED_OBJECT = re.compile(rb"\.so(\.[0-9]+)*$")
 SMALL_FILE_BYTES = 256 << 10  # a directory's files up to this size come along as its neighbours
 DIRECTORY_BYTES = 2 << 20  # at most this much of a directory's small files named at once
 
@@ -96,27 +104,33 @@ class FileChunks:
         self.libraries = libraries  # file numbers of shared objects (by name), which loaders map
 
     @classmethod
-    def of(cls, index: LayerIndex) -> FileChunks:
-        lengths = index.blob_map.lengths
+    def of_image(cls, meta: bytes | memoryview, blob_map: EncodedBlobMap, *, source: str) -> FileChunks:
+        """The map of a layer's image ``meta`` (its meta.erofs, named ``source`` in errors) over its blob
+        map: read from the image's records (erofs_builder/chunked_files.py), no LayerIndex made. A chunk
+        index that names no chunk's first block of the blob map is a FormatError."""
+        lengths = blob_map.lengths
+        entry_at = blob_map.entries_by_start()
         owner = array("i", [-1]) * len(lengths)
         files: list[tuple[int, ...]] = []
         directory = array("i")
-        directories: dict[str, int] = {}
+        directories: dict[int, int] = {}  # directory nid -> its number
         small: list[list[int]] = []
         libraries = set()
-        for file in index.files.values():
-            entries = tuple(dict.fromkeys(entry for entry in file.chunks if entry is not None))
-            if not entries:
-                continue
+        for file in chunked_files(meta, chunk_bits=blob_map.chunk_bits, source=source):
+            found = list(map(entry_at.get, file.blkaddrs))
+            if None in found:
+                raise FormatError(f"inode nid {file.nid}", None, f"block {file.blkaddrs[found.index(None)]} is not "
+                                  "the start of a chunk in the blob map", source=source)
+            entries = tuple(found) if len(found) == 1 else tuple(dict.fromkeys(found))  # most files: one chunk
             number = len(files)
             files.append(entries)
-            parent = directories.setdefault(file.path.rpartition("/")[0], len(directories))
+            parent = directories.setdefault(file.directory, len(directories))
             if parent == len(small):
                 small.append([])
             directory.append(parent)
-            if _is_shared_object(file.path):
+            if b".so" in file.name and _SHARED_OBJECT.search(file.name):
                 libraries.add(number)
-            if sum(lengths[entry] for entry in entries) <= SMALL_FILE_BYTES:
+            if sum(map(lengths.__getitem__, entries)) <= SMALL_FILE_BYTES:
                 small[parent].append(number)
             for entry in entries:
                 if owner[entry] < 0:
@@ -133,6 +147,7 @@ class MissReadahead:
         self.blob = blob
         self.max_window = max_window
         self.files: FileChunks | None = None  # set once built
+        self.unmapped = False  # the map could not be made (the image is refused): no readahead, for good
         self._walk_bytes = 0  # of the chunks the current walk has read
         self._window = 0
         self._window_entries: list[int] = []  # the window the latest read named
@@ -259,11 +274,6 @@ class MissReadahead:
                 self._named.add(entry)
                 named.append(entry)
         return named
-
-
-def _is_shared_object(path: str) -> bool:
-    """``lib.so``, ``libc.so.6``, ``_ssl.cpython-311-x86_64-linux-gnu.so``: what a loader maps."""
-    return _SHARED_OBJECT.search(path) is not None
 
 
 def _in_directory(files: FileChunks, parent: int, entries):

@@ -138,6 +138,8 @@ def _readahead_state(daemon: NodeDaemon, digest: str) -> str:
         return ""
     if layer.readahead.files is not None:
         return "ready"
+    if layer.readahead.unmapped:
+        return "refused"
     return "pending" if layer.files_mapped else "deferred"
 
 

@@ -67,9 +67,10 @@ class Layer:
     _index: LayerIndex | None = None
 
     def index(self) -> LayerIndex:
-        """The layer's image walked once (layer_index.LayerIndex), for readahead, profile plans and
-        publishing; worker threads only (it walks the whole image the first time). Two threads that ask
-        at once may both walk it: the index is a value, either one serves."""
+        """The layer's image walked once (layer_index.LayerIndex), for profile plans and publishing (the
+        miss readahead reads its map from the image's records instead: miss_readahead.FileChunks.of_image);
+        worker threads only (it walks the whole image the first time). Two threads that ask at once may
+        both walk it: the index is a value, either one serves."""
         if self._index is None:
             self._index = LayerIndex.of_files(self.files, self.blob.blob_map)
         return self._index

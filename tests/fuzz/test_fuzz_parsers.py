@@ -60,8 +60,11 @@ from erofs_builder.reader import ErofsImage
 from erofs_builder.tree import Node, Tree
 from fuzzlib import bounded, corpus_cases, fuzz_settings, inputs, json_mutations, mutations, note
 from lazy_fetch import prefetch_list
+from lazy_fetch.layer_index import LayerIndex
+from lazy_fetch.miss_readahead import FileChunks
 from lazy_fetch.prefetch_list import PrefetchEntry, PrefetchList
 from lazy_fetch.trace import RECORD, TraceHeader, TraceWriter, read_trace
+from tests.lazy_fetch.file_chunks_support import as_values, file_chunks_of_index
 
 BLOCK = 4096
 INODES_START = 1280  # after the superblock and our one-slot device table
@@ -180,6 +183,27 @@ def _needs_blob(meta: bytes) -> bool:
         return bool(ErofsImage(meta).devices)
     except (FormatError, UnsupportedError):
         return False
+
+
+@fuzz_settings(300)
+@given(data=st.data())
+def test_the_miss_readaheads_file_map_on_mutated_images(layers, data):
+    """FileChunks.of_image (erofs_builder/chunked_files.py underneath) raises only its errors, within
+    bounds, and where it and the reader's walk (LayerIndex) both take an image, gives the same map."""
+    layer = data.draw(st.sampled_from(layers), label="layer")
+    meta = data.draw(images([layer.meta]), label="image")
+    blob_map = layer.decoded_blobmap()
+    outcome = bounded(lambda: FileChunks.of_image(meta, blob_map, source="layer x meta.erofs"),
+                      allowed=(FormatError, UnsupportedError), input_size=len(meta))
+    note(outcome)
+    if isinstance(outcome, FormatError):
+        assert outcome.structure and "layer x meta.erofs" in str(outcome), outcome
+    try:
+        walked = file_chunks_of_index(LayerIndex("x", ErofsImage(meta), blob_map))
+    except (FormatError, UnsupportedError):
+        return
+    if isinstance(outcome, FileChunks):
+        assert as_values(outcome) == as_values(walked)
 
 
 @fuzz_settings(150)

@@ -1,10 +1,13 @@
 """Miss readahead (lazy_fetch/miss_readahead.py): a window of a file's chunks that grows while the file is
 read in order, a directory's small files, and a growing window while a reader walks files in blob order; a
-reader of one file fetches that file's chunks only, and a reader of a big file in places not the file."""
+reader of one file fetches that file's chunks only, and a reader of a big file in places not the file.
+The map of which chunks are whose, read from the image's records, is the one the layer's LayerIndex gives
+(file_chunks_support.py), and a layer whose image it refuses is served without readahead."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 from array import array
@@ -12,13 +15,18 @@ from array import array
 import pytest
 
 from dsec_fs.blobmap import MAX_CHUNK_BITS, BlobMap, EncodedBlobMap
-from dsec_fs.layer import open_layer
+from dsec_fs.digest import sha256
+from dsec_fs.errors import FormatError
+from dsec_fs.layer import open_layer, publish_layer, set_ref
 from dsec_fs.store import FilesystemStore
 from erofs_builder import build_layer
+from erofs_builder.ondisk.superblock import seal_block0
+from erofs_builder.reader import ErofsImage
 from lazy_fetch.layer_index import LayerIndex
 from lazy_fetch.blob_reader import BlobChunk
 from lazy_fetch.miss_readahead import FILE_BYTES, FILE_START, WINDOW_START, FileChunks, MissReadahead
 from lazy_fetch.trace import FLAG_MISS, read_trace
+from tests.lazy_fetch.file_chunks_support import as_values, file_chunks_of_index
 from tests.lazy_fetch.daemon_support import Daemons, file_chunks, layer_metric, layer_store, mount_dirs, wait_for
 
 CHUNK = 64 * 1024
@@ -130,7 +138,8 @@ def test_shared_objects_are_known_by_name(tmp_path):
     store_dir = str(tmp_path / "store")
     with FilesystemStore(store_dir) as store:
         layer = build_layer(str(tree), store, name="t:1", chunk_size=CHUNK)
-        files = FileChunks.of(LayerIndex.open(store, layer.digest))
+        opened = open_layer(store, layer.digest)
+        files = FileChunks.of_image(opened.meta, EncodedBlobMap(opened.blobmap, source="blobmap"), source="meta")
         index = LayerIndex.open(store, layer.digest)
     paths = [file.path for file in index.files.values() if file.chunks]
     assert sorted(paths[n].rpartition("/")[2] for n in files.libraries) == [
@@ -297,3 +306,81 @@ def test_an_import_of_a_package_fetches_none_of_its_sources(tmp_path, mode, moun
         fetched = layer_metric(node, "dsecfs_fetch_chunks_total", info.layer)
     assert mounts_below(tmp_path) == []
     assert fetched == len(modules), f"{fetched} chunks fetched for {len(modules)} modules of one chunk each"
+
+
+# ---- the file map, read from the image's records --------------------------------------------------------
+
+
+def _maps_of(store, digest):
+    """(the map FileChunks.of_image reads from the layer's meta.erofs, the one of its LayerIndex)."""
+    layer = open_layer(store, digest)
+    blob_map = EncodedBlobMap(layer.blobmap, source="blobmap")
+    read = FileChunks.of_image(layer.meta, blob_map, source="meta.erofs")
+    return read, file_chunks_of_index(LayerIndex.of_files(layer, blob_map))
+
+
+def test_the_file_map_of_hard_links_shared_chunks_holes_symlinks_and_xattrs_is_the_layer_index_one(built_layer):
+    """conftest's tree: a hard link, a chunk repeated in a file and one shared by two files, written
+    zeros and a sparse file, symlinks, xattrs, a non-UTF-8 name, a fifo (and device nodes as root)."""
+    read, walked = _maps_of(built_layer.store, built_layer.layer.digest)
+    assert as_values(read) == as_values(walked)
+    index = LayerIndex.of_files(built_layer.layer)
+    numbers = {file.path: n for n, file in enumerate(f for f in index.files.values() if any(c is not None for c in f.chunks))}
+    assert "/dir/hard-link" not in numbers and "/zeros.bin" not in numbers  # one file by its first name; all holes
+    assert len(read.files[numbers["/dup.bin"]]) == 3  # four chunks, the first repeated
+    holes = index.files[next(f.nid for f in index.files.values() if f.path == "/holes.bin")]
+    assert len(read.files[numbers["/holes.bin"]]) == sum(c is not None for c in holes.chunks) < len(holes.chunks)
+
+
+@pytest.mark.slow
+def test_the_file_map_of_the_debian_rootfs_is_the_layer_index_one(debian_rootfs, tmp_path):
+    with FilesystemStore(str(tmp_path / "store"), fsync=False) as store:
+        digest = build_layer(debian_rootfs, store, name="base/debian:12").digest
+        read, walked = _maps_of(store, digest)
+    assert len(read.files) > 5000 and read.libraries
+    assert as_values(read) == as_values(walked)
+
+
+def test_a_chunk_index_inside_a_chunk_is_a_format_error_naming_the_image(built_layer):
+    """The kernel serves such an image (it reads the blob where the index says); the map refuses it, and the
+    daemon then mounts the layer without miss readahead (daemon_stores.py)."""
+    layer = built_layer.layer
+    image = ErofsImage(layer.meta)
+    nid = image.resolve(b"big.bin")
+    at = image._node(nid).data_offset + 4  # the first chunk index's blkaddr
+    meta = bytearray(layer.meta)
+    meta[at:at + 4] = (int.from_bytes(meta[at:at + 4], "little") + 1).to_bytes(4, "little")
+    seal_block0(meta, image.block_size)
+    with pytest.raises(FormatError, match=f"layer x meta.erofs.*inode nid {nid}.*not the start of a chunk"):
+        FileChunks.of_image(bytes(meta), EncodedBlobMap(layer.blobmap, source="blobmap"), source="layer x meta.erofs")
+
+
+@pytest.mark.fuse
+@pytest.mark.root
+def test_a_layer_whose_image_the_map_refuses_serves_its_files_without_readahead(store_dir, tmp_path, mounts_below):
+    """A chunk index of pkg/mod0.py moved one block into its chunk: the kernel reads the blob where it
+    says, the map refuses the image. The daemon says so in its log and status, and serves the layer."""
+    with FilesystemStore(store_dir) as store:
+        layer = open_layer(store, "t/walk:1")
+        image = ErofsImage(layer.meta)
+        at = image._node(image.resolve(b"pkg/mod0.py")).data_offset + 4  # chunk 0's blkaddr
+        meta = bytearray(layer.meta)
+        meta[at:at + 4] = (int.from_bytes(meta[at:at + 4], "little") + 1).to_bytes(4, "little")
+        seal_block0(meta, image.block_size)
+        digest = sha256(bytes(meta)).hex()
+        publish_layer(store, bytes(meta), layer.blobmap, dataclasses.replace(layer.manifest, layer=digest))
+        set_ref(store, "t/refused:1", digest)
+    daemons = Daemons(tmp_path)
+    try:
+        node = daemons.start(store_dir, extra_args=["--fill", "none", "--no-profiles"]).node
+        mnt, = mount_dirs(tmp_path, "mnt")
+        node.mount("t/refused:1", mnt, mode="kernel")
+        wait_for(lambda: node.status().layers[0].miss_readahead == "refused", "the map's refusal")
+        for name in ("pkg/mod1.py", "pkg/mod5.py"):
+            assert _read(os.path.join(mnt, name)) == FILES[name]
+        assert f"no miss readahead for layer {digest[:12]}" in daemons.log()
+        assert "not the start of a chunk in the blob map" in daemons.log()
+        node.umount(mnt)
+    finally:
+        daemons.stop_all()
+    assert mounts_below(tmp_path) == []
