@@ -136,7 +136,7 @@ PHASES = [
     ("index mirror sync", "erofs_builder.build", None, "load_chunk_index"),
     ("read, sha256, zstd, pack, upload", "erofs_builder.chunker", "Chunker", "add_file"),
     ("last uploads (flush)", "dsec_fs.chunks", "ChunkUploader", "flush"),
-    ("packs of the layer", "erofs_builder.build", None, "_packs_of"),
+    ("packs of the layer", "erofs_builder.build", None, "packs_of"),
     ("confirm packs against the store", "dsec_fs.dedup_index", "MirroredChunkIndex", "confirm"),
     ("blob map, shared chunks", "erofs_builder.build", None, "lay_out_blob"),
     ("write meta.erofs (into a temporary file)", "erofs_builder.build", None, "spill_image"),
