@@ -165,8 +165,6 @@ class _OnDemandChunker:
     def __init__(self, store: Store, leased: Future[tuple[Lease, ChunkIndex]], chunk_size: int,
                  workers: int | None, progress: Progress | None):
         self._store, self._leased = store, leased
-        if workers is None:  # the calling thread's scan keeps a core busy (see _scan_workers)
-            workers = _scan_workers()
         self._options = dict(chunk_size=chunk_size, workers=workers, progress=progress)
         self._stack = contextlib.ExitStack()
         self._uploader: ChunkUploader | None = None
@@ -195,16 +193,6 @@ class _OnDemandChunker:
             self._uploader = self._stack.enter_context(ChunkUploader(self._store, index))
             self._chunker = self._stack.enter_context(Chunker(self._uploader, index, **self._options))
         return self._chunker
-
-
-def _scan_workers() -> int:
-    """The chunker's workers on the patch path, unless the caller says: one fewer than the cores, as the
-    calling thread goes on with the scan's lstat calls on one of them while the changed files are hashed
-    and compressed. On two cores that is one: a second worker's start, while the first compresses,
-    kept the scan waiting 1.5-4 ms (Thread.start waits until the new thread runs, and the scheduler may
-    queue it behind the busy core's zstd) for a piece the one worker hashes within the scan all the same
-    (docs/benchmarks.md, issue 17, rebuild14)."""
-    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def _named_buildinfo(info: Future[bytearray], layer: str) -> tuple[str, bytes]:
