@@ -478,8 +478,7 @@ def main() -> None:
                 print(f" load average {os.getloadavg()[0]:.2f}")
                 results.append(row)
     finally:
-        if os.environ.get("MISS14_KEEP"): print("kept", work)
-        else: shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

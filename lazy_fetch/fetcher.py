@@ -47,7 +47,11 @@ How a request is served:
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
   ``plan_runs`` merges into a run carrying a wanted chunk are fetched: they ride along in a GET that is
   made anyway, so readahead costs link bytes but never a request or a store slot, and nobody waits for
-  it but the run it rides in (a few ms of transfer on top of a round trip). Without it a reader that
+  it but the run it rides in (a few ms of transfer on top of a round trip), and not for its check: the
+  read's thread checks the chunks readers wait for and keeps the readahead as fetched
+  (``StoreReads._read_wanted``), their flights land, and the readahead is checked after, in a worker
+  thread, before its flights land (a reader that joins one meanwhile waits for that check); a bad
+  readahead chunk fails alone. Without it a reader that
   walks files one by one (an import, a dpkg database scan) pays one round trip per file; with it, files
   stored side by side arrive together. Readahead chunks get flights at PREFETCH priority, so a reader
   that needs one meanwhile joins it.
