@@ -389,7 +389,6 @@ class ChunkFetcher:
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
-        verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
         # A prefetch run was cached by its read's thread (ticket.cached), so a job that is done has its
         # chunks in the cache and its bound on the cache's room holds. Any other run (asked for, promoted,
         # or a fill's) is handed to its waiters first, and the cache writer writes it afterwards, with the
@@ -402,8 +401,6 @@ class ChunkFetcher:
         # UNCACHED_RUNS at once (their bytes stay in memory until written): beyond that, as when the
         # cache's disk is slower than the store, readers wait for the write.
         readers_first = not ticket.cached and self._uncached_runs < UNCACHED_RUNS
-        if verified and not ticket.cached and not readers_first:
-            await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
         # The chunks of an on-demand read that readers wait for land before the readahead it carries is
         # checked (StoreReads._read_wanted kept that as fetched): a miss waited for the decompression and
         # check of its whole run, up to MAX_READ_BYTES of readahead (docs/benchmarks.md, "miss14").
@@ -412,13 +409,14 @@ class ChunkFetcher:
             self._land_run(items, flights, results, stats, logged, landed)
         # A fill's read that readers joined (before it landed), and an on-demand read's readahead: their
         # chunks are checked for them, until none that a reader wants is left a Frame (one may join during
-        # each hop). If the run was put in the cache above, such a chunk stays a frame there, checked again
-        # when next read.
+        # each hop).
         while joined := [(digest, location) for (digest, location), flight in zip(items, flights)
                          if flight.plain and isinstance(results[digest], Frame)]:
             results.update(await trio.to_thread.run_sync(check_fetched, joined, results))
-        self._land_run(items, flights, results, stats, logged, landed, cached=not readers_first)
         verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
+        if verified and not ticket.cached and not readers_first:
+            await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
+        self._land_run(items, flights, results, stats, logged, landed, cached=not readers_first)
         if verified and readers_first and self._hand_over(run.pack_id, verified):
             await self._write_handed_over()  # this task is the cache writer until the queue is empty
 
