@@ -239,12 +239,13 @@ def _miss_steps(events: list[dict], missed: list[dict]) -> tuple[list[list[float
     steps, joined = [], 0
     for read in missed:
         own = next((e for e in store_reads if read["t0"] <= e["t_queued"] <= read["t1"] and e["t_granted"]), None)
-        worker = next((e for e in reads_for.get(own["ticket"], ()) if own["t_granted"] <= e["t0"] and e["t1"] <= own["t1"]),
-                      None) if own else None
+        worker = next((e for e in reads_for.get(own["ticket"], ())
+                       if own["t_granted"] <= e["t0"] and e["t1"] <= own["t1"]), None) if own else None
         if worker is None:
             joined += 1
             continue
-        calls = [e for e in links if e["thread"] == worker["thread"] and worker["t0"] <= e["t0"] and e["t1"] <= worker["t1"]]
+        calls = [e for e in links
+                 if e["thread"] == worker["thread"] and worker["t0"] <= e["t0"] and e["t1"] <= worker["t1"]]
         store_end = max((e["t1"] for e in calls), default=worker["t0"])
         steps.append([own["t_queued"] - read["t0"], own["t_granted"] - own["t_queued"], worker["t0"] - own["t_granted"],
                       sum(e["t1"] - e["t0"] for e in calls), worker["t1"] - store_end, own["t1"] - worker["t1"],
