@@ -35,10 +35,10 @@ from there, and the slots, ``_stalled_since`` and the FetchStats it counts in ar
 so they need no locks. The round-trip samples are appended to by worker threads: ``_round_trips_lock``
 guards them. ``_read_for`` (and ``cache_put``, ``_read_frames``, ``_read_wanted`` and ``_read``, which it
 calls) runs in the read's worker thread, via trio.to_thread.run_sync: the trio thread never blocks on a
-store. A store read's worker thread may block in the store for ever; nothing waits for it but the flights of its own chunks,
-and those only until the deadline. Store-read threads are counted by a limiter of their own (ThreadWatch),
-not trio's default one, so stuck ones never starve the daemon's other worker threads (cache lookups,
-layer opens).
+store. A store read's worker thread may block in the store for ever; nothing waits for it but the
+flights of its own chunks, and those only until the deadline. Store-read threads are counted by a
+limiter of their own (ThreadWatch), not trio's default one, so stuck ones never starve the daemon's other
+worker threads (cache lookups, layer opens).
 """
 
 from __future__ import annotations
