@@ -153,11 +153,16 @@ class StoreReads:
         ``wanted()``, asked once the slot is granted: the chunks readers wait for; an on-demand read that
         carries others (readahead) checks only those and keeps the others as fetched (``_read_wanted``)."""
         await self._slots.acquire(ticket)
+        # How to read is decided here, in the trio thread, as the read is handed to its thread: a request
+        # that joins it later (promoting it) does not change it, so a fill's read that a reader joined
+        # after this keeps its chunks as fetched, and its frames are checked for that reader
+        # (fetcher._read_run), as kept_frames.check_fetched checks them, whatever zstd raises.
+        as_frames = ticket.priority == FILL
         first = wanted() if ticket.priority == ONDEMAND else set()
         watch = ThreadWatch(ticket, self._abandoned_read_returned)
         try:
-            return await trio.to_thread.run_sync(self._read_for, run, ticket, first, abandon_on_cancel=True,
-                                                 limiter=watch)
+            return await trio.to_thread.run_sync(self._read_for, run, ticket, first, as_frames,
+                                                 abandon_on_cancel=True, limiter=watch)
         finally:
             abandoned = watch.started and not watch.returned
             self._slots.release(ticket, abandoned=abandoned, answered=watch.returned)
@@ -182,7 +187,8 @@ class StoreReads:
 
     # -- worker threads
 
-    def _read_for(self, run: ChunkRun, ticket: Ticket, wanted: set[bytes]) -> dict[bytes, bytes | Frame | Exception]:
+    def _read_for(self, run: ChunkRun, ticket: Ticket, wanted: set[bytes],
+                  as_frames: bool) -> dict[bytes, bytes | Frame | Exception]:
         """``_read`` (a fill's read, nobody else waiting for it yet: ``_read_frames``; an on-demand read
         that carries chunks nobody waits for yet: ``_read_wanted``), and the cache put
         (``ticket.cached``) of a prefetch read (so a job that is done has its chunks in the cache) or of
@@ -190,7 +196,6 @@ class StoreReads:
         may be cached by neither side, and is read again when next asked for). A fill's read is written by
         the cache writer, after its slot is free (``_read_run``)."""
         started = time.monotonic()
-        as_frames = ticket.priority == FILL
         if as_frames:
             results = self._read_frames(run)
         elif wanted and len(wanted) < len(run.chunks):
