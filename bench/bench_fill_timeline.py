@@ -213,6 +213,59 @@ def _print_bins(title: str, start: float, width: float, count: int, series: dict
         print(_row(name, values, fmt))
 
 
+MISS_STEPS = (
+    ("to its store read", "the read's start to its store read's queueing: the FUSE read, the memory and chunk "
+                          "caches' misses, the flight and its run planned"),
+    ("slot", "queued for a store slot"),
+    ("to the thread", "the slot granted to the worker thread's start"),
+    ("store", "the store call (the emulated link: round trip and transfer)"),
+    ("decode", "the worker thread after the store call: decompression and sha256 of the run's chunks"),
+    ("back", "the worker thread's return to the flight's task in the trio thread"),
+    ("to the reply", "the store read's end to the read's: its flights landed, the reader woken, its bytes cut"),
+)
+
+
+def _miss_steps(events: list[dict], missed: list[dict]) -> tuple[list[list[float]], int]:
+    """For each read that waited for the store and queued an on-demand store read of its own (the first it
+    queued), the seconds of each of MISS_STEPS; and how many waited for a store read they did not queue
+    (one in the air already: a prefetch, a readahead window's)."""
+    reads_for: dict[int, list[dict]] = {}  # a ticket's id may be another's after it is gone: matched by time too
+    for event in events:
+        if event["kind"] == "read_for":
+            reads_for.setdefault(event["ticket"], []).append(event)
+    links = sorted((e for e in events if e["kind"] == "link" and "thread" in e), key=lambda e: e["t0"])
+    store_reads = sorted((e for e in events if e["kind"] == "store_read" and e["priority"] == 0 and "ticket" in e),
+                         key=lambda e: e["t_queued"])
+    steps, joined = [], 0
+    for read in missed:
+        own = next((e for e in store_reads if read["t0"] <= e["t_queued"] <= read["t1"] and e["t_granted"]), None)
+        worker = next((e for e in reads_for.get(own["ticket"], ())
+                       if own["t_granted"] <= e["t0"] and e["t1"] <= own["t1"]), None) if own else None
+        if worker is None:
+            joined += 1
+            continue
+        calls = [e for e in links
+                 if e["thread"] == worker["thread"] and worker["t0"] <= e["t0"] and e["t1"] <= worker["t1"]]
+        store_end = max((e["t1"] for e in calls), default=worker["t0"])
+        steps.append([own["t_queued"] - read["t0"], own["t_granted"] - own["t_queued"], worker["t0"] - own["t_granted"],
+                      sum(e["t1"] - e["t0"] for e in calls), worker["t1"] - store_end, own["t1"] - worker["t1"],
+                      read["t1"] - own["t1"]])
+    return steps, joined
+
+
+def _print_miss_steps(events: list[dict], missed: list[dict]) -> None:
+    steps, joined = _miss_steps(events, missed)
+    if not steps:
+        return
+    print(f"  where a miss's time goes ({len(steps)} misses with a store read of their own, {joined} that joined "
+          f"one in the air): median / mean ms")
+    for n, (name, what) in enumerate(MISS_STEPS):
+        column = [row[n] for row in steps]
+        print(f"   {name:<18} {_median(column) * 1e3:6.2f} / {sum(column) / len(column) * 1e3:6.2f}  {what}")
+    totals = [sum(row) for row in steps]
+    print(f"   {'the whole read':<18} {_median(totals) * 1e3:6.2f} / {sum(totals) / len(totals) * 1e3:6.2f}")
+
+
 def timeline_pull(info: dict, workload: str, store_name: str, work: str, width: float) -> dict:
     _packages, command = cold.WORKLOADS[workload]
     path = os.path.join(work, "pull.jsonl")
@@ -302,6 +355,7 @@ def timeline_start(info: dict, workload: str, store_name: str, work: str, width:
               f"store: {len(missed)}, {sum(e['t1'] - e['t0'] for e in missed):.2f} s in all (median "
               f"{_median([e['t1'] - e['t0'] for e in missed]) * 1e3:.1f} ms); all reads "
               f"{sum(e['t1'] - e['t0'] for e in reads):.2f} s")
+        _print_miss_steps(events, missed)
     reads_in = {p: [e for e in events if e["kind"] == "store_read" and e["granted_as"] == p and e["t1"] <= end]
                 for p in (0, 1, 2)}
     for p, name in ((0, "on-demand"), (1, "prefetch"), (2, "fill")):

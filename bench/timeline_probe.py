@@ -9,6 +9,9 @@ Events (times are time.monotonic(), the same clock in every process):
   (the transfer's), the bytes it carried and the kind of object (pack, layer, bench tar, other);
 - ``store_read``: one of the fetcher's store reads: queued for a slot, granted, ended; its priority when
   queued and as granted, its compressed bytes and chunks;
+- ``read_for``: the same store read in its worker thread (StoreReads._read_for): when the thread began it
+  and when it returned (after the store call, the chunks' decompression and check); ``ticket`` matches it
+  with its ``store_read``, ``thread`` with its ``link`` calls;
 - ``read``: a FUSE read of a layer's blob: start, end, whether it waited for the store;
 - ``fill``: a fill's decision (prefetcher._fill_wanted) and when it was made;
 - ``mount``: a layer mount by the daemon, start and end;
@@ -62,7 +65,7 @@ def install(path: str, *, daemon: bool = True) -> None:
         finally:
             got = len(result) if op == "get" and isinstance(result, (bytes, bytearray, memoryview)) else 0
             _emit("link", op=op, what=_key_kind(key), t0=started, t_rtt=marks.get("rtt", started),
-                  t1=time.monotonic(), bytes=sent + got)
+                  t1=time.monotonic(), bytes=sent + got, thread=threading.get_ident())
 
     _orig_call = LatencyStore._call
     LatencyStore._call = _call
@@ -86,16 +89,26 @@ def install(path: str, *, daemon: bool = True) -> None:
     StoreSlots.acquire = acquire
     orig_store_read = StoreReads.read
 
-    async def store_read(self, run, ticket, stats):
+    async def store_read(self, run, ticket, stats, *args):
         queued, priority = time.monotonic(), int(ticket.priority)
         try:
-            return await orig_store_read(self, run, ticket, stats)
+            return await orig_store_read(self, run, ticket, stats, *args)
         finally:
             _emit("store_read", layer=stats.label[:12], t_queued=queued, t_granted=granted.pop(id(ticket), None),
                   t1=time.monotonic(), priority=priority, granted_as=int(ticket.granted_as),
-                  bytes=run.end - run.start, chunks=len(run.chunks))
+                  bytes=run.end - run.start, chunks=len(run.chunks), ticket=id(ticket))
 
     StoreReads.read = store_read
+    orig_read_for = StoreReads._read_for
+
+    def read_for(self, run, ticket, *args):
+        started = time.monotonic()
+        try:
+            return orig_read_for(self, run, ticket, *args)
+        finally:
+            _emit("read_for", t0=started, t1=time.monotonic(), ticket=id(ticket), thread=threading.get_ident())
+
+    StoreReads._read_for = read_for
     orig_read = TracedBlob.read
 
     async def read(self, offset, length):

@@ -47,7 +47,11 @@ How a request is served:
   it). They are looked at only when one of the wanted chunks missed the cache, and only those that
   ``plan_runs`` merges into a run carrying a wanted chunk are fetched: they ride along in a GET that is
   made anyway, so readahead costs link bytes but never a request or a store slot, and nobody waits for
-  it but the run it rides in (a few ms of transfer on top of a round trip). Without it a reader that
+  it but the run it rides in (a few ms of transfer on top of a round trip), and not for its check: the
+  read's thread checks the chunks readers wait for and keeps the readahead as fetched
+  (``StoreReads._read_wanted``), their flights land, and the readahead is checked after, in a worker
+  thread, before its flights land (a reader that joins one meanwhile waits for that check); a bad
+  readahead chunk fails alone. Without it a reader that
   walks files one by one (an import, a dpkg database scan) pays one round trip per file; with it, files
   stored side by side arrive together. Readahead chunks get flights at PREFETCH priority, so a reader
   that needs one meanwhile joins it.
@@ -330,23 +334,28 @@ class ChunkFetcher:
                 if position < len(first):  # a run of readahead chunks alone is not worth a GET
                     planned.append((position, run))
             planned.sort(key=lambda item: item[0])
-            async with trio.open_nursery() as nursery:
-                for _position, run in planned:
-                    flights = []
-                    for digest, location in run.chunks:
-                        if digest in missed:
-                            flights.append(missed[digest][1])
-                        else:
-                            flight = self._flights[digest] = _Flight(PREFETCH, True)
-                            started.append((digest, location, flight))  # so the finally below lands it
-                            flights.append(flight)
-                            stats.readahead += 1
-                    self._reads_planned += 1
-                    ticket = Ticket(keys.pack(run.pack_id), min(flight.priority for flight in flights),
-                                     self._reads_planned)
-                    for flight in flights:
-                        flight.ticket = ticket
-                    nursery.start_soon(self._read_run, run, flights, ticket, stats)
+            reads = []
+            for _position, run in planned:
+                flights = []
+                for digest, location in run.chunks:
+                    if digest in missed:
+                        flights.append(missed[digest][1])
+                    else:
+                        flight = self._flights[digest] = _Flight(PREFETCH, True)
+                        started.append((digest, location, flight))  # so the finally below lands it
+                        flights.append(flight)
+                        stats.readahead += 1
+                self._reads_planned += 1
+                ticket = Ticket(keys.pack(run.pack_id), min(flight.priority for flight in flights), self._reads_planned)
+                for flight in flights:
+                    flight.ticket = ticket
+                reads.append((run, flights, ticket, stats))
+            if len(reads) == 1:  # most misses: read in this task, not one started for it (a scheduling round less)
+                await self._read_run(*reads[0])
+            elif reads:
+                async with trio.open_nursery() as nursery:
+                    for read in reads:
+                        nursery.start_soon(self._read_run, *read)
         finally:
             # Only when the fetcher shuts down (or on a bug) can a flight still be in the air here;
             # nobody may wait for it forever.
@@ -363,7 +372,8 @@ class ChunkFetcher:
         logged: set[int] = set()  # a whole-run error is logged once
         try:
             with trio.fail_after(self.timeout):
-                results = await self._store_reads.read(run, ticket, stats)
+                results = await self._store_reads.read(run, ticket, stats, lambda: {
+                    digest for (digest, _location), flight in zip(items, flights) if flight.priority == ONDEMAND})
         except trio.TooSlowError:
             stats.timeouts += len(items)
             error = UnavailableError(f"the store did not answer within {self.timeout:g} s",
@@ -379,7 +389,6 @@ class ChunkFetcher:
             results = dict.fromkeys((digest for digest, _ in items), exc)
         stats.observe_latency(trio.current_time() - started_at)
 
-        verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
         # A prefetch run was cached by its read's thread (ticket.cached), so a job that is done has its
         # chunks in the cache and its bound on the cache's room holds. Any other run (asked for, promoted,
         # or a fill's) is handed to its waiters first, and the cache writer writes it afterwards, with the
@@ -392,17 +401,37 @@ class ChunkFetcher:
         # UNCACHED_RUNS at once (their bytes stay in memory until written): beyond that, as when the
         # cache's disk is slower than the store, readers wait for the write.
         readers_first = not ticket.cached and self._uncached_runs < UNCACHED_RUNS
-        if verified and not ticket.cached and not readers_first:
-            await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
-        # A fill's read that readers joined (before it landed): their chunks are checked for them, until
-        # none that a reader wants is left a Frame (one may join during each hop). If the run was put in
-        # the cache above, such a chunk stays a frame there, checked again when next read.
+        # The chunks of an on-demand read that readers wait for land before the readahead it carries is
+        # checked (StoreReads._read_wanted kept that as fetched): a miss waited for the decompression and
+        # check of its whole run, up to MAX_READ_BYTES of readahead (docs/benchmarks.md, "miss14").
+        landed: set[bytes] = set()
+        if readers_first:
+            self._land_run(items, flights, results, stats, logged, landed)
+        # A fill's read that readers joined (before it landed), and an on-demand read's readahead: their
+        # chunks are checked for them, until none that a reader wants is left a Frame (one may join during
+        # each hop).
         while joined := [(digest, location) for (digest, location), flight in zip(items, flights)
                          if flight.plain and isinstance(results[digest], Frame)]:
             results.update(await trio.to_thread.run_sync(check_fetched, joined, results))
         verified = [(digest, result) for digest, result in results.items() if not isinstance(result, BaseException)]
-        self._on_fetched([digest for digest, _data in verified])
-        for (digest, _location), flight in zip(items, flights):
+        if verified and not ticket.cached and not readers_first:
+            await trio.to_thread.run_sync(self._cache_put, run.pack_id, verified, limiter=self._cache_writers)
+        self._land_run(items, flights, results, stats, logged, landed, cached=not readers_first)
+        if verified and readers_first and self._hand_over(run.pack_id, verified):
+            await self._write_handed_over()  # this task is the cache writer until the queue is empty
+
+    def _land_run(self, items: list[tuple[bytes, ChunkLocation]], flights: list[_Flight],
+                  results: dict[bytes, bytes | Frame | BaseException], stats: FetchStats, logged: set[int],
+                  landed: set[bytes], *, cached: bool = False) -> None:
+        """Land the flights of a store read's chunks not in ``landed`` (added to it) whose result is final:
+        an error, or bytes for a flight, or a Frame for one nobody wants the bytes of (a fill's, not
+        joined); the others are left for the check that follows. ``on_fetched`` is told of them first.
+        Unless ``cached``, the flights of those with bytes stay listed (the cache writer unlists them)."""
+        ready = [(digest, flight) for (digest, _location), flight in zip(items, flights)
+                 if digest not in landed and not (flight.plain and isinstance(results[digest], Frame))]
+        self._on_fetched([digest for digest, _flight in ready if not isinstance(results[digest], BaseException)])
+        for digest, flight in ready:
+            landed.add(digest)
             result = results[digest]
             if isinstance(result, BaseException):
                 stats.errors += 1
@@ -414,9 +443,7 @@ class ChunkFetcher:
             else:
                 stats.chunks_fetched += 1
                 stats.bytes_fetched += _plain_size(result)
-                self._land(digest, flight, data=result, cached=not readers_first)
-        if verified and readers_first and self._hand_over(run.pack_id, verified):
-            await self._write_handed_over()  # this task is the cache writer until the queue is empty
+                self._land(digest, flight, data=result, cached=cached)
 
     def _hand_over(self, pack_id: str, chunks: list[tuple[bytes, bytes | Frame]]) -> bool:
         """Queue chunks (of ``pack_id``) whose flights have landed, still listed, for the cache writer;

@@ -33,12 +33,12 @@ chunks)``, which a read's worker thread calls for the reads whose chunks it cach
 Threads: StoreReads lives in the trio thread; every method but ``note_round_trip`` (any thread) is called
 from there, and the slots, ``_stalled_since`` and the FetchStats it counts in are used from there only,
 so they need no locks. The round-trip samples are appended to by worker threads: ``_round_trips_lock``
-guards them. ``_read_for`` (and ``cache_put``, ``_read_frames`` and ``_read``, which it calls) runs in the
-read's worker thread, via trio.to_thread.run_sync: the trio thread never blocks on a store. A store read's
-worker thread may block in the store for ever; nothing waits for it but the flights of its own chunks,
-and those only until the deadline. Store-read threads are counted by a limiter of their own (ThreadWatch),
-not trio's default one, so stuck ones never starve the daemon's other worker threads (cache lookups,
-layer opens).
+guards them. ``_read_for`` (and ``cache_put``, ``_read_frames``, ``_read_wanted`` and ``_read``, which it
+calls) runs in the read's worker thread, via trio.to_thread.run_sync: the trio thread never blocks on a
+store. A store read's worker thread may block in the store for ever; nothing waits for it but the
+flights of its own chunks, and those only until the deadline. Store-read threads are counted by a
+limiter of their own (ThreadWatch), not trio's default one, so stuck ones never starve the daemon's other
+worker threads (cache lookups, layer opens).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from typing import TypeVar
 
 import trio
 
-from dsec_fs.chunks import ChunkRun, read_chunk, read_run, read_run_frames
+from dsec_fs.chunks import ChunkRun, decode_chunk, read_chunk, read_run, read_run_frames
 from dsec_fs.errors import CorruptError, UnavailableError
+from dsec_fs.store import keys
 from dsec_fs.store.base import Store
 
 from .cache import Frame
@@ -144,14 +145,24 @@ class StoreReads:
             if abandoned:
                 self._note_abandoned(ticket.key)
 
-    async def read(self, run: ChunkRun, ticket: Ticket, stats: FetchStats) -> dict[bytes, bytes | Frame | Exception]:
+    async def read(self, run: ChunkRun, ticket: Ticket, stats: FetchStats,
+                   wanted: Callable[[], set[bytes]] = set) -> dict[bytes, bytes | Frame | Exception]:
         """Read ``run`` in a worker thread once ``ticket`` is granted (Refused if it may not start); a read
         cancelled at its deadline (the caller's: fetcher._read_run) whose thread is still in the store
-        gives its slot back and leaves the thread behind, counted in ``stats`` (the module docstring)."""
+        gives its slot back and leaves the thread behind, counted in ``stats`` (the module docstring).
+        ``wanted()``, asked once the slot is granted: the chunks readers wait for; an on-demand read that
+        carries others (readahead) checks only those and keeps the others as fetched (``_read_wanted``)."""
         await self._slots.acquire(ticket)
+        # How to read is decided here, in the trio thread, as the read is handed to its thread: a request
+        # that joins it later (promoting it) does not change it, so a fill's read that a reader joined
+        # after this keeps its chunks as fetched, and its frames are checked for that reader
+        # (fetcher._read_run), as kept_frames.check_fetched checks them, whatever zstd raises.
+        as_frames = ticket.priority == FILL
+        first = wanted() if ticket.priority == ONDEMAND else set()
         watch = ThreadWatch(ticket, self._abandoned_read_returned)
         try:
-            return await trio.to_thread.run_sync(self._read_for, run, ticket, abandon_on_cancel=True, limiter=watch)
+            return await trio.to_thread.run_sync(self._read_for, run, ticket, first, as_frames,
+                                                 abandon_on_cancel=True, limiter=watch)
         finally:
             abandoned = watch.started and not watch.returned
             self._slots.release(ticket, abandoned=abandoned, answered=watch.returned)
@@ -176,15 +187,21 @@ class StoreReads:
 
     # -- worker threads
 
-    def _read_for(self, run: ChunkRun, ticket: Ticket) -> dict[bytes, bytes | Frame | Exception]:
-        """``_read`` (a fill's read, nobody else waiting for it yet: ``_read_frames``), and the cache put
+    def _read_for(self, run: ChunkRun, ticket: Ticket, wanted: set[bytes],
+                  as_frames: bool) -> dict[bytes, bytes | Frame | Exception]:
+        """``_read`` (a fill's read, nobody else waiting for it yet: ``_read_frames``; an on-demand read
+        that carries chunks nobody waits for yet: ``_read_wanted``), and the cache put
         (``ticket.cached``) of a prefetch read (so a job that is done has its chunks in the cache) or of
         one abandoned at its deadline (nobody is left to take its result; one abandoned just as it returned
         may be cached by neither side, and is read again when next asked for). A fill's read is written by
         the cache writer, after its slot is free (``_read_run``)."""
         started = time.monotonic()
-        as_frames = ticket.priority == FILL
-        results = self._read_frames(run) if as_frames else self._read(run)
+        if as_frames:
+            results = self._read_frames(run)
+        elif wanted and len(wanted) < len(run.chunks):
+            results = self._read_wanted(run, wanted)
+        else:
+            results = self._read(run)
         if run.end - run.start <= ROUND_TRIP_READ_BYTES:
             self.note_round_trip(time.monotonic() - started)
         # A fill's read promoted to PREFETCH while in the store is written by the cache writer, after the
@@ -204,6 +221,32 @@ class StoreReads:
         except CorruptError:
             return self._read(run)
         return {digest: Frame(frames[digest], location.ulen, run.pack_id) for digest, location in run.chunks}
+
+    def _read_wanted(self, run: ChunkRun, wanted: set[bytes]) -> dict[bytes, bytes | Frame | Exception]:
+        """An on-demand read with readahead: the ``wanted`` chunks decompressed and checked, the others
+        (readahead nobody waits for yet) as their pack holds them (Frames), so the reader is answered
+        without waiting for the readahead's decompression and check, which the fetcher does next, before
+        anyone has those bytes (fetcher.py, "Readahead on a miss"). A wanted chunk that fails its check is
+        read again alone, as ``_read`` does; a pack shorter than its index says fails the whole GET: then
+        each chunk is read (and checked) alone."""
+        try:
+            frames = read_run_frames(self.store, run)
+        except CorruptError:
+            return self._read(run)
+        key = keys.pack(run.pack_id)
+        results: dict[bytes, bytes | Frame | Exception] = {}
+        for digest, location in run.chunks:
+            if digest not in wanted:
+                results[digest] = Frame(frames[digest], location.ulen, run.pack_id)
+                continue
+            try:
+                results[digest] = decode_chunk(frames[digest], digest, location.ulen, key)
+            except CorruptError:
+                try:
+                    results[digest] = read_chunk(self.store, digest, location)
+                except CorruptError as exc:
+                    results[digest] = exc
+        return results
 
     def _read(self, run: ChunkRun) -> dict[bytes, bytes | Exception]:
         try:

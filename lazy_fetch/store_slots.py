@@ -112,15 +112,18 @@ class StoreSlots:
             raise Refused(refusal)
         self._enqueue(ticket)
         self._grant_queued()
-        try:
-            await ticket.event.wait()
-        except BaseException:  # cancelled (a timeout): give back what we hold, or leave the queue
-            if ticket.granted:
-                self.release(ticket, abandoned=False, answered=False)
-            elif ticket.queued:
-                self._queues[ticket.priority].remove(ticket)
-                ticket.queued = False
-            raise
+        # Granted (or refused) at once: no scheduling round for it; the caller's thread hop that follows
+        # is the checkpoint (a round per miss waited for the GIL behind worker threads: "miss14").
+        if not ticket.event.is_set():
+            try:
+                await ticket.event.wait()
+            except BaseException:  # cancelled (a timeout): give back what we hold, or leave the queue
+                if ticket.granted:
+                    self.release(ticket, abandoned=False, answered=False)
+                elif ticket.queued:
+                    self._queues[ticket.priority].remove(ticket)
+                    ticket.queued = False
+                raise
         if ticket.refused is not None:
             raise Refused(ticket.refused)
 

@@ -386,6 +386,32 @@ def test_queued_runs_are_read_in_the_order_of_their_first_chunk(backend, cache):
     assert log.gets == [(first[1].offset, first[1].clen)] + [(loc.offset, loc.clen) for _, loc in order]
 
 
+def test_a_miss_checks_only_its_own_chunks_before_it_is_answered_and_readahead_after(backend, cache):
+    # a, then b and c side by side in the pack, c corrupted in the store: a miss of a carries b and c
+    # along. The reader's chunk is checked in the GET's thread and served at once; the readahead is
+    # checked after (each chunk alone): a bad readahead chunk fails by itself, and nothing is read again
+    # (main checked the whole run first, and one bad chunk made it read every chunk again alone).
+    chunks = [chunk(0, size=64 * 1024), chunk(1, size=64 * 1024), chunk(2, size=64 * 1024)]
+    a, b, c = upload(backend, chunks)
+    flip_a_bit(backend, c[1])
+    counting = CountingStore(backend)
+
+    async def main():
+        async with open_fetcher(counting, cache) as fetcher:
+            got = await fetcher.fetch_many([a], readahead=[b, c], label="layer")
+            assert got == {a[0]: chunks[0]}
+            await until(lambda: not fetcher.in_flight)
+            assert counting.calls["get"] == 1
+            assert fetcher.stats("layer").readahead == 2 and fetcher.stats("layer").corrupt == 1
+            assert await fetcher.fetch_many([b], label="layer") == {b[0]: chunks[1]}  # from the cache
+            assert counting.calls["get"] == 1
+            with pytest.raises(IntegrityError, match=to_hex(c[0])):
+                await fetcher.fetch_many([c], label="layer")
+
+    trio.run(main)
+    assert cache.get(a[0]) == chunks[0] and cache.get(b[0]) == chunks[1] and cache.get(c[0]) is None
+
+
 def test_warm_reports_each_chunk_in_order_and_a_bad_one_without_raising(backend, cache):
     # Three neighbours in one pack, the middle one corrupted in the store; a second pack far away.
     chunks = [os.urandom(64 * 1024) for _ in range(3)]
