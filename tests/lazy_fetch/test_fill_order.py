@@ -1,6 +1,8 @@
 """The fill's order (fill_order.py, prefetcher.py): it goes on from where a reader missed, and the node's
 fill reads go to the layer missed in last. Real parts: a FilesystemStore of packs, a ChunkCache, the
-fetcher; the store only records which pack each read asks for, and answers after a delay."""
+fetcher; the store only records which pack each read asks for, and answers after a delay, or once the
+test opens its gate: a test that acts while the first reads are in the air holds them there, so that a
+loaded machine's late trio loop cannot let the next reads start first."""
 
 from __future__ import annotations
 
@@ -27,18 +29,23 @@ ANSWER = 0.05  # seconds each store read takes
 
 
 class PackLog(StoreWrapper):
-    """Records the pack each get asks for, as it is asked; answers ANSWER seconds later."""
+    """Records the pack each get asks for, as it is asked; answers ANSWER seconds later, and not before
+    ``gate`` is open (it is unless the test closes it)."""
 
     def __init__(self, inner):
         super().__init__(inner)
         self.packs: list[str] = []
         self._lock = threading.Lock()
+        self.gate = threading.Event()
+        self.gate.set()
 
     def _call(self, op, key, fn, sent=0):
         if op == "get":
             with self._lock:
                 self.packs.append(key)
             time.sleep(ANSWER)
+            if not self.gate.wait(timeout=30):
+                raise AssertionError("the test never opened the store's gate")
         return fn()
 
 
@@ -72,7 +79,12 @@ def run_fills(store, cache, steps) -> list:
                 jobs.append(job)
                 return job
 
-            await steps(start)
+            start.prefetcher = prefetcher
+            try:
+                await steps(start)
+            finally:
+                if isinstance(store, PackLog):
+                    store.gate.set()
             await until(lambda: all(job.state == "done" for job in jobs))
 
     trio.run(main)
@@ -82,10 +94,11 @@ def run_fills(store, cache, steps) -> list:
 def test_the_fill_goes_on_from_where_a_reader_missed(backend, cache):
     entries, locations, packs = layer_fill(backend, 0, 12)
     store = PackLog(backend)
+    store.gate.clear()
 
     async def steps(start):
         job = start("layer", entries, locations)
-        await until(lambda: len(store.packs) == FILL_READS)  # the first reads are in the air
+        await until(lambda: len(store.packs) == FILL_READS)  # the first reads are in the air, held there
         job.fill_order.missed(8)  # a reader jumped ahead
 
     (job,) = run_fills(store, cache, steps)
@@ -100,11 +113,15 @@ def test_the_fill_reads_go_to_the_layer_missed_in_last(backend, cache):
     base, base_locations, base_packs = layer_fill(backend, 0, 6)
     toolkit, toolkit_locations, toolkit_packs = layer_fill(backend, 100, 6)
     store = PackLog(backend)
+    store.gate.clear()
 
     async def steps(start):
         start("base", base, base_locations)
-        await until(lambda: len(store.packs) == FILL_READS)  # the base's fill has every turn
-        start("toolkit", toolkit, toolkit_locations).fill_order.missed(3)  # the command reads the toolkit now
+        await until(lambda: len(store.packs) == FILL_READS)  # the base's fill has every turn, its reads held
+        toolkit_job = start("toolkit", toolkit, toolkit_locations)
+        toolkit_job.fill_order.missed(3)  # the command reads the toolkit now
+        turns_ = start.prefetcher.fill_turns
+        await until(lambda: any(order is toolkit_job.fill_order for order, _event in turns_._waiting))
 
     run_fills(store, cache, steps)
     # Every turn that freed went to the toolkit until its fill was done (from its miss on, wrapping),
