@@ -38,9 +38,10 @@ class Turns:
         """Keys held or waited for now."""
         return len(self._turns)
 
-    def busy(self, key: Hashable) -> bool:
-        """Whether a caller holds or waits for ``key``."""
-        return key in self._turns
+    def callers(self, key: Hashable) -> int:
+        """How many callers hold or wait for ``key``."""
+        turn = self._turns.get(key)
+        return 0 if turn is None else turn.callers
 
     @contextlib.asynccontextmanager
     async def take(self, *keys: Hashable) -> AsyncIterator[None]:
