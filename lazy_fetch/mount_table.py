@@ -73,9 +73,9 @@ class MountTable:
             raise
 
     def end(self, mountpoint: str) -> None:
-        """The mount ``begin`` listed is made (and in ``mounts``) or failed: write the table without it
-        (``save_after_change``)."""
-        del self.mounting[mountpoint]
+        """The mount ``begin`` listed (if it could) is made (and in ``mounts``) or failed: write the table
+        without it (``save_after_change``)."""
+        self.mounting.pop(mountpoint, None)
         self.save_after_change()
 
     def save(self) -> None:
