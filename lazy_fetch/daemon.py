@@ -84,7 +84,7 @@ composed objects; making each part own its state is a larger change, left for la
     table (MountTable)             __init__               mounts (add, remove,  mounts, traces; mounts()
                                                             save)
     cleaned                        __init__               mounts (stale ones)   node_status
-    _lock / _stores_lock           __init__               -                     mounts, traces / stores
+    _turns / _stores_lock          __init__               -                     mounts, traces / stores
     cache, _fetch_log, _own_dirs,  run                    -                     stores, mounts, traces
       meta_copies, profiles
     segments (TraceSegments)       run                    mounts, traces        mounts, traces
@@ -101,9 +101,10 @@ mounts' ``_known_mountpoint`` and ``_read_prefetch_list``; ``run`` calls the sta
 
 Threads: everything here and in the three mixin modules runs in the daemon's trio thread, so the tables
 and the traces need no lock; blocking work (opening layers and stores, resolving paths, mount(2), cache
-eviction) runs in worker threads through trio.to_thread. ``_lock`` (a trio.Lock) makes mount and unmount
-calls take turns over the tables; a layer is opened from its store before taking it, so a slow store holds
-up no other mount. ``_stores_lock`` (a trio.Lock) makes a store URL opened once (``stores``).
+eviction) runs in worker threads through trio.to_thread. ``_turns`` (turns.py) makes the calls on one
+mountpoint, and those on one blob, take turns, while mounts of different layers run at once
+(daemon_mounts.py); a layer is opened from its store before taking them, so a slow store holds up no
+other mount. ``_stores_lock`` (a trio.Lock) makes a store URL opened once (``stores``).
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ from .profile_keeper import ProfileKeeper
 from .served_layers import Layer, Served, StoreContext
 from .trace_segments import TraceSegments
 from .traced_blob import LayerUsage, StoreFetchLog
+from .turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +166,7 @@ class NodeDaemon(DaemonStores, DaemonMounts, DaemonTraces):
         self.cleaned: list[str] = []  # stale mountpoints detached at start
         self.table = MountTable(self.state_dir)
         self._stop = trio.Event()
-        self._lock = trio.Lock()
+        self._turns = Turns()  # see "Threads" above
         self._stores_lock = trio.Lock()
         self.stores: dict[str, StoreContext] = {}
         self.stores_let_go = node_status.LetGoFigures()  # what the stores let go of had counted

@@ -4,16 +4,24 @@ mode shares with its other mounts in that mode (its Served: blob, trace, holders
 adoption of a dead daemon's mounts and the detaching of those it left behind (mount_table.py).
 
 Threads: the methods run in the daemon's trio thread; resolving paths, mount(2) and umount(2), and
-looking at what is mounted run in worker threads. ``_lock`` (a trio.Lock, NodeDaemon's) makes mount and
-unmount calls take turns over the tables (``table``, ``layers``, ``_served``); a layer is opened from its
-store before taking it, so a slow store holds up no other mount.
+looking at what is mounted run in worker threads. Mounts of different layers run at once (a stack's
+layers side by side, each its store round trips, its plans and its mount(2)); ``_turns`` (turns.py,
+NodeDaemon's) makes the calls on one mountpoint take turns (``("mountpoint", path)``: a second mount
+there waits, then finds it taken; an unmount waits for the mount under way), and so the calls on one
+blob (``("blob", blob id)``: a layer's ``layers`` entry, its first open, shared by the mounts that wait
+for it, its prefetch, its Served and the use counts, for every layer of that blob), taken in that order.
+The tables themselves (``table``, ``layers``, ``_served``) change only between awaits. A layer's
+manifest and metadata are read from its store before either turn, so a slow store holds up no other
+mount.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+from collections.abc import AsyncIterator
 
 import trio
 
@@ -105,18 +113,18 @@ class DaemonMounts:
         files, found = await self._open_layer(store, ref, profile_of=ref_name, want_profile=want_profile,
                                               combination=holder.combination, check_packs=check_packs)
         profile_key = ""
-        blob = None if files.digest in self.layers else await self._open_blob(files, store)
-        async with self._lock:
+        async with self._turns.take(("mountpoint", mountpoint), ("blob", files.manifest.blob_id)):
             if mountpoint in self.table.mounts:
                 raise ConflictError("a layer is already mounted here", where=mountpoint)
             layer = self.layers.get(files.digest)
-            if layer is None:  # new, or its last mount went while we opened its blob
-                blob = blob or await self._open_blob(files, store)
-            if plist is not None:
-                plist.verify((layer.blob if layer else blob).blob_map, layer=files.digest)
             new_layer = layer is None
-            if new_layer:
+            if new_layer:  # its first open, in its blob's turn: a mount of it that waits for this one shares it
+                blob = await self._open_blob(files, store)
+                if plist is not None:
+                    plist.verify(blob.blob_map, layer=files.digest)
                 layer = self._add_layer(files, store, blob)
+            elif plist is not None:
+                plist.verify(layer.blob.blob_map, layer=files.digest)
             idle = layer.prefetch is None or layer.prefetch.state != "running"
             if found is not None and idle:
                 plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, files, layer.blob.blob_map,
@@ -140,12 +148,12 @@ class DaemonMounts:
             # Written ahead: a daemon killed between mount(2) and the table update below still leaves
             # the mountpoint listed, so the next daemon detaches it.
             try:
-                self.table.save(mounting=(mountpoint, mode, files.digest))
+                self.table.begin(mountpoint, mode, files.digest)
                 await self._mounter.mount_layer(files, served.blob, mountpoint, mode=mode)
             except BaseException:
                 if job is not None:
                     job.cancel_scope.cancel()
-                self.table.save_after_change()
+                self.table.end(mountpoint)
                 self._drop_unused(layer, served)
                 raise
             if job is not None:
@@ -153,7 +161,7 @@ class DaemonMounts:
             mount = self._record_mount(mountpoint, mode, ref, layer, key, served, prefetch=prefetch or "",
                                        created=utc_now(), prefetch_chunks=job.chunks if job else 0,
                                        profile_key=profile_key, holder=holder)
-            self.table.save_after_change()
+            self.table.end(mountpoint)
             log.info("mounted layer %s (%s) at %s in %s mode", files.digest[:12], ref, mountpoint, mode)
         return mount_info(mount)
 
@@ -162,8 +170,7 @@ class DaemonMounts:
         mount raises UnavailableError (transient) and stays, unless ``lazy``: then it is detached, and what
         it needs stays served (and traced) until the daemon stops."""
         mountpoint = await self._known_mountpoint(mountpoint)
-        async with self._lock:
-            mount = self.table.mounts.get(mountpoint)
+        async with self._turn_at(mountpoint) as mount:
             if mount is None:
                 raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
             await self._mounter.unmount(mountpoint, lazy=lazy)
@@ -173,6 +180,18 @@ class DaemonMounts:
             if not lazy:
                 self._release(mount)  # (lazily: still served and traced, for its holders, until the daemon stops)
         return mountpoint
+
+    @contextlib.asynccontextmanager
+    async def _turn_at(self, mountpoint: str) -> AsyncIterator[Mount | None]:
+        """The turn of ``mountpoint`` and of the blob of the layer mounted there; yields its Mount, or None
+        (only the mountpoint's turn taken) if it has none."""
+        async with self._turns.take(("mountpoint", mountpoint)):
+            mount = self.table.mounts.get(mountpoint)
+            if mount is None:
+                yield None
+                return
+            async with self._turns.take(("blob", mount.blob_id)):
+                yield mount
 
     def _release(self, mount: Mount) -> None:
         layer = self.layers[mount.layer]

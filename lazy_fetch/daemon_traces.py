@@ -4,8 +4,9 @@ fetched in the background for a mounted layer (prefetcher.py), the holders of ea
 they label (trace_segments.py), flushed every TRACE_FLUSH_SECONDS and pruned every TRACE_PRUNE_SECONDS.
 
 Threads: the methods run in the daemon's trio thread; profile lookups and plans and trace pruning run in
-worker threads. ``_lock`` (a trio.Lock, NodeDaemon's) is taken over the tables as in daemon_mounts.py;
-the rest of the state is NodeDaemon's and needs no lock (one trio thread).
+worker threads. What looks at a mount takes the turns of its mountpoint and its blob (``_turn_at``,
+daemon_mounts.py), so it waits for a mount or unmount of it under way; the rest of the state is
+NodeDaemon's and needs no lock (one trio thread).
 """
 
 from __future__ import annotations
@@ -60,8 +61,7 @@ class DaemonTraces:
         """Fetch the prefetch list at ``path`` for the layer mounted at ``mountpoint``, in the background."""
         mountpoint = await self._known_mountpoint(mountpoint)
         path, plist = await self._read_prefetch_list(path)
-        async with self._lock:
-            mount = self.table.mounts.get(mountpoint)
+        async with self._turn_at(mountpoint) as mount:
             if mount is None:
                 raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
             layer = self.layers[mount.layer]
@@ -106,7 +106,7 @@ class DaemonTraces:
         """One more ``holder`` (a sandbox) of the layer mounted at ``mountpoint`` (by this daemon). With
         ``profile`` (and a ``fill`` other than none), the layer, mounted for others, then prefetches in the
         background by the profile of the holder's combination, if the store has one and no prefetch runs."""
-        async with self._lock:
+        async with self._turn_at(mountpoint):
             served = self._served_at(mountpoint)
             served.holders.add(mountpoint, holder)
             self.segments.relabel(served)
@@ -123,8 +123,8 @@ class DaemonTraces:
         try:
             found = await trio.to_thread.run_sync(self.profiles.lookup_combination, layer.store.store, layer.digest,
                                                   combination)
-            async with self._lock:
-                if found is None or self.table.mounts.get(mountpoint) is not mount or (
+            async with self._turn_at(mountpoint) as now:
+                if found is None or now is not mount or (
                         layer.prefetch is not None and layer.prefetch.state == "running"):
                     return
                 plist = await trio.to_thread.run_sync(ProfileKeeper.plan, found, layer.files, layer.blob.blob_map,
@@ -136,7 +136,7 @@ class DaemonTraces:
 
     async def unhold(self, mountpoint: str, holder: Holder) -> None:
         """One ``holder`` fewer of the layer mounted at ``mountpoint`` (its last goes with the unmount)."""
-        async with self._lock:
+        async with self._turn_at(mountpoint):
             served = self._served_at(mountpoint)
             served.holders.remove(mountpoint, holder)
             self.segments.relabel(served)

@@ -48,8 +48,12 @@ so what it needs stays served until the mounter closes.
 Threads: every method runs in the trio loop that opened the mounter (the daemon's loop), which is also
 the loop that serves FUSE. mount(2), umount2 and file writes run in worker threads (trio.to_thread): the
 kernel reads the blob during mount(2) and looks up the bind source, and this loop must stay free to
-answer, or the mount deadlocks. ``LayerMounter._lock`` (a trio.Lock) makes mount and unmount calls
-take turns, so the mount table and the use counts change one call at a time.
+answer, or the mount deadlocks. Mounts of different layers at different mountpoints run at once (a
+stack's layers are mounted side by side): ``LayerMounter._turns`` (turns.py) makes the calls on one
+mountpoint take turns, and so the calls on one layer (its meta image or tree: whether a mount is its
+first user, and writes it, or its last, and removes it, is decided and done in one turn). ``_mounts``,
+``_detached`` and the use counts of blobs change only between awaits, so a blob two layers share (one
+blob id) needs no turn: adding and removing it are synchronous.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from erofs_builder.reader import ErofsImage
 
 from . import fuse_holder, fuse_raw
 from .fs_core import Blob, LayerTree, SessionTree
+from .turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +144,7 @@ class LayerMounter:
         self._mounts: dict[str, LayerMount] = {}  # mountpoint -> live mount, in mount order
         self._detached: list[LayerMount] = []  # lazily detached mounts, whose resources stay until close
         self._users: Counter[tuple[str, str]] = Counter()  # ("blob"|"meta"|"tree", id) -> mounts using it
-        self._lock = trio.Lock()
+        self._turns = Turns()  # by ("mountpoint", path) and ("layer", digest): see the module docstring
         # raw binding: the session survives this process (fuse_holder) and ``session_state`` (the FUSE
         # session's device, the INIT parameters, the inode numbers) is saved for the daemon that takes it
         # over; ``resumed``: this mounter took over such a session, and may adopt its mounts.
@@ -163,8 +168,9 @@ class LayerMounter:
         """Mount ``layer`` at ``mountpoint``, its data read from ``blob`` (the layer's virtual blob)."""
         if mode not in MODES:
             raise InputError(f"unknown mount mode {mode!r} (one of {', '.join(MODES)})", where=mountpoint)
-        async with self._lock:
-            return await self._mount(layer, blob, os.path.abspath(mountpoint), mode)
+        mountpoint = os.path.abspath(mountpoint)
+        async with self._turns.take(("mountpoint", mountpoint), ("layer", layer.digest)):
+            return await self._mount(layer, blob, mountpoint, mode)
 
     async def adopt_layer(self, layer: LayerFiles, blob: Blob, mountpoint: str, *, mode: str) -> LayerMount:
         """List a mount that the daemon which died before us made through the session we took over (it is
@@ -173,8 +179,9 @@ class LayerMounter:
         ``adopt``); nothing may stat the mountpoint meanwhile, as nobody answers its FUSE requests yet."""
         if not self.resumed:
             raise ConflictError("only a FUSE session taken over has mounts to adopt", where=mountpoint)
-        async with self._lock:
-            return await self._mount(layer, blob, os.path.abspath(mountpoint), mode, adopt=True)
+        mountpoint = os.path.abspath(mountpoint)
+        async with self._turns.take(("mountpoint", mountpoint), ("layer", layer.digest)):
+            return await self._mount(layer, blob, mountpoint, mode, adopt=True)
 
     async def _mount(self, layer: LayerFiles, blob: Blob, mountpoint: str, mode: str, *,
                      adopt: bool = False) -> LayerMount:
@@ -208,13 +215,16 @@ class LayerMounter:
     async def unmount(self, mount: LayerMount | str, *, lazy: bool = False) -> None:
         """Unmount a layer (by LayerMount or mountpoint). Busy: UnavailableError(transient=True), and the
         mount stays; ``lazy`` detaches it anyway (MNT_DETACH), its data served until the mounter closes."""
-        async with self._lock:
-            await self._unmount(os.path.abspath(mount if isinstance(mount, str) else mount.mountpoint), lazy)
+        mountpoint = os.path.abspath(mount if isinstance(mount, str) else mount.mountpoint)
+        async with self._turns.take(("mountpoint", mountpoint)):
+            found = self._mounts.get(mountpoint)
+            if found is None:
+                raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
+            async with self._turns.take(("layer", found.layer)):
+                await self._unmount(found, lazy)
 
-    async def _unmount(self, mountpoint: str, lazy: bool) -> None:
-        found = self._mounts.get(mountpoint)
-        if found is None:
-            raise NotFoundError("no layer is mounted here by this daemon", where=mountpoint)
+    async def _unmount(self, found: LayerMount, lazy: bool) -> None:
+        mountpoint = found.mountpoint
         if not await trio.to_thread.run_sync(mounts.umount_identified, found.identity, mountpoint, lazy):
             log.warning("%s was unmounted by someone else", mountpoint)
         del self._mounts[mountpoint]
@@ -305,9 +315,10 @@ class LayerMounter:
         A mount that cannot be detached at all is logged and skipped, so the others still go."""
         for mount in reversed(self.mounts()):
             await unmount_or_detach(self.unmount, mount.mountpoint)
-        for mount in self._detached:
-            await self._release_all(mount)
-        self._detached.clear()
+        while self._detached:
+            mount = self._detached.pop()
+            async with self._turns.take(("layer", mount.layer)):
+                await self._release_all(mount)
 
 
 async def unmount_or_detach(unmount: Callable[..., Awaitable[object]], mountpoint: str) -> None:

@@ -1,8 +1,9 @@
 """The node daemon's mounts: the live table and its persisted copy, ``state_dir/mounts.json``.
 
 The file lists the live mounts, rewritten (atomically) after each mount and unmount, and before each
-mount with the mount being made (``mounting``), so a daemon killed between mount(2) and the update still
-leaves the mountpoint listed and the next daemon detaches it. Not synced: the file describes mounts, and
+mount with the mounts being made (``begin``; several at once, as the daemon mounts a stack's layers side
+by side), so a daemon killed between mount(2) and the update still leaves the mountpoint listed and the
+next daemon detaches it. Not synced: the file describes mounts, and
 none outlives the machine's crash or power loss that an fsync guards against, while against the death of
 the daemon (SIGKILL, a crash of its own), which is what the table is for, a rename is atomic without one
 (the page cache outlives the process). A table left torn by a machine crash is read as empty, with a
@@ -13,6 +14,7 @@ stats a mountpoint, which would wait forever on a FUSE session nobody serves yet
 
 Threads: the daemon's trio thread; ``save`` writes the small file in it (no fsync: a write to the page
 cache and a rename, well under a millisecond), as the table must be written before mount(2) goes on.
+Nothing here awaits, so each call sees and writes the table whole between the daemon's awaits.
 """
 
 from __future__ import annotations
@@ -58,20 +60,37 @@ class MountTable:
     def __init__(self, state_dir: str):
         self.path = os.path.join(state_dir, MOUNT_TABLE)
         self.mounts: dict[str, Mount] = {}
+        self.mounting: dict[str, tuple[str, str]] = {}  # mountpoint -> (mode, layer digest): mounts being made
 
-    def save(self, mounting: tuple[str, str, str] | None = None) -> None:
-        """Write the live mounts, and ``mounting`` (mountpoint, mode, layer digest): the mount being made.
-        UnavailableError (transient) if the file cannot be written: a full disk (the sandboxes' upper dirs
-        share the state directory's), so a mount that must be listed before it is made is refused."""
+    def begin(self, mountpoint: str, mode: str, layer: str) -> None:
+        """List the mount about to be made at ``mountpoint`` (until ``end``), and write the table. Raises
+        as ``save`` does, and then lists nothing more."""
+        self.mounting[mountpoint] = (mode, layer)
+        try:
+            self.save()
+        except BaseException:
+            del self.mounting[mountpoint]
+            raise
+
+    def end(self, mountpoint: str) -> None:
+        """The mount ``begin`` listed (if it could) is made (and in ``mounts``) or failed: write the table
+        without it (``save_after_change``)."""
+        self.mounting.pop(mountpoint, None)
+        self.save_after_change()
+
+    def save(self) -> None:
+        """Write the live mounts, and those being made (``mounting``). UnavailableError (transient) if the
+        file cannot be written: a full disk (the sandboxes' upper dirs share the state directory's), so a
+        mount that must be listed before it is made is refused."""
         entries = [m.to_json() for m in self.mounts.values()]
-        if mounting is not None:
-            entries.append(dict(zip(("mountpoint", "mode", "layer"), mounting), mounting=True))
+        entries += [{"mountpoint": mountpoint, "mode": mode, "layer": layer, "mounting": True}
+                    for mountpoint, (mode, layer) in self.mounting.items() if mountpoint not in self.mounts]
         write_state_file(self.path, json.dumps({"pid": os.getpid(), "mounts": entries}, indent=1).encode(),
                          what="the mount table")
 
     def save_after_change(self) -> None:
         """``save`` once a mount or unmount is made: a failure is logged, not raised, as the change stands.
-        The file then still lists what was mounted before (and the mount being made, if one was), which
+        The file then still lists what was mounted before (and the mounts being made, if any were), which
         the next daemon checks against what is really mounted (``is_ours``) before it acts on an entry."""
         try:
             self.save()

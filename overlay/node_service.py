@@ -60,14 +60,14 @@ must never wait behind them for the default limiter, or an ``up`` would wait for
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -83,6 +83,7 @@ from erofs_builder.build import build_tree
 from lazy_fetch.daemon import NodeDaemon
 from lazy_fetch.http_api import Request, Response, Upgrade, json_response
 from lazy_fetch.trace_holders import Holder, combination_id
+from lazy_fetch.turns import Turns
 
 from .attach import AttachCommand, relay
 from .output_budget import OutputBudget
@@ -113,12 +114,6 @@ class _HeldLayer:
     users: int = 0
 
 
-@dataclass
-class _Turn:
-    lock: trio.Lock = field(default_factory=trio.Lock)
-    callers: int = 0  # holding or waiting for the lock
-
-
 class DaemonLayers:
     """The LayerProvider of the node's sandboxes: layers mounted by the daemon, one mount per layer, counted.
 
@@ -133,7 +128,7 @@ class DaemonLayers:
         self.mode = mode
         self._token = token
         self._held: dict[str, _HeldLayer] = {}  # digest -> its mount and users
-        self._turns: dict[str, _Turn] = {}  # digest -> the lock its calls take turns with
+        self._turns = Turns()  # by digest: the calls on one layer take turns
         os.makedirs(directory, mode=0o755, exist_ok=True)
 
     # -- the LayerProvider protocol, for worker threads
@@ -270,18 +265,9 @@ class DaemonLayers:
                 await trio.to_thread.run_sync(mounts.umount_identified, identity, mountpoint, True)
         _remove_dir(mountpoint)
 
-    @contextlib.asynccontextmanager
-    async def _turn(self, digest: str) -> AsyncIterator[None]:
-        """Calls on one layer take turns (a mount or an unmount awaits); the lock goes when unused."""
-        turn = self._turns.setdefault(digest, _Turn())
-        turn.callers += 1
-        try:
-            async with turn.lock:
-                yield
-        finally:
-            turn.callers -= 1
-            if not turn.callers:
-                del self._turns[digest]
+    def _turn(self, digest: str) -> AbstractAsyncContextManager[None]:
+        """Calls on one layer take turns (a mount or an unmount awaits)."""
+        return self._turns.take(digest)
 
 
 def _remove_dir(path: str) -> None:

@@ -13,20 +13,26 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import random
 import resource
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from dsec_fs.client import Node
-from dsec_fs.errors import InputError, NotFoundError
+from dsec_fs.errors import ConflictError, InputError, NotFoundError
 from dsec_fs.mounts import mount_table, umount
+from dsec_fs.store import FilesystemStore
+from erofs_builder import build_layer
 from tests.lazy_fetch.daemon_support import DSECFS, Daemons, layer_metric, layer_store, memory_bytes, mount_dirs
 from tests.s3server import free_port
+from treecmp import write_files
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -611,3 +617,94 @@ def test_a_mountpoint_another_user_could_redirect_is_refused(store_dir, daemons,
             if entry.mountpoint.startswith(base):
                 umount(entry.mountpoint, lazy=True)
         subprocess.run(["rm", "-rf", theirs, victim, squat, ours], check=True)
+
+
+OTHER_FILES = {"dir/a.txt": b"other\n" * 700, "other.bin": os.urandom(120_000)}  # dir/a.txt says which layer
+STORM_THREADS = 6
+STORM_CALLS = 40
+
+
+@pytest.fixture(scope="module")
+def two_layers(store_dir, tmp_path_factory) -> str:
+    """store_dir, with a second layer t/other:1."""
+    build_layer(write_files(tmp_path_factory.mktemp("other") / "src", OTHER_FILES),
+                FilesystemStore(store_dir, fsync=False), name="t/other:1", chunk_size=64 * 1024)
+    return store_dir
+
+
+def _post_and_hang_up(path: str, mountpoint: str, layer: str) -> None:
+    """A mount request sent whole on a connection closed at once, its answer never read."""
+    body = json.dumps({"layer": layer, "mountpoint": mountpoint, "mode": "kernel"}).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        sock.sendall(b"POST /v1/mounts HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def test_a_storm_of_mounts_and_unmounts_of_the_same_mountpoints_and_layers_leaves_every_table_true(
+        two_layers, daemons, tmp_path):
+    """Mounts of different layers run at once (daemon_mounts.py's turns): many clients at once mounting
+    two layers on three directories, each named by its path or by symlinks to it, in both modes,
+    unmounting them (lazily too) and hanging up right after a request. Every call ends with its answer
+    or a conflict (there already) or not found (nothing there), or (a link to a directory that carries a
+    fuse-mode mount, which lies on the daemon's own FUSE session) is refused; after it, each directory carries at most
+    one mount of ours (never two stacked), exactly those the daemon lists, each the layer listed; all of
+    them unmount, leaving no meta image, blob or layer tree served."""
+    daemon = daemons.start(two_layers)
+    directories = mount_dirs(tmp_path, "m0", "m1", "m2")
+    names: dict[str, list[str]] = {}
+    for i, directory in enumerate(directories):
+        link, link_to_link = str(tmp_path / f"link{i}"), str(tmp_path / f"link{i}-again")
+        os.symlink(directory, link)
+        os.symlink(link, link_to_link)
+        names[directory] = [directory, link, link_to_link]
+    expected_errors = (ConflictError, NotFoundError)
+    failures: list[BaseException] = []
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        node = Node(daemons.socket, timeout=60)
+        for _ in range(STORM_CALLS):
+            name = rng.choice(names[rng.choice(directories)])
+            layer = rng.choice(("t/hostile:1", "t/other:1"))
+            try:
+                action = rng.random()
+                if action < 0.45:
+                    node.mount(layer, name, mode=rng.choice(("kernel", "fuse")))
+                elif action < 0.85:
+                    node.umount(name, lazy=rng.random() < 0.3)
+                else:
+                    _post_and_hang_up(daemons.socket, name, layer)
+            except expected_errors:
+                pass
+            except InputError as exc:  # a link's target carrying a fuse-mode mount: the daemon's own session
+                if "own FUSE session" not in str(exc):
+                    failures.append(exc)
+            except BaseException as exc:  # noqa: BLE001 - reported below, with the others
+                failures.append(exc)
+
+    threads = [threading.Thread(target=client, args=(seed,)) for seed in range(STORM_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    node = Node(daemons.socket, timeout=30)
+    try:
+        assert [repr(exc) for exc in failures] == []
+        time.sleep(1.0)  # the hung-up requests' mounts end too
+        listed = {m.mountpoint: m for m in node.mounts()}
+        assert set(listed) <= set(directories)
+        below = [e.mountpoint for e in mount_table() if e.mountpoint.startswith(str(tmp_path) + "/")]
+        session = os.path.join(daemons.state_dir, "fuse")
+        assert sorted(below) == sorted([session, *listed])  # one each (none stacked), and only those listed
+        for mountpoint, mount in listed.items():
+            data = _read(os.path.join(mountpoint, "dir/a.txt"))
+            assert data == (FILES if mount.ref == "t/hostile:1" else OTHER_FILES)["dir/a.txt"], mount
+        assert daemon.alive()
+    finally:
+        for mount in node.mounts():
+            node.umount(mount.mountpoint)
+    below = [e.mountpoint for e in mount_table() if e.mountpoint.startswith(str(tmp_path) + "/")]
+    assert node.mounts() == [] and below == [session]
+    daemons.stop_all()
+    assert "Traceback" not in daemons.log()
