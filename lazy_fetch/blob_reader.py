@@ -19,6 +19,14 @@ failed GET, never a read error of an intact layer, and never a wrong byte (every
 A location that failed where another worked is put last in the index (``ChunkIndex.demote``), so the
 index's first answer, which prefetches use, is one that works.
 
+Sizes. Only the blob map's length of a chunk (the layer's, verified through its manifest) is trusted:
+anyone who writes the store can put a pack index that claims the chunk is a GiB, with a zstd frame that
+declares as much, and zstd allocates what a frame declares before decompressing it (dsec_fs.compress).
+So a location that claims another size than the blob map's is never read: ``location`` passes over it,
+and ``_fetch_anywhere`` counts it as a failed location (a CorruptError naming its pack index and the
+chunk) and tries the next. open_layer_blob refuses a layer whose own packs' first location for a chunk
+claims another size.
+
 Threads: a LayerBlob is used from the trio thread (its fetcher lives there). The blob map and the chunk
 index it reads are safe to share.
 """
@@ -111,19 +119,29 @@ class LayerBlob:
         return ahead
 
     def location(self, entry: int, digest: bytes) -> ChunkLocation:
-        """The location to read first: in one of the layer's own packs if any."""
+        """The location to read first: in one of the layer's own packs if any, and one that claims the
+        chunk's size as the blob map gives it (see Sizes above)."""
         locations = self.chunk_index.locations(digest, self.packs)
         if not locations:
             raise NotFoundError("the chunk index does not locate this chunk of the blob",
                                 where=f"chunk {to_hex(digest)} (blob entry {entry})")
-        return locations[0]
+        length = self.blob_map.lengths[entry]
+        for location in locations:
+            if location.ulen == length:
+                return location
+        raise _size_claimed(locations[0], digest, length)
 
     async def _fetch_anywhere(self, chunk: BlobChunk, priority: Priority) -> bytes:
         """The chunk from the first of its locations whose read verifies (see Locations above); the last
-        error if none does. One that was read already comes from the cache."""
+        error if none does. One that was read already comes from the cache; one that claims another size
+        than the blob map's is not read (see Sizes above)."""
         error: DsecError | None = None
         failed: list[ChunkLocation] = []
         for location in self.chunk_index.locations(chunk.digest, self.packs):
+            if location.ulen != chunk.length:
+                error = _size_claimed(location, chunk.digest, chunk.length)
+                failed.append(location)
+                continue
             try:
                 data = (await self.fetcher.fetch_many([(chunk.digest, location)], priority=priority,
                                                       label=self.label))[chunk.digest]
@@ -167,6 +185,12 @@ async def open_layer_blob(layer: LayerFiles, fetcher: ChunkFetcher, *, chunk_ind
                               f"chunk {to_hex(digest)} is {length} bytes here, {location.ulen} in its pack",
                               source=source)
     return LayerBlob(blob_map, chunk_index, fetcher, label=layer.digest if label is None else label, packs=packs)
+
+
+def _size_claimed(location: ChunkLocation, digest: bytes, length: int) -> CorruptError:
+    """The error for a location whose pack index claims another size for the chunk than the blob map's."""
+    return CorruptError(f"the pack index says the chunk is {location.ulen} bytes, the layer's blob map {length}",
+                        where=f"chunk {to_hex(digest)} in {keys.index(location.pack_id)}")
 
 
 def _check_range(offset: int, length: int) -> None:
