@@ -37,7 +37,7 @@ import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from dsec_fs.chunks import ChunkIndex, ChunkLocation
+from dsec_fs.chunks import ChunkIndex, ChunkLocation, location_of_size, size_claim_error
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, FormatError, InputError, NotFoundError
 from dsec_fs.layer import LayerFiles
@@ -125,11 +125,7 @@ class LayerBlob:
         if not locations:
             raise NotFoundError("the chunk index does not locate this chunk of the blob",
                                 where=f"chunk {to_hex(digest)} (blob entry {entry})")
-        length = self.blob_map.lengths[entry]
-        for location in locations:
-            if location.ulen == length:
-                return location
-        raise _size_claimed(locations[0], digest, length)
+        return location_of_size(locations, digest, self.blob_map.lengths[entry])
 
     async def _fetch_anywhere(self, chunk: BlobChunk, priority: Priority) -> bytes:
         """The chunk from the first of its locations whose read verifies (see Locations above); the last
@@ -139,7 +135,7 @@ class LayerBlob:
         failed: list[ChunkLocation] = []
         for location in self.chunk_index.locations(chunk.digest, self.packs):
             if location.ulen != chunk.length:
-                error = _size_claimed(location, chunk.digest, chunk.length)
+                error = size_claim_error(location, chunk.digest, chunk.length)
                 failed.append(location)
                 continue
             try:
@@ -185,12 +181,6 @@ async def open_layer_blob(layer: LayerFiles, fetcher: ChunkFetcher, *, chunk_ind
                               f"chunk {to_hex(digest)} is {length} bytes here, {location.ulen} in its pack",
                               source=source)
     return LayerBlob(blob_map, chunk_index, fetcher, label=layer.digest if label is None else label, packs=packs)
-
-
-def _size_claimed(location: ChunkLocation, digest: bytes, length: int) -> CorruptError:
-    """The error for a location whose pack index claims another size for the chunk than the blob map's."""
-    return CorruptError(f"the pack index says the chunk is {location.ulen} bytes, the layer's blob map {length}",
-                        where=f"chunk {to_hex(digest)} in {keys.index(location.pack_id)}")
 
 
 def _check_range(offset: int, length: int) -> None:
