@@ -8,7 +8,11 @@ is returned. Nor is any one index object: in a shared store a writer may put an 
 layers' chunks in its own pack. So ChunkIndex keeps every location given for a chunk, first seen first,
 and ``locations(digest, prefer)`` puts those in the packs a layer's manifest names first (a reader tries
 them in turn, the next after an integrity failure); ``verify_pack`` reads a whole pack and checks every
-chunk its index claims (what a build checks before it deduplicates against a pack it did not write).
+chunk its index claims (what a build checks before it deduplicates against a pack it did not write). Nor
+the size an index gives a chunk: a forger's may claim a GiB for a 4 KiB chunk, with a frame declaring as
+much, and zstd allocates what a frame declares before it decompresses; a reader that knows the chunk's
+size from its layer (the blob map) reads only a location that claims that size (``location_of_size``;
+``size_claim_error`` for one that does not, naming its pack index and the chunk).
 
 Threads:
 - ChunkIndex: any thread may call any method; ``_lock`` guards the digest -> location dicts and the set
@@ -20,8 +24,8 @@ Threads:
   the statistics, the list of written packs and the first upload error. Uploads run on the uploader's own
   threads; ``_slots`` (a semaphore) bounds the packs sealed but not yet uploaded, and a thread that
   seals a pack waits for a slot, so memory stays near (upload_threads + 1) x pack_target.
-- read_chunk, read_chunks, plan_runs, read_run, read_run_frames, decode_chunk: plain functions, safe from
-  any thread.
+- read_chunk, read_chunks, plan_runs, read_run, read_run_frames, decode_chunk, location_of_size,
+  size_claim_error: plain functions, safe from any thread.
 """
 
 from __future__ import annotations
@@ -330,6 +334,23 @@ def read_index_object(store: Store, key: str) -> list[PackEntry]:
     """The entries of the pack index object ``key``, read only up to MAX_INDEX_BYTES: anyone who writes
     the store can grow it (FormatError naming the key, past that)."""
     return decode_index(get_small(store, key, MAX_INDEX_BYTES, "pack index"), source=key)
+
+
+def location_of_size(locations: list[ChunkLocation], digest: bytes, length: int) -> ChunkLocation:
+    """The first of ``locations`` (of chunk ``digest``, at least one) whose pack index claims the chunk is
+    ``length`` bytes, the size its layer's blob map gives it; CorruptError (``size_claim_error`` of the
+    first) if none does."""
+    for location in locations:
+        if location.ulen == length:
+            return location
+    raise size_claim_error(locations[0], digest, length)
+
+
+def size_claim_error(location: ChunkLocation, digest: bytes, length: int) -> CorruptError:
+    """The error for ``location``, whose pack index claims another size for chunk ``digest`` than the
+    ``length`` its layer's blob map gives it: it is not read (the module docstring)."""
+    return CorruptError(f"the pack index says the chunk is {location.ulen} bytes, the layer's blob map {length}",
+                        where=f"chunk {to_hex(digest)} in {keys.index(location.pack_id)}")
 
 
 def read_chunk(store: Store, digest: bytes, loc: ChunkLocation) -> bytes:

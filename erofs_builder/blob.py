@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from typing import Protocol
 
-from dsec_fs.chunks import ChunkIndex, read_chunks
+from dsec_fs.chunks import ChunkIndex, location_of_size, read_chunks
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, InputError, NotFoundError, UnavailableError
 from dsec_fs.layer import LayerFiles
@@ -137,20 +137,17 @@ class StoreBlob:
 
     def fetch(self, entries: list[tuple[int, bytes, int]]) -> dict[bytes, bytes]:
         """digest -> bytes of blob-map ``entries``, fetched in one read_chunks call (neighbouring frames
-        merged), verified, bypassing the LRU. NotFoundError if a chunk is in no pack the index knows."""
+        merged), verified, bypassing the LRU. NotFoundError if a chunk is in no pack the index knows;
+        CorruptError, before anything is read, if no location claims the size the blob map gives it (a
+        forged claim of a GiB had zstd allocate it: dsec_fs.chunks, ``location_of_size``)."""
         wanted = []
-        for _blkaddr, digest, _length in entries:
-            location = self.chunk_index.get(digest)
-            if location is None:
+        for _blkaddr, digest, length in entries:
+            locations = self.chunk_index.locations(digest)
+            if not locations:
                 raise NotFoundError("chunk of the blob map is in no pack the layer lists",
                                     where=f"chunk {to_hex(digest)}")
-            wanted.append((digest, location))
-        fetched = read_chunks(self.store, wanted)
-        for _blkaddr, digest, length in entries:
-            if len(fetched[digest]) != length:
-                raise CorruptError(f"chunk is {len(fetched[digest])} bytes, the blob map says {length}",
-                                   where=f"chunk {to_hex(digest)}")
-        return fetched
+            wanted.append((digest, location_of_size(locations, digest, length)))
+        return read_chunks(self.store, wanted)  # each exactly its location's size, the blob map's
 
     def _chunks(self, first: int, last: int) -> dict[bytes, bytes]:
         """digest -> bytes of blob-map entries first..last, from the LRU or fetched (with the read-ahead)

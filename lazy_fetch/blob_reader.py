@@ -19,6 +19,14 @@ failed GET, never a read error of an intact layer, and never a wrong byte (every
 A location that failed where another worked is put last in the index (``ChunkIndex.demote``), so the
 index's first answer, which prefetches use, is one that works.
 
+Sizes. Only the blob map's length of a chunk (the layer's, verified through its manifest) is trusted:
+anyone who writes the store can put a pack index that claims the chunk is a GiB, with a zstd frame that
+declares as much, and zstd allocates what a frame declares before decompressing it (dsec_fs.compress).
+So a location that claims another size than the blob map's is never read: ``location`` passes over it,
+and ``_fetch_anywhere`` counts it as a failed location (a CorruptError naming its pack index and the
+chunk) and tries the next. open_layer_blob refuses a layer whose own packs' first location for a chunk
+claims another size.
+
 Threads: a LayerBlob is used from the trio thread (its fetcher lives there). The blob map and the chunk
 index it reads are safe to share.
 """
@@ -29,7 +37,7 @@ import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from dsec_fs.chunks import ChunkIndex, ChunkLocation
+from dsec_fs.chunks import ChunkIndex, ChunkLocation, location_of_size, size_claim_error
 from dsec_fs.digest import to_hex
 from dsec_fs.errors import CorruptError, DsecError, FormatError, InputError, NotFoundError
 from dsec_fs.layer import LayerFiles
@@ -111,19 +119,25 @@ class LayerBlob:
         return ahead
 
     def location(self, entry: int, digest: bytes) -> ChunkLocation:
-        """The location to read first: in one of the layer's own packs if any."""
+        """The location to read first: in one of the layer's own packs if any, and one that claims the
+        chunk's size as the blob map gives it (see Sizes above)."""
         locations = self.chunk_index.locations(digest, self.packs)
         if not locations:
             raise NotFoundError("the chunk index does not locate this chunk of the blob",
                                 where=f"chunk {to_hex(digest)} (blob entry {entry})")
-        return locations[0]
+        return location_of_size(locations, digest, self.blob_map.lengths[entry])
 
     async def _fetch_anywhere(self, chunk: BlobChunk, priority: Priority) -> bytes:
         """The chunk from the first of its locations whose read verifies (see Locations above); the last
-        error if none does. One that was read already comes from the cache."""
+        error if none does. One that was read already comes from the cache; one that claims another size
+        than the blob map's is not read (see Sizes above)."""
         error: DsecError | None = None
         failed: list[ChunkLocation] = []
         for location in self.chunk_index.locations(chunk.digest, self.packs):
+            if location.ulen != chunk.length:
+                error = size_claim_error(location, chunk.digest, chunk.length)
+                failed.append(location)
+                continue
             try:
                 data = (await self.fetcher.fetch_many([(chunk.digest, location)], priority=priority,
                                                       label=self.label))[chunk.digest]

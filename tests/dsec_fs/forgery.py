@@ -51,3 +51,22 @@ def chunks_of_files(files: dict[str, bytes]) -> list[tuple[bytes, int]]:
             for data in files.values() for i in range(0, len(data), CHUNK)]
 
 
+
+
+def forge_huge_claim(store, digest: bytes, claimed: int, pack_id: str | None = None) -> str:
+    """Put a pack and its index object claiming that chunk ``digest`` is ``claimed`` bytes, with a frame
+    (of zeros) that declares that size too, so only the claim itself can be caught before zstd allocates
+    it: under ``pack_id`` if given (overwriting a layer's own pack and its index), else under the new
+    pack's own id, named in no manifest. Returns the pack id."""
+    import zstandard
+
+    stream = zstandard.ZstdCompressor().compressobj(size=claimed)
+    zeros = bytes(1 << 20)
+    frame = b"".join(stream.compress(zeros) for _ in range(claimed >> 20)) + stream.flush()
+    writer = PackWriter()
+    writer.add(digest, frame, claimed)
+    new_id, pack_bytes, index_bytes = writer.finish()
+    pack_id = new_id if pack_id is None else pack_id
+    store.put(keys.pack(pack_id), pack_bytes)
+    store.put(keys.index(pack_id), index_bytes)
+    return pack_id

@@ -203,3 +203,51 @@ def test_debian_rootfs_extracts_and_exports_identically(tmp_path, debian_rootfs)
     (tmp_path / "mnt").mkdir()
     with mounted_erofs(exported.meta_path, tmp_path / "mnt", [exported.blob_path]) as mnt:
         assert_same_tree(expected, snapshot(mnt))
+
+
+FORGED_HUGE_CLAIM_EXPORT = r"""
+import os, resource, sys
+from dsec_fs.errors import CorruptError
+from dsec_fs.layer import open_layer
+from dsec_fs.store import FilesystemStore, keys
+from erofs_builder import build_layer
+from erofs_builder.export import export_layer, extract_layer
+from erofs_builder.fsck import fsck_layer
+from tests.dsec_fs.forgery import chunks_of_layer, forge_huge_claim
+
+root = sys.argv[1]
+store = FilesystemStore(root + "/store", fsync=False)
+os.mkdir(root + "/src")
+with open(root + "/src/f", "wb") as f:
+    f.write(os.urandom(4096))
+layer = build_layer(root + "/src", store, chunk_size=16384).digest
+[(digest, _length)] = chunks_of_layer(store, layer)
+[own] = open_layer(store, layer).manifest.packs
+forge_huge_claim(store, digest, 1 << 30, own)  # a store writer rewrote the layer's pack and its index
+
+# The node has less memory than the claim: 768 MiB more address space than it uses now.
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (768 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+for run in (lambda: export_layer(store, layer, root + "/export"), lambda: extract_layer(store, layer, root + "/tree")):
+    try:
+        run()
+        print("read")
+    except CorruptError as exc:
+        print(type(exc).__name__, keys.index(own) in str(exc), digest.hex() in str(exc))
+print(not fsck_layer(store, layer).ok)
+"""
+
+
+def test_export_and_extract_refuse_a_chunk_whose_pack_index_claims_more_than_the_node_has(tmp_path):
+    # A store writer rewrote a layer's pack index to claim its 4 KiB chunk is a GiB, and its pack to hold a
+    # frame of zeros that says so too: export and extract read it, and zstd asked for the GiB, which the
+    # node does not have (MemoryError, rlimit). Now the blob map's size bounds every location before it is
+    # read: a CorruptError naming the pack index and the chunk. fsck already reported it unread.
+    import sys
+
+    project = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", FORGED_HUGE_CLAIM_EXPORT, str(tmp_path)], capture_output=True,
+                          text=True, cwd=project, env={**os.environ, "PYTHONPATH": project}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["CorruptError", "True", "True"] * 2 + ["True"], done.stdout

@@ -1,4 +1,5 @@
 import logging
+import os
 import random
 
 import pytest
@@ -266,6 +267,76 @@ def test_a_read_that_joins_a_fill_of_a_forgers_frames_in_the_air_is_read_right_f
                 assert await blob.read(0, blob.size) == materialised
 
     trio.run(main)
+
+
+FORGED_HUGE_CLAIM_READ = r"""
+import os, resource, sys
+import trio
+from dsec_fs import compress
+from dsec_fs.chunks import ChunkIndex
+from dsec_fs.digest import sha256
+from dsec_fs.layer import open_layer
+from dsec_fs.pack import PackWriter
+from dsec_fs.store import FilesystemStore, keys
+from erofs_builder.build import build_layer
+from lazy_fetch.blob_reader import open_layer_blob
+from lazy_fetch.cache import ChunkCache
+from lazy_fetch.fetcher import open_fetcher
+from tests.dsec_fs.forgery import chunks_of_layer, forge_huge_claim
+
+root = sys.argv[1]
+store = FilesystemStore(root + "/store", fsync=False)
+data = os.urandom(4096)
+os.mkdir(root + "/victim")
+with open(root + "/victim/f", "wb") as f:
+    f.write(data)
+victim = build_layer(root + "/victim", store, chunk_size=16384).digest
+[(digest, _length)] = chunks_of_layer(store, victim)
+forged = forge_huge_claim(store, digest, 1 << 30)
+writer = PackWriter()  # another writer's honest copy of the chunk, in a pack of its own chunks
+other = b"another layer's chunk"
+writer.add(sha256(other), compress.compress(other), len(other))
+writer.add(digest, compress.compress(data), len(data))
+copy, pack_bytes, index_bytes = writer.finish()
+assert copy not in open_layer(store, victim).manifest.packs
+store.put(keys.pack(copy), pack_bytes)
+store.put(keys.index(copy), index_bytes)
+shared = ChunkIndex()
+shared.load_packs(store, [forged, copy])  # the node mounted the forger's and the copier's layers first
+
+# The node has less memory than the claim: 768 MiB more address space than it uses now.
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (768 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+async def main():
+    with ChunkCache(root + "/cache", 64 << 20, map_size=64 << 20) as cache:
+        async with open_fetcher(store, cache) as fetcher:
+            blob = await open_layer_blob(open_layer(store, victim), fetcher, chunk_index=shared)
+            [own] = open_layer(store, victim).manifest.packs
+            os.rename(os.path.join(store.root, keys.pack(own)), root + "/own-pack")  # the layer's own read fails
+            got = await blob.read(0, 4096)
+            print(got == data, shared.get(digest).pack_id == copy)
+            os.rename(root + "/own-pack", os.path.join(store.root, keys.pack(own)))
+            print(await blob.read(0, 4096) == data)
+
+trio.run(main)
+"""
+
+
+def test_a_read_that_falls_back_past_a_location_claiming_more_than_the_node_has_reads_the_next_one(tmp_path):
+    # A layer's own pack fails (gone, here), so its chunk is read from each other location the shared
+    # index knows: first a forger's, whose index claims the 4 KiB chunk is a GiB, with a frame of zeros
+    # that says so too; zstd asked for the GiB, which the node does not have (MemoryError, rlimit), and
+    # that ended the read, the honest copy after it untried. Now a location whose size is not the blob
+    # map's is refused unread (a CorruptError naming its pack index) and the copy is read.
+    import subprocess
+    import sys
+
+    project = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", FORGED_HUGE_CLAIM_READ, str(tmp_path)], capture_output=True,
+                          text=True, cwd=project, env={**os.environ, "PYTHONPATH": project}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True", "True"], done.stdout
 
 
 @pytest.mark.slow

@@ -1195,16 +1195,16 @@ def test_kept_frames_whose_index_records_lie_are_dropped_and_read_from_the_store
 
 FORGED_HUGE_CLAIM = r"""
 import os, resource, sys, threading
-import trio, zstandard
+import trio
 from dsec_fs import compress
 from dsec_fs.chunks import ChunkIndex, ChunkUploader
 from dsec_fs.digest import sha256
 from dsec_fs.errors import CorruptError
-from dsec_fs.pack import PackWriter
-from dsec_fs.store import FilesystemStore, keys
+from dsec_fs.store import FilesystemStore
 from dsec_fs.store.wrappers import StoreWrapper
 from lazy_fetch.cache import ChunkCache
 from lazy_fetch.fetcher import FILL, open_fetcher
+from tests.dsec_fs.forgery import forge_huge_claim
 
 root = sys.argv[1]
 store = FilesystemStore(root + "/store", fsync=False)
@@ -1215,15 +1215,7 @@ uploader = ChunkUploader(store, index)
 uploader.add(digest, len(data), compress.compress(data))
 uploader.flush()
 honest = index.get(digest)
-claimed = 1 << 30  # the forger's index says the chunk is a GiB, and its frame (of zeros) says so too
-stream = zstandard.ZstdCompressor().compressobj(size=claimed)
-zeros = bytes(1 << 20)
-frame = b"".join(stream.compress(zeros) for _ in range(claimed >> 20)) + stream.flush()
-writer = PackWriter()
-writer.add(digest, frame, claimed)
-pack_id, pack_bytes, index_bytes = writer.finish()
-store.put(keys.pack(pack_id), pack_bytes)
-store.put(keys.index(pack_id), index_bytes)
+pack_id = forge_huge_claim(store, digest, 1 << 30)  # the forger's index says the chunk is a GiB, its frame too
 forged = ChunkIndex()
 forged.load_packs(store, [pack_id])
 gate = threading.Event()
