@@ -24,6 +24,7 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from .blobmap import MAX_CHUNK_BITS
 from .compress import frame_bound
 from .digest import DIGEST_SIZE, sha256, to_hex
 from .errors import ConflictError, FormatError, InputError
@@ -140,13 +141,19 @@ def _decode_index(data: bytes, *, source: str, frames_end: int | None, base: int
     raise AssertionError("unreachable: _entries_valid and _fail_at_first_bad_entry disagree")  # pragma: no cover
 
 
+# No layer has a chunk bigger than this (dsec_fs.blobmap), so no pack holds one: a bigger claim is a
+# forger's, and every reader that decompresses to an entry's size (gc's repack has no blob map to check
+# it against) would allocate it.
+MAX_CHUNK_SIZE = 1 << MAX_CHUNK_BITS
+
+
 def _entries_valid(entries: list[PackEntry], frames_end: int | None) -> bool:
     """Whether every entry passes _fail_at_first_bad_entry's checks: one pass with no strings made, as a
     layer's first mount decodes thousands of entries (its pack indexes: 60-70 ms of `up` behind its last
     byte, docs/benchmarks.md, issue 13, "mount14")."""
     previous_end = 0
     for _digest, offset, clen, ulen in entries:
-        if not 0 < clen <= frame_bound(ulen) or offset < previous_end:
+        if not 0 < clen <= frame_bound(ulen) or offset < previous_end or ulen > MAX_CHUNK_SIZE:
             return False
         previous_end = offset + clen
     if frames_end is not None and previous_end > frames_end:
@@ -163,6 +170,8 @@ def _fail_at_first_bad_entry(entries: list[PackEntry], frames_end: int | None, f
         what = f"entry {number} (chunk {to_hex(entry.digest)})"
         if entry.clen == 0:
             raise fail(at, f"{what}: empty frame")
+        if entry.ulen > MAX_CHUNK_SIZE:
+            raise fail(at, f"{what}: a chunk of {entry.ulen} bytes, more than any layer's chunk ({MAX_CHUNK_SIZE})")
         # A reader's ranged GET is clen bytes, whatever the chunk's size: bounded by what zstd can make of it.
         if entry.clen > frame_bound(entry.ulen):
             raise fail(at, f"{what}: a frame of {entry.clen} bytes for {entry.ulen} bytes, longer than zstd makes")

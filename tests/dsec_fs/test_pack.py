@@ -181,6 +181,17 @@ def test_a_frame_longer_than_zstd_makes_for_its_chunk_is_rejected_naming_the_ent
     assert info.value.offset == entry_offset(len(ENTRIES) - 1) and last.digest.hex() in str(info.value)
 
 
+def test_a_chunk_bigger_than_any_layers_chunk_is_rejected_naming_the_entry():
+    """A forger's index may claim a GiB for a chunk whose frame of zeros declares it: gc's repack, which
+    has no blob map to check the claim against, decompressed to it (zstd allocates the size first)."""
+    last = ENTRIES[-1]
+    bad = encode_index([*ENTRIES[:-1], last._replace(ulen=(1 << 24) + 1)])
+    with pytest.raises(FormatError, match="more than any layer's chunk") as info:
+        decode_index(bad, source=SOURCE)
+    assert info.value.offset == entry_offset(len(ENTRIES) - 1) and last.digest.hex() in str(info.value)
+    assert decode_index(encode_index([*ENTRIES[:-1], last._replace(ulen=1 << 24)]), source=SOURCE)[-1].ulen == 1 << 24
+
+
 @pytest.mark.parametrize("size", [0, 1, 5000, 128 << 10, 1 << 20])
 def test_frame_bound_holds_for_incompressible_data(size):
     assert len(compress.compress(os.urandom(size))) <= compress.frame_bound(size)

@@ -16,6 +16,7 @@ from dsec_fs.errors import ConflictError
 from dsec_fs.layer import open_layer
 from dsec_fs.mounts import mounted_erofs
 from dsec_fs.store import FilesystemStore
+from dsec_fs.pack import MAX_CHUNK_SIZE
 from erofs_builder import build_layer
 from erofs_builder.blob import FileBlob
 from dsec_fs.blobmap import EncodedBlobMap
@@ -223,7 +224,7 @@ with open(root + "/src/f", "wb") as f:
 layer = build_layer(root + "/src", store, chunk_size=16384).digest
 [(digest, _length)] = chunks_of_layer(store, layer)
 [own] = open_layer(store, layer).manifest.packs
-forge_huge_claim(store, digest, 1 << 30, own)  # a store writer rewrote the layer's pack and its index
+forge_huge_claim(store, digest, int(sys.argv[2]), own)  # a store writer rewrote the layer's pack and its index
 
 # The node has less memory than the claim: 768 MiB more address space than it uses now.
 used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
@@ -239,15 +240,19 @@ print(not fsck_layer(store, layer).ok)
 """
 
 
-def test_export_and_extract_refuse_a_chunk_whose_pack_index_claims_more_than_the_node_has(tmp_path):
+@pytest.mark.parametrize("claimed", [1 << 30, MAX_CHUNK_SIZE])
+def test_export_and_extract_refuse_a_chunk_whose_pack_index_claims_more_than_the_node_has(tmp_path, claimed):
     # A store writer rewrote a layer's pack index to claim its 4 KiB chunk is a GiB, and its pack to hold a
     # frame of zeros that says so too: export and extract read it, and zstd asked for the GiB, which the
-    # node does not have (MemoryError, rlimit). Now the blob map's size bounds every location before it is
-    # read: a CorruptError naming the pack index and the chunk. fsck already reported it unread.
+    # node does not have (MemoryError, rlimit). Now no pack index may claim more than any layer's chunk (a
+    # FormatError as it is loaded), and the blob map's size bounds every location before it is read (a
+    # CorruptError): both name the pack index and the chunk. fsck already reported it unread.
     import sys
 
     project = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", FORGED_HUGE_CLAIM_EXPORT, str(tmp_path)], capture_output=True,
-                          text=True, cwd=project, env={**os.environ, "PYTHONPATH": project}, timeout=120)
+    done = subprocess.run([sys.executable, "-c", FORGED_HUGE_CLAIM_EXPORT, str(tmp_path), str(claimed)],
+                          capture_output=True, text=True, cwd=project, env={**os.environ, "PYTHONPATH": project},
+                          timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["CorruptError", "True", "True"] * 2 + ["True"], done.stdout
+    error = "FormatError" if claimed > MAX_CHUNK_SIZE else "CorruptError"
+    assert done.stdout.split() == [error, "True", "True"] * 2 + ["True"], done.stdout
